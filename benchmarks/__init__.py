@@ -1,0 +1,1 @@
+"""Workloads, trace replay, the simulated engine, policy comparisons and overhead."""
