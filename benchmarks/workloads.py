@@ -1,0 +1,327 @@
+"""Benchmark workloads: seeded, reproducible streams of OpenAI requests with arrival times.
+
+Every workload is a list of :class:`WorkloadRequest` in arrival order. A request carries the
+OpenAI body to send (chat ``messages`` or a completions ``prompt``, plus ``max_tokens``), the
+time in seconds at which it may be sent, and the session it belongs to. The replay driver
+sends a session's requests in order (a turn waits for the previous turn's answer), so arrival
+times are the earliest send times, not a promise.
+
+Text workloads are chat conversations: the chat template puts special tokens between
+messages, and BPE never merges across them, so turn N's rendered prompt is a token-exact
+prefix of turn N+1's. Message text is random words drawn from a fixed vocabulary with a seed
+derived from (workload seed, session), so two sessions share only what the workload means
+them to share (a system prompt), and the same seed gives byte-identical requests.
+
+Workloads (``--workload``):
+
+``system-prompt``
+    N users (8) share one long system prompt and take several turns each: the case where the
+    fleet should compute the system prompt once per replica, not once per request.
+``multi-turn``
+    Independent chat conversations whose histories grow turn by turn.
+``agent-sessions``
+    S agent sessions taking turns in lockstep (session 0, 1, ..., S-1, then again), each turn
+    appending a tool result, so histories grow to tens of thousands of tokens. A production
+    agent turn is about 88K tokens in and 400 out; ``agent_scale`` scales both. Swept over S
+    (``--sessions 4,8,16,32``) past what the fleet's caches hold, it shows the cliff where
+    turns go from nearly free to full prefill.
+``mooncake:PATH``
+    A Mooncake production trace (see :mod:`benchmarks.mooncake`), sent as completions with a
+    token-id prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks import mooncake
+
+CHAT_ENDPOINT = "/v1/chat/completions"
+COMPLETIONS_ENDPOINT = "/v1/completions"
+
+#: Words a message is made of. Common English words, so every tokenizer splits them into a
+#: token or two; the exact split does not matter, only that it is deterministic.
+_VOCABULARY: tuple[str, ...] = tuple(
+    """the of and to in is it that for you was with on as have be at one this from by hot
+    word but what some we can out other were all there when up use your how said an each
+    she which do their time if will way about many then them write would like so these her
+    long make thing see him two has look more day could go come did number sound no most
+    people my over know water than call first who may down side been now find any new work
+    part take get place made live where after back little only round man year came show
+    every good me give our under name very through just form sentence great think say help
+    low line differ turn cause much mean before move right boy old too same tell does set
+    three want air well also play small end put home read hand port large spell add even
+    land here must big high such follow act why ask men change went light kind off need
+    house picture try us again animal point mother world near build self earth father head
+    stand own page should country found answer school grow study still learn plant cover
+    food sun four between state keep eye never last let thought city tree cross farm hard
+    start might story saw far sea draw left late run while press close night real life few
+    north open seem together next white children begin got walk example ease paper group
+    always music those both mark often letter until mile river car feet care second book
+    carry took science eat room friend began idea fish mountain stop once base hear horse
+    cut sure watch color face wood main enough plain girl usual young ready above ever red
+    list though feel talk bird soon body dog family direct pose leave song measure door
+    product black short numeral class wind question happen complete ship area half rock
+    order fire south problem piece told knew pass since top whole king space heard best hour
+    better true during hundred five remember step early hold west ground interest reach fast
+    verb sing listen six table travel less morning ten simple several vowel toward war lay
+    against pattern slow center love person money serve appear road map rain rule govern
+    pull cold notice voice unit power town fine certain fly fall lead cry dark machine note
+    wait plan figure star box noun field rest correct able pound done beauty drive stood
+    contain front teach week final gave green quick develop ocean warm free minute strong
+    special mind behind clear tail produce fact street inch multiply nothing course stay
+    wheel full force blue object decide surface deep moon island foot system busy test
+    record boat common gold possible plane stead dry wonder laugh thousand ago ran check
+    game shape equate miss brought heat snow tire bring yes distant fill east paint language
+    among grand ball yet wave drop heart present heavy dance engine position arm wide sail
+    material size vary settle speak weight general ice matter circle pair include divide
+    syllable felt perhaps pick sudden count square reason length represent art subject
+    region energy hunt probable bed brother egg ride cell believe fraction forest sit race
+    window store summer train sleep prove lone leg exercise wall catch mount wish sky board
+    joy winter sat written wild instrument kept glass grass cow job edge sign visit past
+    soft fun bright gas weather month million bear finish happy hope flower clothe strange
+    gone jump baby eight village meet root buy raise solve metal whether push seven
+    paragraph third shall held hair describe cook floor either result burn hill safe cat
+    century consider type law bit coast copy phrase silent tall sand soil roll temperature
+    finger industry value fight lie beat excite natural view sense ear else quite broke case
+    middle kill son lake moment scale loud spring observe child straight consonant nation
+    dictionary milk speed method organ pay age section dress cloud surprise quiet stone tiny
+    climb cool design poor lot experiment bottom key iron single stick flat twenty skin
+    smile crease hole trade melody trip office receive row mouth exact symbol die least
+    trouble shout except wrote seed tone join suggest clean break lady yard rise bad blow
+    oil blood touch grew cent mix team wire cost lost brown wear garden equal sent choose
+    fell fit flow fair bank collect save control decimal gentle woman captain practice
+    separate difficult doctor please protect noon whose locate ring character insect caught
+    period indicate radio spoke atom human history effect electric expect crop modern
+    element hit student corner party supply bone rail imagine provide agree thus capital
+    chair danger fruit rich thick soldier process operate guess necessary sharp wing create
+    neighbor wash bat rather crowd corn compare poem string bell depend meat rub tube
+    famous dollar stream fear sight thin triangle planet hurry chief colony clock mine tie
+    enter major fresh search send yellow gun allow print dead spot desert suit current lift
+    rose continue block chart hat sell success company subtract event particular deal swim
+    term opposite wife shoe shoulder spread arrange camp invent cotton born determine quart
+    nine truck noise level chance gather shop stretch throw shine property column molecule
+    select wrong gray repeat require broad prepare salt nose plural anger claim continent
+    oxygen sugar death pretty skill women season solution magnet silver thank branch match
+    suffix especially fig afraid huge sister steel discuss forward similar guide experience
+    score apple bought led pitch coat mass card band rope slip win dream evening condition
+    feed tool total basic smell valley nor double seat arrive master track parent shore
+    division sheet substance favor connect post spend chord fat glad original share station
+    dad bread charge proper bar offer segment slave duck instant market degree populate chick
+    dear enemy reply drink occur support speech nature range steam motion path liquid log
+    meant quotient teeth shell neck""".split()
+)
+
+#: Tokens per vocabulary word with a space before it, measured with the project's default
+#: tokenizer (``RequestTokenizer.default()``); used only to size messages in tokens.
+TOKENS_PER_WORD = 1.3
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadRequest:
+    """One request of a workload: what to send, where, when, and for which session."""
+
+    arrival_s: float
+    endpoint: str
+    body: dict[str, Any]
+    session_id: str | None = None
+    turn: int = 0
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self.body.get("max_tokens", 16))
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A named, ordered request stream. ``sessions`` is set for the agent-sessions sweep."""
+
+    name: str
+    kind: str
+    requests: list[WorkloadRequest]
+    sessions: int | None = None
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadOptions:
+    """Knobs shared by the workload generators (``kvroute bench`` flags)."""
+
+    model: str = "sim"
+    seed: int = 0
+    users: int = 8
+    turns: int = 4
+    system_tokens: int = 4000
+    conversations: int = 16
+    sessions: tuple[int, ...] = (4, 8, 16, 32)
+    agent_turns: int = 8
+    agent_scale: float = 0.25
+    limit: int | None = None
+    vocab_size: int = mooncake.DEFAULT_VOCAB_SIZE
+    first_token_id: int = mooncake.DEFAULT_FIRST_TOKEN_ID
+
+
+def _rng(seed: int, *scope: int) -> np.random.Generator:
+    """An independent, reproducible random stream for (seed, scope...)."""
+    return np.random.default_rng([seed, *scope])
+
+
+def words(rng: np.random.Generator, tokens: int) -> str:
+    """Random vocabulary words amounting to about ``tokens`` tokens."""
+    count = max(1, round(tokens / TOKENS_PER_WORD))
+    picks = rng.integers(0, len(_VOCABULARY), size=count)
+    return " ".join(_VOCABULARY[i] for i in picks)
+
+
+def _chat(
+    arrival_s: float, model: str, messages: list[dict[str, str]], max_tokens: int,
+    session_id: str, turn: int,
+) -> WorkloadRequest:
+    body = {"model": model, "messages": list(messages), "max_tokens": max_tokens}
+    return WorkloadRequest(arrival_s, CHAT_ENDPOINT, body, session_id, turn)
+
+
+def system_prompt(
+    *, users: int = 8, turns: int = 4, system_tokens: int = 4000, user_tokens: int = 120,
+    reply_tokens: int = 80, max_tokens: int = 32, stagger_s: float = 0.4,
+    think_s: float = 2.0, model: str = "sim", seed: int = 0,
+) -> Iterator[WorkloadRequest]:
+    """N users sharing one long system prompt, several turns each, users interleaved."""
+    system = {"role": "system", "content": words(_rng(seed, 1), system_tokens)}
+    histories = [[system] for _ in range(users)]
+    rngs = [_rng(seed, 2, user) for user in range(users)]
+    for turn in range(turns):
+        for user in range(users):
+            history = histories[user]
+            history.append({"role": "user", "content": words(rngs[user], user_tokens)})
+            arrival = user * stagger_s + turn * think_s
+            yield _chat(arrival, model, history, max_tokens, f"user-{user}", turn)
+            history.append({"role": "assistant", "content": words(rngs[user], reply_tokens)})
+
+
+def multi_turn(
+    *, conversations: int = 16, turns: int = 6, user_tokens: int = 250, reply_tokens: int = 200,
+    max_tokens: int = 64, mean_gap_s: float = 0.5, think_s: float = 3.0, model: str = "sim",
+    seed: int = 0,
+) -> Iterator[WorkloadRequest]:
+    """Independent conversations whose histories grow turn by turn (Poisson starts)."""
+    starts = np.cumsum(_rng(seed, 3).exponential(mean_gap_s, size=conversations))
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    pending: list[WorkloadRequest] = []
+    for conv in range(conversations):
+        rng = _rng(seed, 4, conv)
+        history = [system]
+        for turn in range(turns):
+            history.append({"role": "user", "content": words(rng, user_tokens)})
+            arrival = float(starts[conv]) + turn * think_s
+            pending.append(_chat(arrival, model, history, max_tokens, f"conv-{conv}", turn))
+            history.append({"role": "assistant", "content": words(rng, reply_tokens)})
+    yield from sorted(pending, key=lambda request: request.arrival_s)
+
+
+#: A production agent turn: about 88K prompt tokens by the end of a session, 400 out.
+AGENT_CONTEXT_TOKENS = 88_000
+AGENT_OUTPUT_TOKENS = 400
+
+
+def agent_sessions(
+    *, sessions: int = 8, turns: int = 8, scale: float = 0.25, system_tokens: int = 2000,
+    gap_s: float = 0.25, model: str = "sim", seed: int = 0,
+) -> Iterator[WorkloadRequest]:
+    """S agent sessions in round-robin lockstep; each turn appends a tool result.
+
+    The last turn's prompt is about ``scale * 88K`` tokens, the output ``scale * 400``. All
+    sessions share the agent's system prompt (its instructions and tool descriptions).
+    """
+    final_tokens = AGENT_CONTEXT_TOKENS * scale
+    max_tokens = max(8, round(AGENT_OUTPUT_TOKENS * scale))
+    tool_tokens = max(16, round((final_tokens - system_tokens) / turns) - max_tokens)
+    system = {"role": "system", "content": words(_rng(seed, 5), system_tokens)}
+    histories = []
+    rngs = [_rng(seed, 6, session) for session in range(sessions)]
+    for session in range(sessions):
+        task = {"role": "user", "content": "Task: " + words(rngs[session], 200)}
+        histories.append([system, task])
+    for turn in range(turns):
+        for session in range(sessions):
+            history = histories[session]
+            if turn > 0:
+                history.append({"role": "assistant", "content": words(rngs[session], max_tokens)})
+                history.append({"role": "tool", "content": words(rngs[session], tool_tokens)})
+            arrival = (turn * sessions + session) * gap_s
+            yield _chat(arrival, model, history, max_tokens, f"agent-{session}", turn)
+
+
+def mooncake_trace(
+    path: Path, *, limit: int | None = None, model: str = "sim",
+    vocab_size: int = mooncake.DEFAULT_VOCAB_SIZE,
+    first_token_id: int = mooncake.DEFAULT_FIRST_TOKEN_ID,
+) -> Iterator[WorkloadRequest]:
+    """A Mooncake trace as completions with token-id prompts, at the trace's own times."""
+    mapping = mooncake.BlockMapping(vocab_size=vocab_size, first_token_id=first_token_id)
+    for record in mooncake.load_trace(path, limit=limit):
+        body = {
+            "model": model,
+            "prompt": mapping.prompt_tokens(record).tolist(),
+            "max_tokens": max(1, record.output_length),
+        }
+        yield WorkloadRequest(record.timestamp_ms / 1000.0, COMPLETIONS_ENDPOINT, body)
+
+
+def _limited(requests: Iterator[WorkloadRequest], limit: int | None) -> list[WorkloadRequest]:
+    ordered = sorted(requests, key=lambda request: request.arrival_s)
+    return ordered[:limit] if limit is not None else ordered
+
+
+WORKLOAD_KINDS = ("system-prompt", "multi-turn", "agent-sessions", "mooncake:PATH")
+
+
+def make_workloads(spec: str, options: WorkloadOptions) -> list[Workload]:
+    """The workload(s) a ``--workload`` value names; agent-sessions gives one per S."""
+    kind, _, argument = spec.partition(":")
+    seed, model, limit = options.seed, options.model, options.limit
+    if kind == "system-prompt":
+        requests = system_prompt(
+            users=options.users, turns=options.turns, system_tokens=options.system_tokens,
+            model=model, seed=seed,
+        )
+        description = f"{options.users} users x {options.turns} turns, one system prompt"
+        return [Workload(kind, kind, _limited(requests, limit), description=description)]
+    if kind == "multi-turn":
+        requests = multi_turn(
+            conversations=options.conversations, turns=options.turns, model=model, seed=seed
+        )
+        description = f"{options.conversations} conversations x {options.turns} turns"
+        return [Workload(kind, kind, _limited(requests, limit), description=description)]
+    if kind == "agent-sessions":
+        counts = [int(argument)] if argument else list(options.sessions)
+        return [
+            Workload(
+                f"agent-sessions:{count}", kind,
+                _limited(agent_sessions(
+                    sessions=count, turns=options.agent_turns, scale=options.agent_scale,
+                    model=model, seed=seed,
+                ), limit),
+                sessions=count,
+                description=f"{count} sessions x {options.agent_turns} turns, "
+                f"~{round(AGENT_CONTEXT_TOKENS * options.agent_scale)} tokens at the end",
+            )
+            for count in counts
+        ]
+    if kind == "mooncake":
+        if not argument:
+            raise ValueError("mooncake needs a trace path: --workload mooncake:PATH")
+        path = Path(argument)
+        requests = mooncake_trace(
+            path, limit=limit, model=model, vocab_size=options.vocab_size,
+            first_token_id=options.first_token_id,
+        )
+        name = f"mooncake:{path.stem.removeprefix('mooncake_').removesuffix('_trace')}"
+        return [Workload(name, kind, _limited(requests, limit), description=str(path))]
+    raise ValueError(f"unknown workload {spec!r}; known: {', '.join(WORKLOAD_KINDS)}")
+
