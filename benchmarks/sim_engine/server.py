@@ -1,0 +1,535 @@
+"""The simulated vLLM replica as an aiohttp application.
+
+``build_app(SimEngineConfig(...))`` returns a ``web.Application`` speaking vLLM's
+OpenAI-compatible API (chat and text completions, streaming, models, tokenize,
+embeddings, metrics), plus ``/sim/fault`` and ``/sim/stats`` for the reliability suite.
+The engine behind it (:class:`SimEngine`) is reachable as ``app[SIM_ENGINE]``.
+
+Client disconnects abort the request: one watchdog task notices closed connections of
+in-flight handlers and cancels them (aiohttp no longer cancels handlers by itself), and
+every handler's ``finally`` returns its slot to the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from benchmarks.sim_engine.cache import CacheKey, PrefixCache
+from benchmarks.sim_engine.config import SimEngineConfig
+from benchmarks.sim_engine.faults import FAULT_MODES, FaultInjector, FaultMode
+from benchmarks.sim_engine.generation import Embedder, OutputVocabulary
+from benchmarks.sim_engine.kv_events import KVEventPublisher
+from benchmarks.sim_engine.metrics import EngineMetrics
+from benchmarks.sim_engine.protocol import (
+    DONE,
+    APIError,
+    Endpoint,
+    GenerationParams,
+    StreamFormatter,
+    full_response,
+    new_id,
+    parse_generation,
+    parse_json_object,
+    require_model,
+    usage,
+)
+from benchmarks.sim_engine.scheduler import Scheduler, SimRequest
+from benchmarks.sim_engine.tokens import SimTokenizer, TokenizationError
+
+__all__ = ["SIM_ENGINE", "SimEngine", "SimEngineConfig", "build_app"]
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+DISCONNECT_POLL_S = 0.2
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class SimEngine:
+    """One replica: tokenizer, prefix cache, scheduler, KV events, faults, metrics."""
+
+    def __init__(self, config: SimEngineConfig, tokenizer: SimTokenizer | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer or SimTokenizer.load(config.tokenizer)
+        self.vocabulary = OutputVocabulary.from_decoder(
+            self.tokenizer.decode, self.tokenizer.vocab_size, self.tokenizer.special_ids, config.seed
+        )
+        self.embedder = Embedder(self.tokenizer.vocab_size, config.seed)
+        self.metrics = EngineMetrics(config)
+        self.faults = FaultInjector()
+        self.publisher: KVEventPublisher | None = None
+        self.cache: PrefixCache | None = None
+        self.scheduler: Scheduler | None = None
+        self.hanging = 0
+        self._handlers: dict[asyncio.Task[Any], web.Request] = {}
+        self._watchdog: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Bind the event sockets and start the scheduler (needs the running loop)."""
+        config = self.config
+        if config.kv_events_endpoint is not None:
+            self.publisher = KVEventPublisher(
+                config.kv_events_endpoint,
+                replay_endpoint=config.kv_events_replay_endpoint,
+                event_format=config.kv_events_format,
+                topic=config.kv_events_topic,
+                buffer_steps=config.kv_events_buffer_steps,
+            )
+            self.publisher.start()
+        self.cache = PrefixCache(config.block_size, config.num_blocks, self.publisher)
+        self.scheduler = Scheduler(config, self.cache, self.metrics, self.publisher)
+        self.scheduler.start()
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch_disconnects())
+
+    async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+        for task in list(self._handlers):
+            task.cancel()
+        if self.scheduler is not None:
+            await self.scheduler.close()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    # --- requests ---------------------------------------------------------------------
+
+    def cache_key(self, model: str, cache_salt: str | None) -> CacheKey:
+        """Models after the first are served as LoRA adapters of the first, as in vLLM."""
+        lora_index = self.config.models.index(model)
+        lora_name = model if lora_index > 0 else None
+        return CacheKey(
+            salt=request_salt(model, cache_salt),
+            lora_id=lora_index if lora_index > 0 else None,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+        )
+
+    def check_model(self, model: str) -> None:
+        if model not in self.config.models:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model")
+
+    def new_request(self, params: GenerationParams, prompt: np.ndarray, streaming: bool) -> SimRequest:
+        max_tokens = params.max_tokens or self.config.default_max_tokens
+        limit = self.config.context_len
+        if len(prompt) + max_tokens > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion.",
+            )
+        key = self.cache_key(params.model, params.cache_salt)
+        assert self.cache is not None
+        return SimRequest(
+            request_id=new_id(params.endpoint),
+            prompt=prompt,
+            hashes=self.cache.hashes(prompt, key),
+            key=key,
+            output=self.vocabulary.completion(prompt, max_tokens),
+            arrival=asyncio.get_running_loop().time(),
+            streaming=streaming,
+        )
+
+    # --- disconnects ------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def watched(self, request: web.Request) -> Any:
+        """Cancel the current handler if its client goes away while inside this block."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers[task] = request
+        try:
+            yield
+        finally:
+            self._handlers.pop(task, None)
+
+    async def _watch_disconnects(self) -> None:
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            for task, request in list(self._handlers.items()):
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    self._handlers.pop(task, None)
+                    task.cancel()
+
+
+def request_salt(model: str, cache_salt: str | None) -> str:
+    """What keeps equal token sequences of different models or salts from sharing blocks."""
+    return model if cache_salt is None else f"{model}\x00{cache_salt}"
+
+
+SIM_ENGINE = web.AppKey("sim_engine", SimEngine)
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type=JSON)
+
+
+def _error(error: APIError) -> web.Response:
+    return web.Response(body=error.body(), status=error.status, content_type=JSON)
+
+
+async def _read_object(request: web.Request) -> dict[str, Any]:
+    return parse_json_object(await request.read())
+
+
+class Handlers:
+    """The HTTP endpoints; each translates :class:`APIError` into vLLM's error body."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+
+    # --- generation -------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        engine = self.engine
+        try:
+            body = await _read_object(request)
+            params = parse_generation(body, endpoint)
+            engine.check_model(params.model)
+            prompt = self._prompt_tokens(body, endpoint)
+            sim = engine.new_request(params, prompt, streaming=params.stream)
+        except APIError as error:
+            return _error(error)
+        fault = engine.faults.take()
+        if fault == "error_500":
+            return _error(APIError(500, "simulated internal error (fault injection)"))
+        if fault == "error_503":
+            return _error(APIError(503, "simulated overload (fault injection)"))
+        with engine.watched(request):
+            if fault == "hang_before_first_byte":
+                await self._hang()
+            scheduler = engine.scheduler
+            assert scheduler is not None
+            scheduler.submit(sim)
+            try:
+                if params.stream:
+                    return await self._stream(request, params, sim, fault)
+                return await self._respond(request, params, sim, fault)
+            finally:
+                scheduler.abort(sim)
+
+    def _prompt_tokens(self, body: dict[str, Any], endpoint: Endpoint) -> np.ndarray:
+        tokenizer = self.engine.tokenizer
+        try:
+            if endpoint == "chat":
+                ids = tokenizer.encode_chat_body(body)
+            else:
+                if "prompt" not in body:
+                    raise APIError(400, "'prompt' is required", param="prompt")
+                ids = tokenizer.encode_prompt(body["prompt"])
+        except TokenizationError as exc:
+            raise APIError(400, str(exc)) from None
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return np.asarray(ids, dtype=np.int64)
+
+    async def _respond(
+        self, request: web.Request, params: GenerationParams, sim: SimRequest, fault: FaultMode
+    ) -> web.StreamResponse:
+        if fault in ("stall_mid_stream", "close_mid_stream"):
+            await sim.wait_for_tokens(0)
+            response = web.StreamResponse(headers={"Content-Type": JSON})
+            body = self._final_body(params, sim, sim.max_tokens)
+            response.content_length = len(body)
+            await response.prepare(request)
+            await response.write(body[: len(body) // 2])
+            return await self._break_off(request, response, sim, fault)
+        await sim.wait_until_finished()
+        if sim.aborted:
+            raise asyncio.CancelledError
+        return web.Response(body=self._final_body(params, sim, sim.generated), content_type=JSON)
+
+    def _final_body(self, params: GenerationParams, sim: SimRequest, completion_tokens: int) -> bytes:
+        text = self.engine.vocabulary.text(sim.output[:completion_tokens].tolist())
+        usage_body = usage(sim.prompt_len, completion_tokens, sim.cached_tokens)
+        return full_response(params.endpoint, sim.request_id, params.model, text, usage_body)
+
+    async def _stream(
+        self, request: web.Request, params: GenerationParams, sim: SimRequest, fault: FaultMode
+    ) -> web.StreamResponse:
+        vocabulary = self.engine.vocabulary
+        formatter = StreamFormatter(params.endpoint, sim.request_id, params.model)
+        # Headers go out with the first token, as from vLLM: until then a router may
+        # still retry elsewhere, and the first byte is the first token.
+        await sim.wait_for_tokens(0)
+        if sim.aborted:
+            raise asyncio.CancelledError
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        sent = 0
+        opening = formatter.opening()
+        while True:
+            count = sim.delivered
+            pieces = [vocabulary.piece_json(token) for token in sim.output[sent:count].tolist()]
+            chunk = formatter.tokens(pieces, last_is_final=count == sim.max_tokens)
+            if opening:
+                chunk, opening = opening + chunk, b""
+            sent = count
+            await response.write(chunk)
+            if fault in ("stall_mid_stream", "close_mid_stream"):
+                return await self._break_off(request, response, sim, fault)
+            if sim.finished or sim.aborted:
+                break
+            await sim.wait_for_tokens(sent)
+        if sim.aborted:
+            raise asyncio.CancelledError
+        if params.include_usage:
+            await response.write(formatter.usage(usage(sim.prompt_len, sent, sim.cached_tokens)))
+        await response.write(DONE)
+        await response.write_eof()
+        return response
+
+    async def _break_off(
+        self, request: web.Request, response: web.StreamResponse, sim: SimRequest, fault: FaultMode
+    ) -> web.StreamResponse:
+        """Mid-response faults: wedge holding the slot, or drop the connection."""
+        if fault == "stall_mid_stream":
+            scheduler = self.engine.scheduler
+            assert scheduler is not None
+            scheduler.pause(sim)
+            await self._hang()
+        transport = request.transport
+        if transport is not None:
+            transport.close()
+        raise asyncio.CancelledError
+
+    async def _hang(self) -> None:
+        """Wait until the client gives up (the disconnect watchdog cancels us)."""
+        self.engine.hanging += 1
+        try:
+            await asyncio.get_running_loop().create_future()
+        finally:
+            self.engine.hanging -= 1
+
+    # --- everything else --------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        config = self.engine.config
+        created = int(time.time())
+        base = config.models[0]
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "kvroute-sim",
+                "root": base,
+                "parent": None if name == base else base,
+                "max_model_len": config.context_len,
+                "permission": [],
+            }
+            for name in config.models
+        ]
+        return _json({"object": "list", "data": data})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.engine.metrics.exposition(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        try:
+            body = await _read_object(request)
+            model = body.get("model")
+            if model is not None:
+                engine.check_model(require_model(body))
+            try:
+                if "messages" in body:
+                    ids = engine.tokenizer.encode_chat_body(body)
+                elif "prompt" in body:
+                    ids = engine.tokenizer.encode_prompt(body["prompt"])
+                else:
+                    raise APIError(400, "either 'prompt' or 'messages' is required")
+            except TokenizationError as exc:
+                raise APIError(400, str(exc)) from None
+        except APIError as error:
+            return _error(error)
+        return _json(
+            {"count": len(ids), "max_model_len": engine.config.context_len, "tokens": ids, "token_strs": None}
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        try:
+            body = await _read_object(request)
+            if body.get("model") is not None:
+                engine.check_model(require_model(body))
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(
+                isinstance(token, int) and not isinstance(token, bool) for token in tokens
+            ):
+                raise APIError(400, "'tokens' must be a list of integers", param="tokens")
+            if any(token < 0 or token >= engine.tokenizer.vocab_size for token in tokens):
+                raise APIError(400, "token id out of range", param="tokens")
+        except APIError as error:
+            return _error(error)
+        return _json({"prompt": engine.tokenizer.decode(tokens)})
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        try:
+            body = await _read_object(request)
+            model = require_model(body)
+            engine.check_model(model)
+            inputs = self._embedding_inputs(body.get("input"))
+            encoding = body.get("encoding_format") or "float"
+            if encoding not in ("float", "base64"):
+                raise APIError(400, "encoding_format must be 'float' or 'base64'", param="encoding_format")
+        except APIError as error:
+            return _error(error)
+        data = []
+        total = 0
+        for index, tokens in enumerate(inputs):
+            total += len(tokens)
+            vector = engine.embedder.embed(tokens)
+            embedding: Any = (
+                base64.b64encode(vector.astype("<f4").tobytes()).decode()
+                if encoding == "base64"
+                else vector.tolist()
+            )
+            data.append({"object": "embedding", "index": index, "embedding": embedding})
+        return _json(
+            {
+                "id": "embd-" + new_id("completion")[5:],
+                "object": "list",
+                "created": int(time.time()),
+                "model": model,
+                "data": data,
+                "usage": {"prompt_tokens": total, "total_tokens": total},
+            }
+        )
+
+    def _embedding_inputs(self, raw: Any) -> list[np.ndarray]:
+        tokenizer = self.engine.tokenizer
+        if isinstance(raw, str):
+            items: list[Any] = [raw]
+        elif isinstance(raw, list) and raw and all(isinstance(item, int) for item in raw):
+            items = [raw]
+        elif isinstance(raw, list) and raw:
+            items = raw
+        else:
+            raise APIError(400, "'input' must be a string, a list of strings or token lists", param="input")
+        try:
+            return [np.asarray(tokenizer.encode_prompt(item), dtype=np.int64) for item in items]
+        except TokenizationError as exc:
+            raise APIError(400, str(exc), param="input") from None
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        scheduler = self.engine.scheduler
+        assert scheduler is not None
+        scheduler.reset_prefix_cache()
+        return web.Response(status=200)
+
+    async def set_fault(self, request: web.Request) -> web.Response:
+        try:
+            body = await _read_object(request)
+            mode = body.get("mode")
+            count = body.get("count")
+            if mode not in FAULT_MODES:
+                raise APIError(400, f"'mode' must be one of {list(FAULT_MODES)}", param="mode")
+            if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
+                raise APIError(400, "'count' must be a non-negative integer or null", param="count")
+        except APIError as error:
+            return _error(error)
+        self.engine.faults.set(mode, count)
+        return await self.get_fault(request)
+
+    async def get_fault(self, request: web.Request) -> web.Response:
+        state = self.engine.faults.state
+        return _json({"mode": state.mode, "count": state.remaining, "applied": state.applied})
+
+    async def stats(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        scheduler = engine.scheduler
+        cache = engine.cache
+        assert scheduler is not None and cache is not None
+        totals = scheduler.stats
+        publisher = engine.publisher
+        return _json(
+            {
+                "running": scheduler.num_running,
+                "waiting": scheduler.num_waiting,
+                "hanging": engine.hanging,
+                "requests_served": totals.requests_served,
+                "requests_aborted": totals.requests_aborted,
+                "prompt_tokens": totals.prompt_tokens,
+                "cached_tokens": totals.cached_tokens,
+                "generation_tokens": totals.generation_tokens,
+                "steps": totals.steps,
+                "blocks": cache.blocks,
+                "num_blocks": cache.num_blocks,
+                "block_size": cache.block_size,
+                "kv_cache_usage": scheduler.kv_usage,
+                "kv_events_next_seq": publisher.next_sequence if publisher is not None else None,
+                "fault": engine.faults.state.mode,
+            }
+        )
+
+
+@web.middleware
+async def _errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Unknown paths and methods, and anything unexpected, still answer in vLLM's error form."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(APIError(exc.status, exc.reason))
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as exc:
+        log.exception("unexpected error in %s %s", request.method, request.path)
+        return _error(APIError(500, f"internal error: {type(exc).__name__}"))
+
+
+def build_app(config: SimEngineConfig, tokenizer: SimTokenizer | None = None) -> web.Application:
+    """The replica as an ``aiohttp`` application; sockets and tasks start with the app."""
+    engine = SimEngine(config, tokenizer)
+    handlers = Handlers(engine)
+    app = web.Application(middlewares=[_errors_middleware], client_max_size=256 * 1024 * 1024)
+    app[SIM_ENGINE] = engine
+    app.router.add_post("/v1/chat/completions", handlers.chat)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/embeddings", handlers.embeddings)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_post("/tokenize", handlers.tokenize)
+    app.router.add_post("/detokenize", handlers.detokenize)
+    app.router.add_post("/reset_prefix_cache", handlers.reset_prefix_cache)
+    app.router.add_post("/sim/fault", handlers.set_fault)
+    app.router.add_get("/sim/fault", handlers.get_fault)
+    app.router.add_get("/sim/stats", handlers.stats)
+
+    async def start(_: web.Application) -> None:
+        await engine.start()
+
+    async def stop(_: web.Application) -> None:
+        await engine.close()
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    return app
