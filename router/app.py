@@ -1,0 +1,205 @@
+"""The aiohttp application: routes, lifecycle, and running it on uvloop with a graceful drain.
+
+:func:`build_app` wires the parts (backend pool, routing engine, metrics, proxy, health
+checker, admin API) into one ``web.Application``; its cleanup context opens the shared
+HTTP client session, probes the configured backends once, starts the health loop, and
+closes everything again. :func:`serve` runs it until SIGTERM/SIGINT, then stops accepting
+connections, lets in-flight requests and streams finish for up to ``drain_timeout_s`` and
+returns; :func:`run` does that on uvloop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import aiohttp
+from aiohttp import web
+
+from router.admin import AdminAPI
+from router.backends import BackendPool
+from router.config import Settings
+from router.errors import error_middleware, error_response, json_response
+from router.health import HealthChecker
+from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.proxy import Proxy
+from router.request_info import ENDPOINTS, Endpoint
+from router.routing import RoutingEngine
+
+log = logging.getLogger("kvroute")
+_T = TypeVar("_T")
+
+# Below uvicorn's 5 s keep-alive (vLLM, SGLang): an engine closing an idle pooled
+# connection just as the router reuses it would otherwise look like a failure.
+UPSTREAM_KEEPALIVE_S = 4.0
+
+
+@dataclass(slots=True)
+class RouterState:
+    """The parts of one running router; ``app[STATE]``."""
+
+    settings: Settings
+    pool: BackendPool
+    routing: RoutingEngine
+    metrics: RouterMetrics
+    # Created on startup, inside the event loop:
+    session: aiohttp.ClientSession | None = None
+    proxy: Proxy | None = None
+    health: HealthChecker | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+STATE = web.AppKey("kvroute_state", RouterState)
+
+
+def build_app(settings: Settings, routing: RoutingEngine | None = None) -> web.Application:
+    """The router as an aiohttp application (not yet started)."""
+    pool = BackendPool(unhealthy_after=settings.unhealthy_after, healthy_after=settings.healthy_after)
+    routing = routing or RoutingEngine(settings)
+    metrics = RouterMetrics(lambda: pool)
+    pool.on_removed(lambda backend: routing.forget_backend(backend.url))
+    pool.on_removed(lambda backend: metrics.forget_backend(backend.url))
+    state = RouterState(settings=settings, pool=pool, routing=routing, metrics=metrics)
+
+    app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
+    app[STATE] = state
+    for endpoint in ENDPOINTS:
+        app.router.add_post(endpoint.path, _proxy_handler(state, endpoint))
+    app.router.add_get("/v1/models", _models_handler(state))
+    app.router.add_get("/health", _health_handler(state))
+    app.router.add_get("/metrics", _metrics_handler(state))
+    if settings.admin_token:
+        AdminAPI(settings, pool, lambda: _started(state.health)).add_routes(app)
+    app.cleanup_ctx.append(_lifecycle)
+    return app
+
+
+def _started(part: _T | None) -> _T:
+    if part is None:
+        raise RuntimeError("the router application has not started")
+    return part
+
+
+# --- handlers --------------------------------------------------------------------------
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _proxy_handler(state: RouterState, endpoint: Endpoint) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await _started(state.proxy).forward(request, endpoint)
+
+    return handle
+
+
+def _models_handler(state: RouterState) -> Handler:
+    async def models(request: web.Request) -> web.StreamResponse:
+        _started(state.proxy).authenticate(request)
+        return json_response({"object": "list", "data": state.pool.model_cards()})
+
+    return models
+
+
+def _health_handler(state: RouterState) -> Handler:
+    async def health(request: web.Request) -> web.StreamResponse:
+        healthy = state.pool.healthy_count()
+        if not healthy:
+            return error_response(503, "no healthy backend", code="no_healthy_backend")
+        return json_response({"status": "ok", "healthy_backends": healthy, "backends": len(state.pool)})
+
+    return health
+
+
+def _metrics_handler(state: RouterState) -> Handler:
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    return metrics
+
+
+# --- lifecycle -------------------------------------------------------------------------
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    settings = state.settings
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        # Bytes pass through untouched: no decompression, no headers the client did not send.
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        timeout=aiohttp.ClientTimeout(total=None),
+    )
+    state.session = session
+    state.health = HealthChecker(settings, state.pool, session)
+    state.proxy = Proxy(settings, state.pool, state.routing, state.metrics, session)
+    try:
+        await _admit_configured_backends(state.health, settings)
+        state.tasks.append(asyncio.create_task(state.health.run(), name="kvroute-health"))
+        yield
+    finally:
+        for task in state.tasks:
+            task.cancel()
+        for task in state.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        state.tasks.clear()
+        await session.close()
+
+
+async def _admit_configured_backends(health: HealthChecker, settings: Settings) -> None:
+    results = await asyncio.gather(*(health.admit(config) for config in settings.backends), return_exceptions=True)
+    for config, result in zip(settings.backends, results, strict=True):
+        if isinstance(result, BaseException):
+            log.warning("backend %s not added: %s", config.url, result)
+        elif not result.healthy:
+            log.warning("backend %s is not healthy yet; health checks continue", config.url)
+
+
+# --- running ---------------------------------------------------------------------------
+def make_runner(app: web.Application, settings: Settings) -> web.AppRunner:
+    """The runner the router is served with (also used by tests that run it in-process)."""
+    return web.AppRunner(
+        app,
+        handle_signals=False,
+        handler_cancellation=True,  # a client hanging up cancels its handler: upstream closed at once
+        access_log=None,  # nothing per request at INFO: it costs more than the proxying
+        shutdown_timeout=settings.drain_timeout_s,
+        max_line_size=settings.max_header_bytes,
+        max_field_size=settings.max_header_bytes,
+    )
+
+
+async def serve(settings: Settings, app: web.Application | None = None) -> None:
+    """Run the router until SIGTERM/SIGINT, then drain in-flight work and return."""
+    runner = make_runner(app or build_app(settings), settings)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port, backlog=2048)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        log.info("kvroute listening on http://%s:%d (policy %s)", host, port, settings.policy)
+        await stop.wait()
+        log.info("shutting down: draining in-flight requests for up to %.1f s", settings.drain_timeout_s)
+    finally:
+        await runner.cleanup()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+    log.info("kvroute stopped")
+
+
+def run(settings: Settings, app: web.Application | None = None) -> None:
+    """Run :func:`serve` on uvloop (when installed)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        asyncio.run(serve(settings, app))
+    else:
+        uvloop.run(serve(settings, app))

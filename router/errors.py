@@ -1,0 +1,135 @@
+"""Errors the router itself answers, always in OpenAI's JSON shape.
+
+Every error a client can see from kvroute is ``{"error": {"message", "type", "code"}}``
+with a fitting HTTP status, whether it comes from the proxy (bad body, unknown model, no
+backend, upstream timeout), from aiohttp's dispatcher (unknown path, wrong method, body too
+large) or from an unexpected exception (500, logged with its traceback, never shown).
+A stream that breaks after its headers were sent cannot change its status any more; it
+ends with :func:`sse_error_event` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+log = logging.getLogger("kvroute.errors")
+
+JSON_CONTENT_TYPE = "application/json"
+
+# OpenAI's ``error.type`` per status (https://platform.openai.com/docs/guides/error-codes).
+_TYPE_BY_STATUS: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "server_error",
+    504: "server_error",
+}
+
+
+class RouterError(Exception):
+    """An error answered to the client as OpenAI-style JSON; raise it anywhere in a handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        error_type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.error_type = error_type or _TYPE_BY_STATUS.get(status, "server_error")
+        self.headers = headers
+
+    def to_response(self) -> web.Response:
+        """The JSON response for this error."""
+        return error_response(
+            self.status, self.message, code=self.code, error_type=self.error_type, headers=self.headers
+        )
+
+
+def error_body(message: str, *, error_type: str, code: str | int | None) -> bytes:
+    """The JSON bytes of an OpenAI-style error object."""
+    return orjson.dumps({"error": {"message": message, "type": error_type, "code": code}})
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    error_type: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    """An OpenAI-style JSON error response."""
+    body = error_body(message, error_type=error_type or _TYPE_BY_STATUS.get(status, "server_error"), code=code)
+    return web.Response(status=status, body=body, content_type=JSON_CONTENT_TYPE, headers=headers)
+
+
+def sse_error_event(message: str, *, code: str = "upstream_stream_error") -> bytes:
+    """The end of a stream cut short: an SSE ``error`` event, then ``data: [DONE]``.
+
+    The ``data`` line carries the usual error object, which the ``openai`` SDK raises as
+    ``APIError``; ``[DONE]`` lets any other SSE client stop reading instead of hanging.
+    """
+    payload = error_body(message, error_type="server_error", code=code)
+    return b"event: error\ndata: " + payload + b"\n\ndata: [DONE]\n\n"
+
+
+# aiohttp's own HTTP errors (raised by the dispatcher before any handler runs) -> code.
+_CODE_BY_STATUS: dict[int, str] = {
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn every failure of a handler or of the dispatcher into an OpenAI-style JSON error."""
+    try:
+        return await handler(request)
+    except RouterError as exc:
+        return exc.to_response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise  # redirects and the like are not errors
+        message = _http_exception_message(request, exc)
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return error_response(exc.status, message, code=_CODE_BY_STATUS.get(exc.status), headers=headers)
+    except Exception:  # noqa: BLE001 - the router must answer, never die on input
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "internal router error", code="internal_error")
+
+
+def _http_exception_message(request: web.Request, exc: web.HTTPException) -> str:
+    if exc.status == 404:
+        return f"no route for {request.method} {request.path}"
+    if exc.status == 405:
+        return f"method {request.method} not allowed on {request.path}"
+    if exc.status == 413:
+        return "request body too large"
+    return str(exc.reason)
+
+
+def json_response(payload: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON response serialised with orjson (dataclasses included)."""
+    return web.Response(status=status, body=orjson.dumps(payload), content_type=JSON_CONTENT_TYPE, headers=headers)

@@ -1,0 +1,423 @@
+"""Forwarding one request to a backend and relaying its answer: the router's hot path.
+
+Per request: read the body (size-limited), parse it once (``request_info``), ask the
+``RoutingEngine`` for a backend among the eligible ones, send the body byte for byte over
+the shared connection pool, and relay the answer:
+
+* non-streaming answers are read whole (they are small) and sent with the routing headers;
+* SSE streams are written to the client chunk by chunk as they arrive, never buffered.
+
+Before the first byte reaches the client a failure is retried once on another healthy
+backend (connection refused/reset, connect timeout, 502/503/504 answers). After that,
+nothing is retried: a stream broken by its engine ends with an SSE error event and
+``[DONE]``. Every attempt holds the backend's in-flight counters in a ``try/finally``,
+so a client hanging up (the handler is cancelled, the upstream connection is closed at
+once so the engine aborts) or any error returns them to zero.
+
+The engine's ``usage`` (prompt and cached tokens) is read from every answer and fed to
+``RoutingEngine.observe`` and the metrics; streams get ``include_usage`` injected when the
+client did not ask for it, and the extra usage chunk is removed again (``router.usage``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.backends import Backend, BackendPool
+from router.config import Settings
+from router.errors import RouterError, sse_error_event
+from router.metrics import RouterMetrics
+from router.policies.base import Decision, RouteRequest
+from router.request_info import Endpoint, ParsedRequest, body_with_usage_requested, parse_request
+from router.routing import RoutePlan, RoutingEngine
+from router.usage import StreamTap, Usage, usage_from_body
+
+log = logging.getLogger("kvroute.proxy")
+decision_log = logging.getLogger("kvroute.decisions")
+
+# RFC 9110 7.6.1 hop-by-hop headers, plus what the client library recomputes per hop.
+HOP_BY_HOP = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+        "te", "trailer", "transfer-encoding", "upgrade",
+    }
+)
+_REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length", "expect", "x-request-id"}
+_RESPONSE_SKIP = HOP_BY_HOP | {"content-length", "x-request-id"}
+# Answers that mean "this replica cannot take it now": safe to try another one.
+_RETRYABLE_STATUSES = frozenset({502, 503, 504})
+# Failures that happen before the engine answered anything: the request can go elsewhere.
+_CONNECT_ERRORS: tuple[type[BaseException], ...] = (
+    aiohttp.ConnectionTimeoutError,
+    aiohttp.ClientConnectionResetError,
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+)
+_SSE = "text/event-stream"
+_STATUS_LABELS = {code: str(code) for code in range(100, 600)}
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What one attempt ended with, for metrics and feedback."""
+
+    status: str = "500"  # until known: an escaping exception becomes a 500
+    ttft_s: float | None = None
+    usage: Usage | None = None
+
+
+class _Retry(Exception):
+    """This attempt failed before anything reached the client; try another backend."""
+
+    def __init__(self, error: RouterError | None) -> None:
+        super().__init__(error.message if error else "retryable upstream answer")
+        self.error = error
+
+
+class Proxy:
+    """Forwards requests of the proxied endpoints; one instance per application."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: BackendPool,
+        routing: RoutingEngine,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+    ) -> None:
+        self._pool = pool
+        self._routing = routing
+        self._metrics = metrics
+        self._session = session
+        # sock_read covers the wait for the answer's headers (first byte); streams switch
+        # their connection to the idle timeout once the headers are in.
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.first_byte_timeout_s
+        )
+        self._idle_timeout = settings.idle_timeout_s
+        self._session_header = settings.session_header
+        self._strip_kvroute_headers = not settings.allow_policy_header
+        self._api_keys = tuple(key.encode() for key in settings.api_keys)
+        self._decision_log = settings.decision_log
+
+    # --- entry -----------------------------------------------------------------------
+    async def forward(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        """Handle one request to a proxied endpoint."""
+        started = time.monotonic()
+        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
+        try:
+            if self._api_keys:
+                self.authenticate(request)
+            raw = await self._read_body(request)
+            parsed = parse_request(raw, endpoint, request.headers, self._session_header)
+            return await self._route(request, endpoint, parsed, raw, request_id, started)
+        except RouterError as exc:
+            response = exc.to_response()
+            response.headers["x-request-id"] = request_id
+            return response
+
+    def authenticate(self, request: web.Request) -> None:
+        """Check the client's bearer token against ``api_keys`` (when configured); 401 if wrong."""
+        if not self._api_keys:
+            return
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        presented = token.strip().encode()
+        # Compare with every key, without stopping at a match, so timing tells nothing.
+        matches = [hmac.compare_digest(presented, key) for key in self._api_keys]
+        if scheme.lower() != "bearer" or not any(matches):
+            raise RouterError(401, "invalid or missing API key", code="invalid_api_key")
+
+    @staticmethod
+    async def _read_body(request: web.Request) -> bytes:
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise RouterError(413, f"request body too large: {exc.text}", code="request_too_large") from None
+
+    # --- choosing backends -----------------------------------------------------------
+    async def _route(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        parsed: ParsedRequest,
+        raw: bytes,
+        request_id: str,
+        started: float,
+    ) -> web.StreamResponse:
+        failed: list[Backend] = []
+        for attempt in range(2):
+            candidates = self._pool.candidates(parsed.model)
+            if failed:
+                candidates = [backend for backend in candidates if backend not in failed]
+            if not candidates:
+                raise self._no_backend(parsed.model)
+            plan = self._plan(endpoint, parsed, request, candidates)
+            backend = self._pool.get(plan.backend)
+            if backend is None:
+                log.error("policy %s chose %s, which is not in the pool", plan.policy, plan.backend)
+                raise RouterError(500, "routing chose an unknown backend", code="internal_error")
+            can_retry = attempt == 0 and len(candidates) > 1
+            try:
+                return await self._attempt(request, endpoint, parsed, raw, request_id, started, plan, backend, can_retry)
+            except _Retry as retry:
+                failed.append(backend)
+                log.debug("retrying %s elsewhere after %s failed: %s", request_id, backend.url, retry)
+        raise RouterError(502, "no backend could take the request", code="backend_unavailable")
+
+    def _plan(
+        self, endpoint: Endpoint, parsed: ParsedRequest, request: web.Request, candidates: list[Backend]
+    ) -> RoutePlan:
+        try:
+            return self._routing.route(endpoint.path, parsed.body, request.headers, candidates)
+        except Exception:  # noqa: BLE001 - a routing bug must not cost the request
+            log.exception("routing failed; falling back to the least loaded backend")
+            backend = min(candidates, key=lambda b: (b.in_flight, b.in_flight_tokens))
+            return RoutePlan(
+                decision=Decision(backend.url, "routing_error"),
+                policy="fallback",
+                request=RouteRequest(endpoint=endpoint.path, model=parsed.model),
+            )
+
+    def _no_backend(self, model: str | None) -> RouterError:
+        if model is not None and self._pool.healthy_count() and not self._pool.any_serves(model):
+            return RouterError(404, f"The model `{model}` does not exist.", code="model_not_found")
+        which = f" serving model `{model}`" if model is not None else ""
+        return RouterError(503, f"no healthy backend{which}", code="no_healthy_backend")
+
+    # --- one attempt on one backend ----------------------------------------------------
+    async def _attempt(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        parsed: ParsedRequest,
+        raw: bytes,
+        request_id: str,
+        started: float,
+        plan: RoutePlan,
+        backend: Backend,
+        can_retry: bool,
+    ) -> web.StreamResponse:
+        tokens = (plan.request.prompt_tokens or 0) + parsed.expected_output_tokens
+        outcome = _Outcome()
+        self._pool.acquire(backend, tokens)
+        try:
+            return await self._exchange(request, endpoint, parsed, raw, request_id, started, plan, backend, can_retry, outcome)
+        except asyncio.CancelledError:
+            outcome.status = "499"  # the client hung up (or the drain timeout ran out)
+            raise
+        finally:
+            self._pool.release(backend, tokens)
+            self._finish(plan, endpoint, outcome, started)
+
+    async def _exchange(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        parsed: ParsedRequest,
+        raw: bytes,
+        request_id: str,
+        started: float,
+        plan: RoutePlan,
+        backend: Backend,
+        can_retry: bool,
+        outcome: _Outcome,
+    ) -> web.StreamResponse:
+        inject_usage = parsed.stream and endpoint.accepts_stream_options and not parsed.include_usage
+        body = body_with_usage_requested(parsed.body) if inject_usage else raw
+        headers = self._upstream_headers(request, backend, request_id, inject_usage)
+        try:
+            upstream = await self._session.post(
+                backend.url + endpoint.path, data=body, headers=headers, timeout=self._timeout
+            )
+        except _CONNECT_ERRORS as exc:
+            self._pool.record_failure(backend)
+            outcome.status = "502"
+            error = RouterError(
+                502, f"backend {backend.url} failed before answering: {_describe(exc)}", code="backend_unreachable"
+            )
+            if can_retry:
+                raise _Retry(error) from None
+            raise error from None
+        except asyncio.TimeoutError:
+            self._pool.record_failure(backend)
+            outcome.status = "504"
+            raise RouterError(504, f"backend {backend.url} did not answer in time", code="upstream_timeout") from None
+        except aiohttp.ClientError as exc:
+            self._pool.record_failure(backend)
+            outcome.status = "502"
+            raise RouterError(502, f"backend {backend.url} failed: {_describe(exc)}", code="bad_gateway") from None
+
+        completed = False
+        try:
+            status = upstream.status
+            if status >= 500:
+                self._pool.record_failure(backend)
+            elif backend.consecutive_failures:
+                self._pool.record_success(backend, active=False)
+            if can_retry and status in _RETRYABLE_STATUSES:
+                outcome.status = _STATUS_LABELS[status]
+                raise _Retry(None)
+            outcome.status = _STATUS_LABELS.get(status, str(status))
+            if upstream.content_type == _SSE:
+                response = await self._relay_stream(request, upstream, plan, backend, request_id, started, inject_usage, outcome)
+            else:
+                response = await self._relay_body(upstream, endpoint, plan, request_id, outcome)
+            completed = True
+            return response
+        finally:
+            if completed:
+                upstream.release()
+            else:
+                upstream.close()  # closes the connection: the engine sees the abort at once
+
+    async def _relay_body(
+        self, upstream: aiohttp.ClientResponse, endpoint: Endpoint, plan: RoutePlan, request_id: str, outcome: _Outcome
+    ) -> web.StreamResponse:
+        try:
+            data = await upstream.read()
+        except asyncio.TimeoutError:
+            outcome.status = "504"
+            raise RouterError(504, f"backend {plan.backend} did not answer in time", code="upstream_timeout") from None
+        except aiohttp.ClientError as exc:
+            outcome.status = "502"
+            raise RouterError(502, f"backend {plan.backend} broke off its answer: {_describe(exc)}", code="bad_gateway") from None
+        if endpoint.reports_usage and upstream.status == 200:
+            outcome.usage = usage_from_body(data)
+        return web.Response(status=upstream.status, body=data, headers=self._response_headers(upstream, plan, request_id))
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        plan: RoutePlan,
+        backend: Backend,
+        request_id: str,
+        started: float,
+        strip_usage_chunk: bool,
+        outcome: _Outcome,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(status=upstream.status, headers=self._response_headers(upstream, plan, request_id))
+        connection = upstream.connection
+        if connection is not None and connection.protocol is not None:
+            connection.protocol.read_timeout = self._idle_timeout
+        tap = StreamTap(strip_usage_chunk=strip_usage_chunk)
+        read = upstream.content.readany
+        write = response.write
+        try:
+            await response.prepare(request)
+            while True:
+                try:
+                    chunk = await read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    self._pool.record_failure(backend)
+                    outcome.status = "502"
+                    log.warning("stream from %s broke off: %s", backend.url, _describe(exc))
+                    await write(sse_error_event(f"the backend's stream broke off: {_describe(exc)}"))
+                    break
+                if not chunk:
+                    rest = tap.finish()
+                    if rest:
+                        await write(rest)
+                    break
+                if outcome.ttft_s is None:
+                    outcome.ttft_s = time.monotonic() - started
+                forward = tap.feed(chunk)
+                if forward:
+                    await write(forward)
+            outcome.usage = tap.usage
+            await response.write_eof()
+        except ConnectionResetError:
+            # The client hung up and a write noticed first: abort the engine's work now.
+            outcome.status = "499"
+            upstream.close()
+        return response
+
+    # --- headers -----------------------------------------------------------------------
+    def _upstream_headers(
+        self, request: web.Request, backend: Backend, request_id: str, identity_encoding: bool
+    ) -> list[tuple[str, str]]:
+        strip_kvroute = self._strip_kvroute_headers
+        replace_auth = backend.api_key is not None
+        headers = [("x-request-id", request_id)]
+        for key, value in request.headers.items():
+            lower = key.lower()
+            if (
+                lower in _REQUEST_SKIP
+                or (strip_kvroute and lower.startswith("x-kvroute-"))
+                or (replace_auth and lower == "authorization")
+                or (identity_encoding and lower == "accept-encoding")
+            ):
+                continue
+            headers.append((key, value))
+        if replace_auth:
+            headers.append(("Authorization", f"Bearer {backend.api_key}"))
+        if identity_encoding:
+            # The router must read the stream to remove the usage chunk it asked for.
+            headers.append(("Accept-Encoding", "identity"))
+        return headers
+
+    @staticmethod
+    def _response_headers(upstream: aiohttp.ClientResponse, plan: RoutePlan, request_id: str) -> CIMultiDict[str]:
+        headers: CIMultiDict[str] = CIMultiDict()
+        for key, value in upstream.headers.items():
+            if key.lower() not in _RESPONSE_SKIP:
+                headers.add(key, value)
+        headers["x-kvroute-backend"] = plan.backend
+        headers["x-kvroute-policy"] = plan.policy
+        headers["x-kvroute-reason"] = plan.reason
+        prompt_tokens = plan.request.prompt_tokens
+        if prompt_tokens is not None:
+            headers["x-kvroute-prompt-tokens"] = str(prompt_tokens)
+            headers["x-kvroute-matched-tokens"] = str(plan.predicted_cached_tokens)
+        headers["x-request-id"] = request_id
+        return headers
+
+    # --- bookkeeping -------------------------------------------------------------------
+    def _finish(self, plan: RoutePlan, endpoint: Endpoint, outcome: _Outcome, started: float) -> None:
+        """Metrics, routing feedback and the decision log for one finished attempt."""
+        usage = outcome.usage
+        prompt_tokens = usage.prompt_tokens if usage is not None else None
+        cached_tokens = usage.cached_tokens if usage is not None else None
+        duration = time.monotonic() - started
+        self._metrics.record_request(
+            plan.backend, plan.policy, endpoint.name, outcome.status, duration, outcome.ttft_s,
+            prompt_tokens, plan.predicted_cached_tokens, cached_tokens,
+        )
+        self._metrics.record_decision(plan.policy, plan.reason)
+        try:
+            self._routing.observe(plan, cached_tokens)
+        except Exception:  # noqa: BLE001 - feedback must never fail a request
+            log.exception("routing feedback failed")
+        if self._decision_log:
+            decision_log.info(
+                orjson.dumps(
+                    {
+                        "backend": plan.backend,
+                        "policy": plan.policy,
+                        "reason": plan.reason,
+                        "endpoint": endpoint.name,
+                        "status": outcome.status,
+                        "prompt_tokens": plan.request.prompt_tokens if prompt_tokens is None else prompt_tokens,
+                        "predicted_cached_tokens": plan.predicted_cached_tokens,
+                        "observed_cached_tokens": cached_tokens,
+                        "ttft_s": outcome.ttft_s,
+                        "duration_s": round(duration, 6),
+                    }
+                ).decode()
+            )
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

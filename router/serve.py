@@ -1,0 +1,145 @@
+"""``kvroute serve``: command-line flags -> :class:`~router.config.Settings` -> the running router.
+
+Every user-tunable field of ``Settings`` has a flag, generated from the model itself so
+the two never drift apart: the field name in kebab case (``--health-interval-s``,
+``--allow-policy-header`` / ``--no-allow-policy-header``, ...). A few read better by hand:
+``--backend URL`` (repeatable), ``--kv-events-endpoint BACKEND_URL=tcp://host:port``
+(repeatable) and ``--config FILE`` (YAML). Only flags actually given reach
+:func:`~router.config.load_settings`, so precedence is flags > ``KVROUTE_*`` env > file >
+defaults. An invalid configuration exits with status 2 and a message naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic.fields import FieldInfo
+
+from router.config import BackendConfig, ConfigError, Settings, load_settings
+
+# Fields whose flag is written by hand below, or that only a config file can express.
+_CUSTOM_FLAGS = {"backends", "models"}
+
+_HELP: dict[str, str] = {
+    "policy": "routing policy",
+    "host": "address to listen on",
+    "port": "port to listen on (0: any free port)",
+    "admin_token": "enable the admin API (/admin/backends) with this bearer token",
+    "ab": 'A/B split of policies, e.g. "cache_aware=80,round_robin=20"',
+    "allow_policy_header": "let clients force a policy with the x-kvroute-policy header",
+    "tokenizer": "tokenizer name or local path (default: the shipped offline tokenizer)",
+    "api_keys": "comma-separated API keys clients must present as Bearer tokens",
+    "backend_api_key": "Authorization bearer token sent to the engines instead of the client's",
+    "admin_allowed_networks": "comma-separated CIDRs the admin API may add backends from",
+    "discovery": "where backends come from",
+    "decision_log": "log one JSON line per request with the routing decision",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvroute serve`` argument parser (one flag per tunable Settings field)."""
+    parser = argparse.ArgumentParser(
+        prog="kvroute serve",
+        description="Run the cache-aware reverse proxy in front of vLLM / SGLang replicas. "
+        "Every flag can also be set as KVROUTE_<FIELD> in the environment or in --config.",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", type=Path, help="YAML file with settings (field names as keys)")
+    parser.add_argument(
+        "--backend", dest="backends", action="append", metavar="URL",
+        help="an engine's base URL, e.g. http://10.0.0.5:8000 (repeatable)",
+    )
+    parser.add_argument(
+        "--kv-events-endpoint", dest="kv_events_endpoints", action="append", metavar="BACKEND_URL=ENDPOINT",
+        help="the KV event ZMQ endpoint of one backend, e.g. http://h:8000=tcp://h:5557 (repeatable)",
+    )
+    for name, info in Settings.model_fields.items():
+        if name not in _CUSTOM_FLAGS:
+            _add_field_flag(parser, name, info)
+    return parser
+
+
+def _add_field_flag(parser: argparse.ArgumentParser, name: str, info: FieldInfo) -> None:
+    flag = "--" + name.replace("_", "-")
+    default = info.get_default(call_default_factory=True)
+    help_text = f"{_HELP.get(name, info.description or name.replace('_', ' '))} (default: {default})"
+    annotation = info.annotation
+    if annotation is bool:
+        parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+        return
+    choices = _literal_choices(annotation)
+    # Values stay strings: pydantic converts and validates them, naming the field on error.
+    metavar = None if choices else name.upper()
+    parser.add_argument(flag, dest=name, metavar=metavar, choices=choices, help=help_text)
+
+
+def _literal_choices(annotation: Any) -> list[str] | None:
+    if typing.get_origin(annotation) is typing.Literal:
+        return [str(value) for value in typing.get_args(annotation)]
+    return None
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from parsed flags, the environment and the config file; raises ConfigError."""
+    flags = vars(args).copy()
+    config_file = flags.pop("config", None)
+    endpoints = flags.pop("kv_events_endpoints", None)
+    settings = load_settings(flags, config_file)
+    if endpoints:
+        settings = _with_kv_events_endpoints(settings, endpoints)
+    return settings
+
+
+def _with_kv_events_endpoints(settings: Settings, pairs: list[str]) -> Settings:
+    by_url: dict[str, str] = {}
+    for pair in pairs:
+        url, sep, endpoint = pair.rpartition("=")
+        if not sep or not url or not endpoint:
+            raise ConfigError(f"kv_events_endpoint: expected BACKEND_URL=ENDPOINT, got {pair!r}")
+        by_url[url.rstrip("/")] = endpoint
+    unknown = sorted(set(by_url) - {backend.url for backend in settings.backends})
+    if unknown:
+        raise ConfigError(f"kv_events_endpoint: {unknown} are not configured backends")
+    backends: list[BackendConfig] = [
+        backend.model_copy(update={"kv_events_endpoint": by_url[backend.url]}) if backend.url in by_url else backend
+        for backend in settings.backends
+    ]
+    return settings.model_copy(update={"backends": backends})
+
+
+def configure_logging(level: str) -> None:
+    """Plain one-line logs on stderr."""
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``kvroute serve``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as exc:
+        print(f"kvroute serve: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+
+    from prometheus_client import disable_created_metrics
+
+    from router.app import build_app, run
+
+    # *_created series double the exposition size and say nothing a dashboard uses.
+    disable_created_metrics()
+    try:
+        app = build_app(settings)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"kvroute serve: cannot start: {exc}", file=sys.stderr)
+        return 2
+    run(settings, app)
+    return 0
