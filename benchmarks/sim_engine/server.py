@@ -237,9 +237,9 @@ class Handlers:
                 ids = tokenizer.encode_prompt(body["prompt"])
         except TokenizationError as exc:
             raise APIError(400, str(exc)) from None
-        if not ids:
+        if len(ids) == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
-        return np.asarray(ids, dtype=np.int64)
+        return ids
 
     async def _respond(
         self, request: web.Request, params: GenerationParams, sim: SimRequest, fault: FaultMode
@@ -368,7 +368,12 @@ class Handlers:
         except APIError as error:
             return _error(error)
         return _json(
-            {"count": len(ids), "max_model_len": engine.config.context_len, "tokens": ids, "token_strs": None}
+            {
+                "count": len(ids),
+                "max_model_len": engine.config.context_len,
+                "tokens": ids.tolist(),
+                "token_strs": None,
+            }
         )
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -433,7 +438,7 @@ class Handlers:
         else:
             raise APIError(400, "'input' must be a string, a list of strings or token lists", param="input")
         try:
-            return [np.asarray(tokenizer.encode_prompt(item), dtype=np.int64) for item in items]
+            return [tokenizer.encode_prompt(item) for item in items]
         except TokenizationError as exc:
             raise APIError(400, str(exc), param="input") from None
 
