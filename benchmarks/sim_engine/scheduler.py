@@ -188,7 +188,8 @@ class Scheduler:
         while True:
             # Never bank idle or overloaded time: the schedule restarts from now when behind.
             clock = max(clock, loop.time())
-            produced: list[SimRequest] = []
+            # Requests that made progress (insertion-ordered set) and those that completed.
+            produced: dict[SimRequest, None] = {}
             finished: list[SimRequest] = []
             wall = 0.0
             while wall < min_wall:
@@ -210,7 +211,7 @@ class Scheduler:
                 await asyncio.sleep(delay)
             self._deliver(produced, finished, loop.time())
 
-    def _step(self, produced: list[SimRequest], finished: list[SimRequest]) -> float:
+    def _step(self, produced: dict[SimRequest, None], finished: list[SimRequest]) -> float:
         """One engine iteration; returns its cost in engine seconds (0: nothing to do)."""
         self._admit()
         budget = self._config.max_num_batched_tokens
@@ -237,7 +238,7 @@ class Scheduler:
                 decoding = True
             request.generated += 1
             self._grow_kv(request)
-            produced.append(request)
+            produced[request] = None
             if request.generated >= request.max_tokens:
                 done.append(request)
         for request in done:
@@ -312,24 +313,27 @@ class Scheduler:
         self._metrics.generation_tokens.inc(request.generated)
         self._metrics.request_success.inc()
 
-    def _deliver(self, produced: list[SimRequest], finished: list[SimRequest], now: float) -> None:
-        """Hand the tokens of the steps just slept through to their handlers."""
+    def _deliver(self, produced: dict[SimRequest, None], finished: list[SimRequest], now: float) -> None:
+        """Hand the tokens of the steps just slept through to their handlers.
+
+        Streaming handlers wake for every batch of tokens; the others only for the first
+        token (fault injection waits for it) and at the end.
+        """
         metrics = self._metrics
+        for request in finished:
+            if not request.aborted:
+                request.finished = True
+                request.finished_at = now
+                metrics.e2e.observe(now - request.arrival)
         for request in produced:
             if request.aborted:
                 continue
-            if request.first_token_at is None:
+            first = request.first_token_at is None
+            if first:
                 request.first_token_at = now
                 metrics.ttft.observe(now - request.arrival)
             request.delivered = request.generated
-        for request in finished:
-            if request.aborted:
-                continue
-            request.finished = True
-            request.finished_at = now
-            metrics.e2e.observe(now - request.arrival)
-        for request in produced:
-            if request.streaming or request.finished or request.first_token_at == now:
+            if first or request.streaming or request.finished:
                 request._wake()
         self._publish_gauges()
 

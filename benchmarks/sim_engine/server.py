@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import logging
 import time
 from typing import Any
@@ -63,7 +64,6 @@ class SimEngine:
         self.vocabulary = OutputVocabulary.from_decoder(
             self.tokenizer.decode, self.tokenizer.vocab_size, self.tokenizer.special_ids, config.seed
         )
-        self.embedder = Embedder(self.tokenizer.vocab_size, config.seed)
         self.metrics = EngineMetrics(config)
         self.faults = FaultInjector()
         self.publisher: KVEventPublisher | None = None
@@ -72,6 +72,11 @@ class SimEngine:
         self.hanging = 0
         self._handlers: dict[asyncio.Task[Any], web.Request] = {}
         self._watchdog: asyncio.Task[None] | None = None
+
+    @functools.cached_property
+    def embedder(self) -> Embedder:
+        """Built on first use: most replicas never serve an embedding."""
+        return Embedder(self.tokenizer.vocab_size, self.config.seed)
 
     async def start(self) -> None:
         """Bind the event sockets and start the scheduler (needs the running loop)."""
