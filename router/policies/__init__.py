@@ -1,9 +1,15 @@
-"""Routing policies. ``make_policy`` builds one by its ``--policy`` name."""
+"""Routing policies. :func:`make_policy` builds one by its ``--policy`` name."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from router.config import Settings
+from router.policies.ab import TrafficSplit
 from router.policies.base import BackendView, Decision, Policy, RouteRequest
+from router.policies.cache_aware import CacheAware, CacheRequest, Conversation, WorkingSets
 from router.policies.simple import LeastLoad, PowerOfTwo, Random, RoundRobin
+from router.policies.sticky import Sticky
 
 __all__ = [
     "BackendView",
@@ -14,4 +20,48 @@ __all__ = [
     "Random",
     "LeastLoad",
     "PowerOfTwo",
+    "CacheAware",
+    "CacheRequest",
+    "Conversation",
+    "WorkingSets",
+    "Sticky",
+    "TrafficSplit",
+    "LOAD_ONLY_POLICIES",
+    "make_policy",
 ]
+
+#: Policies that look at load only; they need neither the tokenizer nor the prefix index.
+LOAD_ONLY_POLICIES: dict[str, type[Policy]] = {
+    "round_robin": RoundRobin,
+    "random": Random,
+    "least_load": LeastLoad,
+    "power_of_two": PowerOfTwo,
+}
+
+
+def make_policy(
+    name: str,
+    settings: Settings,
+    working_sets: WorkingSets,
+    index_tokens: Callable[[str], int] | None = None,
+) -> Policy:
+    """A new policy instance by its ``--policy`` name.
+
+    ``working_sets`` is the routing engine's shared conversation ledger and
+    ``index_tokens(url)`` the tokens its prefix index holds per backend; only the
+    cache-aware policies (``cache_aware``, and ``sticky`` for requests without a session
+    key) use them.
+    """
+    if name in LOAD_ONLY_POLICIES:
+        return LOAD_ONLY_POLICIES[name]()
+    if name in ("cache_aware", "sticky"):
+        cache_aware = CacheAware(
+            working_sets,
+            load_weight=settings.load_weight,
+            overload_factor=settings.overload_factor,
+            index_tokens=index_tokens,
+        )
+        if name == "cache_aware":
+            return cache_aware
+        return Sticky(cache_aware, overload_factor=settings.overload_factor)
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join([*LOAD_ONLY_POLICIES, 'sticky', 'cache_aware'])}")

@@ -1,0 +1,365 @@
+"""Cache-aware routing: send each request where it costs the fewest tokens of work.
+
+For every eligible backend ``b`` the policy prices the request in prompt tokens:
+
+    cost_b = (prompt - matched_b)               prefill it would do on b
+           + load_weight * queued_b             work already waiting on b
+           + capacity_b                          prefill this placement makes other turns redo
+
+and picks the cheapest backend that is not overloaded. One currency for all three terms is
+what lets a 20K-token match beat a short queue and a long queue beat a 200-token match,
+without a threshold that switches between "cache mode" and "load mode" (the SGLang
+router's rule, which throws affinity away whenever load is a little uneven).
+
+``matched_b``
+    Leading prompt tokens the router's prefix index believes ``b`` holds (whole blocks).
+    After each decision the routing engine inserts the request's blocks for the chosen
+    backend, so a burst of siblings co-locates before the first one completes.
+
+``queued_b``
+    The work this router has in flight on ``b`` (``BackendView.in_flight_tokens``: for
+    each request, its predicted uncached prompt tokens plus its expected output tokens),
+    plus, when the engine's ``/metrics`` were scraped, the requests waiting in the engine
+    beyond those this router knows of (``engine_waiting - in_flight``, other clients or
+    router replicas), each counted as one average request of this router.
+
+``capacity_b``
+    What the placement does to the replicas' caches. :class:`WorkingSets` records where
+    each conversation (a session key, or a chain of prompts each extending the last)
+    lives and how many tokens of its own it keeps in cache. A backend whose conversations
+    need more than its cache holds (``D > C``) thrashes: LRU with tail-first eviction
+    over conversations taking turns takes away up to the overflow ``O = D - C`` from each
+    of its ``n`` conversations every round, ``loss(D, n) = min(D, n * O)`` tokens to
+    re-prefill per round (exact for equal sizes). ``capacity_b`` is the change of the
+    fleet's loss if this request's conversation continues on ``b`` -- including the
+    relief at its old home when it moves away. So new conversations go where there is
+    room; a conversation that outgrew its backend moves once its old neighbours' relief
+    pays for its own re-prefill; and conversations that fit nowhere land together on a
+    backend that thrashes anyway, instead of making every replica thrash (the lockstep
+    case where every peer router keeps 0.33-0.43 of prompt tokens cached against 0.80
+    for one big cache). Capacity is ``BackendView.capacity_tokens`` (configured, or
+    scraped from ``vllm:cache_config_info``); unknown capacity means no capacity term.
+
+Overload. A backend is skipped (unless every candidate is) when
+``in_flight_b + 1 > overload_factor * (mean in_flight of the other candidates + 2)``:
+counted in requests, because a long cached prefix can make hundreds of cheap requests
+look like little work in tokens while they share one replica's batch. The ``+ 2`` keeps
+a few requests on an otherwise idle fleet from counting as overload (with the default
+factor 2, a backend is over the bound from 4 requests against idle peers, 12 against
+peers with 4 each). When the load falls back
+under the bound the cost decides again, so affinity returns by itself.
+
+Ties (equal cost: typically a cold prompt on an idle fleet) go to the backend whose index
+holds the smallest share of its cache, then to a rotating start, so cold prefixes spread
+and never pile onto replica 0.
+
+Knobs (``Settings``), and how their defaults were chosen:
+
+``load_weight`` (1.0)
+    Tokens of prefill one queued token is worth. 1.0 prices waiting work like the prefill
+    it saves; measured with ``benchmarks/compare_policies.py`` (see its docstring).
+``overload_factor`` (2.0)
+    How much busier than the others a backend may be before it is skipped.
+``default_capacity_tokens`` / per-backend ``capacity_tokens``
+    The KV cache sizes, when the engines' ``/metrics`` do not say.
+
+Reasons (``x-kvroute-reason``): ``prefix_match`` (the chosen backend holds the longest
+match), ``cold_spread`` (no backend holds any of the prompt), ``least_cost`` (load
+outweighed a longer match elsewhere), ``capacity`` (the capacity term changed the
+choice), ``overload`` (the cheapest backend was over the load bound).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from router.policies.base import BackendView, Decision, Policy, RouteRequest
+
+#: A conversation not seen for this long no longer counts in any backend's working set:
+#: about the longest pause between an agent's turns (a long tool run) or a user's reads.
+CONVERSATION_IDLE_S = 600.0
+#: Bound on tracked conversations (about 200 bytes each); the least recent are dropped.
+MAX_CONVERSATIONS = 200_000
+#: Weight of the newest request in the running mean of request work (for engine queues).
+_WORK_EWMA_WEIGHT = 0.05
+
+
+@dataclass(slots=True, eq=False)
+class Conversation:
+    """One conversation the router follows: where it lives and how much cache it needs."""
+
+    key: str
+    #: Backend its latest request went to (None: new, or its backend left the pool).
+    backend: str | None = None
+    #: Tokens of its own (beyond the prefix it shared with others when it began) it keeps.
+    tokens: int = 0
+    #: Leading tokens it shared with other conversations when it began (a system prompt).
+    shared_tokens: int = 0
+    turns: int = 0
+    last_seen: float = 0.0
+    #: Hash of the last full block of its latest prompt: the next turn contains it.
+    leaf: int | None = None
+
+    @property
+    def counted(self) -> bool:
+        """Counted in its backend's working set: it came back at least once."""
+        return self.turns >= 2
+
+
+def over_load_bound(in_flight: int, total_in_flight: int, candidates: int, factor: float) -> bool:
+    """The bounded-load test: ``in_flight + 1 > factor * (mean in_flight of the others + 2)``."""
+    if candidates < 2:
+        return False
+    others = (total_in_flight - in_flight) / (candidates - 1)
+    return in_flight + 1 > factor * (others + 2)
+
+
+def thrash_loss(demand_tokens: int, conversations: int, capacity_tokens: int | None) -> int:
+    """Tokens re-prefilled per round by ``conversations`` taking turns in an LRU cache."""
+    if capacity_tokens is None or demand_tokens <= capacity_tokens:
+        return 0
+    return min(demand_tokens, conversations * (demand_tokens - capacity_tokens))
+
+
+class WorkingSets:
+    """Which conversation lives on which backend, and each backend's working set in tokens.
+
+    A conversation is identified by its session key when the client sends one, else by
+    its prompt chain: turn N+1's prompt extends turn N's, so it contains the hash of turn
+    N's last full block (its *leaf*). A conversation counts in its backend's working set
+    from its second request on, so one-off requests never inflate it, and stops counting
+    after :data:`CONVERSATION_IDLE_S` without a request.
+    """
+
+    def __init__(
+        self,
+        *,
+        idle_s: float = CONVERSATION_IDLE_S,
+        max_conversations: int = MAX_CONVERSATIONS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._idle_s = idle_s
+        self._max = max_conversations
+        self._clock = clock
+        self._conversations: OrderedDict[str, Conversation] = OrderedDict()  # least recent first
+        self._leaves: dict[int, str] = {}
+        self._tokens: dict[str, int] = {}
+        self._counts: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._conversations)
+
+    def demand(self, backend: str) -> tuple[int, int]:
+        """``(tokens, conversations)`` counted on ``backend``."""
+        return self._tokens.get(backend, 0), self._counts.get(backend, 0)
+
+    def find(
+        self, session_key: str | None, hashes: Sequence[int], shared_tokens: int
+    ) -> Conversation | None:
+        """The conversation this request continues, or a new one (recorded by :meth:`record`).
+
+        ``hashes`` are the prompt's block hashes; ``shared_tokens`` the longest prefix any
+        backend holds (for a new conversation: the part it shares with others). None when
+        the request has neither a session key nor a full block.
+        """
+        self._expire(self._clock())
+        if session_key is not None:
+            key = "session:" + session_key
+            return self._conversations.get(key) or Conversation(key, shared_tokens=shared_tokens)
+        leaves = self._leaves
+        conversations = self._conversations
+        # Walk back from the end: a continuing turn finds its previous leaf within the
+        # few blocks it appended, so the walk is long only for prompts seen for the first time.
+        for position in range(len(hashes) - 1, -1, -1):
+            key = leaves.get(hashes[position])
+            if key is not None:
+                found = conversations.get(key)
+                if found is not None:
+                    return found
+        if not hashes:
+            return None
+        return Conversation(f"prefix:{hashes[-1]:016x}", shared_tokens=shared_tokens)
+
+    def placement_cost(
+        self, conversation: Conversation, prompt_tokens: int, backend: str, capacity_tokens: int | None
+    ) -> int:
+        """Change of ``backend``'s thrash loss if ``conversation`` continues there."""
+        tokens, count = self._tokens.get(backend, 0), self._counts.get(backend, 0)
+        size = max(0, prompt_tokens - conversation.shared_tokens)
+        if conversation.counted and conversation.backend == backend:
+            after = thrash_loss(tokens - conversation.tokens + size, count, capacity_tokens)
+        else:
+            after = thrash_loss(tokens + size, count + 1, capacity_tokens)
+        return after - thrash_loss(tokens, count, capacity_tokens)
+
+    def relief(self, conversation: Conversation, capacity_tokens: int | None) -> int:
+        """Change (<= 0) of the home backend's loss if ``conversation`` leaves it."""
+        home = conversation.backend
+        if home is None or not conversation.counted:
+            return 0
+        tokens, count = self._tokens.get(home, 0), self._counts.get(home, 0)
+        before = thrash_loss(tokens, count, capacity_tokens)
+        return thrash_loss(tokens - conversation.tokens, count - 1, capacity_tokens) - before
+
+    def record(self, conversation: Conversation, backend: str, prompt_tokens: int, leaf: int | None) -> None:
+        """``conversation``'s request of ``prompt_tokens`` went to ``backend``."""
+        now = self._clock()
+        if conversation.counted and conversation.backend is not None:
+            self._uncount(conversation)
+        # A retry of the same request (same last block) is not a new turn.
+        if not (conversation.turns and leaf is not None and leaf == conversation.leaf):
+            conversation.turns += 1
+        conversation.backend = backend
+        conversation.tokens = max(0, prompt_tokens - conversation.shared_tokens)
+        conversation.last_seen = now
+        if conversation.counted:
+            self._tokens[backend] = self._tokens.get(backend, 0) + conversation.tokens
+            self._counts[backend] = self._counts.get(backend, 0) + 1
+        if leaf != conversation.leaf:
+            if self._leaves.get(conversation.leaf) == conversation.key:  # type: ignore[arg-type]
+                del self._leaves[conversation.leaf]  # type: ignore[arg-type]
+            conversation.leaf = leaf
+            if leaf is not None and not conversation.key.startswith("session:"):
+                self._leaves[leaf] = conversation.key
+        conversations = self._conversations
+        if conversations.get(conversation.key) is conversation:
+            conversations.move_to_end(conversation.key)
+        else:
+            conversations[conversation.key] = conversation
+            while len(conversations) > self._max:
+                self._drop(next(iter(conversations.values())))
+
+    def forget_backend(self, backend: str) -> None:
+        """A backend left: its conversations no longer count anywhere until they return."""
+        for conversation in self._conversations.values():
+            if conversation.backend == backend:
+                conversation.backend = None
+        self._tokens.pop(backend, None)
+        self._counts.pop(backend, None)
+
+    def _uncount(self, conversation: Conversation) -> None:
+        backend = conversation.backend
+        if backend is None or backend not in self._counts:
+            return
+        self._tokens[backend] -= conversation.tokens
+        self._counts[backend] -= 1
+
+    def _drop(self, conversation: Conversation) -> None:
+        if conversation.counted:
+            self._uncount(conversation)
+        if conversation.leaf is not None and self._leaves.get(conversation.leaf) == conversation.key:
+            del self._leaves[conversation.leaf]
+        del self._conversations[conversation.key]
+
+    def _expire(self, now: float) -> None:
+        conversations = self._conversations
+        deadline = now - self._idle_s
+        while conversations:
+            oldest = next(iter(conversations.values()))
+            if oldest.last_seen >= deadline:
+                return
+            self._drop(oldest)
+
+
+@dataclass(slots=True)
+class CacheRequest(RouteRequest):
+    """A :class:`RouteRequest` with the conversation the routing engine found for it."""
+
+    conversation: Conversation | None = None
+
+
+class CacheAware(Policy):
+    """Cheapest backend by the cost in the module docstring."""
+
+    name = "cache_aware"
+    needs_prefix_match = True
+
+    def __init__(
+        self,
+        working_sets: WorkingSets,
+        *,
+        load_weight: float = 1.0,
+        overload_factor: float = 2.0,
+        index_tokens: Callable[[str], int] | None = None,
+    ) -> None:
+        self._working_sets = working_sets
+        self._load_weight = load_weight
+        self._overload_factor = overload_factor
+        # Tokens the prefix index holds per backend, for the tie-break on free cache.
+        self._index_tokens = index_tokens or (lambda url: 0)
+        self._turn = 0
+        self._mean_work = 0.0
+
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendView]) -> Decision:
+        prompt = request.prompt_tokens or 0
+        matched = request.matched_tokens
+        conversation = request.conversation if isinstance(request, CacheRequest) else None
+        working_sets = self._working_sets
+        count = len(candidates)
+        start = self._turn % count
+        self._turn += 1
+
+        relief = 0
+        home = None
+        if conversation is not None and conversation.counted:
+            home = conversation.backend
+            for backend in candidates:
+                if backend.url == home:
+                    relief = working_sets.relief(conversation, backend.capacity_tokens)
+                    break
+
+        total_in_flight = sum(backend.in_flight for backend in candidates)
+        best_match = max((matched.get(backend.url, 0) for backend in candidates), default=0)
+        overload_factor = self._overload_factor
+        load_weight = self._load_weight
+        best_any: tuple[float, float, int] | None = None
+        best_fit: tuple[float, float, int] | None = None
+        best_plain: tuple[float, float, int] | None = None
+        chosen_any = chosen_fit = chosen_plain = candidates[start]
+        for offset in range(count):
+            backend = candidates[(start + offset) % count]
+            url = backend.url
+            capacity = backend.capacity_tokens
+            plain = prompt - matched.get(url, 0) + load_weight * self._queued_tokens(backend)
+            cost = plain
+            if conversation is not None:
+                cost += working_sets.placement_cost(conversation, prompt, url, capacity)
+                if home is not None and url != home:
+                    cost += relief
+            fill = self._index_tokens(url) / capacity if capacity else float(self._index_tokens(url))
+            key = (cost, fill, offset)
+            if best_any is None or key < best_any:
+                best_any, chosen_any = key, backend
+            if over_load_bound(backend.in_flight, total_in_flight, count, overload_factor):
+                continue
+            if best_fit is None or key < best_fit:
+                best_fit, chosen_fit = key, backend
+            plain_key = (plain, fill, offset)
+            if best_plain is None or plain_key < best_plain:
+                best_plain, chosen_plain = plain_key, backend
+
+        chosen = chosen_fit if best_fit is not None else chosen_any
+        chosen_match = matched.get(chosen.url, 0)
+        if chosen is not chosen_any:
+            reason = "overload"
+        elif best_fit is not None and chosen is not chosen_plain:
+            reason = "capacity"
+        elif best_match == 0:
+            reason = "cold_spread"
+        elif chosen_match == best_match:
+            reason = "prefix_match"
+        else:
+            reason = "least_cost"
+        work = prompt - chosen_match + request.expected_output_tokens
+        self._mean_work += _WORK_EWMA_WEIGHT * (work - self._mean_work)
+        return Decision(chosen.url, reason, chosen_match)
+
+    def _queued_tokens(self, backend: BackendView) -> float:
+        queued = float(backend.in_flight_tokens)
+        waiting = backend.engine_waiting
+        if waiting is not None and waiting > backend.in_flight:
+            queued += (waiting - backend.in_flight) * self._mean_work
+        return queued
