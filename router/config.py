@@ -37,6 +37,8 @@ class BackendConfig(BaseModel):
     url: str
     api_key: str | None = None
     kv_events_endpoint: str | None = None
+    # Default: the events endpoint's host with --kv-events-replay-port.
+    kv_events_replay_endpoint: str | None = None
     capacity_tokens: int | None = Field(default=None, gt=0)
 
     @field_validator("url")
