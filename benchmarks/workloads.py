@@ -119,7 +119,7 @@ _VOCABULARY: tuple[str, ...] = tuple(
 
 #: Tokens per vocabulary word with a space before it, measured with the project's default
 #: tokenizer (``RequestTokenizer.default()``); used only to size messages in tokens.
-TOKENS_PER_WORD = 1.3
+TOKENS_PER_WORD = 1.7
 
 
 @dataclass(frozen=True, slots=True)

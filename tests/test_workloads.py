@@ -81,3 +81,23 @@ def test_unknown_workload_names_the_known_ones() -> None:
         make_workloads("nope", WorkloadOptions())
     with pytest.raises(ValueError, match="trace path"):
         make_workloads("mooncake", WorkloadOptions())
+
+
+@pytest.mark.parametrize("spec", ["system-prompt", "multi-turn", "agent-sessions:3"])
+def test_turns_are_token_exact_prefixes_and_sized_in_tokens(spec: str) -> None:
+    from tokenizer_index import RequestTokenizer
+
+    tokenizer = RequestTokenizer.default()
+    (workload,) = make_workloads(spec, WorkloadOptions(agent_scale=0.05, system_tokens=2000))
+    previous: dict[str | None, list[int]] = {}
+    for request in workload.requests:
+        tokens = tokenizer.encode_chat(request.body["messages"])
+        earlier = previous.get(request.session_id)
+        if earlier is not None:
+            assert tokens[: len(earlier)] == earlier
+        previous[request.session_id] = tokens
+    if spec == "system-prompt":
+        system = tokenizer.encode_chat(workload.requests[0].body["messages"][:1])
+        assert 1800 < len(system) < 2200
+    if spec.startswith("agent-sessions"):
+        assert 0.8 * 4400 < len(tokens) < 1.2 * 4400

@@ -1,0 +1,349 @@
+"""``kvroute bench``: replay workloads against one fleet under each routing target, side by side.
+
+For every workload, every target gets the same requests at the same times against the same
+engines with empty caches: each ``--policies`` entry behind a fresh ``kvroute serve``, each
+installed ``--peer`` router, and ``bound``, the hit rate of one unbounded cache over the same
+request sequence (computed offline with the same tokenizer and block size). A progress bar
+goes to stderr, the table to stdout, and with ``--out DIR`` ``results.json`` and
+``summary.png`` (see :mod:`benchmarks.results`).
+
+    kvroute bench --engine sim --replicas 4 --time-scale 10 \\
+        --workload system-prompt --workload agent-sessions --sessions 4,8,16,32 \\
+        --workload mooncake:../shared/traces/mooncake_conversation_trace.jsonl --limit 2000 \\
+        --policies round_robin,sticky,cache_aware --peer sglang-router --out bench-out
+
+``kvroute bench --overhead ...`` measures the router's own cost instead (see
+:mod:`benchmarks.overhead`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from benchmarks import fleet as fleets
+from benchmarks import mooncake
+from benchmarks.fleet import (
+    PEERS, EngineCounters, ExternalFleet, Fleet, FleetError, RouterCounters, SimFleet, SimSpec,
+)
+from benchmarks.replay import Progress, ReplayResult, replay
+from benchmarks.results import (
+    BOUND_TARGET, PEER_PREFIX, TargetResult, format_table, percentile, plot_summary, ratio,
+    shares, write_json,
+)
+from benchmarks.workloads import (
+    CHAT_ENDPOINT, WORKLOAD_KINDS, Workload, WorkloadOptions, make_workloads,
+)
+from router.config import POLICY_NAMES
+
+
+def unbounded_hit_rate(workload: Workload, block_size: int, tokenizer_path: str | None) -> tuple[float, int]:
+    """(hit rate, prompt tokens) of one unbounded prefix cache over the workload, in order.
+
+    Counted as an engine counts: whole blocks only, and never the whole prompt (the last
+    token is always computed), so it is directly comparable with the engines' counters.
+    """
+    from tokenizer_index import PrefixIndex, RequestTokenizer
+
+    tokenizer = (
+        RequestTokenizer.from_pretrained(tokenizer_path) if tokenizer_path
+        else RequestTokenizer.default()
+    )
+    index = PrefixIndex(block_size=block_size)
+    hits = total = 0
+    for request in workload.requests:
+        body = request.body
+        if request.endpoint == CHAT_ENDPOINT:
+            tokens = tokenizer.encode_chat(body["messages"], tools=body.get("tools"))
+        else:
+            tokens = tokenizer.encode_prompt(body["prompt"])
+        cacheable = (len(tokens) - 1) // block_size * block_size
+        hits += min(index.match(tokens).get(BOUND_TARGET, 0), cacheable)
+        total += len(tokens)
+        index.insert(BOUND_TARGET, tokens)
+    return (hits / total if total else 0.0), total
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """How requests are replayed, for every target alike."""
+
+    speedup: float
+    max_in_flight: int
+    time_scale: float
+
+
+def summarize(
+    target: str, workload: Workload, run: ReplayResult,
+    engines: dict[str, EngineCounters], router: RouterCounters | None,
+) -> TargetResult:
+    """A TargetResult from one replay and the counter deltas around it."""
+    ok = [record for record in run.records if record.ok]
+    queried = sum(counters.queried_tokens for counters in engines.values())
+    hits = sum(counters.hit_tokens for counters in engines.values())
+    reported_prompt = sum(record.prompt_tokens or 0 for record in ok)
+    reported_cached = sum(record.cached_tokens or 0 for record in ok)
+    observed = ratio(hits, queried) if queried > 0 else ratio(reported_cached, reported_prompt)
+    predicted = (
+        ratio(router.predicted_cached_tokens, router.prompt_tokens) if router is not None else None
+    )
+    engine_requests = {url: counters.requests for url, counters in engines.items()}
+    engine_tokens = {url: counters.prompt_tokens for url, counters in engines.items()}
+    if sum(engine_requests.values()) <= 0:  # engines without request counters: use headers
+        engine_requests = dict(Counter(record.backend or "?" for record in ok))
+        engine_tokens = {}
+        for record in ok:
+            key = record.backend or "?"
+            engine_tokens[key] = engine_tokens.get(key, 0) + (record.prompt_tokens or 0)
+    ttfts = [record.ttft_s for record in ok if record.ttft_s is not None]
+    latencies = [record.latency_s for record in ok if record.latency_s is not None]
+    return TargetResult(
+        target=target, workload=workload.name, requests=len(run.records), errors=run.errors,
+        hit_rate_observed=observed, hit_rate_predicted=predicted,
+        ttft_p50_s=percentile(ttfts, 50), ttft_p90_s=percentile(ttfts, 90),
+        ttft_p99_s=percentile(ttfts, 99), latency_p50_s=percentile(latencies, 50),
+        latency_p99_s=percentile(latencies, 99),
+        throughput_rps=ratio(len(ok), run.duration_s), duration_s=run.duration_s,
+        backend_share=shares(engine_requests, engine_tokens), prompt_tokens=reported_prompt,
+        cached_tokens_reported=reported_cached, sessions=workload.sessions,
+    )
+
+
+async def run_target(
+    target: str, workload: Workload, fleet: Fleet, settings: RunSettings,
+    tokenizer: str | None, on_ready: Callable[[str], None] | None = None,
+) -> TargetResult:
+    """One target x workload: fresh engines, a fresh router, the replay, the counters.
+
+    ``on_ready`` is called with the router's URL once it serves, before the replay starts.
+    """
+    await fleet.fresh()
+    is_peer = target.startswith(PEER_PREFIX)
+    if is_peer:
+        front = await fleets.start_peer(target.removeprefix(PEER_PREFIX), fleet.urls)
+    else:
+        front = await fleets.start_router(
+            target, fleet.urls, block_size=fleet.block_size,
+            capacity_tokens=fleet.capacity_tokens, tokenizer=tokenizer,
+        )
+    try:
+        if on_ready is not None:
+            on_ready(front.url)
+        engines_before = await fleets.engine_counters(fleet.urls)
+        router_before = None if is_peer else await fleets.router_counters(front.url)
+        progress = Progress(len(workload.requests), f"{workload.name} / {target}")
+        run = await replay(front.url, workload.requests, speedup=settings.speedup,
+                           max_in_flight=settings.max_in_flight, progress=progress)
+        engines_after = await fleets.engine_counters(fleet.urls)
+        router_delta = (
+            None if router_before is None
+            else await fleets.router_counters(front.url) - router_before
+        )
+    finally:
+        front.stop()
+    deltas = {url: engines_after[url] - engines_before[url] for url in fleet.urls}
+    result = summarize(target, workload, run, deltas, router_delta)
+    result.time_scale = settings.time_scale
+    return result
+
+
+def _targets(policies: Sequence[str], peers: Sequence[str]) -> list[str]:
+    return [*policies, *(PEER_PREFIX + peer for peer in peers)]
+
+
+def _not_run(target: str, workload: Workload, status: str) -> TargetResult:
+    return TargetResult(target, workload.name, 0, 0, None, None, None, None, None,
+                        sessions=workload.sessions, status=status)
+
+
+async def run_bench(
+    workloads: Sequence[Workload], fleet: Fleet, targets: Sequence[str], settings: RunSettings,
+    *, tokenizer: str | None = None, bound: bool = True,
+) -> list[TargetResult]:
+    """Every target on every workload; the fleet is stopped at the end, also on errors."""
+    missing = {
+        target for target in targets
+        if target.startswith(PEER_PREFIX)
+        and not fleets.peer_installed(target.removeprefix(PEER_PREFIX))
+    }
+    for target in sorted(missing):
+        peer = target.removeprefix(PEER_PREFIX)
+        print(f"kvroute bench: {peer} is not installed (pip install {peer}); skipped",
+              file=sys.stderr)
+    results: list[TargetResult] = []
+    try:
+        for workload in workloads:
+            if bound:
+                hit_rate, tokens = await asyncio.to_thread(
+                    unbounded_hit_rate, workload, fleet.block_size, tokenizer
+                )
+                results.append(TargetResult(
+                    BOUND_TARGET, workload.name, len(workload.requests), 0, hit_rate, None,
+                    None, None, None, prompt_tokens=tokens, sessions=workload.sessions,
+                ))
+            for target in targets:
+                if target in missing:
+                    results.append(_not_run(target, workload, "not installed"))
+                    continue
+                try:
+                    results.append(await run_target(target, workload, fleet, settings, tokenizer))
+                except FleetError as exc:
+                    print(f"kvroute bench: {target} on {workload.name} failed: {exc}",
+                          file=sys.stderr)
+                    results.append(_not_run(target, workload, "failed to start"))
+    finally:
+        fleet.stop()
+    return results
+
+
+async def _served_model(url: str) -> str:
+    """The first model an external engine serves (its ``/v1/models``)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
+        async with client.get(url + "/v1/models") as response:
+            response.raise_for_status()
+            data = await response.json()
+    return str(data["data"][0]["id"])
+
+
+def _token_range(tokenizer_path: str | None) -> tuple[int, int]:
+    """Token ids a Mooncake prompt may use: past the byte alphabet, below the special tokens
+    (which the default and most Hugging Face tokenizers append at the end)."""
+    from tokenizer_index import RequestTokenizer
+
+    tokenizer = (
+        RequestTokenizer.from_pretrained(tokenizer_path) if tokenizer_path
+        else RequestTokenizer.default()
+    )
+    first = mooncake.DEFAULT_FIRST_TOKEN_ID
+    added = [i for i in tokenizer.backend.get_added_tokens_decoder() if i > first]
+    return first, min(added) if added else tokenizer.vocab_size
+
+
+def _csv(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvroute bench",
+        description="Replay workloads and traces against a fleet under each routing policy, "
+        "next to peer routers and the unbounded-cache bound. 'kvroute bench --overhead' "
+        "measures the router's own cost instead.",
+    )
+    what = parser.add_argument_group("workloads")
+    what.add_argument("--workload", action="append", metavar="NAME",
+                      help=f"one of {', '.join(WORKLOAD_KINDS)} (repeatable; default "
+                      "system-prompt and agent-sessions)")
+    what.add_argument("--limit", type=int, help="at most N requests per workload")
+    what.add_argument("--speedup", type=float,
+                      help="divide arrival times by this (default: --time-scale for sim "
+                      "engines, so the load matches real time; 1 for external engines)")
+    what.add_argument("--seed", type=int, default=0)
+    what.add_argument("--users", type=int, default=8, help="system-prompt: users")
+    what.add_argument("--turns", type=int, default=4, help="system-prompt, multi-turn: turns")
+    what.add_argument("--system-tokens", type=int, default=4000,
+                      help="system-prompt: system prompt length")
+    what.add_argument("--conversations", type=int, default=16, help="multi-turn: conversations")
+    what.add_argument("--sessions", default="4,8,16,32",
+                      help="agent-sessions: session counts to sweep")
+    what.add_argument("--agent-turns", type=int, default=8, help="agent-sessions: turns")
+    what.add_argument("--agent-scale", type=float, default=0.25,
+                      help="agent-sessions: fraction of a production turn (88K in, 400 out)")
+    where = parser.add_argument_group("fleet")
+    where.add_argument("--engine", default="sim",
+                       help="'sim' to start simulated replicas, or URL,URL,... of running engines")
+    where.add_argument("--replicas", type=int, default=4)
+    where.add_argument("--kv-capacity-tokens", type=int, default=65536)
+    where.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
+    where.add_argument("--decode-tokens-per-s", type=float, default=50.0)
+    where.add_argument("--time-scale", type=float, default=1.0,
+                       help="sim engines run this many times faster than real time")
+    where.add_argument("--block-size", type=int, default=16,
+                       help="engine block size (sims use it; give the real one for engines)")
+    where.add_argument("--model", help="model name to request (default: sim, or the "
+                       "first model the external engines serve)")
+    where.add_argument("--tokenizer", help="tokenizer directory for sims, routers and bound")
+    who = parser.add_argument_group("targets")
+    who.add_argument("--policies", default="round_robin,sticky,cache_aware",
+                     help=f"kvroute policies, comma separated ({', '.join(POLICY_NAMES)})")
+    who.add_argument("--peer", action="append", default=[], choices=[*PEERS, "all"],
+                     help="also run a peer router (repeatable; needs its package)")
+    who.add_argument("--no-bound", action="store_true", help="skip the unbounded-cache bound")
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", type=Path, help="directory for results.json and summary.png")
+    out.add_argument("--max-in-flight", type=int, default=256,
+                     help="client concurrency limit")
+    return parser
+
+
+async def _main(args: argparse.Namespace) -> int:
+    policies = _csv(args.policies)
+    unknown = [policy for policy in policies if policy not in POLICY_NAMES]
+    if unknown:
+        print(f"kvroute bench: unknown policies {unknown}; known: {', '.join(POLICY_NAMES)}",
+              file=sys.stderr)
+        return 2
+    peers = list(PEERS) if "all" in args.peer else list(dict.fromkeys(args.peer))
+    if args.engine == "sim":
+        fleet: Fleet = SimFleet(SimSpec(
+            replicas=args.replicas, model=args.model or "sim", block_size=args.block_size,
+            kv_capacity_tokens=args.kv_capacity_tokens,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            decode_tokens_per_s=args.decode_tokens_per_s, time_scale=args.time_scale,
+            tokenizer=args.tokenizer,
+        ))
+        model = args.model or "sim"
+        speedup = args.speedup or args.time_scale
+    else:
+        fleet = ExternalFleet(_csv(args.engine), block_size=args.block_size,
+                              capacity_tokens=None)
+        model = args.model or await _served_model(fleet.urls[0])
+        speedup = args.speedup or 1.0
+    first_token, end_token = _token_range(args.tokenizer)
+    options = WorkloadOptions(
+        vocab_size=end_token, first_token_id=first_token, model=model, seed=args.seed, users=args.users, turns=args.turns,
+        system_tokens=args.system_tokens, conversations=args.conversations,
+        sessions=tuple(int(count) for count in _csv(args.sessions)),
+        agent_turns=args.agent_turns, agent_scale=args.agent_scale, limit=args.limit,
+    )
+    try:
+        workloads = [w for spec in args.workload or ["system-prompt", "agent-sessions"]
+                     for w in make_workloads(spec, options)]
+    except (ValueError, OSError) as exc:
+        print(f"kvroute bench: {exc}", file=sys.stderr)
+        return 2
+    targets = _targets(policies, peers)
+    print(f"kvroute bench: {len(workloads)} workload(s) x {len(targets)} target(s) on "
+          f"{len(fleet.urls)} engine(s); arrivals sped up {speedup:g}x", file=sys.stderr)
+    settings = RunSettings(speedup=speedup, max_in_flight=args.max_in_flight,
+                           time_scale=args.time_scale if args.engine == "sim" else 1.0)
+    started = time.monotonic()
+    results = await run_bench(workloads, fleet, targets, settings, tokenizer=args.tokenizer,
+                              bound=not args.no_bound)
+    print(format_table(results))
+    print(f"\n({time.monotonic() - started:.0f} s; TTFT and latency in wall seconds"
+          + (f" of sims running {settings.time_scale:g}x real time)" if settings.time_scale != 1
+             else ")"))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_json(results, args.out / "results.json")
+        plot_summary(results, args.out / "summary.png")
+        print(f"wrote {args.out / 'results.json'} and {args.out / 'summary.png'}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """``kvroute bench``; ``kvroute bench --overhead`` runs :mod:`benchmarks.overhead`."""
+    if "--overhead" in argv:
+        from benchmarks import overhead
+
+        return overhead.main([arg for arg in argv if arg != "--overhead"])
+    return fleets.run_stoppable(_main(build_parser().parse_args(argv)))

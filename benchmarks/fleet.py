@@ -1,0 +1,403 @@
+"""Fleets and targets as subprocesses: sim engines, ``kvroute serve``, peer routers.
+
+A benchmark needs the same engines behind every target, with caches emptied in between:
+
+- :class:`SimFleet` starts R ``kvroute sim-engine`` replicas and restarts them for a fresh
+  start (empty cache, zero queue, counters from zero);
+- :class:`ExternalFleet` uses engines that are already running (real vLLM or SGLang) and
+  empties their caches with ``POST /reset_prefix_cache`` (vLLM needs
+  ``VLLM_SERVER_DEV_MODE=1`` for that endpoint);
+- :func:`start_router` puts a fresh ``kvroute serve --policy P`` in front of them, and
+  :func:`start_peer` the SGLang or vLLM router when its package is installed.
+
+Every child runs in its own process group (and, on Linux, dies with its parent), so
+:meth:`ManagedProcess.stop` can take down the whole group, also on Ctrl-C.
+
+Counters are read the way a user would: from each engine's ``/metrics``
+(:class:`EngineCounters`, vLLM and SGLang names) and from the router's ``/metrics``
+(:class:`RouterCounters`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Coroutine, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class FleetError(RuntimeError):
+    """A process of the fleet did not start or did not become ready."""
+
+
+def free_port() -> int:
+    """An ephemeral TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux), so nothing leaks."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class ManagedProcess:
+    """A child process in its own process group, its output kept in a log file."""
+
+    def __init__(self, name: str, argv: Sequence[str], url: str,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.url = url
+        self.argv = list(argv)
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the child
+            prefix=f"kvroute-{name.replace(':', '-')}-", suffix=".log", delete=False
+        )
+        self.process = subprocess.Popen(
+            self.argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True, env={**os.environ, **(env or {})},
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = Path(self._log.name).read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    async def wait_ready(self, path: str = "/health", timeout_s: float = 60.0) -> None:
+        """Poll ``url + path`` until it answers 200; FleetError with the log tail if not."""
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise FleetError(f"{self.name} exited with {self.process.returncode}:\n"
+                                     f"{self.log_tail()}")
+                try:
+                    async with client.get(self.url + path) as response:
+                        if response.status == 200:
+                            return
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+                await asyncio.sleep(0.1)
+        raise FleetError(f"{self.name} not ready at {self.url}{path} after {timeout_s:.0f} s:\n"
+                         f"{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL it if it is still there after ``timeout_s``."""
+        if self.process.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.process.wait(5)
+        self._signal(signal.SIGKILL)  # anything the child left in its group
+        self._log.close()
+        Path(self._log.name).unlink(missing_ok=True)
+
+    def _signal(self, number: int) -> None:
+        try:
+            os.killpg(self.pid, number)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def run_stoppable(main: Coroutine[Any, Any, int]) -> int:
+    """Run ``main`` to completion; Ctrl-C or SIGTERM cancels it, so its ``finally`` blocks
+    stop every process it started. Returns its exit code, 130 when interrupted."""
+
+    async def guarded() -> int:
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await main
+
+    try:
+        return asyncio.run(guarded())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("interrupted; everything started was stopped", file=sys.stderr)
+        return 130
+
+
+def _kvroute(*args: str) -> list[str]:
+    """The ``kvroute`` command, run by this interpreter (works without the script on PATH)."""
+    return [sys.executable, "-m", "router.cli", *args]
+
+
+def stop_all(processes: Iterable[ManagedProcess]) -> None:
+    for process in processes:
+        process.stop()
+
+
+@dataclass(frozen=True, slots=True)
+class SimSpec:
+    """How to run each simulated replica (``kvroute sim-engine`` flags)."""
+
+    replicas: int = 4
+    model: str = "sim"
+    block_size: int = 16
+    kv_capacity_tokens: int = 65536
+    prefill_tokens_per_s: float = 20000.0
+    decode_tokens_per_s: float = 50.0
+    time_scale: float = 1.0
+    tokenizer: str | None = None
+
+    def argv(self, port: int) -> list[str]:
+        args = [
+            "sim-engine", "--host", "127.0.0.1", "--port", str(port), "--model", self.model,
+            "--block-size", str(self.block_size),
+            "--kv-capacity-tokens", str(self.kv_capacity_tokens),
+            "--prefill-tokens-per-s", str(self.prefill_tokens_per_s),
+            "--decode-tokens-per-s", str(self.decode_tokens_per_s),
+            "--time-scale", str(self.time_scale),
+        ]
+        if self.tokenizer:
+            args += ["--tokenizer", self.tokenizer]
+        return _kvroute(*args)
+
+
+class SimFleet:
+    """R simulated replicas; :meth:`fresh` restarts them (empty caches, counters at zero)."""
+
+    def __init__(self, spec: SimSpec) -> None:
+        self.spec = spec
+        self.ports = [free_port() for _ in range(spec.replicas)]
+        self.processes: list[ManagedProcess] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.ports]
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        return self.spec.kv_capacity_tokens
+
+    async def fresh(self) -> None:
+        self.stop()
+        self.processes = [
+            ManagedProcess(f"sim-{number}", self.spec.argv(port), url)
+            for number, (port, url) in enumerate(zip(self.ports, self.urls))
+        ]
+        await asyncio.gather(*(process.wait_ready() for process in self.processes))
+
+    def stop(self) -> None:
+        stop_all(self.processes)
+        self.processes = []
+
+
+class ExternalFleet:
+    """Engines already running; :meth:`fresh` empties their prefix caches."""
+
+    def __init__(self, urls: Sequence[str], block_size: int = 16,
+                 capacity_tokens: int | None = None) -> None:
+        self._urls = [url.rstrip("/") for url in urls]
+        self.block_size = block_size
+        self.capacity_tokens = capacity_tokens
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._urls)
+
+    async def fresh(self) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client:
+            for url in self._urls:
+                async with client.post(url + "/reset_prefix_cache") as response:
+                    if response.status >= 400:
+                        raise FleetError(
+                            f"{url}/reset_prefix_cache answered {response.status}; for vLLM "
+                            "start it with VLLM_SERVER_DEV_MODE=1, or restart it between targets"
+                        )
+
+    def stop(self) -> None:
+        """Nothing to stop: these engines belong to the user."""
+
+
+Fleet = SimFleet | ExternalFleet
+
+
+async def start_router(
+    policy: str, backends: Sequence[str], *, block_size: int | None = None,
+    capacity_tokens: int | None = None, tokenizer: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> ManagedProcess:
+    """A fresh ``kvroute serve --policy POLICY`` in front of ``backends``, all of them healthy."""
+    port = free_port()
+    args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+            "--log-level", "warning"]
+    for backend in backends:
+        args += ["--backend", backend]
+    if block_size is not None:
+        args += ["--block-size", str(block_size)]
+    if capacity_tokens is not None:
+        args += ["--default-capacity-tokens", str(capacity_tokens)]
+    if tokenizer:
+        args += ["--tokenizer", tokenizer]
+    router = ManagedProcess(f"kvroute-{policy}", _kvroute(*args, *extra_args),
+                            f"http://127.0.0.1:{port}")
+    try:
+        await router.wait_ready("/health")
+        await _wait_all_healthy(router, len(backends))
+    except BaseException:
+        router.stop()
+        raise
+    return router
+
+
+async def _wait_all_healthy(router: ManagedProcess, count: int, timeout_s: float = 30.0) -> None:
+    """Until the router's ``kvroute_backend_healthy`` says every backend is up."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as client:
+        while time.monotonic() < deadline:
+            samples = await scrape(client, router.url + "/metrics")
+            if samples.get("kvroute_backend_healthy", 0.0) >= count:
+                return
+            await asyncio.sleep(0.1)
+    raise FleetError(f"{router.name}: not all {count} backends healthy after {timeout_s:.0f} s")
+
+
+PEERS = ("sglang-router", "vllm-router")
+
+
+def peer_installed(name: str) -> bool:
+    """Whether the peer router's package is installed here."""
+    if name == "sglang-router":
+        return importlib.util.find_spec("sglang_router") is not None
+    if name == "vllm-router":
+        return shutil.which("vllm-router") is not None
+    raise ValueError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
+
+
+@dataclass(slots=True)
+class PeerRouter:
+    """A running peer router and where its Prometheus metrics are."""
+
+    process: ManagedProcess
+    metrics_url: str
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+async def start_peer(name: str, backends: Sequence[str], policy: str = "cache_aware") -> PeerRouter:
+    """The SGLang or vLLM router (its ``cache_aware`` policy) in front of ``backends``."""
+    if not peer_installed(name):
+        raise FleetError(f"{name} is not installed (pip install {name})")
+    port, metrics_port = free_port(), free_port()
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *backends,
+              "--policy", policy, "--prometheus-host", "127.0.0.1",
+              "--prometheus-port", str(metrics_port)]
+    if name == "sglang-router":
+        argv = [sys.executable, "-m", "sglang_router.launch_router", *common, "--log-level", "warn"]
+    else:
+        argv = [shutil.which("vllm-router") or "vllm-router", *common]
+    process = ManagedProcess(f"peer-{name}", argv, f"http://127.0.0.1:{port}")
+    try:
+        await process.wait_ready("/health", timeout_s=60)
+    except BaseException:
+        process.stop()
+        raise
+    return PeerRouter(process, f"http://127.0.0.1:{metrics_port}/metrics")
+
+
+async def scrape(client: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """A ``/metrics`` page as sample name -> value summed over all label sets."""
+    async with client.get(url) as response:
+        response.raise_for_status()
+        text = await response.text()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
+    return totals
+
+
+def _first(samples: dict[str, float], *names: str) -> float:
+    for name in names:
+        if name in samples:
+            return samples[name]
+    return 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """An engine's cumulative prefix-cache and request counters (tokens and requests)."""
+
+    hit_tokens: float = 0.0
+    queried_tokens: float = 0.0
+    requests: float = 0.0
+    prompt_tokens: float = 0.0
+
+    @classmethod
+    def from_samples(cls, samples: dict[str, float]) -> EngineCounters:
+        return cls(
+            hit_tokens=_first(samples, "vllm:prefix_cache_hits_total", "sglang:cached_tokens_total"),
+            queried_tokens=_first(samples, "vllm:prefix_cache_queries_total",
+                                  "sglang:prompt_tokens_total"),
+            requests=_first(samples, "vllm:request_success_total",
+                            "vllm:e2e_request_latency_seconds_count", "sglang:num_requests_total"),
+            prompt_tokens=_first(samples, "vllm:prompt_tokens_total", "sglang:prompt_tokens_total"),
+        )
+
+    def __sub__(self, earlier: EngineCounters) -> EngineCounters:
+        return EngineCounters(
+            self.hit_tokens - earlier.hit_tokens, self.queried_tokens - earlier.queried_tokens,
+            self.requests - earlier.requests, self.prompt_tokens - earlier.prompt_tokens,
+        )
+
+
+async def engine_counters(urls: Sequence[str]) -> dict[str, EngineCounters]:
+    """Each engine's counters, read from its ``/metrics``."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
+        pages = await asyncio.gather(*(scrape(client, url + "/metrics") for url in urls))
+    return {url: EngineCounters.from_samples(page) for url, page in zip(urls, pages)}
+
+
+@dataclass(frozen=True, slots=True)
+class RouterCounters:
+    """kvroute's own token counters: prompt tokens routed and tokens predicted cached."""
+
+    prompt_tokens: float = 0.0
+    predicted_cached_tokens: float = 0.0
+
+    def __sub__(self, earlier: RouterCounters) -> RouterCounters:
+        return RouterCounters(self.prompt_tokens - earlier.prompt_tokens,
+                              self.predicted_cached_tokens - earlier.predicted_cached_tokens)
+
+
+async def router_counters(url: str) -> RouterCounters:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
+        samples = await scrape(client, url + "/metrics")
+    return RouterCounters(samples.get("kvroute_prompt_tokens_total", 0.0),
+                          samples.get("kvroute_predicted_cached_tokens_total", 0.0))

@@ -1,0 +1,97 @@
+"""``kvroute bench`` on a tiny fleet: real sim engines, a real router, the results schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench
+from benchmarks.fleet import SimFleet, SimSpec
+from benchmarks.replay import replay
+from benchmarks.results import TargetResult, read_json
+from benchmarks.workloads import WorkloadOptions, make_workloads
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+REQUIRED_KEYS = {
+    "target", "workload", "requests", "errors", "hit_rate_observed", "hit_rate_predicted",
+    "ttft_p50_s", "ttft_p99_s", "throughput_rps", "backend_share",
+}
+
+
+def test_results_schema_on_a_tiny_replay(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    workloads = ["--workload", "system-prompt"]
+    if TRACE.exists():
+        workloads += ["--workload", f"mooncake:{TRACE}"]
+    code = bench.main([
+        "--engine", "sim", "--replicas", "2", "--time-scale", "20", *workloads,
+        "--users", "2", "--turns", "2", "--system-tokens", "600", "--limit", "5",
+        "--policies", "round_robin", "--out", str(out),
+    ])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "round_robin" in printed and "bound" in printed
+
+    raw = json.loads((out / "results.json").read_text())
+    assert isinstance(raw, list) and raw
+    for item in raw:
+        assert REQUIRED_KEYS <= set(item)
+    results = read_json(out / "results.json")
+    names = {result.workload for result in results}
+    assert "system-prompt" in names
+    for result in results:
+        assert result.status == "ok"
+        assert result.target in {"bound", "round_robin"}
+        assert 0.0 <= result.hit_rate_observed <= 1.0
+        if result.target == "bound":
+            continue
+        assert result.requests == (4 if result.workload == "system-prompt" else 5)
+        assert result.errors == 0
+        assert 0 < result.ttft_p50_s <= result.ttft_p99_s
+        assert result.throughput_rps > 0
+        assert len(result.backend_share) == 2
+        assert sum(share.requests for share in result.backend_share.values()) == pytest.approx(1)
+        assert sum(s.prompt_tokens for s in result.backend_share.values()) == pytest.approx(1)
+        # round robin over 2 engines: each engine got half of the requests, give or take one
+        for share in result.backend_share.values():
+            assert abs(share.requests * result.requests - result.requests / 2) <= 1
+    bound = {r.workload: r.hit_rate_observed for r in results if r.target == "bound"}
+    assert bound["system-prompt"] > 0.3  # the shared system prompt and the first turns
+    assert (out / "summary.png").stat().st_size > 10_000
+
+
+async def test_replay_reports_ttft_usage_and_session_order() -> None:
+    fleet = SimFleet(SimSpec(replicas=1, time_scale=20, kv_capacity_tokens=32768))
+    (workload,) = make_workloads(
+        "system-prompt", WorkloadOptions(users=2, turns=3, system_tokens=400)
+    )
+    try:
+        await fleet.fresh()
+        run = await replay(fleet.urls[0], workload.requests, speedup=20)
+    finally:
+        fleet.stop()
+    assert run.errors == 0 and run.completed == 6
+    for request, record in zip(workload.requests, run.records):
+        assert record.status == 200
+        assert 0 < record.ttft_s <= record.latency_s
+        assert record.prompt_tokens > 400
+        if request.turn > 0:  # the previous turn of the same session is cached
+            assert record.cached_tokens > 400
+    by_session: dict[str, list] = {}
+    for request, record in zip(workload.requests, run.records):
+        by_session.setdefault(request.session_id, []).append(record)
+    for records in by_session.values():
+        for earlier, later in zip(records, records[1:]):
+            assert later.sent_s >= earlier.sent_s + earlier.latency_s - 1e-6
+
+
+def test_a_missing_peer_is_reported_not_run(capsys: pytest.CaptureFixture) -> None:
+    result = bench._not_run("peer:nothing", make_workloads("system-prompt", WorkloadOptions())[0],
+                            "not installed")
+    assert isinstance(result, TargetResult) and result.status == "not installed"
+    code = bench.main(["--policies", "no_such_policy"])
+    assert code == 2
+    assert "unknown policies" in capsys.readouterr().err
