@@ -1,0 +1,647 @@
+"""Which backend probably holds which prefix: a bounded index of chained block hashes.
+
+Every backend holds a *set* of blocks, each named by its chained hash
+(:mod:`tokenizer_index.hashing`), so a block stands for its whole prefix. A request's
+longest cached prefix on a backend is the run of its leading blocks that backend holds.
+
+Semantics (``tests/reference_index.py`` is the executable specification):
+
+* **match** walks the request's blocks once, in chunks, keeping the set of backends that
+  hold every block so far; it stops at the first block that no backend holds with all the
+  blocks before it, and reports each backend the length of its run (only backends with a
+  run of at least one block appear).
+* **insert** touches the blocks from the tail to the head, so a sequence's head is more
+  recent than its tail: block ``i`` of ``n`` gets tick ``base + n - 1 - i``. Least recently
+  used eviction then drops a sequence's tail before its head, and a parent (touched with
+  every child, after it) is never evicted while a child the same backend holds is kept.
+* **capacity**: after an insert, a backend over its capacity loses its least recently used
+  blocks until it fits (a sequence longer than the capacity keeps its head).
+  ``on_evict(backend, hashes)`` hears of capacity and TTL evictions, oldest first.
+* **TTL**: a block not touched for more than ``ttl_s`` seconds is dropped.
+* **remove_blocks** drops exactly the given blocks. Their descendants stay but are
+  *unreachable*: matching stops at a backend's first missing block, as an engine's lookup
+  does. They age out as the oldest entries, or become reachable again if the missing
+  block is inserted again (an engine that keeps a child block behaves the same way).
+
+Layout (numpy, no per-block Python objects): one table of every held block, hash -> slot
+with a bitmask of its holders (``(8 + 8 * words)`` bytes per slot, ``words = ceil(backends
+/ 64)``), and per backend a table of block slot -> LRU tick (``4 + 4`` bytes per slot) plus
+an append-only log of ticks (4 bytes per touch, compacted when half stale). Both tables
+are two-choice hash tables with 8-slot buckets (a lookup reads two cache lines, deletion
+leaves no tombstone), kept between 40 % and 60 % full. Per cached backend-block that is
+at most ``16 / 0.4 + 8 / 0.4 + 8 = 68`` bytes when no two backends share a block and
+typically ~45-55; a block shared by several backends costs its 16-byte row only once.
+``stats().bytes`` reports the exact total; ``python -m benchmarks.bench_index`` measures it.
+Memory is bounded by the capacities: removing a backend frees everything of it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenizer_index.hashing import block_hashes
+
+__all__ = ["IndexStats", "PrefixIndex"]
+
+EvictCallback = Callable[[str, np.ndarray], None]
+
+_BUCKET = 8  # slots per bucket: 64 bytes of uint64 keys, one cache line
+_MAX_LOAD = 0.6  # grow a table past this fill
+_TARGET_LOAD = 0.4  # ... to this fill
+_FAIL_GROWTH = 1.25  # both candidate buckets full (rare at <= 60 %): grow by this much
+# Per-process secret placement of keys into buckets (odd multipliers for multiply-shift).
+_PLACEMENT_SALTS = np.frombuffer(os.urandom(16), dtype=np.uint64).copy()
+_PLACEMENT_MULTIPLIERS = np.frombuffer(os.urandom(16), dtype=np.uint64) | np.uint64(1)
+_SHIFT32 = np.uint64(32)
+_NO_TICK = np.uint32(0xFFFFFFFF)
+_FIRST_CHUNK = 32  # blocks looked up before the match walk widens its chunks (x4 each)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    """Size of a :class:`PrefixIndex`."""
+
+    #: Blocks held per backend (every registered backend, zeros included).
+    blocks: dict[str, int]
+    #: Distinct blocks held by at least one backend.
+    unique_blocks: int
+    #: Bytes of every array the index owns.
+    bytes: int
+
+    @property
+    def backend_blocks(self) -> int:
+        """Blocks summed over backends (a block two backends hold counts twice)."""
+        return sum(self.blocks.values())
+
+    @property
+    def bytes_per_block(self) -> float:
+        """Index memory per cached backend-block (0 when empty)."""
+        total = self.backend_blocks
+        return self.bytes / total if total else 0.0
+
+
+# --- the hash table ------------------------------------------------------------------------
+
+
+class _BucketSet:
+    """A set of nonzero integer keys with stable slot numbers, for batches of keys.
+
+    Two-choice hashing with 8-slot buckets: a key lives in one of two buckets picked from
+    64 random bits (its block hash), inserted into the emptier one. A lookup reads both
+    buckets of every key in one gather; a deletion just zeroes the slot. Callers keep
+    per-slot data in arrays of length :attr:`slots`. Keys are never duplicated in the
+    table; ``count`` may overcount when one batch adds the same key twice (it only sizes
+    the table, see :meth:`live`).
+    """
+
+    __slots__ = ("keys", "flat", "count", "_buckets_u64")
+
+    def __init__(self, buckets: int, dtype: type[np.unsignedinteger]) -> None:
+        self.keys = np.zeros((buckets, _BUCKET), dtype=dtype)
+        self.flat = self.keys.reshape(-1)
+        self.count = 0
+        self._buckets_u64 = np.uint64(buckets)
+
+    @property
+    def slots(self) -> int:
+        return len(self.flat)
+
+    def needs_room(self, incoming: int) -> bool:
+        """Whether adding ``incoming`` keys would fill the table past its maximum load."""
+        return self.count + incoming > _MAX_LOAD * self.slots
+
+    def live(self) -> np.ndarray:
+        """Slots holding a key."""
+        return np.flatnonzero(self.flat)
+
+    def find(self, keys: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        """Slot of each key (int64), -1 where absent. ``hashes`` place the keys."""
+        pairs = self._bucket_pairs(hashes)
+        rows = np.take(self.keys, pairs, axis=0).reshape(len(keys), 2 * _BUCKET)
+        hits = np.flatnonzero(rows == keys[:, None])
+        found = np.full(len(keys), -1, dtype=np.int64)
+        found[hits >> 4] = pairs.reshape(-1)[hits >> 3] * _BUCKET + (hits & 7)
+        return found
+
+    def add(self, keys: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        """Insert keys known to be absent; their slots, -1 where both buckets were full."""
+        pairs = self._bucket_pairs(hashes)
+        placed = np.full(len(keys), -1, dtype=np.int64)
+        pending = np.arange(len(keys))
+        while len(pending):
+            candidates = pairs[pending]
+            free = np.take(self.keys, candidates, axis=0) == 0  # (m, 2, 8)
+            free_counts = free.sum(axis=2)
+            choice = (free_counts[:, 1] > free_counts[:, 0]).astype(np.int64)
+            rows = np.arange(len(pending))
+            open_ = free_counts[rows, choice] > 0
+            targets = candidates[rows, choice] * _BUCKET + free[rows, choice].argmax(axis=1)
+            pending, targets = pending[open_], targets[open_]
+            wanted = keys[pending]
+            self.flat[targets] = wanted
+            # Keys racing for one free slot: exactly one write stuck; the others retry.
+            won = self.flat[targets] == wanted
+            placed[pending[won]] = targets[won]
+            self.count += int(np.count_nonzero(won))
+            pending = pending[~won]
+        return placed
+
+    def remove(self, slots: np.ndarray) -> None:
+        """Empty these (distinct, occupied) slots."""
+        self.flat[slots] = 0
+        self.count -= len(slots)
+
+    def _bucket_pairs(self, hashes: np.ndarray) -> np.ndarray:
+        """The two candidate buckets of each hash, (n, 2).
+
+        Multiply-shift over the hash salted with this process's secret, then range
+        reduction: whoever can choose block hashes still cannot pile them into one bucket.
+        """
+        pairs = np.bitwise_xor(hashes[:, None], _PLACEMENT_SALTS)
+        pairs *= _PLACEMENT_MULTIPLIERS
+        pairs >>= _SHIFT32
+        pairs *= self._buckets_u64
+        pairs >>= _SHIFT32
+        return pairs.view(np.int64)
+
+
+def _buckets_for(entries: int) -> int:
+    return max(1, math.ceil(entries / (_BUCKET * _TARGET_LOAD)))
+
+
+# --- every held block ----------------------------------------------------------------------
+
+
+class _Blocks:
+    """Every block some backend holds: its hash, slot, and a bitmask of its holders."""
+
+    __slots__ = ("table", "owners", "on_relocate")
+
+    def __init__(self, on_relocate: Callable[[np.ndarray], None]) -> None:
+        self.table = _BucketSet(64, np.uint64)
+        self.owners = np.zeros((self.table.slots, 1), dtype=np.uint64)
+        #: Called with old slot -> new slot (-1: dropped) whenever the table is rebuilt.
+        self.on_relocate = on_relocate
+
+    @property
+    def words(self) -> int:
+        return self.owners.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.keys.nbytes + self.owners.nbytes
+
+    def hashes_at(self, slots: np.ndarray) -> np.ndarray:
+        return self.table.flat[slots]
+
+    def find(self, hashes: np.ndarray) -> np.ndarray:
+        return self.table.find(hashes, hashes)
+
+    def find_or_add(self, hashes: np.ndarray) -> np.ndarray:
+        """Slots of these hashes, adding the missing ones with no holder yet."""
+        while True:
+            slots = self.table.find(hashes, hashes)
+            missing = np.flatnonzero(slots < 0)
+            if not len(missing):
+                return slots
+            if self.table.needs_room(len(missing)):
+                self._rebuild(_buckets_for(self.table.count + len(missing)))
+                continue
+            added = self.table.add(hashes[missing], hashes[missing])
+            if (added >= 0).all():
+                slots[missing] = added
+                return slots
+            self._rebuild(math.ceil(len(self.table.keys) * _FAIL_GROWTH))
+
+    def release(self, slots: np.ndarray, word: int, bit: np.uint64) -> np.ndarray:
+        """Clear one holder's bit on these (distinct) slots; free those left with no holder.
+
+        Returns the slots' hashes (read before any is freed)."""
+        hashes = self.table.flat[slots]
+        column = self.owners[:, word]
+        column[slots] &= ~bit
+        rows = self.owners[slots]
+        orphaned = slots[~rows.any(axis=1)] if self.words > 1 else slots[rows[:, 0] == 0]
+        self.table.remove(orphaned)
+        return hashes
+
+    def add_word(self) -> None:
+        """Room for 64 more holders."""
+        self.owners = np.hstack((self.owners, np.zeros((len(self.owners), 1), dtype=np.uint64)))
+
+    def _rebuild(self, buckets: int) -> None:
+        """Re-place every block that has a holder into a table of ``buckets`` buckets."""
+        held = np.flatnonzero(self.owners.any(axis=1))
+        hashes = self.table.flat[held]
+        while True:
+            table = _BucketSet(buckets, np.uint64)
+            new_slots = table.add(hashes, hashes)
+            if (new_slots >= 0).all():
+                break
+            buckets = math.ceil(buckets * _FAIL_GROWTH)
+        owners = np.zeros((table.slots, self.words), dtype=np.uint64)
+        owners[new_slots] = self.owners[held]
+        relocation = np.full(self.table.slots, -1, dtype=np.int64)
+        relocation[held] = new_slots
+        self.table, self.owners = table, owners
+        self.on_relocate(relocation)
+
+
+# --- one backend ---------------------------------------------------------------------------
+
+
+class _Holder:
+    """One backend's blocks: a table of block slot -> LRU tick, and the log of ticks.
+
+    A tick is an index into ``log``, which records the table slot touched at that tick.
+    An entry is live while ``ticks[log[t]] == t``; touching a block again, removing it or
+    reusing its slot leaves the old log entry stale. The oldest live entries are at the
+    log's head, so eviction reads the log forward from ``head``. Compaction renumbers the
+    live ticks ``0..count-1`` (so ticks fit in 32 bits forever).
+    """
+
+    __slots__ = (
+        "name", "bit_index", "word", "bit", "capacity", "table", "ticks", "log", "head", "tail", "count", "stamps"
+    )
+
+    def __init__(self, name: str, bit_index: int, capacity: int | None) -> None:
+        self.name = name
+        self.bit_index = bit_index
+        self.word, bit = divmod(bit_index, 64)
+        self.bit = np.uint64(1 << bit)
+        self.capacity = capacity
+        self.table = _BucketSet(16, np.uint32)  # keys: block slot + 1
+        self.ticks = np.full(self.table.slots, _NO_TICK, dtype=np.uint32)
+        self.log = np.empty(1024, dtype=np.uint32)
+        self.head = 0
+        self.tail = 0
+        self.count = 0
+        #: TTL only: (first tick, time) of each touch, oldest first.
+        self.stamps: deque[tuple[int, float]] = deque()
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.keys.nbytes + self.ticks.nbytes + self.log.nbytes
+
+    @property
+    def over_capacity(self) -> int:
+        return 0 if self.capacity is None else max(0, self.count - self.capacity)
+
+    def block_slots(self, slots: np.ndarray) -> np.ndarray:
+        """Block slots of these table slots."""
+        return self.table.flat[slots].astype(np.int64) - 1
+
+    def find(self, block_slots: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        return self.table.find((block_slots + 1).astype(np.uint32), hashes)
+
+    def touch(self, block_slots: np.ndarray, hashes: np.ndarray, block_hashes_at: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """Hold these blocks, head most recent; returns their table slots."""
+        keys = (block_slots + 1).astype(np.uint32)
+        while True:
+            slots = self.table.find(keys, hashes)
+            missing = np.flatnonzero(slots < 0)
+            if not len(missing):
+                break
+            if self.table.needs_room(len(missing)):
+                self._rebuild(_buckets_for(self.count + len(missing)), block_hashes_at)
+                continue
+            added = self.table.add(keys[missing], hashes[missing])
+            slots[missing] = added
+            if (added >= 0).all():
+                break
+            # Rare: both buckets full. Blocks added without a tick are dropped by the rebuild.
+            self._rebuild(math.ceil(len(self.table.keys) * _FAIL_GROWTH), block_hashes_at)
+        was_missing = np.zeros(len(slots), dtype=bool)
+        was_missing[missing] = True
+        self._stamp_ticks(slots[::-1], was_missing[::-1])
+        return slots
+
+    def oldest(self, limit: int, below_tick: int | None = None) -> np.ndarray:
+        """Pop up to ``limit`` live entries from the log's head (ticks < ``below_tick``)."""
+        end = self.tail if below_tick is None else min(self.tail, below_tick)
+        taken: list[np.ndarray] = []
+        while limit > 0 and self.head < end:
+            stop = min(end, self.head + max(2 * limit, 256))
+            window = self.log[self.head : stop]
+            live = np.flatnonzero(self.ticks[window] == np.arange(self.head, stop, dtype=np.uint32))
+            if len(live) > limit:
+                live = live[:limit]
+                stop = self.head + int(live[-1]) + 1
+            taken.append(window[live])
+            limit -= len(live)
+            self.head = stop
+        return np.concatenate(taken).astype(np.int64) if taken else np.empty(0, dtype=np.int64)
+
+    def drop(self, slots: np.ndarray) -> None:
+        """Forget these (distinct, held) table slots."""
+        self.table.remove(slots)
+        self.ticks[slots] = _NO_TICK
+        self.count -= len(slots)
+
+    def relocate_blocks(self, relocation: np.ndarray) -> None:
+        """The block table was rebuilt: rewrite the block slots this table stores."""
+        live = self.table.live()
+        self.table.flat[live] = (relocation[self.table.flat[live].astype(np.int64) - 1] + 1).astype(np.uint32)
+
+    def _stamp_ticks(self, touched: np.ndarray, was_missing: np.ndarray) -> None:
+        """Give ``touched`` (tail first) the next ticks and log them."""
+        n = len(touched)
+        self._reserve_log(n)
+        ticks = np.arange(self.tail, self.tail + n, dtype=np.uint32)
+        self.ticks[touched] = ticks
+        kept = self.ticks[touched] == ticks
+        if not kept.all():
+            # The same block twice in one batch: its occurrence nearest the head wins.
+            np.maximum.at(self.ticks, touched, ticks)
+            kept = self.ticks[touched] == ticks
+        self.log[self.tail : self.tail + n] = touched
+        self.tail += n
+        self.count += int(np.count_nonzero(kept & was_missing))
+
+    def _reserve_log(self, n: int) -> None:
+        if self.tail + n <= len(self.log):
+            return
+        self._compact()
+        if self.tail + n > len(self.log):
+            grown = np.empty(max(2 * len(self.log), self.tail + n), dtype=np.uint32)
+            grown[: self.tail] = self.log[: self.tail]
+            self.log = grown
+
+    def _compact(self) -> np.ndarray:
+        """Renumber live entries ``0..count-1`` in tick order; returns their table slots."""
+        window = self.log[self.head : self.tail]
+        alive = self.ticks[window] == np.arange(self.head, self.tail, dtype=np.uint32)
+        live = window[alive]
+        if self.stamps:
+            self._renumber_stamps(alive)
+        self.log[: len(live)] = live
+        self.ticks[live] = np.arange(len(live), dtype=np.uint32)
+        self.head, self.tail = 0, len(live)
+        return live.astype(np.int64)
+
+    def _renumber_stamps(self, alive: np.ndarray) -> None:
+        before = np.concatenate(([0], np.cumsum(alive)))  # live entries before each old tick
+        renumbered: deque[tuple[int, float]] = deque()
+        for tick, stamp in self.stamps:
+            new_tick = int(before[min(max(tick - self.head, 0), len(alive))])
+            if renumbered and renumbered[-1][0] == new_tick:
+                renumbered.pop()  # the older touch has nothing left of its own
+            renumbered.append((new_tick, stamp))
+        self.stamps = renumbered
+
+    def _rebuild(self, buckets: int, block_hashes_at: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Re-place the live entries (in tick order) into a table of ``buckets`` buckets."""
+        live = self._compact()
+        keys = self.table.flat[live]
+        hashes = block_hashes_at(keys.astype(np.int64) - 1)
+        while True:
+            table = _BucketSet(buckets, np.uint32)
+            slots = table.add(keys, hashes)
+            if (slots >= 0).all():
+                break
+            buckets = math.ceil(buckets * _FAIL_GROWTH)
+        self.table = table
+        self.ticks = np.full(table.slots, _NO_TICK, dtype=np.uint32)
+        self.ticks[slots] = np.arange(len(slots), dtype=np.uint32)
+        self.log[: len(slots)] = slots
+        self.count = len(slots)
+
+
+# --- the index -----------------------------------------------------------------------------
+
+
+class PrefixIndex:
+    """Per-backend sets of cached blocks with LRU capacity and TTL; longest-prefix matching.
+
+    ``capacity_blocks`` applies to backends not given their own with :meth:`set_capacity`
+    (None: unbounded). ``clock`` (seconds) drives the TTL.
+    """
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        capacity_blocks: int | None = None,
+        ttl_s: float | None = None,
+        on_evict: EvictCallback | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if capacity_blocks is not None and capacity_blocks < 0:
+            raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
+        self.ttl_s = ttl_s
+        self.on_evict = on_evict
+        self._clock = clock
+        self._blocks = _Blocks(self._relocate)
+        self._holders: dict[str, _Holder] = {}
+        self._by_bit: list[str | None] = []  # bit index -> backend name
+
+    # --- queries ---------------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int] | np.ndarray, *, salt: str | None = None) -> dict[str, int]:
+        """Leading tokens (whole blocks) each backend holds of ``tokens``; absent means 0."""
+        return self.match_hashes(block_hashes(tokens, self.block_size, salt))
+
+    def match_hashes(self, hashes: Sequence[int] | np.ndarray) -> dict[str, int]:
+        """:meth:`match` on precomputed :func:`~tokenizer_index.hashing.block_hashes`."""
+        keys = _as_keys(hashes)
+        self._expire_all()
+        if not len(keys) or not self._holders:
+            return {}
+        owners = self._blocks.owners
+        running = np.full(self._blocks.words, np.uint64(0xFFFFFFFFFFFFFFFF))
+        matched: dict[str, int] = {}
+        start, chunk = 0, _FIRST_CHUNK
+        while start < len(keys):
+            end = min(len(keys), start + chunk)
+            slots = self._blocks.find(keys[start:end])
+            rows = owners[slots]
+            rows[slots < 0] = 0
+            rows[0] &= running
+            prefix = np.bitwise_and.accumulate(rows, axis=0)
+            previous = np.vstack((running[None, :], prefix[:-1]))
+            for row in np.flatnonzero((prefix != previous).any(axis=1)):
+                self._record_lengths(previous[row] & ~prefix[row], start + int(row), matched)
+            running = prefix[-1]
+            if not running.any():
+                return matched
+            start, chunk = end, chunk * 4
+        self._record_lengths(running, len(keys), matched)
+        return matched
+
+    def backends(self) -> list[str]:
+        """Backends known to the index (holding blocks or given a capacity)."""
+        self._expire_all()
+        return list(self._holders)
+
+    def blocks(self, backend: str) -> int:
+        """Blocks ``backend`` holds."""
+        self._expire_all()
+        holder = self._holders.get(backend)
+        return holder.count if holder is not None else 0
+
+    def stats(self) -> IndexStats:
+        """Blocks per backend, distinct blocks and total bytes."""
+        self._expire_all()
+        holders = self._holders.values()
+        return IndexStats(
+            blocks={holder.name: holder.count for holder in holders},
+            unique_blocks=len(self._blocks.table.live()),
+            bytes=self._blocks.nbytes + sum(holder.nbytes for holder in holders),
+        )
+
+    # --- updates ---------------------------------------------------------------------------
+
+    def insert(self, backend: str, tokens: Sequence[int] | np.ndarray, *, salt: str | None = None) -> None:
+        """``backend`` now holds the full blocks of ``tokens`` (all touched, head most recent)."""
+        self.insert_hashes(backend, block_hashes(tokens, self.block_size, salt))
+
+    def insert_hashes(self, backend: str, hashes: Sequence[int] | np.ndarray) -> None:
+        """:meth:`insert` of precomputed block hashes (in sequence order)."""
+        keys = _as_keys(hashes)
+        now = self._expire_all()
+        holder = self._holder(backend)
+        if not len(keys):
+            return
+        block_slots = self._blocks.find_or_add(keys)
+        self._blocks.owners[block_slots, holder.word] |= holder.bit
+        if now is not None:
+            holder.stamps.append((holder.tail, now))
+        holder.touch(block_slots, keys, self._blocks.hashes_at)
+        if holder.over_capacity:
+            self._evict(holder, holder.oldest(holder.over_capacity))
+
+    def remove_blocks(self, backend: str, hashes: Sequence[int] | np.ndarray) -> None:
+        """``backend`` no longer holds these blocks (engine feedback, KV events)."""
+        self._expire_all()
+        holder = self._holders.get(backend)
+        keys = _as_keys(hashes)
+        if holder is None or not len(keys):
+            return
+        block_slots = self._blocks.find(keys)
+        known = block_slots >= 0
+        slots = holder.find(block_slots[known], keys[known])
+        self._release(holder, np.unique(slots[slots >= 0]))
+
+    def trim(self, backend: str, hashes: Sequence[int] | np.ndarray, keep_blocks: int) -> None:
+        """Keep only the first ``keep_blocks`` blocks of this sequence for ``backend``."""
+        self.remove_blocks(backend, _as_keys(hashes)[max(0, keep_blocks) :])
+
+    def set_capacity(self, backend: str, blocks: int | None) -> None:
+        """Bound ``backend`` to ``blocks`` blocks (None: unbounded), evicting if it holds more."""
+        if blocks is not None and blocks < 0:
+            raise ValueError(f"capacity must be >= 0, got {blocks}")
+        self._expire_all()
+        holder = self._holder(backend)
+        holder.capacity = blocks
+        if holder.over_capacity:
+            self._evict(holder, holder.oldest(holder.over_capacity))
+
+    def clear(self, backend: str) -> None:
+        """Drop every block of ``backend`` (it stays known, with its capacity)."""
+        self._expire_all()
+        holder = self._holders.get(backend)
+        if holder is not None:
+            self._forget_all(holder)
+            self._holders[backend] = _Holder(backend, holder.bit_index, holder.capacity)
+
+    def remove_backend(self, backend: str) -> None:
+        """Forget ``backend`` and free everything of it."""
+        self._expire_all()
+        holder = self._holders.pop(backend, None)
+        if holder is not None:
+            self._forget_all(holder)
+            self._by_bit[holder.bit_index] = None
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _holder(self, backend: str) -> _Holder:
+        holder = self._holders.get(backend)
+        if holder is None:
+            bit_index = self._free_bit()
+            self._by_bit[bit_index] = backend
+            holder = self._holders[backend] = _Holder(backend, bit_index, self.capacity_blocks)
+        return holder
+
+    def _free_bit(self) -> int:
+        for bit_index, name in enumerate(self._by_bit):
+            if name is None:
+                return bit_index
+        self._by_bit.append(None)
+        if len(self._by_bit) > 64 * self._blocks.words:
+            self._blocks.add_word()
+        return len(self._by_bit) - 1
+
+    def _record_lengths(self, lost: np.ndarray, length_blocks: int, matched: dict[str, int]) -> None:
+        """Backends whose bits are in ``lost`` (one uint64 per word) matched ``length_blocks``."""
+        if length_blocks == 0:
+            return
+        tokens = length_blocks * self.block_size
+        for word, bits in enumerate(lost.tolist()):
+            while bits:
+                low = bits & -bits
+                name = self._by_bit[word * 64 + low.bit_length() - 1]
+                if name is not None:
+                    matched[name] = tokens
+                bits ^= low
+
+    def _evict(self, holder: _Holder, slots: np.ndarray) -> None:
+        hashes = self._release(holder, slots)
+        if self.on_evict is not None and len(hashes):
+            self.on_evict(holder.name, hashes)
+
+    def _release(self, holder: _Holder, slots: np.ndarray) -> np.ndarray:
+        """Drop these table slots of ``holder``; returns their block hashes."""
+        block_slots = holder.block_slots(slots)
+        holder.drop(slots)
+        return self._blocks.release(block_slots, holder.word, holder.bit)
+
+    def _forget_all(self, holder: _Holder) -> None:
+        live = holder.table.live()
+        self._blocks.release(holder.block_slots(live), holder.word, holder.bit)
+
+    def _expire_all(self) -> float | None:
+        """With a TTL: drop every backend's expired blocks and return the time (else None).
+
+        Every public method calls it first, so no answer ever counts an expired block."""
+        if self.ttl_s is None:
+            return None
+        now = self._clock()
+        deadline = now - self.ttl_s
+        for holder in self._holders.values():
+            if holder.stamps and holder.stamps[0][1] < deadline:
+                self._expire(holder, deadline)
+        return now
+
+    def _expire(self, holder: _Holder, deadline: float) -> None:
+        """Evict ``holder``'s blocks last touched before ``deadline``."""
+        stamps = holder.stamps
+        while stamps and stamps[0][1] < deadline:
+            stamps.popleft()
+        below = stamps[0][0] if stamps else holder.tail
+        if below > holder.head:
+            self._evict(holder, holder.oldest(holder.count, below_tick=below))
+
+    def _relocate(self, relocation: np.ndarray) -> None:
+        for holder in self._holders.values():
+            holder.relocate_blocks(relocation)
+
+
+def _as_keys(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Block hashes as uint64 table keys; 0 marks an empty slot, so a hash of 0 is kept as 1."""
+    keys = np.asarray(hashes, dtype=np.uint64).reshape(-1)
+    if not keys.all():
+        keys = np.where(keys == 0, np.uint64(1), keys)
+    return keys
