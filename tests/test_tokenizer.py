@@ -317,6 +317,23 @@ def test_template_files_and_fallback(tmp_path: Path, default_hf: Any) -> None:
     assert fallback.encode_chat(messages) == hf_chat_ids(default_hf, messages, add_generation_prompt=True)
 
 
+def test_directory_without_tokenizer_json_loads_through_transformers(tmp_path: Path) -> None:
+    """The transformers path (hub ids, vocab/merges-only directories) gives the same ids."""
+    directory = tmp_path / "gpt2-files"
+    directory.mkdir()
+    Tokenizer.from_file(str(RequestTokenizer.default_path() / "tokenizer.json")).model.save(str(directory))
+    config = json.loads((RequestTokenizer.default_path() / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    assert not (directory / "tokenizer.json").exists()
+    ours = RequestTokenizer.from_pretrained(directory)
+    hf = transformers.AutoTokenizer.from_pretrained(str(directory))
+    messages = [{"role": "system", "content": "Sé brief."}, {"role": "user", "content": "Hello wörld 😀<|im_end|>"}]
+    assert ours.encode_chat(messages) == hf_chat_ids(hf, messages, add_generation_prompt=True)
+    assert ours.has_own_chat_template and ours.incremental
+    with pytest.raises(FileNotFoundError):
+        RequestTokenizer.from_pretrained(tmp_path / "does-not-exist")
+
+
 # --- completions ----------------------------------------------------------------------------
 
 
@@ -338,25 +355,36 @@ def test_encode_prompt_forms(llama_tok: RequestTokenizer, llama_hf: Any, default
 # --- incremental == whole -------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def cached_pair(pair: tuple[RequestTokenizer, Any]) -> dict[bool, RequestTokenizer]:
+    """Copies of a tokenizer under test with a roomy and a tiny (always evicting) cache."""
+    shared, _ = pair
+    return {
+        small: RequestTokenizer(
+            shared.backend,
+            chat_templates={"default": shared.chat_template().source},
+            special_tokens=shared.special_tokens,
+            cache_bytes=2_000 if small else 1 << 20,
+        )
+        for small in (False, True)
+    }
+
+
 @SETTINGS
 @given(messages=conversations(), small_cache=st.booleans())
 def test_incremental_equals_whole_across_turns(
-    pair: tuple[RequestTokenizer, Any], messages: list[dict[str, Any]], small_cache: bool
+    cached_pair: dict[bool, RequestTokenizer], messages: list[dict[str, Any]], small_cache: bool
 ) -> None:
     """Each growing prefix of a conversation, tokenized with a warm cache, equals whole-text."""
-    shared, _ = pair
-    tok = RequestTokenizer(
-        shared.backend,
-        chat_templates={"default": shared.chat_template().source},
-        special_tokens=shared.special_tokens,
-        cache_bytes=2_000 if small_cache else 1 << 20,
-    )
+    tok = cached_pair[small_cache]
+    tok.clear_cache()
     assert tok.incremental
+    hits_before = tok.cache_stats().hits
     for end in range(1, len(messages) + 1):
         text = tok.render_chat(messages[:end])
         assert tok.encode_chat(messages[:end]) == tok.backend.encode(text, add_special_tokens=False).ids
     if not small_cache and len(messages) > 1:
-        assert tok.cache_stats().hits > 0
+        assert tok.cache_stats().hits > hits_before
 
 
 @pytest.fixture(scope="module")

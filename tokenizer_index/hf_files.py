@@ -79,6 +79,11 @@ def read_chat_templates(directory: Path, config: Mapping[str, Any]) -> dict[str,
     return _templates_from_entry(config.get("chat_template"))
 
 
+def read_directory_chat_templates(directory: Path) -> dict[str, str]:
+    """The chat templates of a tokenizer directory (see :func:`read_chat_templates`)."""
+    return read_chat_templates(directory, _read_json(directory / "tokenizer_config.json"))
+
+
 def read_special_tokens(config: Mapping[str, Any], legacy_map: Mapping[str, Any]) -> dict[str, str]:
     """Named and model-specific special tokens, as transformers 5's ``special_tokens_map``."""
     tokens: dict[str, str] = {}
@@ -173,4 +178,7 @@ def load(name_or_path: str | Path) -> TokenizerFiles:
     directory = Path(name_or_path).expanduser()
     if (directory / "tokenizer.json").is_file():
         return load_directory(directory)
-    return load_with_transformers(str(name_or_path))
+    text = str(name_or_path)
+    if not directory.exists() and (directory.is_absolute() or text.startswith((".", "~"))):
+        raise FileNotFoundError(f"no tokenizer directory at {text}")
+    return load_with_transformers(text)

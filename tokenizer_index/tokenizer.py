@@ -107,7 +107,7 @@ class RequestTokenizer:
         templates = dict(chat_templates or {})
         self.has_own_chat_template = bool(templates)
         if not templates:
-            templates = dict(hf_files.read_chat_templates(_DEFAULT_DIRECTORY, self._default_config()))
+            templates = hf_files.read_directory_chat_templates(_DEFAULT_DIRECTORY)
         self._template_sources = templates
         self._templates: dict[str, ChatTemplate] = {}
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
@@ -149,10 +149,6 @@ class RequestTokenizer:
     def default_path() -> Path:
         """The directory of the shipped default tokenizer (a valid Hugging Face tokenizer dir)."""
         return _DEFAULT_DIRECTORY
-
-    @staticmethod
-    def _default_config() -> dict[str, Any]:
-        return hf_files._read_json(_DEFAULT_DIRECTORY / "tokenizer_config.json")
 
     def _boundary_matcher(self) -> tuple[re.Pattern[str] | None, frozenset[str], list[str]]:
         """A regex finding added tokens as the tokenizer's first pass does, and the non-cuts.
@@ -219,20 +215,17 @@ class RequestTokenizer:
         ``(None, None)`` when they are not a fixed prefix and suffix: prompts are then
         tokenized whole with special tokens.
         """
-        samples = ("", "a", "Hello world", " 1 2\n3")
-        plain = [encoding.ids for encoding in self._tokenizer.encode_batch_fast(list(samples), add_special_tokens=False)]
-        wrapped = [encoding.ids for encoding in self._tokenizer.encode_batch_fast(list(samples), add_special_tokens=True)]
-        extra = len(wrapped[0]) - len(plain[0])
-        prefix_length = next((i for i in range(len(wrapped[1])) if wrapped[1][i:i + len(plain[1])] == plain[1]), None)
-        if prefix_length is None:
+        samples = ["a", "", "Hello world", " 1 2\n3"]
+        plain = [encoding.ids for encoding in self._tokenizer.encode_batch_fast(samples, add_special_tokens=False)]
+        wrapped = [encoding.ids for encoding in self._tokenizer.encode_batch_fast(samples, add_special_tokens=True)]
+        # Where the plain ids of the first sample sit inside its wrapped ids.
+        first, first_wrapped = plain[0], wrapped[0]
+        start = next((i for i in range(len(first_wrapped)) if first_wrapped[i : i + len(first)] == first), None)
+        if start is None:
             return None, None
-        prefix = wrapped[1][:prefix_length]
-        suffix = wrapped[1][prefix_length + len(plain[1]) :]
-        if len(prefix) + len(suffix) != extra:
+        prefix, suffix = first_wrapped[:start], first_wrapped[start + len(first) :]
+        if any(prefix + ids + suffix != expected for ids, expected in zip(plain, wrapped)):
             return None, None
-        for ids, expected in zip(plain, wrapped):
-            if prefix + ids + suffix != expected:
-                return None, None
         return prefix, suffix
 
     # --- properties ----------------------------------------------------------------------

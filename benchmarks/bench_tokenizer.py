@@ -1,0 +1,182 @@
+"""Tokenizing a conversation's next turn: whole text vs kvroute's incremental tokenizer.
+
+For histories of about 10K, 50K and 100K tokens (100 messages each, plus a system prompt),
+every repetition appends a fresh user message and tokenizes the whole request three ways:
+
+* ``full``: render the chat template, tokenize the whole text (what a router without
+  memoisation pays each turn: ``RequestTokenizer(incremental=False)``);
+* ``incremental``: the same on a ``RequestTokenizer`` that has seen the previous turn, so only
+  the pieces cut at added tokens that are new get tokenized;
+* ``transformers`` (when installed): ``apply_chat_template(tokenize=True)``, for reference.
+
+``render`` is the chat-template rendering alone, which both pay. Each repetition measures
+the variants back to back (same machine conditions); the table shows medians. Incremental
+ids are checked equal to full ids every time. Target: incremental <= 5 % of full at 100K::
+
+    python -m benchmarks.bench_tokenizer [--tokenizer DIR] [--repeats 7] [--out bench-out/tokenizer.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.workloads import words
+from tokenizer_index import RequestTokenizer
+
+HISTORY_TOKENS = (10_000, 50_000, 100_000)
+HISTORY_MESSAGES = 100
+NEW_TURN_TOKENS = 200
+TARGET_RATIO_AT_LARGEST = 0.05
+
+
+@dataclass(frozen=True)
+class Row:
+    """Medians for one history size (milliseconds)."""
+
+    history_tokens: int
+    messages: int
+    full_ms: float
+    incremental_ms: float
+    render_ms: float
+    transformers_ms: float | None
+    incremental_vs_full: float
+
+
+def _messages(seed: int, per_message_tokens: int) -> list[dict[str, str]]:
+    rng = np.random.default_rng(seed)
+    messages = [{"role": "system", "content": "You are a helpful assistant. " + words(rng, 100)}]
+    for index in range(HISTORY_MESSAGES):
+        role = "user" if index % 2 == 0 else "assistant"
+        messages.append({"role": role, "content": words(rng, per_message_tokens)})
+    return messages
+
+
+def conversation(tokenizer: RequestTokenizer, history_tokens: int, seed: int) -> list[dict[str, str]]:
+    """A system prompt and ``HISTORY_MESSAGES`` alternating messages totalling ~history_tokens."""
+    per_message = history_tokens // HISTORY_MESSAGES
+    messages = _messages(seed, per_message)
+    # words() sizes text by an average for the default tokenizer: rescale once to hit the target.
+    actual = len(tokenizer.encode_chat(messages, add_generation_prompt=False))
+    if abs(actual - history_tokens) > history_tokens * 0.05:
+        messages = _messages(seed, round(per_message * history_tokens / actual))
+    return messages
+
+
+def _timed(function: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = function()
+    return (time.perf_counter() - start) * 1000, result
+
+
+def _hf_ids(hf_tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    out = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def measure(tokenizer_path: Path, history_tokens: int, repeats: int, hf_tokenizer: Any | None) -> Row:
+    full = RequestTokenizer.from_pretrained(tokenizer_path, incremental=False)
+    incremental = RequestTokenizer.from_pretrained(tokenizer_path)
+    if not incremental.incremental:
+        print(f"note: {tokenizer_path} cannot be tokenized piecewise; both columns tokenize whole texts")
+    history = conversation(full, history_tokens, seed=history_tokens)
+    incremental.encode_chat(history)  # the previous turn: warms the piece cache
+    rng = np.random.default_rng(1)
+    timings: dict[str, list[float]] = {"full": [], "incremental": [], "render": [], "transformers": []}
+    tokens = 0
+    for _ in range(repeats):
+        request = [*history, {"role": "user", "content": words(rng, NEW_TURN_TOKENS)}]
+        elapsed, expected = _timed(lambda: full.encode_chat(request))
+        timings["full"].append(elapsed)
+        elapsed, ids = _timed(lambda: incremental.encode_chat(request))
+        timings["incremental"].append(elapsed)
+        if ids != expected:
+            raise SystemExit(f"incremental ids differ from full ids at {history_tokens} tokens")
+        timings["render"].append(_timed(lambda: incremental.render_chat(request))[0])
+        if hf_tokenizer is not None:
+            elapsed, hf_ids = _timed(lambda: _hf_ids(hf_tokenizer, request))
+            timings["transformers"].append(elapsed)
+            if hf_ids != expected:
+                raise SystemExit(f"transformers ids differ from kvroute's at {history_tokens} tokens")
+        tokens = len(expected)
+        history = request + [{"role": "assistant", "content": words(rng, NEW_TURN_TOKENS)}]
+        incremental.encode_chat(history, add_generation_prompt=False)  # as the router saw it
+    full_ms = statistics.median(timings["full"])
+    incremental_ms = statistics.median(timings["incremental"])
+    return Row(
+        history_tokens=tokens,
+        messages=len(request),
+        full_ms=round(full_ms, 3),
+        incremental_ms=round(incremental_ms, 3),
+        render_ms=round(statistics.median(timings["render"]), 3),
+        transformers_ms=round(statistics.median(timings["transformers"]), 3) if timings["transformers"] else None,
+        incremental_vs_full=round(incremental_ms / full_ms, 4),
+    )
+
+
+def _load_transformers(path: Path) -> Any | None:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return None
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def format_table(rows: list[Row]) -> str:
+    header = f"{'history tokens':>14} {'messages':>8} {'full ms':>9} {'incremental ms':>14} {'incr/full':>9} " \
+             f"{'render ms':>9} {'transformers ms':>15}"
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        hf = f"{row.transformers_ms:>15.2f}" if row.transformers_ms is not None else f"{'-':>15}"
+        lines.append(
+            f"{row.history_tokens:>14,} {row.messages:>8} {row.full_ms:>9.2f} {row.incremental_ms:>14.2f} "
+            f"{row.incremental_vs_full:>9.1%} {row.render_ms:>9.2f} {hf}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokenizer", type=Path, default=RequestTokenizer.default_path(),
+                        help="tokenizer directory (default: kvroute's shipped one)")
+    parser.add_argument("--sizes", default=",".join(map(str, HISTORY_TOKENS)),
+                        help="history sizes in tokens, comma-separated")
+    parser.add_argument("--repeats", type=int, default=7, help="repetitions per size (median reported)")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers reference")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/tokenizer.json"))
+    args = parser.parse_args(argv)
+    hf_tokenizer = None if args.no_transformers else _load_transformers(args.tokenizer)
+    rows = [measure(args.tokenizer, int(size), args.repeats, hf_tokenizer) for size in args.sizes.split(",")]
+    print(format_table(rows))
+    largest = max(rows, key=lambda row: row.history_tokens)
+    met = largest.incremental_vs_full <= TARGET_RATIO_AT_LARGEST
+    print(f"\ntarget: incremental <= {TARGET_RATIO_AT_LARGEST:.0%} of full at {largest.history_tokens:,} tokens: "
+          f"{'met' if met else 'NOT met'} ({largest.incremental_vs_full:.1%})")
+    report = {
+        "benchmark": "tokenizer",
+        "tokenizer": str(args.tokenizer),
+        "python": platform.python_version(),
+        "repeats": args.repeats,
+        "new_turn_tokens": NEW_TURN_TOKENS,
+        "rows": [asdict(row) for row in rows],
+        "target_ratio": TARGET_RATIO_AT_LARGEST,
+        "target_met": met,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
