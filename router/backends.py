@@ -274,7 +274,8 @@ class BackendPool:
         if healthy:
             backend.consecutive_failures = 0
         self._changed()
-        log.warning("backend %s is now %s", backend.url, "healthy" if healthy else "unhealthy")
+        if backend.url in self._backends:  # a transition, not the first probe of a newcomer
+            log.warning("backend %s is now %s", backend.url, "healthy" if healthy else "unhealthy")
 
     def set_models(self, backend: Backend, cards: list[dict[str, Any]]) -> None:
         """Record the model cards an engine listed at /v1/models."""

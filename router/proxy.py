@@ -100,8 +100,8 @@ class Proxy:
         self._routing = routing
         self._metrics = metrics
         self._session = session
-        # sock_read covers the wait for the answer's headers (first byte); streams switch
-        # their connection to the idle timeout once the headers are in.
+        # sock_read covers the wait for the answer's headers and a stream's first chunk;
+        # streams switch their connection to the idle timeout after that.
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.first_byte_timeout_s
         )
@@ -308,9 +308,6 @@ class Proxy:
         outcome: _Outcome,
     ) -> web.StreamResponse:
         response = web.StreamResponse(status=upstream.status, headers=self._response_headers(upstream, plan, request_id))
-        connection = upstream.connection
-        if connection is not None and connection.protocol is not None:
-            connection.protocol.read_timeout = self._idle_timeout
         tap = StreamTap(strip_usage_chunk=strip_usage_chunk)
         read = upstream.content.readany
         write = response.write
@@ -332,6 +329,7 @@ class Proxy:
                     break
                 if outcome.ttft_s is None:
                     outcome.ttft_s = time.monotonic() - started
+                    self._switch_to_idle_timeout(upstream)
                 forward = tap.feed(chunk)
                 if forward:
                     await write(forward)
@@ -342,6 +340,18 @@ class Proxy:
             outcome.status = "499"
             upstream.close()
         return response
+
+    def _switch_to_idle_timeout(self, upstream: aiohttp.ClientResponse) -> None:
+        """From the first chunk on, a stream may pause at most ``idle_timeout_s`` between chunks.
+
+        Until then the first-byte timeout applies (engines send SSE headers before the
+        prefill, so the first token can take long); the read timer restarts now.
+        """
+        connection = upstream.connection
+        protocol = connection.protocol if connection is not None else None
+        if protocol is not None:
+            protocol.read_timeout = self._idle_timeout
+            protocol.start_timeout()
 
     # --- headers -----------------------------------------------------------------------
     def _upstream_headers(

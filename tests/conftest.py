@@ -10,7 +10,8 @@ Fixtures (factories; everything they start is stopped when the test ends):
 * ``sim_engines(n=1, **config) -> list[SimServer]``: ``n`` simulated vLLM replicas;
   ``config`` holds :class:`~benchmarks.sim_engine.config.SimEngineConfig` fields, e.g.
   ``sim_engines(2, models=("a",), time_scale=50.0, decode_tokens_per_s=20.0)``.
-  Defaults make them fast: ``time_scale=1000``.
+  Defaults make them fast: ``time_scale=1000``. ``port=`` binds a fixed port (to bring a
+  stopped replica back at the same URL); by default each gets a free one.
 * ``router_server(backends, **settings) -> RouterServer``: an in-process router
   (``router.app.build_app``, served exactly as ``kvroute serve`` serves it) in front of
   ``backends`` (URLs or ``SimServer``\\ s); ``settings`` are :class:`~router.config.Settings`
@@ -123,6 +124,9 @@ class _Server:
 
     def stop(self) -> None:
         """Stop the server: its port closes and refuses new connections."""
+        client = getattr(self, "_client", None)
+        if client is not None:
+            client.close()
         if not self.stopped:
             self.stopped = True
             self.loop.run(self.runner.cleanup())
@@ -150,6 +154,8 @@ class SimServer(_Server):
 class RouterServer(_Server):
     """A running in-process router."""
 
+    _client: openai.OpenAI | None = field(default=None, init=False, repr=False)
+
     @property
     def v1(self) -> str:
         return self.url + "/v1"
@@ -161,18 +167,24 @@ class RouterServer(_Server):
         return self.runner.app[STATE]
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
-        """A synchronous ``openai`` client of this router (no SDK retries)."""
-        return openai.OpenAI(base_url=self.v1, api_key=kwargs.pop("api_key", "test"), max_retries=0, **kwargs)
+        """A synchronous ``openai`` client of this router (no SDK retries); reused when called without options."""
+        if kwargs:
+            return openai.OpenAI(base_url=self.v1, api_key=kwargs.pop("api_key", "test"), max_retries=0, **kwargs)
+        if self._client is None:
+            self._client = openai.OpenAI(base_url=self.v1, api_key="test", max_retries=0)
+        return self._client
 
     def async_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
         """An async ``openai`` client of this router (no SDK retries)."""
         return openai.AsyncOpenAI(base_url=self.v1, api_key=kwargs.pop("api_key", "test"), max_retries=0, **kwargs)
 
 
-async def _start(app: web.Application, runner: web.AppRunner | None = None) -> tuple[web.AppRunner, str]:
+async def _start(
+    app: web.Application, runner: web.AppRunner | None = None, port: int = 0
+) -> tuple[web.AppRunner, str]:
     runner = runner or web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     port = runner.addresses[0][1]
     return runner, f"http://127.0.0.1:{port}"
@@ -213,11 +225,12 @@ def sim_engines(server_loop: ServerLoop, sim_tokenizer: SimTokenizer) -> Iterato
 
     def start(n: int = 1, **options: Any) -> list[SimServer]:
         options.setdefault("time_scale", 1000.0)
+        port = options.pop("port", 0)  # a fixed port: e.g. to bring a stopped replica back
         servers = []
         for index in range(n):
-            config = SimEngineConfig(port=0, engine_id=str(len(started) + index), **options)
+            config = SimEngineConfig(port=port, engine_id=str(len(started) + index), **options)
             app = build_sim_app(config, sim_tokenizer)
-            runner, url = server_loop.run(_start(app))
+            runner, url = server_loop.run(_start(app, port=port))
             servers.append(SimServer(url=url, runner=runner, loop=server_loop, config=config))
         started.extend(servers)
         return servers
