@@ -51,6 +51,7 @@ class Row:
     render_ms: float
     transformers_ms: float | None
     incremental_vs_full: float
+    cache_bytes: int  # what the piece cache holds for this conversation
 
 
 def _messages(seed: int, per_message_tokens: int) -> list[dict[str, str]]:
@@ -121,6 +122,7 @@ def measure(tokenizer_path: Path, history_tokens: int, repeats: int, hf_tokenize
         render_ms=round(statistics.median(timings["render"]), 3),
         transformers_ms=round(statistics.median(timings["transformers"]), 3) if timings["transformers"] else None,
         incremental_vs_full=round(incremental_ms / full_ms, 4),
+        cache_bytes=incremental.cache_stats().bytes,
     )
 
 
@@ -134,13 +136,13 @@ def _load_transformers(path: Path) -> Any | None:
 
 def format_table(rows: list[Row]) -> str:
     header = f"{'history tokens':>14} {'messages':>8} {'full ms':>9} {'incremental ms':>14} {'incr/full':>9} " \
-             f"{'render ms':>9} {'transformers ms':>15}"
+             f"{'render ms':>9} {'transformers ms':>15} {'cache MB':>8}"
     lines = [header, "-" * len(header)]
     for row in rows:
         hf = f"{row.transformers_ms:>15.2f}" if row.transformers_ms is not None else f"{'-':>15}"
         lines.append(
             f"{row.history_tokens:>14,} {row.messages:>8} {row.full_ms:>9.2f} {row.incremental_ms:>14.2f} "
-            f"{row.incremental_vs_full:>9.1%} {row.render_ms:>9.2f} {hf}"
+            f"{row.incremental_vs_full:>9.1%} {row.render_ms:>9.2f} {hf} {row.cache_bytes / 1e6:>8.2f}"
         )
     return "\n".join(lines)
 
