@@ -114,6 +114,7 @@ def summarize(
         throughput_rps=ratio(len(ok), run.duration_s), duration_s=run.duration_s,
         backend_share=shares(engine_requests, engine_tokens), prompt_tokens=reported_prompt,
         cached_tokens_reported=reported_cached, sessions=workload.sessions,
+        error_sample=next((record.error for record in run.records if record.error), None),
     )
 
 

@@ -56,6 +56,7 @@ class TargetResult:
     sessions: int | None = None
     time_scale: float = 1.0  # sims ran this many times faster than real time
     status: str = "ok"
+    error_sample: str | None = None  # the first error a client saw, if any
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,6 +156,10 @@ def format_table(results: Sequence[TargetResult]) -> str:
             lines.append("")
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         previous = row[0]
+    notes = [f"  {r.workload} / {r.target}: {r.errors} errors, e.g. {r.error_sample}"
+             for r in results if r.error_sample]
+    if notes:
+        lines += ["", "errors:", *notes]
     return "\n".join(lines)
 
 
