@@ -275,7 +275,10 @@ class EventSink(Protocol):
     """Where a subscriber delivers a backend's events (``router.precise_index.PreciseIndex``)."""
 
     def apply_events(self, backend: str, events: Sequence[KVEvent]) -> None:
-        """Apply one batch's events in order."""
+        """Apply one batch's events in order (the sink may defer work until :meth:`flush`)."""
+
+    def flush(self) -> None:
+        """Make everything applied so far visible (called when the stream runs dry)."""
 
     def clear_backend(self, backend: str) -> None:
         """Forget everything known about the backend's cache (engine restart, lost history)."""
@@ -399,6 +402,8 @@ class KVEventSubscriber:
             while True:
                 frames = await sub.recv_multipart()
                 await self.handle_message(frames)
+                if not sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self._sink.flush()  # a burst is over: write it to the index in one go
                 await self._maybe_yield()
         finally:
             watcher.cancel()

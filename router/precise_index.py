@@ -129,6 +129,9 @@ class _Backend:
     # engine hash -> router hash; None: held by the engine but not matchable by requests.
     router_hash: dict[int, int | None] = field(default_factory=dict)
     copies: dict[int, int] = field(default_factory=dict)  # engine hash -> copies beyond one
+    # Index changes not yet written to the index layers (see PreciseIndex.flush).
+    pending_insert: dict[int, None] = field(default_factory=dict)  # ordered set
+    pending_remove: set[int] = field(default_factory=set)
     state: KVEventsState = KVEventsState.APPROXIMATE
     complete: bool = True  # False: history before the stream unknown (PARTIAL)
     unmatchable_stores: int = 0
@@ -183,6 +186,7 @@ class PreciseIndex:
         self._exact: dict[int, PrefixIndex] = {}  # block size -> confirmed blocks
         self._speculative: dict[int, PrefixIndex] = {}  # block size -> routed, unconfirmed
         self._lora_names: set[str] = set()
+        self._dirty: set[str] = set()  # backends with pending index changes
         self._subscribers: dict[str, KVEventSubscriber] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._watchdog: asyncio.Task[None] | None = None
@@ -230,6 +234,7 @@ class PreciseIndex:
         known = self._backends.get(backend)
         if known is None or known.block_size is None:
             return 0
+        self.flush()
         return self._exact[known.block_size].blocks(backend)
 
     def engine_blocks(self, backend: str) -> int:
@@ -275,6 +280,7 @@ class PreciseIndex:
         """Matched prompt tokens per backend: from events for backends with a usable stream
         (exact or speculative, whichever is longer), from ``approximate`` (the routing
         engine's index) for the others, and the longest of all three while ``PARTIAL``."""
+        self.flush()
         matched = {
             backend: tokens
             for backend, tokens in approximate.items()
@@ -317,7 +323,12 @@ class PreciseIndex:
     # -- event side (router.kv_events.EventSink) -------------------------------------
 
     def apply_events(self, backend: str, events: Sequence[KVEvent]) -> None:
-        """Apply one batch of the backend's events, in order."""
+        """Apply one batch of the backend's events, in order.
+
+        The engine-hash map changes at once; the index layers get the net change of many
+        batches in one vectorized write at the next :meth:`flush` (a subscriber flushes
+        when its socket runs dry, and every read flushes first).
+        """
         known = self._backend(backend)
         for event in events:
             if isinstance(event, BlockStored):
@@ -327,11 +338,34 @@ class PreciseIndex:
             elif isinstance(event, AllBlocksCleared):
                 self.clear_backend(backend)
 
+    def flush(self) -> None:
+        """Write the pending net changes of every backend to the index layers."""
+        if not self._dirty:
+            return
+        for backend in self._dirty:
+            known = self._backends.get(backend)
+            if known is not None and known.block_size is not None:
+                self._write_pending(backend, known, known.block_size)
+        self._dirty.clear()
+
+    def _write_pending(self, backend: str, known: _Backend, block_size: int) -> None:
+        if known.pending_remove:
+            removed = np.fromiter(known.pending_remove, dtype=np.uint64, count=len(known.pending_remove))
+            self._exact[block_size].remove_blocks(backend, removed)
+            self._speculative[block_size].remove_blocks(backend, removed)
+            known.pending_remove.clear()
+        if known.pending_insert:
+            inserted = np.fromiter(known.pending_insert, dtype=np.uint64, count=len(known.pending_insert))
+            self._exact[block_size].insert_hashes(backend, inserted)
+            known.pending_insert.clear()
+
     def clear_backend(self, backend: str) -> None:
         """Forget every block of the backend (engine reset or restart, lost history)."""
         known = self._backend(backend)
         known.router_hash.clear()
         known.copies.clear()
+        known.pending_insert.clear()
+        known.pending_remove.clear()
         if known.block_size is not None:
             self._exact[known.block_size].clear(backend)
             self._speculative[known.block_size].clear(backend)
@@ -355,8 +389,8 @@ class PreciseIndex:
             known = self._backends[backend] = _Backend()
         return known
 
-    def _layers_for(self, backend: str, known: _Backend, block_size: int) -> PrefixIndex:
-        """The exact layer for the backend's block size, switching sizes if the engine did."""
+    def _use_block_size(self, backend: str, known: _Backend, block_size: int) -> None:
+        """Index the backend under ``block_size``, starting over if the engine changed it."""
         if known.block_size != block_size:
             if known.block_size is not None:
                 log.warning("kv events of %s: block size %s -> %d", backend, known.block_size, block_size)
@@ -367,7 +401,6 @@ class PreciseIndex:
                 self._speculative[block_size] = PrefixIndex(
                     block_size=block_size, ttl_s=self._speculative_ttl_s, clock=self._clock
                 )
-        return self._exact[block_size]
 
     def _store(self, backend: str, known: _Backend, event: BlockStored) -> None:
         size = event.block_size
@@ -380,21 +413,22 @@ class PreciseIndex:
         ):
             known.ignored_events += 1
             return
-        exact = self._layers_for(backend, known, size)
+        self._use_block_size(backend, known, size)
         if event.lora_name is not None:
             self._lora_names.add(event.lora_name)
         router_hashes = self._router_hashes(known, event)
-        new: list[int] = []
+        held, copies = known.router_hash, known.copies
+        pending_insert, pending_remove = known.pending_insert, known.pending_remove
         for engine_value, router_value in zip(engine_hashes, router_hashes):
-            key = engine_hash(engine_value)
-            if key in known.router_hash:
-                known.copies[key] = known.copies.get(key, 0) + 1
+            key = engine_value if type(engine_value) is int else engine_hash(engine_value)
+            if key in held:
+                copies[key] = copies.get(key, 0) + 1
                 continue
-            known.router_hash[key] = router_value
+            held[key] = router_value
             if router_value is not None:
-                new.append(router_value)
-        if new:
-            exact.insert_hashes(backend, np.array(new, dtype=np.uint64))
+                pending_remove.discard(router_value)
+                pending_insert[router_value] = None
+        self._dirty.add(backend)
 
     def _router_hashes(self, known: _Backend, event: BlockStored) -> list[int | None]:
         """The router's chained hashes of the stored blocks, or Nones when they cannot be
@@ -407,7 +441,7 @@ class PreciseIndex:
             if event.lora_id is not None and event.lora_name is None:
                 return [None] * count  # an adapter known only by number: no request names it
             salt = precise_salt(event.lora_name, _first_block_cache_salt(event))
-            return [int(value) for value in block_hashes(event.token_ids, size, salt)]
+            return block_hashes(event.token_ids, size, salt).tolist()  # type: ignore[no-any-return]
         parent = known.router_hash.get(engine_hash(event.parent_block_hash))
         if parent is None:
             known.unmatchable_stores += 1
@@ -423,23 +457,22 @@ class PreciseIndex:
         if event.medium not in INDEXED_MEDIA or event.group_idx not in (None, 0):
             known.ignored_events += 1
             return
-        gone: list[int] = []
+        held, copies = known.router_hash, known.copies
+        pending_insert, pending_remove = known.pending_insert, known.pending_remove
         for value in event.block_hashes:
-            key = engine_hash(value)
-            extra = known.copies.get(key)
+            key = value if type(value) is int else engine_hash(value)
+            extra = copies.get(key)
             if extra:
                 if extra == 1:
-                    del known.copies[key]
+                    del copies[key]
                 else:
-                    known.copies[key] = extra - 1
+                    copies[key] = extra - 1
                 continue
-            router_value = known.router_hash.pop(key, None)
+            router_value = held.pop(key, None)
             if router_value is not None:
-                gone.append(router_value)
-        if gone and known.block_size is not None:
-            removed = np.array(gone, dtype=np.uint64)
-            self._exact[known.block_size].remove_blocks(backend, removed)
-            self._speculative[known.block_size].remove_blocks(backend, removed)
+                pending_insert.pop(router_value, None)
+                pending_remove.add(router_value)
+        self._dirty.add(backend)
 
     # -- subscriptions ---------------------------------------------------------------
 
