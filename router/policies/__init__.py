@@ -44,13 +44,14 @@ def make_policy(
     settings: Settings,
     working_sets: WorkingSets,
     index_tokens: Callable[[str], int] | None = None,
+    queued_work: Callable[[BackendView], float] | None = None,
 ) -> Policy:
     """A new policy instance by its ``--policy`` name.
 
-    ``working_sets`` is the routing engine's shared conversation ledger and
-    ``index_tokens(url)`` the tokens its prefix index holds per backend; only the
-    cache-aware policies (``cache_aware``, and ``sticky`` for requests without a session
-    key) use them.
+    ``working_sets`` is the routing engine's shared conversation ledger,
+    ``index_tokens(url)`` the tokens its prefix index holds per backend and
+    ``queued_work(backend)`` the work in flight there; only the cache-aware policies
+    (``cache_aware``, and ``sticky`` for requests without a session key) use them.
     """
     if name in LOAD_ONLY_POLICIES:
         return LOAD_ONLY_POLICIES[name]()
@@ -60,6 +61,7 @@ def make_policy(
             load_weight=settings.load_weight,
             overload_factor=settings.overload_factor,
             index_tokens=index_tokens,
+            queued_work=queued_work,
         )
         if name == "cache_aware":
             return cache_aware

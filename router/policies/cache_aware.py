@@ -17,11 +17,17 @@ router's rule, which throws affinity away whenever load is a little uneven).
     backend, so a burst of siblings co-locates before the first one completes.
 
 ``queued_b``
-    The work this router has in flight on ``b`` (``BackendView.in_flight_tokens``: for
-    each request, its predicted uncached prompt tokens plus its expected output tokens),
-    plus, when the engine's ``/metrics`` were scraped, the requests waiting in the engine
-    beyond those this router knows of (``engine_waiting - in_flight``, other clients or
-    router replicas), each counted as one average request of this router.
+    The work this router has in flight on ``b``: for each request routed there and not
+    yet finished, its predicted *uncached* prompt tokens plus its expected output tokens
+    (the routing engine counts them from its own decisions; a cached prefix is no work,
+    so counting whole prompts would make a replica that serves long cached histories look
+    busy and chase conversations away from their caches). Plus, when the engine's
+    ``/metrics`` were scraped, the requests waiting in the engine beyond those this router
+    knows of (``engine_waiting - in_flight``: other clients or router replicas), each
+    counted as one average request of this router. Minus the part of this request's match
+    that requests in flight on ``b`` are still computing: a sibling sent behind a request
+    that is prefilling their shared prefix shares that work instead of waiting for it (it
+    would compute the same prefix anywhere else), so a burst of siblings co-locates.
 
 ``capacity_b``
     What the placement does to the replicas' caches. :class:`WorkingSets` records where
@@ -73,8 +79,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from router.policies.base import BackendView, Decision, Policy, RouteRequest
 
@@ -266,9 +272,13 @@ class WorkingSets:
 
 @dataclass(slots=True)
 class CacheRequest(RouteRequest):
-    """A :class:`RouteRequest` with the conversation the routing engine found for it."""
+    """A :class:`RouteRequest` with what the routing engine knows beyond the prefix match."""
 
+    #: The conversation this request continues (or begins).
     conversation: Conversation | None = None
+    #: Per backend, the tokens of its match that requests in flight there are still
+    #: computing: work this request would share rather than wait behind.
+    computing_tokens: Mapping[str, int] = field(default_factory=dict)
 
 
 class CacheAware(Policy):
@@ -284,19 +294,25 @@ class CacheAware(Policy):
         load_weight: float = 1.0,
         overload_factor: float = 2.0,
         index_tokens: Callable[[str], int] | None = None,
+        queued_work: Callable[[BackendView], float] | None = None,
     ) -> None:
         self._working_sets = working_sets
         self._load_weight = load_weight
         self._overload_factor = overload_factor
         # Tokens the prefix index holds per backend, for the tie-break on free cache.
         self._index_tokens = index_tokens or (lambda url: 0)
+        # Work in flight per backend; the routing engine counts predicted uncached tokens.
+        self._queued_work = queued_work or (lambda backend: backend.in_flight_tokens)
         self._turn = 0
         self._mean_work = 0.0
 
     def choose(self, request: RouteRequest, candidates: Sequence[BackendView]) -> Decision:
         prompt = request.prompt_tokens or 0
         matched = request.matched_tokens
-        conversation = request.conversation if isinstance(request, CacheRequest) else None
+        if isinstance(request, CacheRequest):
+            conversation, computing = request.conversation, request.computing_tokens
+        else:
+            conversation, computing = None, {}
         working_sets = self._working_sets
         count = len(candidates)
         start = self._turn % count
@@ -323,7 +339,8 @@ class CacheAware(Policy):
             backend = candidates[(start + offset) % count]
             url = backend.url
             capacity = backend.capacity_tokens
-            plain = prompt - matched.get(url, 0) + load_weight * self._queued_tokens(backend)
+            queued = self._queued_tokens(backend) - computing.get(url, 0)
+            plain = prompt - matched.get(url, 0) + load_weight * max(0.0, queued)
             cost = plain
             if conversation is not None:
                 cost += working_sets.placement_cost(conversation, prompt, url, capacity)
@@ -358,7 +375,7 @@ class CacheAware(Policy):
         return Decision(chosen.url, reason, chosen_match)
 
     def _queued_tokens(self, backend: BackendView) -> float:
-        queued = float(backend.in_flight_tokens)
+        queued = float(self._queued_work(backend))
         waiting = backend.engine_waiting
         if waiting is not None and waiting > backend.in_flight:
             queued += (waiting - backend.in_flight) * self._mean_work
