@@ -299,6 +299,7 @@ class SubscriberStats:
     restarts: int = 0
     disconnects: int = 0
     replay_failures: int = 0
+    apply_errors: int = 0
 
 
 class ReplayFailed(RuntimeError):
@@ -463,7 +464,14 @@ class KVEventSubscriber:
             log.warning("kv events of %s: skipping batch %d: %s", self.backend, seq, exc)
             return
         self.stats.events += len(batch.events)
-        self._sink.apply_events(self.backend, batch.events)
+        try:
+            self._sink.apply_events(self.backend, batch.events)
+        except Exception:
+            # Never let one bad batch stop the stream; what it held is unknown now.
+            log.exception("kv events of %s: cannot apply batch %d", self.backend, seq)
+            self.stats.apply_errors += 1
+            self._sink.clear_backend(self.backend)
+            self._complete = False
 
     def _engine_restarted(self) -> None:
         log.info("kv events of %s: engine restarted, clearing its blocks", self.backend)
@@ -527,7 +535,10 @@ class KVEventSubscriber:
         dealer.connect(self.replay_endpoint)
         replayed: list[tuple[int, bytes]] = []
         try:
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            try:
+                await asyncio.wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), self._replay_timeout_s)
+            except TimeoutError as exc:
+                raise ReplayFailed(f"cannot reach {self.replay_endpoint}") from exc
             while True:
                 try:
                     frames = await asyncio.wait_for(dealer.recv_multipart(), self._replay_timeout_s)

@@ -331,12 +331,16 @@ class PreciseIndex:
         """
         known = self._backend(backend)
         for event in events:
-            if isinstance(event, BlockStored):
-                self._store(backend, known, event)
-            elif isinstance(event, BlockRemoved):
-                self._remove(backend, known, event)
-            elif isinstance(event, AllBlocksCleared):
-                self.clear_backend(backend)
+            try:
+                if isinstance(event, BlockStored):
+                    self._store(backend, known, event)
+                elif isinstance(event, BlockRemoved):
+                    self._remove(backend, known, event)
+                elif isinstance(event, AllBlocksCleared):
+                    self.clear_backend(backend)
+            except (OverflowError, ValueError, TypeError):
+                # Token ids or hashes outside 64 bits: not from a well-behaved engine.
+                known.ignored_events += 1
 
     def flush(self) -> None:
         """Write the pending net changes of every backend to the index layers."""

@@ -185,7 +185,11 @@ def test_malformed_stores_are_ignored() -> None:
     index = precise_index(BACKEND)
     index.apply_events(BACKEND, [stored([1, 2], tokens(10, BS))])  # tokens for one block only
     index.apply_events(BACKEND, [stored([1], tokens(10, BS), block_size=0)])
+    index.apply_events(BACKEND, [stored([1], [-1] * BS), stored([2], [2**70] * BS)])  # not token ids
     assert index.engine_blocks(BACKEND) == 0
+    prompt = tokens(11, BS)
+    index.apply_events(BACKEND, [stored([3], prompt)])  # and the index still works
+    assert matched(index, prompt) == {BACKEND: BS}
 
 
 def test_the_stream_state_decides_which_index_answers() -> None:
