@@ -2,8 +2,8 @@
 
 A benchmark needs the same engines behind every target, with caches emptied in between:
 
-- :class:`SimFleet` starts R ``kvroute sim-engine`` replicas and restarts them for a fresh
-  start (empty cache, zero queue, counters from zero);
+- :class:`SimFleet` starts R ``kvroute sim-engine`` replicas and empties their caches
+  between targets with ``POST /reset_prefix_cache`` (restarting any replica that died);
 - :class:`ExternalFleet` uses engines that are already running (real vLLM or SGLang) and
   empties their caches with ``POST /reset_prefix_cache`` (vLLM needs
   ``VLLM_SERVER_DEV_MODE=1`` for that endpoint);
@@ -180,8 +180,20 @@ class SimSpec:
         return _kvroute(*args)
 
 
+async def reset_prefix_caches(urls: Sequence[str]) -> None:
+    """``POST /reset_prefix_cache`` on every engine (vLLM's dev endpoint, the sim's own)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client:
+        for url in urls:
+            async with client.post(url + "/reset_prefix_cache") as response:
+                if response.status >= 400:
+                    raise FleetError(
+                        f"{url}/reset_prefix_cache answered {response.status}; for vLLM "
+                        "start it with VLLM_SERVER_DEV_MODE=1, or restart it between targets"
+                    )
+
+
 class SimFleet:
-    """R simulated replicas; :meth:`fresh` restarts them (empty caches, counters at zero)."""
+    """R simulated replicas; :meth:`fresh` starts them or empties their caches."""
 
     def __init__(self, spec: SimSpec) -> None:
         self.spec = spec
@@ -201,6 +213,10 @@ class SimFleet:
         return self.spec.kv_capacity_tokens
 
     async def fresh(self) -> None:
+        """Empty caches: reset the running replicas, or (re)start them if any is gone."""
+        if self.processes and all(p.process.poll() is None for p in self.processes):
+            await reset_prefix_caches(self.urls)
+            return
         self.stop()
         self.processes = [
             ManagedProcess(f"sim-{number}", self.spec.argv(port), url)
@@ -227,14 +243,7 @@ class ExternalFleet:
         return list(self._urls)
 
     async def fresh(self) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client:
-            for url in self._urls:
-                async with client.post(url + "/reset_prefix_cache") as response:
-                    if response.status >= 400:
-                        raise FleetError(
-                            f"{url}/reset_prefix_cache answered {response.status}; for vLLM "
-                            "start it with VLLM_SERVER_DEV_MODE=1, or restart it between targets"
-                        )
+        await reset_prefix_caches(self._urls)
 
     def stop(self) -> None:
         """Nothing to stop: these engines belong to the user."""

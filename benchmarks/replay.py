@@ -65,7 +65,7 @@ class ReplayResult:
 
 
 class Progress:
-    """A one-line progress bar on stderr (a line per 10 % when stderr is not a terminal)."""
+    """A one-line progress bar on stderr (a line per quarter when stderr is not a terminal)."""
 
     def __init__(self, total: int, label: str, stream: TextIO | None = None) -> None:
         self.total = max(1, total)
@@ -75,7 +75,7 @@ class Progress:
         self._stream = stream or sys.stderr
         self._tty = self._stream.isatty()
         self._last_draw = 0.0
-        self._last_tenth = -1
+        self._last_quarter = 0
 
     def advance(self, ok: bool) -> None:
         self.done += 1
@@ -89,9 +89,9 @@ class Progress:
                 f"{self.done}/{self.total} errors {self.errors}"
             )
             self._stream.flush()
-        tenth = 10 * self.done // self.total
-        if not self._tty and tenth != self._last_tenth:
-            self._last_tenth = tenth
+        quarter = 4 * self.done // self.total
+        if not self._tty and quarter != self._last_quarter:
+            self._last_quarter = quarter
             self._stream.write(f"  {self.label}: {self.done}/{self.total} errors {self.errors}\n")
             self._stream.flush()
 

@@ -157,6 +157,8 @@ class WorkloadOptions:
     users: int = 8
     turns: int = 4
     system_tokens: int = 4000
+    user_tokens: int | None = None  # None: the workload's own default
+    reply_tokens: int | None = None
     conversations: int = 16
     sessions: tuple[int, ...] = (4, 8, 16, 32)
     agent_turns: int = 8
@@ -285,16 +287,22 @@ def make_workloads(spec: str, options: WorkloadOptions) -> list[Workload]:
     """The workload(s) a ``--workload`` value names; agent-sessions gives one per S."""
     kind, _, argument = spec.partition(":")
     seed, model, limit = options.seed, options.model, options.limit
+    sizes = {
+        name: value for name, value in
+        (("user_tokens", options.user_tokens), ("reply_tokens", options.reply_tokens))
+        if value is not None
+    }
     if kind == "system-prompt":
         requests = system_prompt(
             users=options.users, turns=options.turns, system_tokens=options.system_tokens,
-            model=model, seed=seed,
+            model=model, seed=seed, **sizes,
         )
         description = f"{options.users} users x {options.turns} turns, one system prompt"
         return [Workload(kind, kind, _limited(requests, limit), description=description)]
     if kind == "multi-turn":
         requests = multi_turn(
-            conversations=options.conversations, turns=options.turns, model=model, seed=seed
+            conversations=options.conversations, turns=options.turns, model=model, seed=seed,
+            **sizes,
         )
         description = f"{options.conversations} conversations x {options.turns} turns"
         return [Workload(kind, kind, _limited(requests, limit), description=description)]
