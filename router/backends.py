@@ -9,15 +9,26 @@ The :class:`BackendPool` is the registry: add, remove, drain, and the hot-path q
 "which backends may take a request for this model?" (:meth:`BackendPool.candidates`),
 answered from a cache that every membership, health or model change invalidates.
 Listeners registered with :meth:`BackendPool.on_removed` drop their per-backend state
-(metrics series, prefix index entries, policy state) when a backend leaves.
+(metrics series, prefix index entries, policy state) when a backend leaves -- once its
+last in-flight request has finished, so those requests' bookkeeping finds it still there.
+
+Two gates decide whether a backend takes new requests: its health (active ``/health``
+checks, plus connection failures of real requests) and its circuit breaker
+(:mod:`router.breaker`: consecutive failed requests eject it for a cooldown, then one
+probe request decides). The proxy reports every attempt's outcome with
+:meth:`BackendPool.request_succeeded` / :meth:`~BackendPool.request_failed` /
+:meth:`~BackendPool.request_abandoned`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from router.breaker import BreakerState, CircuitBreaker
 
 log = logging.getLogger("kvroute.backends")
 
@@ -41,6 +52,8 @@ class BackendState:
     engine_prefix_cache_hit_ratio: float | None
     index_tokens: int
     consecutive_failures: int
+    breaker: str
+    breaker_trips: int
 
 
 class Backend:
@@ -63,6 +76,7 @@ class Backend:
         "engine_prefix_cache_hit_ratio",
         "consecutive_failures",
         "consecutive_successes",
+        "breaker",
         "_configured_capacity",
         "_scraped_capacity",
         "_default_capacity",
@@ -76,6 +90,7 @@ class Backend:
         kv_events_endpoint: str | None = None,
         capacity_tokens: int | None = None,
         default_capacity_tokens: int | None = None,
+        breaker: CircuitBreaker | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.api_key = api_key
@@ -95,6 +110,8 @@ class Backend:
         self.engine_prefix_cache_hit_ratio: float | None = None
         self.consecutive_failures = 0
         self.consecutive_successes = 0
+        #: Replaced by the pool's own (its thresholds) when the backend joins a pool.
+        self.breaker = breaker or CircuitBreaker(threshold=5, cooldown_s=10.0)
         self._configured_capacity = capacity_tokens
         self._scraped_capacity: int | None = None
         self._default_capacity = default_capacity_tokens
@@ -149,21 +166,35 @@ class Backend:
             engine_prefix_cache_hit_ratio=self.engine_prefix_cache_hit_ratio,
             index_tokens=self.index_tokens,
             consecutive_failures=self.consecutive_failures,
+            breaker=self.breaker.state.name.lower(),
+            breaker_trips=self.breaker.trips,
         )
 
 
 class BackendPool:
     """The set of backends and their health bookkeeping; see the module docstring."""
 
-    def __init__(self, *, unhealthy_after: int = 3, healthy_after: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        unhealthy_after: int = 3,
+        healthy_after: int = 2,
+        breaker_failures: int = 5,
+        breaker_cooldown_s: float = 10.0,
+    ) -> None:
         self._backends: dict[str, Backend] = {}
         self._unhealthy_after = unhealthy_after
         self._healthy_after = healthy_after
+        self._breaker_failures = breaker_failures
+        self._breaker_cooldown_s = breaker_cooldown_s
+        # The earliest moment an open breaker turns half-open (None: no breaker is open).
+        self._breaker_deadline: float | None = None
         # model -> eligible backends; only models some backend serves are cached, so
         # clients sending random model names cannot grow it.
         self._candidates: dict[str | None, list[Backend]] = {}
         self._on_added: list[BackendListener] = []
         self._on_removed: list[BackendListener] = []
+        self._on_changed: list[Callable[[], None]] = []
 
     # --- membership ------------------------------------------------------------------
     def __iter__(self) -> Iterator[Backend]:
@@ -187,10 +218,15 @@ class BackendPool:
         """Call ``listener(backend)`` whenever a backend leaves the pool (drop its state)."""
         self._on_removed.append(listener)
 
+    def on_changed(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` whenever the set of backends that may take requests changed."""
+        self._on_changed.append(listener)
+
     def add(self, backend: Backend) -> None:
         """Add a backend (its health and models already probed by the caller)."""
         if backend.url in self._backends:
             raise ValueError(f"backend {backend.url} is already in the pool")
+        backend.breaker = CircuitBreaker(self._breaker_failures, self._breaker_cooldown_s)
         self._backends[backend.url] = backend
         self._changed()
         log.info("backend added: %s (%s)", backend.url, "healthy" if backend.healthy else "unhealthy")
@@ -198,15 +234,25 @@ class BackendPool:
             listener(backend)
 
     def remove(self, url: str) -> Backend | None:
-        """Remove a backend now; requests already running there finish on their own."""
+        """Remove a backend now; requests already running there finish on their own.
+
+        Listeners hear of the removal once those requests are done, so their metrics
+        and routing feedback land before the backend's state is dropped (and not after,
+        which would bring its series back for good).
+        """
         backend = self._backends.pop(url.rstrip("/"), None)
         if backend is None:
             return None
+        backend.draining = True
         self._changed()
-        log.info("backend removed: %s", backend.url)
+        log.info("backend removed: %s (%d in flight)", backend.url, backend.in_flight)
+        if backend.in_flight == 0:
+            self._notify_removed(backend)
+        return backend
+
+    def _notify_removed(self, backend: Backend) -> None:
         for listener in self._on_removed:
             listener(backend)
-        return backend
 
     def drain(self, url: str) -> Backend | None:
         """Stop routing new requests to a backend; it leaves the pool once idle."""
@@ -223,26 +269,92 @@ class BackendPool:
 
     # --- the hot path ------------------------------------------------------------------
     def candidates(self, model: str | None) -> list[Backend]:
-        """Healthy, non-draining backends serving ``model``, in pool order. Do not mutate."""
+        """Healthy, non-draining backends serving ``model`` whose breaker admits requests,
+        in pool order. Do not mutate."""
+        deadline = self._breaker_deadline
+        if deadline is not None and time.monotonic() >= deadline:
+            self._tick_breakers()
         cached = self._candidates.get(model)
         if cached is not None:
             return cached
-        eligible = [b for b in self._backends.values() if b.healthy and not b.draining and b.serves(model)]
+        eligible = [
+            b for b in self._backends.values() if b.healthy and not b.draining and b.breaker.admits and b.serves(model)
+        ]
         if eligible:
             self._candidates[model] = eligible
         return eligible
 
     def acquire(self, backend: Backend, tokens: int) -> None:
-        """A request was sent to ``backend``: count it as in flight."""
+        """A request was sent to ``backend``: count it as in flight (and as the breaker's probe)."""
         backend.in_flight += 1
         backend.in_flight_tokens += tokens
+        breaker = backend.breaker
+        if breaker.state is not BreakerState.CLOSED and breaker.on_dispatch():
+            self._changed()
 
     def release(self, backend: Backend, tokens: int) -> None:
-        """That request finished (in any way); a draining backend leaves once idle."""
+        """That request finished (in any way); a draining or removed backend leaves once idle."""
         backend.in_flight -= 1
         backend.in_flight_tokens -= tokens
-        if backend.draining and backend.in_flight == 0 and self._backends.get(backend.url) is backend:
-            self.remove(backend.url)
+        if backend.draining and backend.in_flight == 0:
+            current = self._backends.get(backend.url)
+            if current is backend:
+                self.remove(backend.url)
+            elif current is None:  # removed earlier; not re-added under the same URL since
+                self._notify_removed(backend)
+
+    # --- request outcomes (the circuit breaker) ------------------------------------------
+    def request_succeeded(self, backend: Backend) -> None:
+        """The engine answered (any status below 500): it works."""
+        if backend.consecutive_failures:
+            backend.consecutive_failures = 0
+        breaker = backend.breaker
+        if (breaker.failures or breaker.state is not BreakerState.CLOSED) and breaker.on_success():
+            log.warning("backend %s: probe request succeeded, circuit closed", backend.url)
+            self._changed()
+
+    def request_failed(self, backend: Backend, *, unreachable: bool = False) -> None:
+        """A request failed because of the engine (5xx, timeout, broken answer).
+
+        ``unreachable``: the engine could not be reached at all (refused, reset), which
+        also counts toward its health like a failed health check.
+        """
+        if unreachable:
+            self.record_failure(backend)
+        breaker = backend.breaker
+        was_probe = breaker.state is BreakerState.HALF_OPEN
+        if breaker.on_failure(time.monotonic()):
+            reopens_at = breaker.reopens_at
+            assert reopens_at is not None
+            log.warning(
+                "backend %s ejected for %.1f s: %s", backend.url, reopens_at - time.monotonic(),
+                "its probe request failed" if was_probe else "consecutive requests failed",
+            )
+            if self._breaker_deadline is None or reopens_at < self._breaker_deadline:
+                self._breaker_deadline = reopens_at
+            self._changed()
+
+    def request_abandoned(self, backend: Backend) -> None:
+        """The request ended without a verdict on the engine (its client went away)."""
+        breaker = backend.breaker
+        if breaker.state is BreakerState.HALF_OPEN and breaker.on_abandoned():
+            self._changed()
+
+    def _tick_breakers(self) -> None:
+        now = time.monotonic()
+        changed = False
+        deadline: float | None = None
+        for backend in self._backends.values():
+            breaker = backend.breaker
+            if breaker.tick(now):
+                changed = True
+                log.warning("backend %s: cooldown over, the next request probes it", backend.url)
+            reopens_at = breaker.reopens_at
+            if reopens_at is not None and (deadline is None or reopens_at < deadline):
+                deadline = reopens_at
+        self._breaker_deadline = deadline
+        if changed:
+            self._changed()
 
     # --- health ----------------------------------------------------------------------
     def record_success(self, backend: Backend, *, active: bool) -> None:
@@ -305,3 +417,5 @@ class BackendPool:
 
     def _changed(self) -> None:
         self._candidates.clear()
+        for listener in self._on_changed:
+            listener()
