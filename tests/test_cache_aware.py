@@ -288,3 +288,16 @@ def test_single_request_of_a_new_conversation_does_not_count(count: int) -> None
         assert conversation is not None
         working_sets.record(conversation, "http://b0", 5000, number + 100)
     assert working_sets.demand("http://b0") == (0, 0)
+
+
+def test_overflow_conversations_are_credited_the_recovery_of_a_thrashing_backend() -> None:
+    working_sets = WorkingSets()
+    fleet = backends(2, capacity=10_000)
+    joined = [_settle(working_sets, key, "http://b0", 3000) for key in "abcdef"]  # 18K of 10K
+    resident, overflow = joined[0], joined[-1]
+    # b0 re-prefills all 18K a round until its 3 overflow conversations leave: a third each.
+    assert working_sets.relief(overflow, 10_000) == -6000
+    assert working_sets.relief(resident, 10_000) == -3000  # what its own departure changes
+    # One departure alone does not stop the thrashing, yet the overflow leaves for room elsewhere.
+    leaves = CacheAware(working_sets).choose(request(3200, {"http://b0": 2000}, conversation=overflow), fleet)
+    assert (leaves.backend, leaves.reason) == ("http://b1", "capacity")

@@ -153,14 +153,15 @@ class WorkingSets:
         self._conversations: OrderedDict[str, Conversation] = OrderedDict()  # least recent first
         self._leaves: dict[int, str] = {}
         self._tokens: dict[str, int] = {}
-        self._counts: dict[str, int] = {}
+        # Per backend its counted conversations in the order they joined it (key -> it).
+        self._members: dict[str, dict[str, Conversation]] = {}
 
     def __len__(self) -> int:
         return len(self._conversations)
 
     def demand(self, backend: str) -> tuple[int, int]:
         """``(tokens, conversations)`` counted on ``backend``."""
-        return self._tokens.get(backend, 0), self._counts.get(backend, 0)
+        return self._tokens.get(backend, 0), len(self._members.get(backend, ()))
 
     def find(
         self, session_key: str | None, hashes: Sequence[int], shared_tokens: int
@@ -193,7 +194,7 @@ class WorkingSets:
         self, conversation: Conversation, prompt_tokens: int, backend: str, capacity_tokens: int | None
     ) -> int:
         """Change of ``backend``'s thrash loss if ``conversation`` continues there."""
-        tokens, count = self._tokens.get(backend, 0), self._counts.get(backend, 0)
+        tokens, count = self.demand(backend)
         size = max(0, prompt_tokens - conversation.shared_tokens)
         if conversation.counted and conversation.backend == backend:
             after = thrash_loss(tokens - conversation.tokens + size, count, capacity_tokens)
@@ -202,28 +203,51 @@ class WorkingSets:
         return after - thrash_loss(tokens, count, capacity_tokens)
 
     def relief(self, conversation: Conversation, capacity_tokens: int | None) -> int:
-        """Change (<= 0) of the home backend's loss if ``conversation`` leaves it."""
+        """What leaving its home backend saves (<= 0, tokens re-prefilled per round).
+
+        A thrashing backend recovers only once enough conversations leave, so a single
+        departure is credited with a share of that recovery: the conversations that joined
+        first and fit in the cache are its residents, the later ones its overflow, and each
+        overflow conversation is credited an equal share of the whole loss. A resident is
+        credited what its own departure changes.
+        """
         home = conversation.backend
         if home is None or not conversation.counted:
             return 0
-        tokens, count = self._tokens.get(home, 0), self._counts.get(home, 0)
-        before = thrash_loss(tokens, count, capacity_tokens)
-        return thrash_loss(tokens - conversation.tokens, count - 1, capacity_tokens) - before
+        tokens, count = self.demand(home)
+        loss = thrash_loss(tokens, count, capacity_tokens)
+        if loss == 0 or capacity_tokens is None:
+            return 0
+        resident_tokens = 0
+        for position, member in enumerate(self._members[home].values()):
+            resident_tokens += member.tokens
+            if resident_tokens > capacity_tokens:
+                overflow = count - position
+                break
+            if member is conversation:
+                return thrash_loss(tokens - conversation.tokens, count - 1, capacity_tokens) - loss
+        else:
+            return 0
+        return -(loss // overflow)
 
     def record(self, conversation: Conversation, backend: str, prompt_tokens: int, leaf: int | None) -> None:
         """``conversation``'s request of ``prompt_tokens`` went to ``backend``."""
         now = self._clock()
-        if conversation.counted and conversation.backend is not None:
+        stays = conversation.counted and conversation.backend == backend
+        if conversation.counted and not stays:
             self._uncount(conversation)
         # A retry of the same request (same last block) is not a new turn.
         if not (conversation.turns and leaf is not None and leaf == conversation.leaf):
             conversation.turns += 1
+        size = max(0, prompt_tokens - conversation.shared_tokens)
+        if stays:  # keeps its place in its backend's join order
+            self._tokens[backend] += size - conversation.tokens
+        elif conversation.counted:
+            self._tokens[backend] = self._tokens.get(backend, 0) + size
+            self._members.setdefault(backend, {})[conversation.key] = conversation
         conversation.backend = backend
-        conversation.tokens = max(0, prompt_tokens - conversation.shared_tokens)
+        conversation.tokens = size
         conversation.last_seen = now
-        if conversation.counted:
-            self._tokens[backend] = self._tokens.get(backend, 0) + conversation.tokens
-            self._counts[backend] = self._counts.get(backend, 0) + 1
         if leaf != conversation.leaf:
             if self._leaves.get(conversation.leaf) == conversation.key:  # type: ignore[arg-type]
                 del self._leaves[conversation.leaf]  # type: ignore[arg-type]
@@ -244,14 +268,13 @@ class WorkingSets:
             if conversation.backend == backend:
                 conversation.backend = None
         self._tokens.pop(backend, None)
-        self._counts.pop(backend, None)
+        self._members.pop(backend, None)
 
     def _uncount(self, conversation: Conversation) -> None:
-        backend = conversation.backend
-        if backend is None or backend not in self._counts:
+        members = self._members.get(conversation.backend)  # type: ignore[arg-type]
+        if members is None or members.pop(conversation.key, None) is None:
             return
-        self._tokens[backend] -= conversation.tokens
-        self._counts[backend] -= 1
+        self._tokens[conversation.backend] -= conversation.tokens  # type: ignore[index]
 
     def _drop(self, conversation: Conversation) -> None:
         if conversation.counted:
