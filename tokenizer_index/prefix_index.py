@@ -24,15 +24,22 @@ Semantics (``tests/reference_index.py`` is the executable specification):
   block is inserted again (an engine that keeps a child block behaves the same way).
 
 Layout (numpy, no per-block Python objects): one table of every held block, hash -> slot
-with a bitmask of its holders (``(8 + 8 * words)`` bytes per slot, ``words = ceil(backends
-/ 64)``), and per backend a table of block slot -> LRU tick (``4 + 4`` bytes per slot) plus
-an append-only log of ticks (4 bytes per touch, compacted when half stale). Both tables
-are two-choice hash tables with 8-slot buckets (a lookup reads two cache lines, deletion
-leaves no tombstone), kept between 40 % and 60 % full. Per cached backend-block that is
-at most ``16 / 0.4 + 8 / 0.4 + 8 = 68`` bytes when no two backends share a block and
-typically ~45-55; a block shared by several backends costs its 16-byte row only once.
-``stats().bytes`` reports the exact total; ``python -m benchmarks.bench_index`` measures it.
-Memory is bounded by the capacities: removing a backend frees everything of it.
+with a bitmask of its holders (``8 + 8 * words`` bytes per slot, ``words = ceil(backends /
+64)``), and per backend a table of block slot -> LRU tick (``4 + 4`` bytes per slot) plus
+an append-only log of ticks (4 bytes per touch, compacted when full of stale entries).
+Both tables are open addressing over 8-slot buckets (a lookup reads one cache line for
+nearly every key; deletion leaves no tombstone) and are kept between 40 % and 60 % full.
+Per cached backend-block that is ``16 / 0.4 + 8 / 0.4 + 4..8 = 64..68`` bytes at worst
+(no two backends share a block, both tables just grown) and about 50-60 on average; a
+block several backends hold costs its 16-byte row once. ``stats().bytes`` is the exact
+total; ``python -m benchmarks.bench_index`` measured 59.5 bytes per backend-block at 1M
+blocks over 16 backends. Memory is bounded by the capacities; removing a backend frees
+everything of it (its block table slots are reused; the table itself never shrinks).
+
+Cost per call is a few dozen numpy passes over the request's blocks, mostly random reads
+of the tables: the router hashes once and calls :meth:`PrefixIndex.match_hashes` and
+:meth:`PrefixIndex.insert_hashes` with the same array, and the insert reuses the match's
+lookups.
 """
 
 from __future__ import annotations
@@ -51,17 +58,24 @@ from tokenizer_index.hashing import block_hashes
 __all__ = ["IndexStats", "PrefixIndex"]
 
 EvictCallback = Callable[[str, np.ndarray], None]
+HashesAt = Callable[[np.ndarray], np.ndarray]  # block slots -> their hashes
 
 _BUCKET = 8  # slots per bucket: 64 bytes of uint64 keys, one cache line
 _MAX_LOAD = 0.6  # grow a table past this fill
 _TARGET_LOAD = 0.4  # ... to this fill
-_FAIL_GROWTH = 1.25  # both candidate buckets full (rare at <= 60 %): grow by this much
 # Per-process secret placement of keys into buckets (odd multipliers for multiply-shift).
-_PLACEMENT_SALTS = np.frombuffer(os.urandom(16), dtype=np.uint64).copy()
-_PLACEMENT_MULTIPLIERS = np.frombuffer(os.urandom(16), dtype=np.uint64) | np.uint64(1)
+_PLACEMENT_SALT = np.frombuffer(os.urandom(8), dtype=np.uint64)[0]
+_PLACEMENT_MULTIPLIER = np.frombuffer(os.urandom(8), dtype=np.uint64)[0] | np.uint64(1)
 _SHIFT32 = np.uint64(32)
+_SHIFT56 = np.uint64(56)
+_BYTE_INDEX = np.uint64(0x0001020304050607)
+_BYTES_AS_WORD = np.dtype("<u8")
 _NO_TICK = np.uint32(0xFFFFFFFF)
-_FIRST_CHUNK = 32  # blocks looked up before the match walk widens its chunks (x4 each)
+# Per occupancy byte of a bucket: its first free slot; and the bit of each slot.
+_FIRST_FREE = np.array([((~bits) & (bits + 1)).bit_length() - 1 if bits != 0xFF else 0 for bits in range(256)], dtype=np.int64)
+_SLOT_BIT = np.array([1 << column for column in range(_BUCKET)], dtype=np.uint8)
+_SLOT_CLEAR = ~_SLOT_BIT
+_FIRST_CHUNK = 256  # blocks looked up before the match walk widens its chunks (x4 each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,25 +107,35 @@ class IndexStats:
 class _BucketSet:
     """A set of nonzero integer keys with stable slot numbers, for batches of keys.
 
-    Two-choice hashing with 8-slot buckets: a key lives in one of two buckets picked from
-    64 random bits (its block hash), inserted into the emptier one. A lookup reads both
-    buckets of every key in one gather; a deletion just zeroes the slot. Callers keep
-    per-slot data in arrays of length :attr:`slots`. Keys are never duplicated in the
-    table; ``count`` may overcount when one batch adds the same key twice (it only sizes
-    the table, see :meth:`live`).
+    Open addressing over 8-slot buckets (64 bytes of uint64 keys: one cache line): a key
+    lives in its home bucket, or if that was full when it came, in the next bucket with
+    room. ``spills[b]`` counts the keys that passed bucket ``b`` that way, so a lookup reads
+    one cache line for nearly every key and goes on only past buckets whose count is not
+    zero. Deleting a key zeroes its slot and takes it off the counts it added: no
+    tombstones, no periodic cleanup. One byte per bucket marks its occupied slots, so an
+    insert finds its slot from that byte. Callers keep per-slot data in arrays of length
+    :attr:`slots`. Keys are never duplicated in the table; ``count`` may overcount when one
+    batch adds the same key twice (it only sizes the table; :meth:`live` is exact).
     """
 
-    __slots__ = ("keys", "flat", "count", "_buckets_u64")
+    __slots__ = ("keys", "flat", "occupied", "spills", "count", "_buckets", "_buckets_u64")
 
     def __init__(self, buckets: int, dtype: type[np.unsignedinteger]) -> None:
         self.keys = np.zeros((buckets, _BUCKET), dtype=dtype)
         self.flat = self.keys.reshape(-1)
+        self.occupied = np.zeros(buckets, dtype=np.uint8)  # bit j: slot j of the bucket
+        self.spills = np.zeros(buckets, dtype=np.uint16)
         self.count = 0
+        self._buckets = buckets
         self._buckets_u64 = np.uint64(buckets)
 
     @property
     def slots(self) -> int:
         return len(self.flat)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.occupied.nbytes + self.spills.nbytes
 
     def needs_room(self, incoming: int) -> bool:
         """Whether adding ``incoming`` keys would fill the table past its maximum load."""
@@ -121,55 +145,110 @@ class _BucketSet:
         """Slots holding a key."""
         return np.flatnonzero(self.flat)
 
-    def find(self, keys: np.ndarray, hashes: np.ndarray) -> np.ndarray:
-        """Slot of each key (int64), -1 where absent. ``hashes`` place the keys."""
-        pairs = self._bucket_pairs(hashes)
-        rows = np.take(self.keys, pairs, axis=0).reshape(len(keys), 2 * _BUCKET)
-        hits = np.flatnonzero(rows == keys[:, None])
-        found = np.full(len(keys), -1, dtype=np.int64)
-        found[hits >> 4] = pairs.reshape(-1)[hits >> 3] * _BUCKET + (hits & 7)
+    def find(self, keys: np.ndarray, spread: np.ndarray) -> np.ndarray:
+        """Slot of each key (int64), -1 where absent."""
+        buckets = self._home(spread)
+        found = self._find_in(buckets, keys)
+        go_on = found < 0
+        go_on &= self.spills[buckets] != 0
+        pending = np.flatnonzero(go_on)
+        buckets = buckets[pending]
+        while len(pending):  # the few keys whose bucket overflowed: look in the next one
+            buckets = self._next(buckets)
+            further = self._find_in(buckets, keys[pending])
+            found[pending] = further
+            go_on = further < 0
+            go_on &= self.spills[buckets] != 0
+            pending, buckets = pending[go_on], buckets[go_on]
         return found
 
-    def add(self, keys: np.ndarray, hashes: np.ndarray) -> np.ndarray:
-        """Insert keys known to be absent; their slots, -1 where both buckets were full."""
-        pairs = self._bucket_pairs(hashes)
-        placed = np.full(len(keys), -1, dtype=np.int64)
+    def _find_in(self, buckets: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """Slot of each key within its given bucket, -1 where not there."""
+        rows = np.take(self.keys, buckets, axis=0)
+        # One byte per slot, 1 where equal: read as a little-endian word, a hit in slot j
+        # is 1 << 8j, and multiplying by 0x0001020304050607 brings j to the top byte.
+        matches = (rows == keys[:, None]).view(_BYTES_AS_WORD)[:, 0]
+        column = matches * _BYTE_INDEX
+        column >>= _SHIFT56
+        found = buckets * _BUCKET
+        found += column.view(np.int64)
+        found[matches == 0] = -1
+        return found
+
+    def add(self, keys: np.ndarray, spread: np.ndarray) -> np.ndarray:
+        """Insert keys known to be absent (the table must have room); their slots."""
+        placed = np.empty(len(keys), dtype=np.int64)
         pending = np.arange(len(keys))
+        buckets = self._home(spread)
         while len(pending):
-            candidates = pairs[pending]
-            free = np.take(self.keys, candidates, axis=0) == 0  # (m, 2, 8)
-            free_counts = free.sum(axis=2)
-            choice = (free_counts[:, 1] > free_counts[:, 0]).astype(np.int64)
-            rows = np.arange(len(pending))
-            open_ = free_counts[rows, choice] > 0
-            targets = candidates[rows, choice] * _BUCKET + free[rows, choice].argmax(axis=1)
-            pending, targets = pending[open_], targets[open_]
-            wanted = keys[pending]
+            bits = self.occupied[buckets]
+            full = bits == 0xFF
+            if full.any():
+                np.add.at(self.spills, buckets[full], 1)
+                buckets[full] = self._next(buckets[full])
+                open_ = ~full  # the spilled keys look at their next bucket in the next round
+                claim, claim_buckets, claim_bits = pending[open_], buckets[open_], bits[open_]
+            else:
+                open_ = None
+                claim, claim_buckets, claim_bits = pending, buckets, bits
+            columns = _FIRST_FREE[claim_bits]
+            targets = claim_buckets * _BUCKET + columns
+            wanted = keys[claim]
             self.flat[targets] = wanted
-            # Keys racing for one free slot: exactly one write stuck; the others retry.
+            # Keys claiming one bucket in a round all race for its first free slot: one
+            # write sticks (so a bucket gains one key per round); the others retry.
             won = self.flat[targets] == wanted
-            placed[pending[won]] = targets[won]
+            self.occupied[claim_buckets[won]] |= _SLOT_BIT[columns[won]]
+            placed[claim[won]] = targets[won]
             self.count += int(np.count_nonzero(won))
-            pending = pending[~won]
+            stay = ~won if open_ is None else ~_spread_back(open_, won)
+            pending, buckets = pending[stay], buckets[stay]
         return placed
 
-    def remove(self, slots: np.ndarray) -> None:
-        """Empty these (distinct, occupied) slots."""
+    def remove(self, slots: np.ndarray, spread: np.ndarray) -> None:
+        """Empty these (distinct, occupied) slots; ``spread`` of their keys."""
         self.flat[slots] = 0
+        buckets = slots >> 3
+        np.bitwise_and.at(self.occupied, buckets, _SLOT_CLEAR[slots & 7])  # buckets repeat
         self.count -= len(slots)
+        passing = self._home(spread)
+        away = passing != buckets
+        while away.any():  # a displaced key leaves the spill counts of the buckets it passed
+            passing, buckets = passing[away], buckets[away]
+            np.subtract.at(self.spills, passing, 1)
+            passing = self._next(passing)
+            away = passing != buckets
 
-    def _bucket_pairs(self, hashes: np.ndarray) -> np.ndarray:
-        """The two candidate buckets of each hash, (n, 2).
+    def _home(self, spread: np.ndarray) -> np.ndarray:
+        """Each key's home bucket: range reduction of its 32-bit spread."""
+        home = spread * self._buckets_u64
+        home >>= _SHIFT32
+        return home.view(np.int64)
 
-        Multiply-shift over the hash salted with this process's secret, then range
-        reduction: whoever can choose block hashes still cannot pile them into one bucket.
-        """
-        pairs = np.bitwise_xor(hashes[:, None], _PLACEMENT_SALTS)
-        pairs *= _PLACEMENT_MULTIPLIERS
-        pairs >>= _SHIFT32
-        pairs *= self._buckets_u64
-        pairs >>= _SHIFT32
-        return pairs.view(np.int64)
+    def _next(self, buckets: np.ndarray) -> np.ndarray:
+        following = buckets + 1
+        following[following == self._buckets] = 0
+        return following
+
+
+def _spread_back(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``values`` (one per True of ``mask``) put back in ``mask``'s positions, False elsewhere."""
+    out = np.zeros(len(mask), dtype=bool)
+    out[mask] = values
+    return out
+
+
+def _spread(hashes: np.ndarray) -> np.ndarray:
+    """A 32-bit placement value per hash (uint64), shared by every table's home buckets.
+
+    Multiply-shift over the hash xor this process's secret salt: whoever can choose block
+    hashes still cannot pile them into one bucket. Computed once per call and used by the
+    block table and the backend tables (each reduces it to its own size).
+    """
+    mixed = np.bitwise_xor(hashes, _PLACEMENT_SALT)
+    mixed *= _PLACEMENT_MULTIPLIER
+    mixed >>= _SHIFT32
+    return mixed
 
 
 def _buckets_for(entries: int) -> int:
@@ -182,13 +261,15 @@ def _buckets_for(entries: int) -> int:
 class _Blocks:
     """Every block some backend holds: its hash, slot, and a bitmask of its holders."""
 
-    __slots__ = ("table", "owners", "on_relocate")
+    __slots__ = ("table", "owners", "on_relocate", "version")
 
     def __init__(self, on_relocate: Callable[[np.ndarray], None]) -> None:
         self.table = _BucketSet(64, np.uint64)
         self.owners = np.zeros((self.table.slots, 1), dtype=np.uint64)
         #: Called with old slot -> new slot (-1: dropped) whenever the table is rebuilt.
         self.on_relocate = on_relocate
+        #: Changes whenever a block gets or loses its slot (so looked-up slots stay valid).
+        self.version = 0
 
     @property
     def words(self) -> int:
@@ -196,41 +277,42 @@ class _Blocks:
 
     @property
     def nbytes(self) -> int:
-        return self.table.keys.nbytes + self.owners.nbytes
+        return self.table.nbytes + self.owners.nbytes
 
     def hashes_at(self, slots: np.ndarray) -> np.ndarray:
         return self.table.flat[slots]
 
-    def find(self, hashes: np.ndarray) -> np.ndarray:
-        return self.table.find(hashes, hashes)
+    def find(self, hashes: np.ndarray, spread: np.ndarray) -> np.ndarray:
+        return self.table.find(hashes, spread)
 
-    def find_or_add(self, hashes: np.ndarray) -> np.ndarray:
-        """Slots of these hashes, adding the missing ones with no holder yet."""
-        while True:
-            slots = self.table.find(hashes, hashes)
-            missing = np.flatnonzero(slots < 0)
-            if not len(missing):
-                return slots
+    def find_or_add(
+        self, hashes: np.ndarray, spread: np.ndarray, known: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Slots of these hashes, adding the missing ones with no holder yet; and which
+        positions were added. ``known``: slots of a leading part, looked up at this version."""
+        if known is None:
+            slots = self.table.find(hashes, spread)
+        else:
+            rest = len(known)
+            slots = np.concatenate((known, self.table.find(hashes[rest:], spread[rest:])))
+        missing = np.flatnonzero(slots < 0)
+        if len(missing):
             if self.table.needs_room(len(missing)):
                 self._rebuild(_buckets_for(self.table.count + len(missing)))
-                continue
-            added = self.table.add(hashes[missing], hashes[missing])
-            if (added >= 0).all():
-                slots[missing] = added
-                return slots
-            self._rebuild(math.ceil(len(self.table.keys) * _FAIL_GROWTH))
+                slots = self.table.find(hashes, spread)
+            slots[missing] = self.table.add(hashes[missing], spread[missing])
+            self.version += 1
+        return slots, missing
 
-    def release(self, slots: np.ndarray, word: int, bit: np.uint64) -> np.ndarray:
-        """Clear one holder's bit on these (distinct) slots; free those left with no holder.
-
-        Returns the slots' hashes (read before any is freed)."""
-        hashes = self.table.flat[slots]
+    def release(self, slots: np.ndarray, spread: np.ndarray, word: int, bit: np.uint64) -> None:
+        """Clear one holder's bit on these (distinct) slots; free those left with no holder."""
         column = self.owners[:, word]
         column[slots] &= ~bit
         rows = self.owners[slots]
-        orphaned = slots[~rows.any(axis=1)] if self.words > 1 else slots[rows[:, 0] == 0]
-        self.table.remove(orphaned)
-        return hashes
+        orphaned = ~rows.any(axis=1) if self.words > 1 else rows[:, 0] == 0
+        if orphaned.any():
+            self.table.remove(slots[orphaned], spread[orphaned])
+            self.version += 1
 
     def add_word(self) -> None:
         """Room for 64 more holders."""
@@ -240,17 +322,14 @@ class _Blocks:
         """Re-place every block that has a holder into a table of ``buckets`` buckets."""
         held = np.flatnonzero(self.owners.any(axis=1))
         hashes = self.table.flat[held]
-        while True:
-            table = _BucketSet(buckets, np.uint64)
-            new_slots = table.add(hashes, hashes)
-            if (new_slots >= 0).all():
-                break
-            buckets = math.ceil(buckets * _FAIL_GROWTH)
+        table = _BucketSet(buckets, np.uint64)
+        new_slots = table.add(hashes, _spread(hashes))
         owners = np.zeros((table.slots, self.words), dtype=np.uint64)
         owners[new_slots] = self.owners[held]
         relocation = np.full(self.table.slots, -1, dtype=np.int64)
         relocation[held] = new_slots
         self.table, self.owners = table, owners
+        self.version += 1
         self.on_relocate(relocation)
 
 
@@ -288,7 +367,7 @@ class _Holder:
 
     @property
     def nbytes(self) -> int:
-        return self.table.keys.nbytes + self.ticks.nbytes + self.log.nbytes
+        return self.table.nbytes + self.ticks.nbytes + self.log.nbytes
 
     @property
     def over_capacity(self) -> int:
@@ -298,29 +377,32 @@ class _Holder:
         """Block slots of these table slots."""
         return self.table.flat[slots].astype(np.int64) - 1
 
-    def find(self, block_slots: np.ndarray, hashes: np.ndarray) -> np.ndarray:
-        return self.table.find((block_slots + 1).astype(np.uint32), hashes)
+    def find(self, block_slots: np.ndarray, spread: np.ndarray) -> np.ndarray:
+        return self.table.find((block_slots + 1).astype(np.uint32), spread)
 
-    def touch(self, block_slots: np.ndarray, hashes: np.ndarray, block_hashes_at: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        """Hold these blocks, head most recent; returns their table slots."""
+    def touch(self, block_slots: np.ndarray, spread: np.ndarray, new_blocks: np.ndarray, hashes_at: HashesAt) -> None:
+        """Hold these blocks, head most recent. ``new_blocks``: positions of blocks that
+        no backend held (so neither did this one: no lookup needed for them)."""
         keys = (block_slots + 1).astype(np.uint32)
-        while True:
-            slots = self.table.find(keys, hashes)
-            missing = np.flatnonzero(slots < 0)
-            if not len(missing):
-                break
+        slots = self._find_known(keys, spread, new_blocks)
+        missing = np.flatnonzero(slots < 0)
+        if len(missing):
             if self.table.needs_room(len(missing)):
-                self._rebuild(_buckets_for(self.count + len(missing)), block_hashes_at)
-                continue
-            added = self.table.add(keys[missing], hashes[missing])
-            slots[missing] = added
-            if (added >= 0).all():
-                break
-            # Rare: both buckets full. Blocks added without a tick are dropped by the rebuild.
-            self._rebuild(math.ceil(len(self.table.keys) * _FAIL_GROWTH), block_hashes_at)
+                self._rebuild(_buckets_for(self.count + len(missing)), hashes_at)
+                slots = self._find_known(keys, spread, new_blocks)
+            slots[missing] = self.table.add(keys[missing], spread[missing])
         was_missing = np.zeros(len(slots), dtype=bool)
         was_missing[missing] = True
         self._stamp_ticks(slots[::-1], was_missing[::-1])
+
+    def _find_known(self, keys: np.ndarray, spread: np.ndarray, new_blocks: np.ndarray) -> np.ndarray:
+        if not len(new_blocks):
+            return self.table.find(keys, spread)
+        slots = np.full(len(keys), -1, dtype=np.int64)
+        if len(new_blocks) < len(keys):
+            known = np.ones(len(keys), dtype=bool)
+            known[new_blocks] = False
+            slots[known] = self.table.find(keys[known], spread[known])
         return slots
 
     def oldest(self, limit: int, below_tick: int | None = None) -> np.ndarray:
@@ -339,9 +421,9 @@ class _Holder:
             self.head = stop
         return np.concatenate(taken).astype(np.int64) if taken else np.empty(0, dtype=np.int64)
 
-    def drop(self, slots: np.ndarray) -> None:
-        """Forget these (distinct, held) table slots."""
-        self.table.remove(slots)
+    def drop(self, slots: np.ndarray, spread: np.ndarray) -> None:
+        """Forget these (distinct, held) table slots; ``spread`` of their blocks."""
+        self.table.remove(slots, spread)
         self.ticks[slots] = _NO_TICK
         self.count -= len(slots)
 
@@ -396,17 +478,12 @@ class _Holder:
             renumbered.append((new_tick, stamp))
         self.stamps = renumbered
 
-    def _rebuild(self, buckets: int, block_hashes_at: Callable[[np.ndarray], np.ndarray]) -> None:
+    def _rebuild(self, buckets: int, hashes_at: HashesAt) -> None:
         """Re-place the live entries (in tick order) into a table of ``buckets`` buckets."""
         live = self._compact()
         keys = self.table.flat[live]
-        hashes = block_hashes_at(keys.astype(np.int64) - 1)
-        while True:
-            table = _BucketSet(buckets, np.uint32)
-            slots = table.add(keys, hashes)
-            if (slots >= 0).all():
-                break
-            buckets = math.ceil(buckets * _FAIL_GROWTH)
+        table = _BucketSet(buckets, np.uint32)
+        slots = table.add(keys, _spread(hashes_at(keys.astype(np.int64) - 1)))
         self.table = table
         self.ticks = np.full(table.slots, _NO_TICK, dtype=np.uint32)
         self.ticks[slots] = np.arange(len(slots), dtype=np.uint32)
@@ -447,6 +524,9 @@ class PrefixIndex:
         self._blocks = _Blocks(self._relocate)
         self._holders: dict[str, _Holder] = {}
         self._by_bit: list[str | None] = []  # bit index -> backend name
+        # The last match's lookups, reused by an insert of the same hashes right after it
+        # (the router matches, picks a backend, then inserts the same prompt there).
+        self._walked: _Walk | None = None
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -463,10 +543,13 @@ class PrefixIndex:
         owners = self._blocks.owners
         running = np.full(self._blocks.words, np.uint64(0xFFFFFFFFFFFFFFFF))
         matched: dict[str, int] = {}
+        looked_up: list[np.ndarray] = []
         start, chunk = 0, _FIRST_CHUNK
-        while start < len(keys):
+        while start < len(keys) and running.any():
             end = min(len(keys), start + chunk)
-            slots = self._blocks.find(keys[start:end])
+            part = keys[start:end]
+            slots = self._blocks.find(part, _spread(part))
+            looked_up.append(slots)
             rows = owners[slots]
             rows[slots < 0] = 0
             rows[0] &= running
@@ -475,10 +558,9 @@ class PrefixIndex:
             for row in np.flatnonzero((prefix != previous).any(axis=1)):
                 self._record_lengths(previous[row] & ~prefix[row], start + int(row), matched)
             running = prefix[-1]
-            if not running.any():
-                return matched
             start, chunk = end, chunk * 4
         self._record_lengths(running, len(keys), matched)
+        self._walked = _Walk(keys[:start].copy(), np.concatenate(looked_up), self._blocks.version)
         return matched
 
     def backends(self) -> list[str]:
@@ -515,11 +597,12 @@ class PrefixIndex:
         holder = self._holder(backend)
         if not len(keys):
             return
-        block_slots = self._blocks.find_or_add(keys)
+        placement = _spread(keys)
+        block_slots, new_blocks = self._blocks.find_or_add(keys, placement, self._recall_walk(keys))
         self._blocks.owners[block_slots, holder.word] |= holder.bit
         if now is not None:
             holder.stamps.append((holder.tail, now))
-        holder.touch(block_slots, keys, self._blocks.hashes_at)
+        holder.touch(block_slots, placement, new_blocks, self._blocks.hashes_at)
         if holder.over_capacity:
             self._evict(holder, holder.oldest(holder.over_capacity))
 
@@ -530,9 +613,10 @@ class PrefixIndex:
         keys = _as_keys(hashes)
         if holder is None or not len(keys):
             return
-        block_slots = self._blocks.find(keys)
+        placement = _spread(keys)
+        block_slots = self._blocks.find(keys, placement)
         known = block_slots >= 0
-        slots = holder.find(block_slots[known], keys[known])
+        slots = holder.find(block_slots[known], placement[known])
         self._release(holder, np.unique(slots[slots >= 0]))
 
     def trim(self, backend: str, hashes: Sequence[int] | np.ndarray, keep_blocks: int) -> None:
@@ -584,6 +668,14 @@ class PrefixIndex:
             self._blocks.add_word()
         return len(self._by_bit) - 1
 
+    def _recall_walk(self, keys: np.ndarray) -> np.ndarray | None:
+        """Block slots the last match looked up, if ``keys`` starts with its hashes and no
+        block got or lost a slot since."""
+        walked, self._walked = self._walked, None
+        if walked is None or walked.version != self._blocks.version or len(walked.keys) > len(keys):
+            return None
+        return walked.slots if np.array_equal(walked.keys, keys[: len(walked.keys)]) else None
+
     def _record_lengths(self, lost: np.ndarray, length_blocks: int, matched: dict[str, int]) -> None:
         """Backends whose bits are in ``lost`` (one uint64 per word) matched ``length_blocks``."""
         if length_blocks == 0:
@@ -605,12 +697,16 @@ class PrefixIndex:
     def _release(self, holder: _Holder, slots: np.ndarray) -> np.ndarray:
         """Drop these table slots of ``holder``; returns their block hashes."""
         block_slots = holder.block_slots(slots)
-        holder.drop(slots)
-        return self._blocks.release(block_slots, holder.word, holder.bit)
+        hashes = self._blocks.hashes_at(block_slots)
+        placement = _spread(hashes)
+        holder.drop(slots, placement)
+        self._blocks.release(block_slots, placement, holder.word, holder.bit)
+        return hashes
 
     def _forget_all(self, holder: _Holder) -> None:
-        live = holder.table.live()
-        self._blocks.release(holder.block_slots(live), holder.word, holder.bit)
+        block_slots = holder.block_slots(holder.table.live())
+        placement = _spread(self._blocks.hashes_at(block_slots))
+        self._blocks.release(block_slots, placement, holder.word, holder.bit)
 
     def _expire_all(self) -> float | None:
         """With a TTL: drop every backend's expired blocks and return the time (else None).
@@ -637,6 +733,15 @@ class PrefixIndex:
     def _relocate(self, relocation: np.ndarray) -> None:
         for holder in self._holders.values():
             holder.relocate_blocks(relocation)
+
+
+@dataclass(frozen=True, slots=True)
+class _Walk:
+    """What a match looked up: its leading hashes, their block slots, the table version."""
+
+    keys: np.ndarray
+    slots: np.ndarray
+    version: int
 
 
 def _as_keys(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
