@@ -115,6 +115,14 @@ class VllmFleet:
             response = httpx.post(url + "/reset_prefix_cache", timeout=60)
             assert response.status_code == 200, f"{url}/reset_prefix_cache: {response.status_code} {response.text}"
 
+    def step_engines(self) -> None:
+        """Make each engine run one step: vLLM publishes queued KV events (such as the
+        AllBlocksCleared of a cache reset) only with a step. The prompt is shorter than a
+        block, so it stores nothing in the prefix cache."""
+        for url in self.urls:
+            response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, timeout=60)
+            assert response.status_code == 200, f"{url}/v1/completions: {response.status_code} {response.text}"
+
     def prefix_cache_counters(self) -> tuple[float, float]:
         """(hits, queries) in tokens, summed over the replicas' vLLM metrics.
 

@@ -42,17 +42,29 @@ def describe(policy: str, run: RunSummary) -> str:
     return line
 
 
-def wait_for_kv_events(router: RouterProcess, fleet: VllmFleet, timeout_s: float = 60.0) -> dict[str, float]:
-    """Wait until the router follows every engine's event stream; returns the states."""
+def follow_kv_events(fleet: VllmFleet, *routers: RouterProcess, timeout_s: float = 90.0) -> list[float]:
+    """Empty the engines' caches once every router follows both engines' event streams.
+
+    A subscriber learns where a stream stands only from the next message, and ZMQ connects
+    in the background: each reset (published with the engine's next step) makes both engines
+    send AllBlocksCleared, so resetting until every router leaves the approximate state leaves
+    them all holding exactly the engines' (empty) caches. Returns the states reached
+    (1 precise, 3 precise from now on with older history missing).
+    """
     deadline = time.monotonic() + timeout_s
     while True:
-        metrics = router.metrics()
-        states = {url: metrics.get(f"kvroute_kv_events_state{{backend={url}}}", 0.0) for url in fleet.urls}
-        if all(state in (1.0, 3.0) for state in states.values()):
+        fleet.reset_prefix_caches()
+        fleet.step_engines()
+        time.sleep(0.5)
+        states = []
+        for router in routers:
+            metrics = router.metrics()
+            states += [metrics.get(f"kvroute_kv_events_state{{backend={url}}}", 0.0) for url in fleet.urls]
+        if all(state in (1.0, 3.0) for state in states):
             return states
         if time.monotonic() > deadline:
-            pytest.fail(f"kvroute never followed the KV events of both engines: {states}\n{tail(router.log)}")
-        time.sleep(0.5)
+            logs = "\n".join(tail(router.log, 20) for router in routers)
+            pytest.fail(f"kvroute never followed the KV events of both engines: states {states}\n{logs}")
 
 
 def test_cache_aware_beats_round_robin_on_vllms_own_hit_rate(
@@ -96,13 +108,12 @@ def test_cache_aware_beats_round_robin_on_vllms_own_hit_rate(
 def test_precise_mode_matches_cached_tokens_under_eviction(
     vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]
 ) -> None:
-    vllm_fleet.reset_prefix_caches()
     router = kvroute("cache_aware", precise=True)
-    states = wait_for_kv_events(router, vllm_fleet)
+    states = follow_kv_events(vllm_fleet, router)
     # 16 conversations of up to ~1400 tokens: about 9K tokens per replica against 6K of KV cache.
     workload = conversation_workload(users=16, turns=6, seed=23)
     run = run_workload(vllm_fleet, router, workload)
-    report(describe("cache_aware (precise)", run) + f"; event states at start {sorted(states.values())}")
+    report(describe("cache_aware (precise)", run) + f"; event states at start {states}")
 
     # Eviction pressure: some replica had to compute more new tokens than it can hold.
     computed: dict[str, int] = {}
@@ -120,11 +131,9 @@ def test_precise_mode_matches_cached_tokens_under_eviction(
 def test_two_precise_routers_hold_the_same_index(
     vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]
 ) -> None:
-    vllm_fleet.reset_prefix_caches()
     first = kvroute("cache_aware", precise=True)
     second = kvroute("cache_aware", precise=True)
-    wait_for_kv_events(first, vllm_fleet)
-    wait_for_kv_events(second, vllm_fleet)
+    follow_kv_events(vllm_fleet, first, second)
     run_workload(vllm_fleet, first, conversation_workload(users=4, turns=3, seed=5))
 
     def blocks(router: RouterProcess) -> dict[str, float]:
