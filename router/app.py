@@ -1,9 +1,10 @@
 """The aiohttp application: routes, lifecycle, and running it on uvloop with a graceful drain.
 
 :func:`build_app` wires the parts (backend pool, routing engine, metrics, proxy, health
-checker, admin API) into one ``web.Application``; its cleanup context opens the shared
-HTTP client session, probes the configured backends once, starts the health loop, and
-closes everything again. :func:`serve` runs it until SIGTERM/SIGINT, then stops accepting
+checker, admin API) into one ``web.Application``; its cleanup context opens the HTTP
+clients (``router.upstream`` for proxied requests, an aiohttp session for health checks),
+probes the configured backends once, starts the health loop, and closes everything again.
+:func:`serve` runs it until SIGTERM/SIGINT, then stops accepting
 connections, lets in-flight requests and streams finish for up to ``drain_timeout_s`` and
 returns; :func:`run` does that on uvloop.
 """
@@ -30,13 +31,10 @@ from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.proxy import Proxy
 from router.request_info import ENDPOINTS, Endpoint
 from router.routing import RoutingEngine
+from router.upstream import KEEPALIVE_S, UpstreamClient
 
 log = logging.getLogger("kvroute")
 _T = TypeVar("_T")
-
-# Below uvicorn's 5 s keep-alive (vLLM, SGLang): an engine closing an idle pooled
-# connection just as the router reuses it would otherwise look like a failure.
-UPSTREAM_KEEPALIVE_S = 4.0
 
 
 @dataclass(slots=True)
@@ -48,7 +46,8 @@ class RouterState:
     routing: RoutingEngine
     metrics: RouterMetrics
     # Created on startup, inside the event loop:
-    session: aiohttp.ClientSession | None = None
+    session: aiohttp.ClientSession | None = None  # health checks and probes
+    upstream: UpstreamClient | None = None  # proxied requests
     proxy: Proxy | None = None
     health: HealthChecker | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -126,16 +125,16 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     settings = state.settings
     session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
         cookie_jar=aiohttp.DummyCookieJar(),
-        # Bytes pass through untouched: no decompression, no headers the client did not send.
-        auto_decompress=False,
-        skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
         timeout=aiohttp.ClientTimeout(total=None),
     )
+    upstream = UpstreamClient(connect_timeout=settings.connect_timeout_s)
     state.session = session
+    state.upstream = upstream
     state.health = HealthChecker(settings, state.pool, session)
-    state.proxy = Proxy(settings, state.pool, state.routing, state.metrics, session)
+    state.proxy = Proxy(settings, state.pool, state.routing, state.metrics, upstream)
+    state.pool.on_removed(lambda backend: upstream.forget(backend.url))
     try:
         await _admit_configured_backends(state.health, settings)
         state.tasks.append(asyncio.create_task(state.health.run(), name="kvroute-health"))
@@ -147,6 +146,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         state.tasks.clear()
+        upstream.close()
         await session.close()
 
 

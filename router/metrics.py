@@ -1,29 +1,31 @@
 """The router's Prometheus metrics: one registry, never the process-global default.
 
-Two kinds of series live here:
+Per-request series (requests, latency and TTFT histograms, prompt / predicted / observed
+cached tokens, routing decisions) are plain Python counters updated by the proxy through
+:meth:`RouterMetrics.record_request` and :meth:`RouterMetrics.record_decision`, and turned
+into metric families only when ``/metrics`` is scraped. That keeps the hot path at a few
+dict lookups and integer additions per request (prometheus-client's own ``inc`` and
+``observe`` take a lock and validate their arguments each time, which cost more than the
+rest of the bookkeeping together). Everything runs on the event loop thread, scrapes
+included, so no locking is needed.
 
-* Per-request counters and histograms (requests, latency, TTFT, prompt / predicted /
-  observed cached tokens, routing decisions), updated by the proxy through
-  :meth:`RouterMetrics.record_request` and :meth:`RouterMetrics.record_decision`. Label
-  children are cached in plain dicts, so the hot path costs one dict lookup per family
-  instead of prometheus-client's ``labels()`` validation.
-* Per-backend gauges read from the live :class:`~router.backends.Backend` objects at
-  scrape time (in-flight requests, health, the engine's queue and hit ratio): they cannot
-  drift from the router's own counters and vanish with the backend.
+Per-backend gauges (in-flight requests, health, the engine's queue and hit ratio) are
+read from the live :class:`~router.backends.Backend` objects at scrape time: they cannot
+drift from the router's own counters and vanish with the backend.
 
-Gauges that other parts of the router set directly (``index_blocks``, ``index_bytes``,
-``kv_events_state``) are plain ``Gauge`` objects here; :meth:`RouterMetrics.forget_backend`
+Gauges other parts of the router set directly (``index_blocks``, ``index_bytes``,
+``kv_events_state``) are plain ``Gauge`` objects. :meth:`RouterMetrics.forget_backend`
 drops every series of a removed backend, so removing backends leaks nothing.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from router.backends import Backend
 
@@ -33,15 +35,102 @@ DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-@dataclass(slots=True)
-class _PerBackendPolicy:
-    """The label children one (backend, policy) pair updates on every request."""
+class _Histogram:
+    """Bucket counts of one label set (non-cumulative; the last slot is +Inf)."""
 
-    duration: Histogram
-    ttft: Histogram
-    prompt_tokens: Counter
-    predicted_cached: Counter
-    observed_cached: Counter
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        buckets = []
+        running = 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += count
+            buckets.append((floatToGoString(bound), running))
+        return buckets
+
+
+class _PairStats:
+    """What one (backend, policy) pair accumulates."""
+
+    __slots__ = ("duration", "ttft", "prompt_tokens", "predicted_cached", "observed_cached")
+
+    def __init__(self) -> None:
+        self.duration = _Histogram(DURATION_BUCKETS)
+        self.ttft = _Histogram(TTFT_BUCKETS)
+        self.prompt_tokens = 0
+        self.predicted_cached = 0
+        self.observed_cached = 0
+
+
+class _RequestCollector:
+    """Exports the per-request counters and histograms at scrape time."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families({}, {}, {})
+
+    def collect(self) -> Iterator[Metric]:
+        metrics = self._metrics
+        yield from self._families(metrics.requests, metrics.pairs, metrics.decisions)
+
+    @staticmethod
+    def _families(
+        requests: dict[tuple[str, str, str, str], int],
+        pairs: dict[tuple[str, str], _PairStats],
+        decisions: dict[tuple[str, str], int],
+    ) -> Iterator[Metric]:
+        pair_labels = ["backend", "policy"]
+        requests_family = CounterMetricFamily(
+            "kvroute_requests", "Proxied requests by backend, policy, endpoint and final status "
+            "(499: the client went away; 502: no answer, or a stream broken after its headers were sent).",
+            labels=["backend", "policy", "endpoint", "status"],
+        )
+        duration = HistogramMetricFamily(
+            "kvroute_request_duration_seconds", "Time from receiving a request to its last byte relayed.",
+            labels=pair_labels,
+        )
+        ttft = HistogramMetricFamily(
+            "kvroute_time_to_first_token_seconds", "Time from receiving a streamed request to its first chunk.",
+            labels=pair_labels,
+        )
+        prompt = CounterMetricFamily(
+            "kvroute_prompt_tokens", "Prompt tokens the engines reported (usage.prompt_tokens).", labels=pair_labels
+        )
+        predicted = CounterMetricFamily(
+            "kvroute_predicted_cached_tokens",
+            "Prompt tokens the router predicted to be cached where it sent them.", labels=pair_labels,
+        )
+        observed = CounterMetricFamily(
+            "kvroute_observed_cached_tokens",
+            "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens).",
+            labels=pair_labels,
+        )
+        decisions_family = CounterMetricFamily(
+            "kvroute_routing_decisions", "Routing decisions by policy and reason.", labels=["policy", "reason"]
+        )
+        for key, count in requests.items():
+            requests_family.add_metric(key, count)
+        for key, stats in pairs.items():
+            duration.add_metric(key, stats.duration.cumulative(), stats.duration.total)
+            if any(stats.ttft.counts):
+                ttft.add_metric(key, stats.ttft.cumulative(), stats.ttft.total)
+            prompt.add_metric(key, stats.prompt_tokens)
+            predicted.add_metric(key, stats.predicted_cached)
+            observed.add_metric(key, stats.observed_cached)
+        for key, count in decisions.items():
+            decisions_family.add_metric(key, count)
+        yield from (requests_family, duration, ttft, prompt, predicted, observed, decisions_family)
 
 
 class _BackendStateCollector:
@@ -51,13 +140,13 @@ class _BackendStateCollector:
         self._backends = backends
 
     def describe(self) -> Iterator[Metric]:
-        yield from self._families()
+        yield from self._families(())
 
     def collect(self) -> Iterator[Metric]:
         yield from self._families(self._backends())
 
     @staticmethod
-    def _families(backends: Iterable[Backend] = ()) -> Iterator[Metric]:
+    def _families(backends: Iterable[Backend]) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily(
             "kvroute_backend_in_flight_requests", "Requests this router has in flight per backend.",
             labels=["backend"],
@@ -89,53 +178,26 @@ class RouterMetrics:
 
     def __init__(self, backends: Callable[[], Iterable[Backend]]) -> None:
         self.registry = CollectorRegistry()
-        registry = self.registry
-        self.requests = Counter(
-            "kvroute_requests", "Proxied requests by backend, policy, endpoint and final status "
-            "(499: the client went away; 502: the stream broke after its headers were sent).",
-            ["backend", "policy", "endpoint", "status"], registry=registry,
-        )
-        self.request_duration = Histogram(
-            "kvroute_request_duration_seconds", "Time from receiving a request to its last byte sent.",
-            ["backend", "policy"], buckets=DURATION_BUCKETS, registry=registry,
-        )
-        self.time_to_first_token = Histogram(
-            "kvroute_time_to_first_token_seconds", "Time from receiving a streamed request to its first chunk.",
-            ["backend", "policy"], buckets=TTFT_BUCKETS, registry=registry,
-        )
-        self.prompt_tokens = Counter(
-            "kvroute_prompt_tokens", "Prompt tokens the engines reported (usage.prompt_tokens).",
-            ["backend", "policy"], registry=registry,
-        )
-        self.predicted_cached_tokens = Counter(
-            "kvroute_predicted_cached_tokens", "Prompt tokens the router predicted to be cached where it sent them.",
-            ["backend", "policy"], registry=registry,
-        )
-        self.observed_cached_tokens = Counter(
-            "kvroute_observed_cached_tokens", "Cached prompt tokens the engines reported "
-            "(usage.prompt_tokens_details.cached_tokens).",
-            ["backend", "policy"], registry=registry,
-        )
-        self.routing_decisions = Counter(
-            "kvroute_routing_decisions", "Routing decisions by policy and reason.",
-            ["policy", "reason"], registry=registry,
-        )
+        #: (backend, policy, endpoint, status) -> requests.
+        self.requests: dict[tuple[str, str, str, str], int] = {}
+        #: (backend, policy) -> latency histograms and token counters.
+        self.pairs: dict[tuple[str, str], _PairStats] = {}
+        #: (policy, reason) -> decisions.
+        self.decisions: dict[tuple[str, str], int] = {}
         self.index_blocks = Gauge(
             "kvroute_index_blocks", "Blocks the router's prefix index holds per backend.",
-            ["backend"], registry=registry,
+            ["backend"], registry=self.registry,
         )
         self.index_bytes = Gauge(
-            "kvroute_index_bytes", "Memory of the router's prefix index in bytes.", registry=registry
+            "kvroute_index_bytes", "Memory of the router's prefix index in bytes.", registry=self.registry
         )
         self.kv_events_state = Gauge(
             "kvroute_kv_events_state", "KV event subscription per backend "
             "(0 off, 1 connected, 2 stale/silent, 3 replaying after a gap).",
-            ["backend"], registry=registry,
+            ["backend"], registry=self.registry,
         )
-        registry.register(_BackendStateCollector(backends))
-        self._request_children: dict[tuple[str, str, str, str], Counter] = {}
-        self._pair_children: dict[tuple[str, str], _PerBackendPolicy] = {}
-        self._decision_children: dict[tuple[str, str], Counter] = {}
+        self.registry.register(_RequestCollector(self))
+        self.registry.register(_BackendStateCollector(backends))
 
     # --- hot path ----------------------------------------------------------------------
     def record_request(
@@ -153,55 +215,34 @@ class RouterMetrics:
         """Count one finished attempt. Token counters move only when the engine reported usage,
         so predicted and observed hit rates are ratios over the same requests."""
         key = (backend, policy, endpoint, status)
-        counter = self._request_children.get(key)
-        if counter is None:
-            counter = self._request_children[key] = self.requests.labels(*key)
-        counter.inc()
-        pair = self._pair(backend, policy)
+        requests = self.requests
+        requests[key] = requests.get(key, 0) + 1
+        pair_key = (backend, policy)
+        pair = self.pairs.get(pair_key)
+        if pair is None:
+            pair = self.pairs[pair_key] = _PairStats()
         pair.duration.observe(duration_s)
         if ttft_s is not None:
             pair.ttft.observe(ttft_s)
         if prompt_tokens is not None:
-            pair.prompt_tokens.inc(prompt_tokens)
-            pair.predicted_cached.inc(min(predicted_cached_tokens, prompt_tokens))
+            pair.prompt_tokens += prompt_tokens
+            pair.predicted_cached += min(predicted_cached_tokens, prompt_tokens)
             if observed_cached_tokens:
-                pair.observed_cached.inc(observed_cached_tokens)
+                pair.observed_cached += observed_cached_tokens
 
     def record_decision(self, policy: str, reason: str) -> None:
         """Count one routing decision."""
         key = (policy, reason)
-        counter = self._decision_children.get(key)
-        if counter is None:
-            counter = self._decision_children[key] = self.routing_decisions.labels(*key)
-        counter.inc()
-
-    def _pair(self, backend: str, policy: str) -> _PerBackendPolicy:
-        key = (backend, policy)
-        pair = self._pair_children.get(key)
-        if pair is None:
-            pair = self._pair_children[key] = _PerBackendPolicy(
-                duration=self.request_duration.labels(backend, policy),
-                ttft=self.time_to_first_token.labels(backend, policy),
-                prompt_tokens=self.prompt_tokens.labels(backend, policy),
-                predicted_cached=self.predicted_cached_tokens.labels(backend, policy),
-                observed_cached=self.observed_cached_tokens.labels(backend, policy),
-            )
-        return pair
+        decisions = self.decisions
+        decisions[key] = decisions.get(key, 0) + 1
 
     # --- lifecycle ---------------------------------------------------------------------
     def forget_backend(self, url: str) -> None:
         """Drop every series labelled with this backend."""
-        for key in [key for key in self._request_children if key[0] == url]:
-            del self._request_children[key]
-            self.requests.remove(*key)
-        pair_families: tuple[MetricWrapperBase, ...] = (
-            self.request_duration, self.time_to_first_token, self.prompt_tokens,
-            self.predicted_cached_tokens, self.observed_cached_tokens,
-        )
-        for key in [key for key in self._pair_children if key[0] == url]:
-            del self._pair_children[key]
-            for family in pair_families:
-                family.remove(*key)
+        for key in [key for key in self.requests if key[0] == url]:
+            del self.requests[key]
+        for key in [key for key in self.pairs if key[0] == url]:
+            del self.pairs[key]
         for gauge in (self.index_blocks, self.kv_events_state):
             try:
                 gauge.remove(url)

@@ -2,7 +2,7 @@
 
 Per request: read the body (size-limited), parse it once (``request_info``), ask the
 ``RoutingEngine`` for a backend among the eligible ones, send the body byte for byte over
-the shared connection pool, and relay the answer:
+the lean keep-alive client of ``router.upstream``, and relay the answer:
 
 * non-streaming answers are read whole (they are small) and sent with the routing headers;
 * SSE streams are written to the client chunk by chunk as they arrive, never buffered.
@@ -28,7 +28,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
@@ -40,31 +39,31 @@ from router.metrics import RouterMetrics
 from router.policies.base import Decision, RouteRequest
 from router.request_info import Endpoint, ParsedRequest, body_with_usage_requested, parse_request
 from router.routing import RoutePlan, RoutingEngine
+from router.upstream import (
+    UpstreamClient,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 from router.usage import StreamTap, Usage, usage_from_body
 
 log = logging.getLogger("kvroute.proxy")
 decision_log = logging.getLogger("kvroute.decisions")
 
-# RFC 9110 7.6.1 hop-by-hop headers, plus what the client library recomputes per hop.
+# RFC 9110 7.6.1 hop-by-hop headers (lower-case bytes, as compared with raw header names).
 HOP_BY_HOP = frozenset(
     {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-        "te", "trailer", "transfer-encoding", "upgrade",
+        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
+        b"te", b"trailer", b"transfer-encoding", b"upgrade",
     }
 )
-_REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length", "expect", "x-request-id"}
-_RESPONSE_SKIP = HOP_BY_HOP | {"content-length", "x-request-id"}
+# Recomputed for each hop, or set by the router itself.
+_REQUEST_SKIP = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-request-id"}
+_RESPONSE_SKIP = HOP_BY_HOP | {b"content-length", b"x-request-id"}
 # Answers that mean "this replica cannot take it now": safe to try another one.
 _RETRYABLE_STATUSES = frozenset({502, 503, 504})
-# Failures that happen before the engine answered anything: the request can go elsewhere.
-_CONNECT_ERRORS: tuple[type[BaseException], ...] = (
-    aiohttp.ConnectionTimeoutError,
-    aiohttp.ClientConnectionResetError,
-    aiohttp.ClientConnectorError,
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ClientOSError,
-)
-_SSE = "text/event-stream"
 _STATUS_LABELS = {code: str(code) for code in range(100, 600)}
 
 
@@ -94,17 +93,15 @@ class Proxy:
         pool: BackendPool,
         routing: RoutingEngine,
         metrics: RouterMetrics,
-        session: aiohttp.ClientSession,
+        upstream: UpstreamClient,
     ) -> None:
         self._pool = pool
         self._routing = routing
         self._metrics = metrics
-        self._session = session
-        # sock_read covers the wait for the answer's headers and a stream's first chunk;
-        # streams switch their connection to the idle timeout after that.
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.first_byte_timeout_s
-        )
+        self._upstream = upstream
+        # The first-byte timeout covers the wait for the answer's head and a stream's first
+        # chunk (engines send SSE headers before the prefill); the idle timeout the rest.
+        self._first_byte_timeout = settings.first_byte_timeout_s
         self._idle_timeout = settings.idle_timeout_s
         self._session_header = settings.session_header
         self._strip_kvroute_headers = not settings.allow_policy_header
@@ -215,6 +212,7 @@ class Proxy:
             return await self._exchange(request, endpoint, parsed, raw, request_id, started, plan, backend, can_retry, outcome)
         except asyncio.CancelledError:
             outcome.status = "499"  # the client hung up (or the drain timeout ran out)
+            self._pool.request_abandoned(backend)
             raise
         finally:
             self._pool.release(backend, tokens)
@@ -237,42 +235,40 @@ class Proxy:
         body = body_with_usage_requested(parsed.body) if inject_usage else raw
         headers = self._upstream_headers(request, backend, request_id, inject_usage)
         try:
-            upstream = await self._session.post(
-                backend.url + endpoint.path, data=body, headers=headers, timeout=self._timeout
+            upstream = await self._upstream.post(
+                backend.url, request.raw_path.encode(), headers, body, first_byte_timeout=self._first_byte_timeout
             )
-        except _CONNECT_ERRORS as exc:
-            self._pool.record_failure(backend)
+        except (UpstreamConnectError, UpstreamDisconnected) as exc:
+            self._pool.request_failed(backend, unreachable=True)
             outcome.status = "502"
-            error = RouterError(
-                502, f"backend {backend.url} failed before answering: {_describe(exc)}", code="backend_unreachable"
-            )
+            error = RouterError(502, f"backend {backend.url} failed before answering: {exc}", code="backend_unreachable")
             if can_retry:
                 raise _Retry(error) from None
             raise error from None
-        except asyncio.TimeoutError:
-            self._pool.record_failure(backend)
+        except UpstreamTimeout:
+            self._pool.request_failed(backend)
             outcome.status = "504"
             raise RouterError(504, f"backend {backend.url} did not answer in time", code="upstream_timeout") from None
-        except aiohttp.ClientError as exc:
-            self._pool.record_failure(backend)
+        except UpstreamError as exc:
+            self._pool.request_failed(backend)
             outcome.status = "502"
-            raise RouterError(502, f"backend {backend.url} failed: {_describe(exc)}", code="bad_gateway") from None
+            raise RouterError(502, f"backend {backend.url} failed: {exc}", code="bad_gateway") from None
 
         completed = False
         try:
             status = upstream.status
             if status >= 500:
-                self._pool.record_failure(backend)
-            elif backend.consecutive_failures:
-                self._pool.record_success(backend, active=False)
+                self._pool.request_failed(backend)
+            else:
+                self._pool.request_succeeded(backend)
             if can_retry and status in _RETRYABLE_STATUSES:
                 outcome.status = _STATUS_LABELS[status]
                 raise _Retry(None)
-            outcome.status = _STATUS_LABELS.get(status, str(status))
-            if upstream.content_type == _SSE:
+            outcome.status = _STATUS_LABELS.get(status) or str(status)
+            if upstream.is_event_stream:
                 response = await self._relay_stream(request, upstream, plan, backend, request_id, started, inject_usage, outcome)
             else:
-                response = await self._relay_body(upstream, endpoint, plan, request_id, outcome)
+                response = await self._relay_body(upstream, endpoint, plan, backend, request_id, outcome)
             completed = True
             return response
         finally:
@@ -282,16 +278,23 @@ class Proxy:
                 upstream.close()  # closes the connection: the engine sees the abort at once
 
     async def _relay_body(
-        self, upstream: aiohttp.ClientResponse, endpoint: Endpoint, plan: RoutePlan, request_id: str, outcome: _Outcome
+        self,
+        upstream: UpstreamResponse,
+        endpoint: Endpoint,
+        plan: RoutePlan,
+        backend: Backend,
+        request_id: str,
+        outcome: _Outcome,
     ) -> web.StreamResponse:
         try:
             data = await upstream.read()
-        except asyncio.TimeoutError:
-            outcome.status = "504"
-            raise RouterError(504, f"backend {plan.backend} did not answer in time", code="upstream_timeout") from None
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
+            self._pool.request_failed(backend)
+            if isinstance(exc, UpstreamTimeout):
+                outcome.status = "504"
+                raise RouterError(504, f"backend {backend.url} did not answer in time", code="upstream_timeout") from None
             outcome.status = "502"
-            raise RouterError(502, f"backend {plan.backend} broke off its answer: {_describe(exc)}", code="bad_gateway") from None
+            raise RouterError(502, f"backend {backend.url} broke off its answer: {exc}", code="bad_gateway") from None
         if endpoint.reports_usage and upstream.status == 200:
             outcome.usage = usage_from_body(data)
         return web.Response(status=upstream.status, body=data, headers=self._response_headers(upstream, plan, request_id))
@@ -299,7 +302,7 @@ class Proxy:
     async def _relay_stream(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         plan: RoutePlan,
         backend: Backend,
         request_id: str,
@@ -309,18 +312,18 @@ class Proxy:
     ) -> web.StreamResponse:
         response = web.StreamResponse(status=upstream.status, headers=self._response_headers(upstream, plan, request_id))
         tap = StreamTap(strip_usage_chunk=strip_usage_chunk)
-        read = upstream.content.readany
+        read = upstream.read_available
         write = response.write
         try:
             await response.prepare(request)
             while True:
                 try:
                     chunk = await read()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    self._pool.record_failure(backend)
+                except UpstreamError as exc:
+                    self._pool.request_failed(backend)
                     outcome.status = "502"
-                    log.warning("stream from %s broke off: %s", backend.url, _describe(exc))
-                    await write(sse_error_event(f"the backend's stream broke off: {_describe(exc)}"))
+                    log.warning("stream from %s broke off: %s", backend.url, exc)
+                    await write(sse_error_event(f"the backend's stream broke off: {exc}"))
                     break
                 if not chunk:
                     rest = tap.finish()
@@ -329,7 +332,8 @@ class Proxy:
                     break
                 if outcome.ttft_s is None:
                     outcome.ttft_s = time.monotonic() - started
-                    self._switch_to_idle_timeout(upstream)
+                    # From the first chunk on, a stream may pause at most idle_timeout_s.
+                    upstream.set_timeout(self._idle_timeout)
                 forward = tap.feed(chunk)
                 if forward:
                     await write(forward)
@@ -338,51 +342,40 @@ class Proxy:
         except ConnectionResetError:
             # The client hung up and a write noticed first: abort the engine's work now.
             outcome.status = "499"
+            self._pool.request_abandoned(backend)
             upstream.close()
         return response
-
-    def _switch_to_idle_timeout(self, upstream: aiohttp.ClientResponse) -> None:
-        """From the first chunk on, a stream may pause at most ``idle_timeout_s`` between chunks.
-
-        Until then the first-byte timeout applies (engines send SSE headers before the
-        prefill, so the first token can take long); the read timer restarts now.
-        """
-        connection = upstream.connection
-        protocol = connection.protocol if connection is not None else None
-        if protocol is not None:
-            protocol.read_timeout = self._idle_timeout
-            protocol.start_timeout()
 
     # --- headers -----------------------------------------------------------------------
     def _upstream_headers(
         self, request: web.Request, backend: Backend, request_id: str, identity_encoding: bool
-    ) -> list[tuple[str, str]]:
+    ) -> list[tuple[bytes, bytes]]:
         strip_kvroute = self._strip_kvroute_headers
         replace_auth = backend.api_key is not None
-        headers = [("x-request-id", request_id)]
-        for key, value in request.headers.items():
-            lower = key.lower()
+        headers = [(b"x-request-id", request_id.encode())]
+        for name, value in request.raw_headers:
+            lower = name.lower()
             if (
                 lower in _REQUEST_SKIP
-                or (strip_kvroute and lower.startswith("x-kvroute-"))
-                or (replace_auth and lower == "authorization")
-                or (identity_encoding and lower == "accept-encoding")
+                or (strip_kvroute and lower.startswith(b"x-kvroute-"))
+                or (replace_auth and lower == b"authorization")
+                or (identity_encoding and lower == b"accept-encoding")
             ):
                 continue
-            headers.append((key, value))
+            headers.append((name, value))
         if replace_auth:
-            headers.append(("Authorization", f"Bearer {backend.api_key}"))
+            headers.append((b"Authorization", b"Bearer " + str(backend.api_key).encode()))
         if identity_encoding:
             # The router must read the stream to remove the usage chunk it asked for.
-            headers.append(("Accept-Encoding", "identity"))
+            headers.append((b"Accept-Encoding", b"identity"))
         return headers
 
     @staticmethod
-    def _response_headers(upstream: aiohttp.ClientResponse, plan: RoutePlan, request_id: str) -> CIMultiDict[str]:
+    def _response_headers(upstream: UpstreamResponse, plan: RoutePlan, request_id: str) -> CIMultiDict[str]:
         headers: CIMultiDict[str] = CIMultiDict()
-        for key, value in upstream.headers.items():
-            if key.lower() not in _RESPONSE_SKIP:
-                headers.add(key, value)
+        for name, value in upstream.raw_headers:
+            if name.lower() not in _RESPONSE_SKIP:
+                headers.add(name.decode("latin-1"), value.decode("latin-1"))
         headers["x-kvroute-backend"] = plan.backend
         headers["x-kvroute-policy"] = plan.policy
         headers["x-kvroute-reason"] = plan.reason
@@ -428,6 +421,3 @@ class Proxy:
             )
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,547 @@
+"""A lean HTTP/1.1 client for the proxy's requests to engines: the hot half of every request.
+
+Why not ``aiohttp.ClientSession``: measured on the proxy path, its per-request machinery
+(URL objects, header multidicts, cookie and trace hooks, timer contexts, response objects)
+cost about twice as much CPU as the aiohttp *server* side of the same request. This client
+does only what a reverse proxy needs, on ``asyncio.Protocol`` (uvloop):
+
+* one keep-alive pool per backend origin, connections reused LIFO, dropped when the
+  engine closes them or after :data:`KEEPALIVE_S` idle (below uvicorn's 5 s, so the router
+  never reuses a connection the engine is about to close);
+* the request written in one ``write`` (head built from raw header bytes, then the body);
+* the response head parsed once; the body framed by ``Content-Length``, ``chunked`` or
+  connection close, delivered as it arrives (:meth:`UpstreamResponse.read_available`);
+* one read timer per request that is re-armed only when it fires (data arriving just
+  stamps the time), switched from the first-byte to the idle timeout by the caller;
+* flow control both ways: reading pauses when the client is slower than the engine;
+* a request that fails on a *reused* connection before any response byte arrived (the
+  engine closed it while idle) is resent once on a fresh connection, as httpx and urllib3
+  do; every other failure is reported to the caller as an :class:`UpstreamError`.
+
+TLS backends (``https://``) work through the same protocol (``ssl=`` on the connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+#: Idle keep-alive connections older than this are closed instead of reused.
+KEEPALIVE_S = 4.0
+#: Idle connections kept per backend; more are closed when released.
+MAX_IDLE_PER_ORIGIN = 512
+#: The longest response head accepted.
+MAX_HEAD_BYTES = 64 * 1024
+#: Buffered, unread body bytes above which reading from the engine pauses.
+HIGH_WATER_BYTES = 256 * 1024
+
+RawHeaders = Sequence[tuple[bytes, bytes]]
+
+# Outcomes of parsing a response head.
+_FINAL, _INTERIM, _FAILED = object(), object(), object()
+
+
+class UpstreamError(Exception):
+    """The engine could not be reached or broke the exchange."""
+
+
+class UpstreamConnectError(UpstreamError):
+    """No connection could be made (refused, unreachable, connect timeout): nothing was sent."""
+
+
+class UpstreamDisconnected(UpstreamError):
+    """The connection closed before the response head arrived."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """No data within the read timeout (first byte or idle between chunks)."""
+
+
+class UpstreamProtocolError(UpstreamError):
+    """A malformed response, or the connection closed in the middle of the body."""
+
+
+class Origin:
+    """Where one backend listens, with its precomputed ``Host`` header."""
+
+    __slots__ = ("host", "port", "ssl", "host_header")
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        self.host = parts.hostname
+        self.ssl = parts.scheme == "https"
+        self.port = parts.port or (443 if self.ssl else 80)
+        self.host_header = parts.netloc.encode("idna" if not parts.netloc.isascii() else "ascii")
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection and the response being read on it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.reused = False
+        self.idle_since = 0.0
+        self._reset_exchange()
+
+    def _reset_exchange(self) -> None:
+        self._head = bytearray()
+        self._head_done = False
+        self._head_waiter: asyncio.Future[None] | None = None
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = True
+        self._framing = ""  # "length", "chunked" or "close"
+        self._remaining = 0
+        self._chunk_state = 0  # chunked: 0 size line, 1 data, 2 CRLF after data, 3 trailers
+        self._pending = b""  # chunked: an incomplete size line or CRLF carried over
+        self._body: deque[bytes] = deque()
+        self._buffered = 0
+        self._body_waiter: asyncio.Future[None] | None = None
+        self.body_done = False
+        self._paused = False
+        self.error: UpstreamError | None = None
+        self._got_bytes = False
+        self._timeout = 0.0
+        self._last_data = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # --- asyncio.Protocol --------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.error is None and not self.body_done:
+            if not self._head_done:
+                self._fail(UpstreamDisconnected(f"connection closed before the response ({exc or 'EOF'})"))
+            elif self._framing == "close":
+                self._finish_body()
+            else:
+                self._fail(UpstreamProtocolError(f"connection closed in the middle of the body ({exc or 'EOF'})"))
+        self._stop_timer()
+
+    def data_received(self, data: bytes) -> None:
+        self._got_bytes = True
+        self._last_data = self._loop.time()
+        if not self._head_done:
+            self._head += data
+            while True:
+                end = self._head.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(self._head) > MAX_HEAD_BYTES:
+                        self._fail(UpstreamProtocolError("response head too large"))
+                    return
+                rest = bytes(self._head[end + 4 :])
+                outcome = self._parse_head(bytes(self._head[:end]))
+                if outcome is _INTERIM:
+                    self._head = bytearray(rest)  # the real head follows
+                    continue
+                if outcome is _FAILED or not rest:
+                    return
+                data = rest
+                break
+        if self._framing == "chunked":
+            self._feed_chunked(data)
+        elif self._framing == "length":
+            if len(data) >= self._remaining:
+                self._deliver(data[: self._remaining])
+                self._finish_body()
+            else:
+                self._remaining -= len(data)
+                self._deliver(data)
+        elif self._framing == "close":
+            self._deliver(data)
+
+    def eof_received(self) -> bool | None:
+        return False  # close the transport; connection_lost settles the exchange
+
+    # --- request -------------------------------------------------------------------------
+    def send(self, head: bytes, body: bytes, first_byte_timeout: float) -> None:
+        assert self.transport is not None
+        self._timeout = first_byte_timeout
+        self._last_data = self._loop.time()
+        self._timer = self._loop.call_later(first_byte_timeout, self._on_timer)
+        self.transport.write(head + body if len(body) < 16384 else head)
+        if len(body) >= 16384:
+            self.transport.write(body)
+
+    async def wait_head(self) -> None:
+        if not self._head_done and self.error is None:
+            self._head_waiter = self._loop.create_future()
+            await self._head_waiter
+        if self.error is not None:
+            raise self.error
+
+    # --- response head -------------------------------------------------------------------
+    def _parse_head(self, head: bytes) -> object:
+        """Parse a response head; returns :data:`_FINAL`, :data:`_INTERIM` (1xx) or :data:`_FAILED`."""
+        lines = head.split(b"\r\n")
+        status_line = lines[0].split(b" ", 2)
+        try:
+            version = status_line[0]
+            status = int(status_line[1])
+        except (IndexError, ValueError):
+            self._fail(UpstreamProtocolError(f"bad status line {lines[0][:80]!r}"))
+            return _FAILED
+        if 100 <= status < 200:
+            return _INTERIM
+        headers = []
+        length: int | None = None
+        chunked = False
+        keep_alive = version == b"HTTP/1.1"
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if not sep:
+                continue
+            value = value.strip()
+            headers.append((name, value))
+            lower = name.lower()
+            if lower == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    self._fail(UpstreamProtocolError("bad Content-Length"))
+                    return _FAILED
+            elif lower == b"transfer-encoding":
+                chunked = value.lower().endswith(b"chunked")
+            elif lower == b"connection":
+                tokens = value.lower()
+                if b"close" in tokens:
+                    keep_alive = False
+                elif b"keep-alive" in tokens:
+                    keep_alive = True
+        self.status = status
+        self.headers = headers
+        self.keep_alive = keep_alive
+        self._head_done = True
+        self._head = bytearray()
+        if chunked:
+            self._framing = "chunked"
+        elif length is not None:
+            self._framing = "length"
+            self._remaining = length
+        elif status in (204, 304):
+            self._framing = "length"
+            self._remaining = 0
+        else:
+            self._framing = "close"
+            self.keep_alive = False
+        if self._head_waiter is not None and not self._head_waiter.done():
+            self._head_waiter.set_result(None)
+        if self._framing == "length" and self._remaining == 0:
+            self._finish_body()
+        return _FINAL
+
+    # --- response body -------------------------------------------------------------------
+    def _feed_chunked(self, data: bytes) -> None:
+        if self._pending:
+            data = self._pending + data
+            self._pending = b""
+        position = 0
+        size = len(data)
+        while position < size and not self.body_done:
+            state = self._chunk_state
+            if state == 1:  # chunk data
+                take = min(self._remaining, size - position)
+                self._deliver(data[position : position + take] if take != size else data)
+                position += take
+                self._remaining -= take
+                if self._remaining == 0:
+                    self._chunk_state = 2
+            elif state == 0:  # size line
+                end = data.find(b"\r\n", position)
+                if end < 0:
+                    self._pending = data[position:]
+                    if len(self._pending) > 1024:
+                        self._fail(UpstreamProtocolError("chunk size line too long"))
+                    return
+                try:
+                    chunk_size = int(data[position:end].split(b";", 1)[0], 16)
+                except ValueError:
+                    self._fail(UpstreamProtocolError("bad chunk size"))
+                    return
+                position = end + 2
+                if chunk_size == 0:
+                    self._chunk_state = 3
+                else:
+                    self._remaining = chunk_size
+                    self._chunk_state = 1
+            elif state == 2:  # CRLF after chunk data
+                if size - position < 2:
+                    self._pending = data[position:]
+                    return
+                position += 2
+                self._chunk_state = 0
+            else:  # trailers, ended by an empty line
+                end = data.find(b"\r\n", position)
+                if end < 0:
+                    self._pending = data[position:]
+                    return
+                if end == position:
+                    self._finish_body()
+                position = end + 2
+
+    def _deliver(self, data: bytes) -> None:
+        if not data:
+            return
+        self._body.append(data)
+        self._buffered += len(data)
+        if self._buffered > HIGH_WATER_BYTES and not self._paused and not self.closed:
+            self._paused = True
+            assert self.transport is not None
+            self.transport.pause_reading()
+        self._wake_body()
+
+    def _finish_body(self) -> None:
+        self.body_done = True
+        self._stop_timer()
+        self._wake_body()
+
+    def _wake_body(self) -> None:
+        waiter = self._body_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def read_available(self) -> bytes:
+        while not self._body:
+            if self.error is not None:
+                raise self.error
+            if self.body_done:
+                return b""
+            self._body_waiter = self._loop.create_future()
+            await self._body_waiter
+        body = self._body
+        data = body.popleft() if len(body) == 1 else b"".join(body)
+        body.clear()
+        self._buffered = 0
+        if self._paused and not self.closed:
+            self._paused = False
+            assert self.transport is not None
+            self.transport.resume_reading()
+        return data
+
+    # --- timeouts and failures -----------------------------------------------------------
+    def set_timeout(self, timeout: float) -> None:
+        """From now on, fail when no data arrives for ``timeout`` seconds."""
+        self._timeout = timeout
+        self._last_data = self._loop.time()
+        self._stop_timer()
+        if not self.body_done and self.error is None:
+            self._timer = self._loop.call_later(timeout, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self.body_done or self.error is not None:
+            return
+        left = self._last_data + self._timeout - self._loop.time()
+        if left > 0:
+            self._timer = self._loop.call_later(left, self._on_timer)
+            return
+        self._fail(UpstreamTimeout(f"no data for {self._timeout:g} s"))
+        self.abort()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self.error is None:
+            self.error = error
+        self.keep_alive = False
+        for waiter in (self._head_waiter, self._body_waiter):
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    def abort(self) -> None:
+        """Close the connection now (the engine sees the client's abort)."""
+        self.keep_alive = False
+        self._stop_timer()
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+        self.closed = True
+
+    @property
+    def got_bytes(self) -> bool:
+        return self._got_bytes
+
+    def reusable(self) -> bool:
+        return self.keep_alive and self.body_done and self.error is None and not self.closed
+
+    def recycle(self) -> None:
+        """Ready for the next request on this connection (now idle in its pool)."""
+        self._reset_exchange()
+        self.reused = True
+        self.idle_since = self._loop.time()
+
+
+class UpstreamResponse:
+    """The head of an engine's answer, and its body as it arrives."""
+
+    __slots__ = ("status", "raw_headers", "_connection", "_pool")
+
+    def __init__(self, connection: _Connection, pool: _OriginPool) -> None:
+        self.status = connection.status
+        self.raw_headers = connection.headers
+        self._connection = connection
+        self._pool = pool
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of a header (``name`` in lower case)."""
+        for key, value in self.raw_headers:
+            if key.lower() == name:
+                return value
+        return None
+
+    @property
+    def is_event_stream(self) -> bool:
+        content_type = self.header(b"content-type")
+        return content_type is not None and content_type.lower().startswith(b"text/event-stream")
+
+    async def read_available(self) -> bytes:
+        """Everything received and not yet read (waits for at least one byte); b"" at the end."""
+        return await self._connection.read_available()
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = []
+        while True:
+            data = await self._connection.read_available()
+            if not data:
+                return b"".join(parts)
+            parts.append(data)
+
+    def set_timeout(self, timeout: float) -> None:
+        """Switch to ``timeout`` seconds without data (e.g. from first-byte to idle)."""
+        self._connection.set_timeout(timeout)
+
+    def release(self) -> None:
+        """Done with the response: a fully read one returns its connection to the pool."""
+        connection = self._connection
+        if connection.reusable():
+            self._pool.put(connection)
+        else:
+            connection.abort()
+
+    def close(self) -> None:
+        """Abandon the response: the connection is closed so the engine stops its work."""
+        self._connection.abort()
+
+
+class _OriginPool:
+    """Idle keep-alive connections to one origin."""
+
+    def __init__(self, origin: Origin, ssl_context: ssl.SSLContext | None) -> None:
+        self.origin = origin
+        self._ssl = ssl_context if origin.ssl else None
+        self._idle: list[_Connection] = []
+
+    def take_idle(self, now: float) -> _Connection | None:
+        idle = self._idle
+        while idle:
+            connection = idle.pop()
+            if not connection.closed and now - connection.idle_since < KEEPALIVE_S:
+                return connection
+            connection.abort()
+        return None
+
+    async def connect(self, loop: asyncio.AbstractEventLoop, timeout: float) -> _Connection:
+        origin = self.origin
+        try:
+            async with asyncio.timeout(timeout):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(loop), origin.host, origin.port,
+                    ssl=self._ssl, server_hostname=origin.host if self._ssl else None,
+                )
+        except TimeoutError:
+            raise UpstreamConnectError(f"connect timeout after {timeout:g} s") from None
+        except OSError as exc:
+            raise UpstreamConnectError(f"cannot connect: {exc.strerror or exc}") from None
+        return connection
+
+    def put(self, connection: _Connection) -> None:
+        if len(self._idle) >= MAX_IDLE_PER_ORIGIN:
+            connection.abort()
+            return
+        connection.recycle()
+        self._idle.append(connection)
+
+    def close(self) -> None:
+        for connection in self._idle:
+            connection.abort()
+        self._idle.clear()
+
+
+class UpstreamClient:
+    """Sends proxied requests to backends; one per application."""
+
+    def __init__(self, *, connect_timeout: float, ssl_context: ssl.SSLContext | None = None) -> None:
+        self._connect_timeout = connect_timeout
+        self._ssl = ssl_context
+        self._pools: dict[str, _OriginPool] = {}
+
+    def _pool(self, base_url: str) -> _OriginPool:
+        pool = self._pools.get(base_url)
+        if pool is None:
+            context = self._ssl
+            if context is None and base_url.startswith("https://"):
+                context = self._ssl = ssl.create_default_context()
+            pool = self._pools[base_url] = _OriginPool(Origin(base_url), context)
+        return pool
+
+    async def post(
+        self, base_url: str, path: bytes, headers: RawHeaders, body: bytes, *, first_byte_timeout: float
+    ) -> UpstreamResponse:
+        """POST ``body`` to ``base_url + path``; returns once the response head arrived.
+
+        ``headers`` must not contain Host, Content-Length or Transfer-Encoding. Raises
+        :class:`UpstreamConnectError` (nothing sent), :class:`UpstreamDisconnected`,
+        :class:`UpstreamTimeout` or :class:`UpstreamProtocolError`.
+        """
+        pool = self._pool(base_url)
+        head = _request_head(b"POST", path, pool.origin.host_header, headers, len(body))
+        loop = asyncio.get_running_loop()
+        for attempt in (0, 1):
+            connection = pool.take_idle(loop.time()) if attempt == 0 else None
+            if connection is None:
+                connection = await pool.connect(loop, self._connect_timeout)
+            try:
+                connection.send(head, body, first_byte_timeout)
+                await connection.wait_head()
+                return UpstreamResponse(connection, pool)
+            except UpstreamDisconnected:
+                connection.abort()
+                # A reused connection the engine closed while idle: nothing was processed,
+                # so the request goes once more on a fresh connection.
+                if attempt or not connection.reused or connection.got_bytes:
+                    raise
+            except BaseException:
+                connection.abort()
+                raise
+        raise AssertionError("unreachable")
+
+    def forget(self, base_url: str) -> None:
+        """Close the idle connections of a backend that left the pool."""
+        pool = self._pools.pop(base_url, None)
+        if pool is not None:
+            pool.close()
+
+    def close(self) -> None:
+        """Close every idle connection."""
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+def _request_head(method: bytes, path: bytes, host: bytes, headers: RawHeaders, length: int) -> bytes:
+    lines = [method + b" " + path + b" HTTP/1.1", b"Host: " + host, b"Content-Length: " + str(length).encode()]
+    lines += [name + b": " + value for name, value in headers]
+    lines.append(b"\r\n")
+    return b"\r\n".join(lines)
