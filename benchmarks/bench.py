@@ -244,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"one of {', '.join(WORKLOAD_KINDS)} (repeatable; default "
                       "system-prompt and agent-sessions)")
     what.add_argument("--limit", type=int, help="at most N requests per workload")
+    what.add_argument("--max-output-tokens", type=int,
+                      help="cap every request's max_tokens (the trace's output lengths too)")
     what.add_argument("--speedup", type=float,
                       help="divide arrival times by this (default: --time-scale for sim "
                       "engines, so the load matches real time; 1 for external engines)")
@@ -314,6 +316,7 @@ async def _main(args: argparse.Namespace) -> int:
         system_tokens=args.system_tokens, conversations=args.conversations,
         sessions=tuple(int(count) for count in _csv(args.sessions)),
         agent_turns=args.agent_turns, agent_scale=args.agent_scale, limit=args.limit,
+        max_output_tokens=args.max_output_tokens,
     )
     try:
         workloads = [w for spec in args.workload or ["system-prompt", "agent-sessions"]

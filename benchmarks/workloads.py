@@ -33,7 +33,7 @@ Workloads (``--workload``):
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +164,7 @@ class WorkloadOptions:
     agent_turns: int = 8
     agent_scale: float = 0.25
     limit: int | None = None
+    max_output_tokens: int | None = None  # cap every request's max_tokens
     vocab_size: int = mooncake.DEFAULT_VOCAB_SIZE
     first_token_id: int = mooncake.DEFAULT_FIRST_TOKEN_ID
 
@@ -275,9 +276,19 @@ def mooncake_trace(
         yield WorkloadRequest(record.timestamp_ms / 1000.0, COMPLETIONS_ENDPOINT, body)
 
 
-def _limited(requests: Iterator[WorkloadRequest], limit: int | None) -> list[WorkloadRequest]:
+def _finish(requests: Iterator[WorkloadRequest], options: WorkloadOptions) -> list[WorkloadRequest]:
+    """In arrival order, cut to ``limit``, ``max_tokens`` capped at ``max_output_tokens``."""
     ordered = sorted(requests, key=lambda request: request.arrival_s)
-    return ordered[:limit] if limit is not None else ordered
+    if options.limit is not None:
+        ordered = ordered[: options.limit]
+    cap = options.max_output_tokens
+    if cap is None:
+        return ordered
+    return [
+        replace(request, body={**request.body, "max_tokens": min(request.max_tokens, cap)})
+        if request.max_tokens > cap else request
+        for request in ordered
+    ]
 
 
 WORKLOAD_KINDS = ("system-prompt", "multi-turn", "agent-sessions", "mooncake:PATH")
@@ -298,23 +309,23 @@ def make_workloads(spec: str, options: WorkloadOptions) -> list[Workload]:
             model=model, seed=seed, **sizes,
         )
         description = f"{options.users} users x {options.turns} turns, one system prompt"
-        return [Workload(kind, kind, _limited(requests, limit), description=description)]
+        return [Workload(kind, kind, _finish(requests, options), description=description)]
     if kind == "multi-turn":
         requests = multi_turn(
             conversations=options.conversations, turns=options.turns, model=model, seed=seed,
             **sizes,
         )
         description = f"{options.conversations} conversations x {options.turns} turns"
-        return [Workload(kind, kind, _limited(requests, limit), description=description)]
+        return [Workload(kind, kind, _finish(requests, options), description=description)]
     if kind == "agent-sessions":
         counts = [int(argument)] if argument else list(options.sessions)
         return [
             Workload(
                 f"agent-sessions:{count}", kind,
-                _limited(agent_sessions(
+                _finish(agent_sessions(
                     sessions=count, turns=options.agent_turns, scale=options.agent_scale,
                     model=model, seed=seed,
-                ), limit),
+                ), options),
                 sessions=count,
                 description=f"{count} sessions x {options.agent_turns} turns, "
                 f"~{round(AGENT_CONTEXT_TOKENS * options.agent_scale)} tokens at the end",
@@ -330,6 +341,6 @@ def make_workloads(spec: str, options: WorkloadOptions) -> list[Workload]:
             first_token_id=options.first_token_id,
         )
         name = f"mooncake:{path.stem.removeprefix('mooncake_').removesuffix('_trace')}"
-        return [Workload(name, kind, _limited(requests, limit), description=str(path))]
+        return [Workload(name, kind, _finish(requests, options), description=str(path))]
     raise ValueError(f"unknown workload {spec!r}; known: {', '.join(WORKLOAD_KINDS)}")
 

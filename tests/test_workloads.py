@@ -101,3 +101,12 @@ def test_turns_are_token_exact_prefixes_and_sized_in_tokens(spec: str) -> None:
         assert 1800 < len(system) < 2200
     if spec.startswith("agent-sessions"):
         assert 0.8 * 4400 < len(tokens) < 1.2 * 4400
+
+
+def test_max_output_tokens_caps_every_request() -> None:
+    (capped,) = make_workloads("agent-sessions:2", WorkloadOptions(max_output_tokens=7))
+    (plain,) = make_workloads("agent-sessions:2", WorkloadOptions())
+    assert {r.max_tokens for r in capped.requests} == {7}
+    assert [r.body["messages"] for r in capped.requests] == [
+        r.body["messages"] for r in plain.requests
+    ]
