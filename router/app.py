@@ -28,6 +28,7 @@ from router.config import Settings
 from router.errors import error_middleware, error_response, json_response
 from router.health import HealthChecker
 from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.precise_index import PreciseIndex
 from router.proxy import Proxy
 from router.request_info import ENDPOINTS, Endpoint
 from router.routing import RoutingEngine
@@ -51,6 +52,8 @@ class RouterState:
     proxy: Proxy | None = None
     health: HealthChecker | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    #: Precise mode (``--kv-events``): the index kept from the engines' KV events.
+    precise: PreciseIndex | None = None
 
 
 STATE = web.AppKey("kvroute_state", RouterState)
@@ -59,11 +62,12 @@ STATE = web.AppKey("kvroute_state", RouterState)
 def build_app(settings: Settings, routing: RoutingEngine | None = None) -> web.Application:
     """The router as an aiohttp application (not yet started)."""
     pool = BackendPool(unhealthy_after=settings.unhealthy_after, healthy_after=settings.healthy_after)
-    routing = routing or RoutingEngine(settings)
     metrics = RouterMetrics(lambda: pool)
+    precise = _precise_index(settings, pool, metrics) if settings.kv_events else None
+    routing = routing or RoutingEngine(settings, precise=precise)
     pool.on_removed(lambda backend: routing.forget_backend(backend.url))
     pool.on_removed(lambda backend: metrics.forget_backend(backend.url))
-    state = RouterState(settings=settings, pool=pool, routing=routing, metrics=metrics)
+    state = RouterState(settings=settings, pool=pool, routing=routing, metrics=metrics, precise=precise)
 
     app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
     app[STATE] = state
@@ -76,6 +80,15 @@ def build_app(settings: Settings, routing: RoutingEngine | None = None) -> web.A
         AdminAPI(settings, pool, lambda: _started(state.health)).add_routes(app)
     app.cleanup_ctx.append(_lifecycle)
     return app
+
+
+def _precise_index(settings: Settings, pool: BackendPool, metrics: RouterMetrics) -> PreciseIndex:
+    """The KV-event index, following the pool and exporting each stream's state."""
+    gauge = metrics.kv_events_state
+    precise = PreciseIndex.from_settings(settings, on_state=lambda url, kv_state: gauge.labels(url).set(int(kv_state)))
+    pool.on_added(lambda backend: precise.add_backend(backend.url, backend.kv_events_endpoint))
+    pool.on_removed(lambda backend: precise.remove_backend(backend.url))
+    return precise
 
 
 def _started(part: _T | None) -> _T:
@@ -115,6 +128,10 @@ def _health_handler(state: RouterState) -> Handler:
 
 def _metrics_handler(state: RouterState) -> Handler:
     async def metrics(request: web.Request) -> web.StreamResponse:
+        index = state.routing.index_stats()
+        for url, blocks in index.blocks.items():
+            state.metrics.index_blocks.labels(url).set(blocks)
+        state.metrics.index_bytes.set(index.bytes)
         return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     return metrics
@@ -138,8 +155,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     try:
         await _admit_configured_backends(state.health, settings)
         state.tasks.append(asyncio.create_task(state.health.run(), name="kvroute-health"))
+        if state.precise is not None:
+            await state.precise.start()
         yield
     finally:
+        if state.precise is not None:
+            await state.precise.stop()
         for task in state.tasks:
             task.cancel()
         for task in state.tasks:

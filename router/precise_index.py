@@ -188,6 +188,7 @@ class PreciseIndex:
         self._lora_names: set[str] = set()
         self._dirty: set[str] = set()  # backends with pending index changes
         self._subscribers: dict[str, KVEventSubscriber] = {}
+        self._configured: dict[str, tuple[str | None, str | None]] = {}  # url -> endpoints
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._watchdog: asyncio.Task[None] | None = None
         # One context (one I/O thread) for all subscribers; terminated by stop().
@@ -208,7 +209,8 @@ class PreciseIndex:
             on_state=on_state,
         )
         for backend in settings.backends:
-            index.add_backend(backend.url, backend.kv_events_endpoint, backend.kv_events_replay_endpoint)
+            index.configure_backend(backend.url, backend.kv_events_endpoint, backend.kv_events_replay_endpoint)
+            index.add_backend(backend.url)
         return index
 
     # -- properties ------------------------------------------------------------------
@@ -236,6 +238,11 @@ class PreciseIndex:
             return 0
         self.flush()
         return self._exact[known.block_size].blocks(backend)
+
+    def tokens(self, backend: str) -> int:
+        """Tokens of the backend's blocks in the exact layer."""
+        known = self._backends.get(backend)
+        return self.blocks(backend) * known.block_size if known is not None and known.block_size else 0
 
     def engine_blocks(self, backend: str) -> int:
         """Distinct block hashes the engine holds, matchable or not."""
@@ -272,7 +279,8 @@ class PreciseIndex:
         when an engine announced blocks of an adapter by that name."""
         lora_name = model if model in self._lora_names else None
         prepared = PreparedRequest(tokens, precise_salt(lora_name, cache_salt))
-        for block_size in self._exact:
+        # A snapshot of the sizes: prepare may run in a worker thread (routing.prepare).
+        for block_size in tuple(self._exact):
             prepared.hashes[block_size] = block_hashes(tokens, block_size, prepared.salt)
         return prepared
 
@@ -375,8 +383,11 @@ class PreciseIndex:
             self._speculative[known.block_size].clear(backend)
 
     def set_state(self, backend: str, state: KVEventsState) -> None:
-        """The backend's stream changed state (called by its subscriber)."""
-        known = self._backend(backend)
+        """The backend's stream changed state (called by its subscriber); ignored for a
+        backend that is not (or no longer) tracked."""
+        known = self._backends.get(backend)
+        if known is None:
+            return
         if state is KVEventsState.PRECISE:
             known.complete = True
         elif state is KVEventsState.PARTIAL:
@@ -502,17 +513,33 @@ class PreciseIndex:
             replay = _with_port(endpoint, self._replay_port)
         return endpoint, replay
 
+    def configure_backend(
+        self,
+        backend_url: str,
+        kv_events_endpoint: str | None = None,
+        kv_events_replay_endpoint: str | None = None,
+    ) -> None:
+        """Remember a backend's configured endpoints for whenever it is added (again)."""
+        self._configured[backend_url] = (kv_events_endpoint, kv_events_replay_endpoint)
+
     def add_backend(
         self,
         backend_url: str,
         kv_events_endpoint: str | None = None,
         kv_events_replay_endpoint: str | None = None,
     ) -> None:
-        """Track a backend; subscribe to its events when it has an endpoint (see
-        :meth:`endpoints`), starting at once if the index is running."""
+        """Track a backend; subscribe to its events when it has an endpoint (given here,
+        configured, or derived: see :meth:`endpoints`), at once if the index is running."""
+        if backend_url in self._subscribers:
+            return
+        configured_events, configured_replay = self._configured.get(backend_url, (None, None))
+        endpoints = self.endpoints(
+            backend_url, kv_events_endpoint or configured_events, kv_events_replay_endpoint or configured_replay
+        )
+        if backend_url not in self._backends and self._on_state is not None:
+            self._on_state(backend_url, KVEventsState.APPROXIMATE)  # exported from the start
         self._backend(backend_url)
-        endpoints = self.endpoints(backend_url, kv_events_endpoint, kv_events_replay_endpoint)
-        if endpoints is None or backend_url in self._subscribers:
+        if endpoints is None:
             return
         endpoint, replay = endpoints
         self._subscribers[backend_url] = KVEventSubscriber(

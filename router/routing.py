@@ -54,9 +54,11 @@ import orjson
 from router import request_info
 from router.config import POLICY_NAMES, Settings
 from router.engine_stats import EngineStats
+from router.kv_events import KVEventsState
 from router.policies import CacheRequest, LeastLoad, Policy, TrafficSplit, WorkingSets, make_policy
 from router.policies.base import BackendView, Decision, RouteRequest
 from router.policies.cache_aware import Conversation
+from router.precise_index import PreciseIndex, PreparedRequest
 from tokenizer_index import PrefixIndex, RequestTokenizer
 from tokenizer_index.hashing import block_hashes
 
@@ -84,6 +86,8 @@ class PreparedPrompt:
     #: Chained hashes of its full blocks (uint64), salted by model and ``cache_salt``.
     hashes: np.ndarray
     block_size: int
+    #: The same prompt hashed for the precise index (``--kv-events``), else None.
+    precise: PreparedRequest | None = None
 
 
 @dataclass(slots=True)
@@ -184,9 +188,17 @@ def _tokenize(tokenizer: RequestTokenizer, endpoint: str, body: Mapping[str, Any
 class RoutingEngine:
     """Chooses a backend per request and learns from the engines' answers; see the module docstring."""
 
-    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        precise: PreciseIndex | None = None,
+    ) -> None:
         self._settings = settings
         self._clock = clock
+        # Precise mode: matches come from the engines' KV events where a stream is live.
+        self._precise = precise
         self._working_sets = WorkingSets(clock=clock)
         self._split = TrafficSplit(settings.ab) if settings.ab else None
         self._default_label = self._split.labels[0] if self._split else settings.policy
@@ -231,6 +243,8 @@ class RoutingEngine:
 
     def index_tokens(self, url: str) -> int:
         """Tokens the prefix index believes ``url`` holds."""
+        if self._precise is not None and self._precise.state(url) is not KVEventsState.APPROXIMATE:
+            return self._precise.tokens(url)
         return sum(index.blocks(url) * size for size, index in self._indexes.items())
 
     def index_stats(self) -> IndexStats:
@@ -242,6 +256,10 @@ class RoutingEngine:
             for url, count in stats.blocks.items():
                 blocks[url] = blocks.get(url, 0) + count
             total_bytes += stats.bytes
+        if self._precise is not None:
+            for url, state in self._precise.states().items():
+                if state is not KVEventsState.APPROXIMATE:
+                    blocks[url] = self._precise.blocks(url)
         return IndexStats(blocks=blocks, bytes=total_bytes)
 
     # --- the hot path ------------------------------------------------------------------
@@ -257,8 +275,16 @@ class RoutingEngine:
         if not tokens:
             return None
         size = self._block_size(model if isinstance(model, str) else None)
-        hashes = block_hashes(tokens, size, request_salt(model, body.get("cache_salt")))
-        return PreparedPrompt(tokens=len(tokens), hashes=hashes, block_size=size)
+        cache_salt = body.get("cache_salt")
+        hashes = block_hashes(tokens, size, request_salt(model, cache_salt))
+        precise = None
+        if self._precise is not None:
+            precise = self._precise.prepare(
+                tokens,
+                model=model if isinstance(model, str) else None,
+                cache_salt=cache_salt if isinstance(cache_salt, str) else None,
+            )
+        return PreparedPrompt(tokens=len(tokens), hashes=hashes, block_size=size, precise=precise)
 
     def route(
         self,
@@ -297,6 +323,8 @@ class RoutingEngine:
             size = prepared.block_size
             index = self._index_for(size, candidates)
             raw_matches = index.match_hashes(prepared.hashes)
+            if prepared.precise is not None and self._precise is not None:
+                raw_matches = self._precise.match(prepared.precise, raw_matches)
             # Engines compute a prompt's last token even when all of it is cached.
             cacheable = (prepared.tokens - 1) // size * size
             request.prompt_tokens = prepared.tokens
@@ -316,6 +344,8 @@ class RoutingEngine:
         plan = RoutePlan(decision=decision, policy=label, request=request, prompt=prepared, serial=serial)
         if prepared is not None and index is not None:
             self._learn(plan, index, hashes, raw_matches.get(decision.backend, 0) // prepared.block_size)
+            if prepared.precise is not None and self._precise is not None:
+                self._precise.speculate(decision.backend, prepared.precise)
         return plan
 
     def observe(self, plan: RoutePlan, cached_tokens: int | None) -> None:

@@ -68,6 +68,7 @@ def stored(
 def precise_index(*backends: str, **options: Any) -> PreciseIndex:
     index = PreciseIndex(**options)
     for backend in backends:
+        index.add_backend(backend)  # tracked, without a subscription: events are applied by hand
         index.set_state(backend, KVEventsState.PRECISE)
     return index
 
@@ -193,7 +194,8 @@ def test_malformed_stores_are_ignored() -> None:
 
 
 def test_the_stream_state_decides_which_index_answers() -> None:
-    index = PreciseIndex()
+    index = precise_index(BACKEND)
+    index.set_state(BACKEND, KVEventsState.APPROXIMATE)
     prompt = tokens(11, 4 * BS)
     index.apply_events(BACKEND, [stored([1], prompt[:BS])])
     approximate = {BACKEND: 3 * BS, OTHER: 2 * BS}
@@ -214,11 +216,20 @@ def test_the_stream_state_decides_which_index_answers() -> None:
 def test_state_changes_are_reported_once() -> None:
     seen: list[tuple[str, KVEventsState]] = []
     index = PreciseIndex(on_state=lambda backend, state: seen.append((backend, state)))
+    index.add_backend(BACKEND)
     index.set_state(BACKEND, KVEventsState.PRECISE)
     index.set_state(BACKEND, KVEventsState.PRECISE)
     index.set_state(BACKEND, KVEventsState.APPROXIMATE)
-    assert seen == [(BACKEND, KVEventsState.PRECISE), (BACKEND, KVEventsState.APPROXIMATE)]
+    index.set_state(OTHER, KVEventsState.PRECISE)  # not tracked: ignored
+    assert seen == [
+        (BACKEND, KVEventsState.APPROXIMATE),  # exported from the start
+        (BACKEND, KVEventsState.PRECISE),
+        (BACKEND, KVEventsState.APPROXIMATE),
+    ]
     assert index.states() == {BACKEND: KVEventsState.APPROXIMATE}
+    index.remove_backend(BACKEND)
+    index.set_state(BACKEND, KVEventsState.PRECISE)  # a late word from a stopped subscriber
+    assert index.states() == {} and len(seen) == 3
 
 
 def test_speculative_blocks_bridge_the_gap_until_events_arrive() -> None:
@@ -376,7 +387,7 @@ class RunningIndex:
         for attempt in range(200):
             if self.call(lambda: subscriber.stats.messages) > 0:
                 return
-            sim.complete(tokens(900_000 + attempt, 8))
+            sim.complete(tokens(900_000 + attempt, 40))  # full blocks at any block size up to 40
             time.sleep(0.05)
         raise AssertionError("no KV event reached the subscriber")
 
@@ -620,3 +631,60 @@ def test_two_routers_on_the_same_engines_agree(
         second.catch_up(sim)
         assert first.blocks(sim) == second.blocks(sim) == sim.blocks()
     assert first.matches(prompts) == second.matches(prompts)
+
+
+# --------------------------------------------------------------------------- through routers
+
+
+def test_two_routers_serving_the_same_engines_converge_and_decide_alike(
+    evented_sims: Callable[..., list[EventedSim]], router_server: Callable[..., Any]
+) -> None:
+    """Two routers (as ``kvroute serve --kv-events``) in front of the same two engines, each
+    sent half of the traffic: both export the same ``kvroute_index_blocks`` per backend,
+    equal to the engines' own caches, and route the same request to the same backend."""
+    sims = evented_sims(2, kv_capacity_tokens=16 * 48)
+    settings = {
+        "policy": "cache_aware",
+        "kv_events": True,
+        "speculative_ttl_s": 0.5,
+        "backends": [
+            {"url": sim.url, "kv_events_endpoint": sim.events, "kv_events_replay_endpoint": sim.replay} for sim in sims
+        ],
+    }
+    routers = [router_server(**settings), router_server(**settings)]
+    for router in routers:
+        precise = router.state.precise
+        assert precise is not None
+        running = RunningIndex(router.loop, precise)
+        for sim in sims:
+            running.go_live(sim)
+    prompts = workload(9, 60, 16, longest=400)
+    clients = [router.client() for router in routers]
+    for i, prompt in enumerate(prompts):
+        clients[i % 2].completions.create(model="sim", prompt=prompt, max_tokens=2)
+    time.sleep(1.0)  # past speculative_ttl_s: only what the engines announced is left
+    for router in routers:
+        running = RunningIndex(router.loop, router.state.precise)  # type: ignore[arg-type]
+        for sim in sims:
+            running.catch_up(sim)
+    scrapes = [router.metrics() for router in routers]
+    for sim in sims:
+        engine_blocks = sim.blocks()
+        assert engine_blocks > 0
+        for scrape in scrapes:
+            assert scrape.value("kvroute_index_blocks", backend=sim.url) == engine_blocks
+            assert scrape.value("kvroute_kv_events_state", backend=sim.url) == KVEventsState.PRECISE
+    # The same request, asked of each router: the same backend, the same prediction. The
+    # requests are prompts an engine holds whole, so answering them stores nothing new and
+    # the engines (and both indexes) stay as they are between the two routers' answers.
+    held = [p for p in prompts if any(sim.cached_tokens(p) == len(p) // 16 * 16 for sim in sims)]
+    assert len(held) >= 5
+    for prompt in held[-12:]:
+        answers = []
+        for client in clients:
+            raw = client.completions.with_raw_response.create(model="sim", prompt=prompt, max_tokens=1)
+            answers.append((raw.headers["x-kvroute-backend"], int(raw.headers["x-kvroute-matched-tokens"])))
+        assert answers[0] == answers[1]
+        backend, matched = answers[0]
+        assert matched == (len(prompt) - 1) // 16 * 16  # the whole prompt but its last token
+        assert next(sim for sim in sims if sim.url == backend).cached_tokens(prompt) >= matched
