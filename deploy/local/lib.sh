@@ -63,6 +63,37 @@ kv_events_config() {
         "$1" "$2" "${KVROUTE_KV_EVENTS_TOPIC:-kv-events}"
 }
 
+# write_router_config FILE HOST TOKENIZER BLOCK_SIZE: kvroute's YAML config for the replicas
+# on HOST at ports PORTS, with their KV event and replay endpoints (EVENT_PORTS, REPLAY_PORTS,
+# arrays set by the caller). TOKENIZER and BLOCK_SIZE may be empty (kvroute's defaults).
+# Precise mode is on; KVROUTE_* environment variables (e.g. KVROUTE_KV_EVENTS=false,
+# KVROUTE_POLICY=round_robin, KVROUTE_PORT) override the file, as for any kvroute setting.
+write_router_config() {
+    local file="$1" host="$2" tokenizer="$3" block_size="$4" i
+    {
+        echo "host: 127.0.0.1"
+        echo "port: 8000"
+        echo "policy: cache_aware"
+        echo "kv_events: true"
+        [ -z "$tokenizer" ] || echo "tokenizer: $tokenizer"
+        [ -z "$block_size" ] || echo "block_size: $block_size"
+        echo "backends:"
+        for i in "${!PORTS[@]}"; do
+            echo "  - url: http://$host:${PORTS[$i]}"
+            echo "    kv_events_endpoint: tcp://$host:${EVENT_PORTS[$i]}"
+            echo "    kv_events_replay_endpoint: tcp://$host:${REPLAY_PORTS[$i]}"
+        done
+    } >"$file"
+}
+
+# start_router LOG_DIR: kvroute serve with LOG_DIR/kvroute.yaml; waits until it is healthy.
+start_router() {
+    local log_dir="$1" port="${KVROUTE_PORT:-8000}"
+    start kvroute "$log_dir/kvroute.log" -- "${KVROUTE_BIN:-kvroute}" serve --config "$log_dir/kvroute.yaml"
+    wait_healthy kvroute "http://127.0.0.1:$port" "${KVROUTE_PIDS[-1]}" "$log_dir/kvroute.log" 120
+    log "ready: kvroute http://127.0.0.1:$port (metrics at /metrics, config $log_dir/kvroute.yaml)"
+}
+
 # wait_any: block until one started process exits, then report which and return non-zero.
 wait_any() {
     local i

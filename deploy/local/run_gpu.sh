@@ -50,16 +50,8 @@ for i in "${!PORTS[@]}"; do
 done
 
 if [ "${KVROUTE_RUN_ROUTER:-1}" = "1" ]; then
-    ROUTER_PORT="${KVROUTE_PORT:-8000}"
-    ARGS=(serve --host 127.0.0.1 --port "$ROUTER_PORT" --policy "${KVROUTE_POLICY:-cache_aware}"
-          --tokenizer "$MODEL")
-    for i in "${!BACKENDS[@]}"; do
-        ARGS+=(--backend "${BACKENDS[$i]}")
-        ARGS+=(--kv-events-endpoint "${BACKENDS[$i]}=tcp://127.0.0.1:${EVENT_PORTS[$i]}")
-    done
-    start kvroute "$LOG_DIR/kvroute.log" -- "${KVROUTE_BIN:-kvroute}" "${ARGS[@]}"
-    wait_healthy kvroute "http://127.0.0.1:$ROUTER_PORT" "${KVROUTE_PIDS[-1]}" "$LOG_DIR/kvroute.log" 120
-    log "ready: kvroute http://127.0.0.1:$ROUTER_PORT (metrics at /metrics), model '$MODEL'"
+    write_router_config "$LOG_DIR/kvroute.yaml" 127.0.0.1 "$MODEL" ""
+    start_router "$LOG_DIR"
 else
     log "ready: replicas ${BACKENDS[*]}"
 fi
