@@ -146,8 +146,28 @@ class ExpiringIndexMachine(IndexMachine):
     ttl_s = 2.0
 
 
+class TinyTablesMachine(BoundedIndexMachine):
+    """Tables of one bucket and a log of four ticks: every few operations grow a table,
+    relocate the backends' block slots, or compact a log (with TTL stamps)."""
+
+    ttl_s = 2.0
+    _saved: dict[str, int]
+
+    @initialize()
+    def start(self) -> None:
+        self._saved = {}
+        for name, value in (("_INITIAL_BLOCK_BUCKETS", 1), ("_INITIAL_HOLDER_BUCKETS", 1), ("_INITIAL_LOG", 4)):
+            self._saved[name] = getattr(prefix_index, name)
+            setattr(prefix_index, name, value)
+        super().start()
+
+    def teardown(self) -> None:
+        for name, value in getattr(self, "_saved", {}).items():
+            setattr(prefix_index, name, value)
+
+
 _MACHINE_SETTINGS = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=35, stateful_step_count=35, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestUnbounded = IndexMachine.TestCase
 TestUnbounded.settings = _MACHINE_SETTINGS
@@ -155,6 +175,8 @@ TestBounded = BoundedIndexMachine.TestCase
 TestBounded.settings = _MACHINE_SETTINGS
 TestExpiring = ExpiringIndexMachine.TestCase
 TestExpiring.settings = _MACHINE_SETTINGS
+TestTinyTables = TinyTablesMachine.TestCase
+TestTinyTables.settings = _MACHINE_SETTINGS
 
 
 # --- targeted cases ----------------------------------------------------------------------

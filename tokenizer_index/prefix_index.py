@@ -76,6 +76,10 @@ _FIRST_FREE = np.array([((~bits) & (bits + 1)).bit_length() - 1 if bits != 0xFF 
 _SLOT_BIT = np.array([1 << column for column in range(_BUCKET)], dtype=np.uint8)
 _SLOT_CLEAR = ~_SLOT_BIT
 _FIRST_CHUNK = 256  # blocks looked up before the match walk widens its chunks (x4 each)
+# Starting sizes; tables and logs grow as needed.
+_INITIAL_BLOCK_BUCKETS = 64
+_INITIAL_HOLDER_BUCKETS = 16
+_INITIAL_LOG = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +118,10 @@ class _BucketSet:
     zero. Deleting a key zeroes its slot and takes it off the counts it added: no
     tombstones, no periodic cleanup. One byte per bucket marks its occupied slots, so an
     insert finds its slot from that byte. Callers keep per-slot data in arrays of length
-    :attr:`slots`. Keys are never duplicated in the table; ``count`` may overcount when one
-    batch adds the same key twice (it only sizes the table; :meth:`live` is exact).
+    :attr:`slots`. Keys are never duplicated in the table. A batch that adds one key twice
+    (only possible with repeated hashes in one insert) counts it twice in ``count``, which
+    only sizes the table (:meth:`live` is exact), and may leave a spill count one too high,
+    which only costs a lookup one more bucket; the next rebuild makes both exact again.
     """
 
     __slots__ = ("keys", "flat", "occupied", "spills", "count", "_buckets", "_buckets_u64")
@@ -124,7 +130,7 @@ class _BucketSet:
         self.keys = np.zeros((buckets, _BUCKET), dtype=dtype)
         self.flat = self.keys.reshape(-1)
         self.occupied = np.zeros(buckets, dtype=np.uint8)  # bit j: slot j of the bucket
-        self.spills = np.zeros(buckets, dtype=np.uint16)
+        self.spills = np.zeros(buckets, dtype=np.uint32)
         self.count = 0
         self._buckets = buckets
         self._buckets_u64 = np.uint64(buckets)
@@ -264,7 +270,7 @@ class _Blocks:
     __slots__ = ("table", "owners", "on_relocate", "version")
 
     def __init__(self, on_relocate: Callable[[np.ndarray], None]) -> None:
-        self.table = _BucketSet(64, np.uint64)
+        self.table = _BucketSet(_INITIAL_BLOCK_BUCKETS, np.uint64)
         self.owners = np.zeros((self.table.slots, 1), dtype=np.uint64)
         #: Called with old slot -> new slot (-1: dropped) whenever the table is rebuilt.
         self.on_relocate = on_relocate
@@ -356,9 +362,9 @@ class _Holder:
         self.word, bit = divmod(bit_index, 64)
         self.bit = np.uint64(1 << bit)
         self.capacity = capacity
-        self.table = _BucketSet(16, np.uint32)  # keys: block slot + 1
+        self.table = _BucketSet(_INITIAL_HOLDER_BUCKETS, np.uint32)  # keys: block slot + 1
         self.ticks = np.full(self.table.slots, _NO_TICK, dtype=np.uint32)
-        self.log = np.empty(1024, dtype=np.uint32)
+        self.log = np.empty(_INITIAL_LOG, dtype=np.uint32)
         self.head = 0
         self.tail = 0
         self.count = 0
