@@ -504,7 +504,9 @@ class PrefixIndex:
     """Per-backend sets of cached blocks with LRU capacity and TTL; longest-prefix matching.
 
     ``capacity_blocks`` applies to backends not given their own with :meth:`set_capacity`
-    (None: unbounded). ``clock`` (seconds) drives the TTL.
+    (None: unbounded). ``clock`` (seconds) drives the TTL. Backends are named by any
+    string (the router uses their URLs); a backend is known from its first insert or
+    :meth:`set_capacity` until :meth:`remove_backend`. Not thread-safe: one owner calls it.
     """
 
     def __init__(
@@ -559,10 +561,11 @@ class PrefixIndex:
             rows = owners[slots]
             rows[slots < 0] = 0
             rows[0] &= running
+            # prefix[i]: the backends that hold every block up to start + i.
             prefix = np.bitwise_and.accumulate(rows, axis=0)
-            previous = np.vstack((running[None, :], prefix[:-1]))
-            for row in np.flatnonzero((prefix != previous).any(axis=1)):
-                self._record_lengths(previous[row] & ~prefix[row], start + int(row), matched)
+            for row in _shrinking_rows(prefix, running).tolist():
+                previous = prefix[row - 1] if row else running
+                self._record_lengths(previous & ~prefix[row], start + row, matched)
             running = prefix[-1]
             start, chunk = end, chunk * 4
         self._record_lengths(running, len(keys), matched)
@@ -739,6 +742,18 @@ class PrefixIndex:
     def _relocate(self, relocation: np.ndarray) -> None:
         for holder in self._holders.values():
             holder.relocate_blocks(relocation)
+
+
+def _shrinking_rows(prefix: np.ndarray, before: np.ndarray) -> np.ndarray:
+    """Rows of ``prefix`` (n, words) that differ from the row before (``before`` for row 0)."""
+    if prefix.shape[1] == 1:  # up to 64 backends: one word, compare as a vector
+        column = prefix[:, 0]
+        changed = np.flatnonzero(column[1:] != column[:-1]) + 1
+        first = bool(column[0] != before[0])
+    else:
+        changed = np.flatnonzero((prefix[1:] != prefix[:-1]).any(axis=1)) + 1
+        first = bool((prefix[0] != before).any())
+    return np.concatenate(([0], changed)) if first else changed
 
 
 @dataclass(frozen=True, slots=True)
