@@ -33,6 +33,7 @@ import orjson
 
 from benchmarks import fleet as fleets
 from benchmarks.fleet import PEERS, ManagedProcess, free_port
+from benchmarks.replay import Progress
 from benchmarks.results import percentile
 from benchmarks.workloads import words
 from router.config import POLICY_NAMES
@@ -262,17 +263,14 @@ async def run_overhead(policies: Sequence[str], peers: Sequence[str],
             process = front.process if isinstance(front, fleets.PeerRouter) else front
             targets.append((name, front.url, process.pid))
         runs: dict[tuple[str, int], list[LoadRun]] = {}
-        total = rounds * len(concurrencies) * len(targets)
-        done = 0
+        progress = Progress(rounds * len(concurrencies) * len(targets), "overhead runs")
         for _ in range(rounds):
             for concurrency in concurrencies:
                 for name, url, pgid in targets:
                     run = await closed_loop(url, body, concurrency, seconds, pgid)
                     runs.setdefault((name, concurrency), []).append(run)
-                    done += 1
-                    print(f"\r  overhead: {done}/{total} runs", end="", file=sys.stderr,
-                          flush=True)
-        print(file=sys.stderr)
+                    progress.advance(run.errors == 0)
+        progress.close()
         return summarize(runs)
     finally:
         for front in fronts.values():

@@ -95,3 +95,18 @@ def test_a_missing_peer_is_reported_not_run(capsys: pytest.CaptureFixture) -> No
     code = bench.main(["--policies", "no_such_policy"])
     assert code == 2
     assert "unknown policies" in capsys.readouterr().err
+
+
+def test_overhead_compares_a_router_with_direct(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    code = bench.main([
+        "--overhead", "--policies", "round_robin", "--peers", "none", "--rounds", "1",
+        "--seconds", "0.5", "--concurrency", "4", "--out", str(out),
+    ])
+    assert code == 0
+    rows = {row["target"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"direct", "round_robin"}
+    assert rows["direct"]["router_cpu_us_per_request"] is None
+    assert rows["round_robin"]["router_cpu_us_per_request"] > 0
+    assert rows["round_robin"]["added_p50_ms"] is not None
+    assert all(row["errors"] == 0 and row["requests_per_s"] > 0 for row in rows.values())
