@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -187,6 +188,7 @@ class PreciseIndex:
         self._speculative: dict[int, PrefixIndex] = {}  # block size -> routed, unconfirmed
         self._lora_names: set[str] = set()
         self._dirty: set[str] = set()  # backends with pending index changes
+        self._engine_block_size: int | None = None
         self._subscribers: dict[str, KVEventSubscriber] = {}
         self._configured: dict[str, tuple[str | None, str | None]] = {}  # url -> endpoints
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -219,8 +221,19 @@ class PreciseIndex:
     def engine_block_size(self) -> int | None:
         """The engines' block size once an event announced it (the most common one when
         engines differ); None before."""
+        return self._engine_block_size
+
+    def _update_engine_block_size(self) -> None:
         sizes = [state.block_size for state in self._backends.values() if state.block_size]
-        return max(set(sizes), key=sizes.count) if sizes else None
+        self._engine_block_size = max(set(sizes), key=sizes.count) if sizes else None
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the index layers plus an estimate of the engine-hash maps (two 64-bit
+        Python ints per engine block besides the dict's own table)."""
+        layers = sum(index.stats().bytes for index in (*self._exact.values(), *self._speculative.values()))
+        maps = sum(sys.getsizeof(known.router_hash) + 72 * len(known.router_hash) for known in self._backends.values())
+        return layers + maps
 
     def state(self, backend: str) -> KVEventsState:
         """The backend's stream state (``APPROXIMATE`` for an unknown backend)."""
@@ -411,6 +424,7 @@ class PreciseIndex:
                 log.warning("kv events of %s: block size %s -> %d", backend, known.block_size, block_size)
                 self.clear_backend(backend)
             known.block_size = block_size
+            self._update_engine_block_size()
             if block_size not in self._exact:
                 self._exact[block_size] = PrefixIndex(block_size=block_size, clock=self._clock)
                 self._speculative[block_size] = PrefixIndex(
@@ -565,6 +579,7 @@ class PreciseIndex:
         if known is not None and known.block_size is not None:
             self._exact[known.block_size].remove_backend(backend_url)
             self._speculative[known.block_size].remove_backend(backend_url)
+            self._update_engine_block_size()
 
     def subscriber(self, backend_url: str) -> KVEventSubscriber | None:
         """The backend's subscriber (for its counters), if it has one."""

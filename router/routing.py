@@ -260,6 +260,7 @@ class RoutingEngine:
             for url, state in self._precise.states().items():
                 if state is not KVEventsState.APPROXIMATE:
                     blocks[url] = self._precise.blocks(url)
+            total_bytes += self._precise.nbytes
         return IndexStats(blocks=blocks, bytes=total_bytes)
 
     # --- the hot path ------------------------------------------------------------------
@@ -445,6 +446,8 @@ class RoutingEngine:
             return configured.block_size
         if self._settings.block_size:
             return self._settings.block_size
+        if self._precise is not None and self._precise.engine_block_size:
+            return self._precise.engine_block_size  # what the engines' KV events announced
         for size in self._engine_block_sizes.values():
             return size
         return DEFAULT_BLOCK_SIZE

@@ -22,6 +22,8 @@ import numpy as np
 import openai
 import pytest
 
+from router.backends import Backend
+from router.config import Settings
 from router.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -30,6 +32,7 @@ from router.kv_events import (
     KVEventSubscriber,
 )
 from router.precise_index import PreciseIndex, precise_salt
+from router.routing import RoutingEngine
 from tokenizer_index.hashing import block_hashes
 from tests.conftest import ServerLoop, SimServer, wait_until
 
@@ -262,6 +265,29 @@ def test_endpoints_are_configured_or_derived() -> None:
     assert index.endpoints("http://a:1", "tcp://b:6000", "tcp://c:7000") == ("tcp://b:6000", "tcp://c:7000")
     assert PreciseIndex().endpoints("http://a:1") is None
     assert PreciseIndex().endpoints("http://a:1", "tcp://b:1") == ("tcp://b:1", None)
+
+
+def test_the_routing_engine_predicts_from_events_with_the_engines_block_size() -> None:
+    """Through ``RoutingEngine``: a backend with a live stream is matched from its events,
+    under the engine's block size (32 here, the router's default being 16), and the
+    prediction is capped as vLLM caps ``cached_tokens`` (never the block holding the last
+    prompt token); a backend without a stream is matched from the approximate index."""
+    precise = precise_index("http://b0")
+    precise.add_backend("http://b1")
+    routing = RoutingEngine(Settings(policy="cache_aware"), precise=precise)
+    backends = [Backend("http://b0"), Backend("http://b1")]
+    prompt = tokens(30, 64)
+    precise.apply_events("http://b0", [stored([1, 2], prompt, block_size=32)])
+    assert precise.engine_block_size == 32
+    body = {"model": "sim", "prompt": prompt, "max_tokens": 4}
+    plan = routing.route("/v1/completions", body, {}, backends)
+    assert plan.backend == "http://b0"
+    assert plan.predicted_cached_tokens == 32  # 64 tokens held, the last block recomputed
+    assert plan.prompt is not None and plan.prompt.block_size == 32
+    longer = {"model": "sim", "prompt": prompt + tokens(31, 10), "max_tokens": 4}
+    assert routing.route("/v1/completions", longer, {}, backends).predicted_cached_tokens == 64
+    stats = routing.index_stats()
+    assert stats.blocks["http://b0"] == 2 and stats.bytes > 0
 
 
 # --------------------------------------------------------------------------- with sim engines
