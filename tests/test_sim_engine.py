@@ -239,7 +239,7 @@ async def test_lora_models_do_not_share_blocks() -> None:
 async def test_eviction_drops_least_recent_sequence_tail_first() -> None:
     # 8 blocks of 16 tokens. max_tokens=1 keeps output blocks out of the picture.
     config = replace(FAST, kv_capacity_tokens=128)
-    async with sim_server(config) as (url, _):
+    async with sim_server(config) as (url, engine):
         sdk = client(url)
 
         async def cached(prompt: list[int]) -> int:
@@ -251,6 +251,7 @@ async def test_eviction_drops_least_recent_sequence_tail_first() -> None:
         assert await cached(first) == 0
         assert await cached(second) == 0
         assert (await get_json(url, "/sim/stats"))["blocks"] == 8
+        assert engine.cache is not None and engine.cache.index_blocks == 8
         # first kept its head (4 blocks), lost its tail (2 blocks).
         assert await cached(first) == 64
         # Re-storing first's 6 blocks pushed out second's last 2 of 4.

@@ -204,6 +204,24 @@ async def test_map_events_describe_stores_evictions_and_resets() -> None:
         assert cleared.events == [{"type": "AllBlocksCleared"}] and cleared.seq == sequence[-1] + 1
 
 
+async def test_generated_blocks_are_stored_after_the_prompt_chained() -> None:
+    async with event_feed("map") as feed:
+        prompt = token_prompt(7, 40)  # 2 full blocks and 8 tokens of a third
+        # 40 prompt + 29 generated tokens: KV exists for 68 tokens (the last sampled token
+        # is never computed), i.e. 4 full blocks.
+        await feed.complete(prompt, max_tokens=29)
+        batches = await feed.receive_until(lambda event: len(event.get("block_hashes", ())) == 2
+                                           and event.get("parent_block_hash") is not None)  # fmt: skip
+        prompt_store = batches[0].events[0]
+        output_store = batches[-1].events[-1]
+        assert prompt_store["block_hashes"] == expected_hashes(feed.engine, prompt)
+        assert output_store["parent_block_hash"] == prompt_store["block_hashes"][-1]
+        sequence = prompt + output_store["token_ids"][8:]
+        assert output_store["token_ids"][:8] == prompt[32:]
+        assert output_store["block_hashes"] == expected_hashes(feed.engine, sequence)[2:]
+        assert feed.engine.cache is not None and feed.engine.cache.index_blocks == 4
+
+
 async def test_array_events_are_positional() -> None:
     async with event_feed("array", kv_capacity_tokens=64) as feed:
         prompt = token_prompt(4, 48)

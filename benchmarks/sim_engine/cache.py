@@ -1,9 +1,13 @@
 """The replica's prefix cache: real full blocks over real token ids, LRU, tail first.
 
-A single-backend :class:`tokenizer_index.PrefixIndex` does the bookkeeping (chained block
-hashes, LRU that drops a sequence's last blocks before its first, capacity in blocks);
-this module adds what an engine does around it: counting stored blocks, and turning
-stores, evictions and resets into vLLM KV events.
+A single-backend :class:`tokenizer_index.PrefixIndex` owns the LRU order, the capacity
+and every eviction decision (it drops a sequence's last blocks before its first, and
+never a parent before its child). Beside it the cache keeps the set of block hashes it
+holds, updated from the index's ``on_evict``: membership is then an O(1) set lookup per
+block, so a request's prefix lookup and "which of these blocks are new" cost no index
+call, and every ``BlockRemoved`` pairs with exactly one earlier ``BlockStored``. Stores
+are indexed in batches (one insert per scheduler step, see :meth:`PrefixCache.flush`):
+the index's cost is per call far more than per block.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from benchmarks.sim_engine.kv_events import (
     KVEventPublisher,
 )
 from tokenizer_index import PrefixIndex
-from tokenizer_index.hashing import block_hashes
+from tokenizer_index.hashing import block_hashes, chain_hash
 
 #: The one backend name of the single-replica index.
 SELF = "self"
@@ -48,23 +52,51 @@ class PrefixCache:
         self._index = PrefixIndex(
             block_size=block_size, capacity_blocks=num_blocks, on_evict=self._on_evict
         )
-        # Evictions that happen inside one insert, so they can be ordered around its store.
-        self._evicted: list[np.ndarray] = []
+        self._held: set[int] = set()
+        # Runs of blocks stored since the last flush, oldest first, not yet touched.
+        self._untouched: list[np.ndarray] = []
+        # Blocks evicted during the current insert, announced after it.
+        self._evicted: list[int] = []
 
     @property
     def blocks(self) -> int:
         """Blocks held now."""
+        return len(self._held)
+
+    @property
+    def index_blocks(self) -> int:
+        """Blocks the underlying index holds (always equal to :attr:`blocks`)."""
         return self._index.blocks(SELF)
 
     def hashes(self, tokens: Sequence[int] | np.ndarray, key: CacheKey) -> np.ndarray:
         """Chained hashes of the full blocks of ``tokens`` (uint64)."""
         return block_hashes(tokens, self.block_size, key.salt)
 
+    def extend_hashes(self, hashes: np.ndarray, tokens: np.ndarray, key: CacheKey) -> np.ndarray:
+        """``hashes`` of ``tokens``'s leading blocks, continued over its remaining full blocks.
+
+        For a sequence that grew by a few generated tokens: only the new blocks are hashed.
+        """
+        size = self.block_size
+        total = len(tokens) // size
+        if total <= len(hashes):
+            return hashes
+        extra = np.empty(total - len(hashes), dtype=np.uint64)
+        parent = int(hashes[-1]) if len(hashes) else None
+        for offset, block in enumerate(range(len(hashes), total)):
+            parent = chain_hash(parent, tokens[block * size : (block + 1) * size], key.salt)
+            extra[offset] = parent
+        return np.concatenate((hashes, extra))
+
     def cached_blocks(self, hashes: np.ndarray) -> int:
         """How many leading blocks of this sequence the cache holds."""
-        if len(hashes) == 0:
-            return 0
-        return self._index.match_hashes(hashes).get(SELF, 0) // self.block_size
+        held = self._held
+        count = 0
+        for block in hashes.tolist():
+            if block not in held:
+                break
+            count += 1
+        return count
 
     def store(
         self,
@@ -73,37 +105,48 @@ class PrefixCache:
         num_blocks: int,
         key: CacheKey,
     ) -> None:
-        """The first ``num_blocks`` blocks of this sequence are computed: hold (and touch) them.
+        """The first ``num_blocks`` blocks of this sequence are computed: hold them.
 
-        Blocks new to the cache are announced with one ``BlockStored``; blocks pushed out to
-        make room with ``BlockRemoved`` (before the store, as an engine frees before it
-        allocates). A sequence longer than the whole cache keeps only its head.
+        New blocks are cached (and announced with ``BlockStored``) at once; the LRU touch
+        of the whole run waits for :meth:`flush`, which indexes every run stored since the
+        last flush in one insert. A sequence longer than the whole cache keeps its head.
         """
         count = min(num_blocks, len(hashes), self.num_blocks)
         if count <= 0:
             return
-        held = self.cached_blocks(hashes[:count])
-        self._index.insert_hashes(SELF, hashes[:count])
-        evicted, self._evicted = self._evicted, []
-        if self._publisher is None:
+        first_new = self.cached_blocks(hashes[:count])
+        if first_new < count:
+            self._held.update(hashes[first_new:count].tolist())
+            if self._publisher is not None:
+                self._publisher.add(self._stored_event(hashes, tokens, first_new, count, key))
+        self._untouched.append(hashes[:count])
+
+    def flush(self) -> None:
+        """Touch the runs stored since the last flush (later ones more recent), evict down
+        to the capacity, and announce what was evicted with one ``BlockRemoved``.
+
+        Runs are concatenated newest first and deduplicated keeping first occurrences, so
+        along the array every block comes after its parent: one insert's tail-first ticks
+        then keep each parent more recent than its children, as separate inserts would.
+        """
+        if not self._untouched:
             return
-        new = hashes[held:count]
-        new_set = set(new.tolist()) if evicted else set()
-        late_removed: list[int] = []
-        early_removed: list[int] = []
-        for batch in evicted:
-            for block in batch.tolist():
-                (late_removed if block in new_set else early_removed).append(block)
-        if early_removed:
-            self._publisher.add(BlockRemoved(block_hashes=early_removed))
-        if len(new):
-            self._publisher.add(self._stored_event(hashes, tokens, held, count, key))
-        if late_removed:
-            self._publisher.add(BlockRemoved(block_hashes=late_removed))
+        runs, self._untouched = self._untouched, []
+        keys = runs[0] if len(runs) == 1 else np.concatenate(runs[::-1])
+        if len(runs) > 1:
+            _, first = np.unique(keys, return_index=True)
+            keys = keys[np.sort(first)]
+        self._index.insert_hashes(SELF, keys)
+        if self._evicted:
+            evicted, self._evicted = self._evicted, []
+            if self._publisher is not None:
+                self._publisher.add(BlockRemoved(block_hashes=evicted))
 
     def clear(self) -> None:
         """Drop every block (``/reset_prefix_cache``) and announce ``AllBlocksCleared``."""
         self._index.clear(SELF)
+        self._held.clear()
+        self._untouched.clear()
         if self._publisher is not None:
             self._publisher.add(AllBlocksCleared())
 
@@ -116,11 +159,10 @@ class PrefixCache:
         key: CacheKey,
     ) -> BlockStored:
         size = self.block_size
-        token_ids = np.asarray(tokens[first * size : end * size]).tolist()
         return BlockStored(
             block_hashes=hashes[first:end].tolist(),
             parent_block_hash=int(hashes[first - 1]) if first > 0 else None,
-            token_ids=token_ids,
+            token_ids=np.asarray(tokens[first * size : end * size]).tolist(),
             block_size=size,
             lora_id=key.lora_id,
             lora_name=key.lora_name,
@@ -128,9 +170,9 @@ class PrefixCache:
         )
 
     def _on_evict(self, backend: str, evicted: np.ndarray) -> None:
-        if self._publisher is None or len(evicted) == 0:
-            return
-        self._evicted.append(np.asarray(evicted, dtype=np.uint64).copy())
+        blocks = evicted.tolist()
+        self._held.difference_update(blocks)
+        self._evicted.extend(blocks)
 
 
 def _extra_keys(key: CacheKey, first: int, end: int) -> list[tuple[str, ...] | None] | None:

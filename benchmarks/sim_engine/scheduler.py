@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ from benchmarks.sim_engine.cache import CacheKey, PrefixCache
 from benchmarks.sim_engine.config import SimEngineConfig
 from benchmarks.sim_engine.kv_events import KVEventPublisher
 from benchmarks.sim_engine.metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -78,6 +81,11 @@ class SimRequest:
         self._waiter = None
 
 
+def _report_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the scheduler loop died", exc_info=task.exception())
+
+
 @dataclass(slots=True)
 class EngineStats:
     """Totals for ``GET /sim/stats``."""
@@ -125,6 +133,11 @@ class Scheduler:
         return len(self._waiting)
 
     @property
+    def alive(self) -> bool:
+        """Whether the step loop is running (false before start, after close or a crash)."""
+        return self._task is not None and not self._task.done()
+
+    @property
     def kv_usage(self) -> float:
         """Fraction of KV blocks referenced by running requests (vLLM's kv_cache_usage_perc)."""
         return min(1.0, self._kv_blocks_in_use / self._cache.num_blocks)
@@ -134,6 +147,7 @@ class Scheduler:
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-scheduler")
+            self._task.add_done_callback(_report_crash)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -160,6 +174,9 @@ class Scheduler:
         if request in self._running:
             self._running.remove(request)
             self._kv_blocks_in_use -= request.kv_blocks
+            # What it computed stays cached, as in vLLM.
+            computed_blocks = request.computed // self._block_size
+            self._cache.store(request.hashes, request.prompt, computed_blocks, request.key)
         else:
             with contextlib.suppress(ValueError):
                 self._waiting.remove(request)
@@ -197,6 +214,7 @@ class Scheduler:
                 if step_s <= 0.0:
                     break
                 wall += step_s / scale
+            self._cache.flush()
             if self._publisher is not None:
                 self._publisher.flush()
             if wall == 0.0:
@@ -279,9 +297,6 @@ class Scheduler:
         cached = min(hit_blocks, cacheable) * size
         request.cached_tokens = cached
         request.computed = cached
-        if hit_blocks:
-            # Touch the hit so it is the most recently used sequence.
-            self._cache.store(request.hashes, request.prompt, hit_blocks, request.key)
         metrics = self._metrics
         metrics.prefix_queries.inc(request.prompt_len)
         metrics.prefix_hits.inc(cached)
@@ -305,9 +320,8 @@ class Scheduler:
         # The last sampled token never had its KV computed.
         sequence = np.concatenate((request.prompt, request.output[: request.generated - 1]))
         full_blocks = len(sequence) // size
-        if full_blocks > len(request.hashes):
-            hashes = self._cache.hashes(sequence, request.key)
-            self._cache.store(hashes, sequence, full_blocks, request.key)
+        hashes = self._cache.extend_hashes(request.hashes, sequence, request.key)
+        self._cache.store(hashes, sequence, full_blocks, request.key)
         self.stats.requests_served += 1
         self.stats.generation_tokens += request.generated
         self._metrics.generation_tokens.inc(request.generated)

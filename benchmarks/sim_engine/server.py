@@ -346,7 +346,8 @@ class Handlers:
         return _json({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        scheduler = self.engine.scheduler
+        return web.Response(status=200 if scheduler is not None and scheduler.alive else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(
