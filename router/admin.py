@@ -36,12 +36,21 @@ AdminHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class AdminAPI:
     """Handlers of the admin routes; ``health`` is read lazily (it exists once the app started)."""
 
-    def __init__(self, settings: Settings, pool: BackendPool, health: Callable[[], HealthChecker]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: BackendPool,
+        health: Callable[[], HealthChecker],
+        *,
+        on_secret: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_secret`` hears of every engine API key added at run time (log redaction)."""
         if not settings.admin_token:
             raise ValueError("the admin API needs an admin token")
         self._token = settings.admin_token.encode()
         self._pool = pool
         self._health = health
+        self._on_secret = on_secret
         self._allowed_networks = [ipaddress.ip_network(net, strict=False) for net in settings.admin_allowed_networks]
 
     def add_routes(self, app: web.Application) -> None:
@@ -80,6 +89,8 @@ class AdminAPI:
             config = BackendConfig.model_validate(payload)
         except ValidationError as exc:
             raise RouterError(400, _validation_message(exc), code="invalid_backend") from None
+        if config.api_key and self._on_secret is not None:
+            self._on_secret(config.api_key)
         if config.url in self._pool:
             raise RouterError(409, f"backend {config.url} is already in the pool", code="backend_exists")
         await self._check_network(config.url)

@@ -7,6 +7,11 @@ probes the configured backends once, starts the health loop, and closes everythi
 :func:`serve` runs it until SIGTERM/SIGINT, then stops accepting
 connections, lets in-flight requests and streams finish for up to ``drain_timeout_s`` and
 returns; :func:`run` does that on uvloop.
+
+Around the proxy: the client gate and admission control (``router.security``,
+``router.admission``), the router's own OpenAPI document at ``/openapi.json``, and a
+server whose connections answer unparsable requests (431, 400) in OpenAI's JSON form and
+close connections that take longer than ``request_read_timeout_s`` to send a request head.
 """
 
 from __future__ import annotations
@@ -20,18 +25,21 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import aiohttp
-from aiohttp import web
+from aiohttp import web, web_server
 
 from router.admin import AdminAPI
-from router.backends import BackendPool
+from router.admission import AdmissionControl
+from router.backends import Backend, BackendPool
 from router.config import Settings
-from router.errors import error_middleware, error_response, json_response
+from router.errors import JSON_CONTENT_TYPE, JsonErrorServer, error_middleware, error_response, json_response
 from router.health import HealthChecker
-from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.metrics import CONTENT_TYPE, RouterMetrics, RuntimeStats
+from router.openapi import openapi_document
 from router.precise_index import PreciseIndex
 from router.proxy import Proxy
 from router.request_info import ENDPOINTS, Endpoint
 from router.routing import RoutingEngine
+from router.security import ClientGate, SecretRedactor
 from router.upstream import KEEPALIVE_S, UpstreamClient
 
 log = logging.getLogger("kvroute")
@@ -46,6 +54,8 @@ class RouterState:
     pool: BackendPool
     routing: RoutingEngine
     metrics: RouterMetrics
+    admission: AdmissionControl[Backend]
+    gate: ClientGate
     # Created on startup, inside the event loop:
     session: aiohttp.ClientSession | None = None  # health checks and probes
     upstream: UpstreamClient | None = None  # proxied requests
@@ -59,15 +69,38 @@ class RouterState:
 STATE = web.AppKey("kvroute_state", RouterState)
 
 
-def build_app(settings: Settings, routing: RoutingEngine | None = None) -> web.Application:
-    """The router as an aiohttp application (not yet started)."""
-    pool = BackendPool(unhealthy_after=settings.unhealthy_after, healthy_after=settings.healthy_after)
-    metrics = RouterMetrics(lambda: pool)
+def build_app(
+    settings: Settings, routing: RoutingEngine | None = None, *, redactor: SecretRedactor | None = None
+) -> web.Application:
+    """The router as an aiohttp application (not yet started).
+
+    ``redactor``: the log filter of ``kvroute serve``; engine API keys given to the admin
+    API at run time are added to it.
+    """
+    pool = BackendPool(
+        unhealthy_after=settings.unhealthy_after,
+        healthy_after=settings.healthy_after,
+        breaker_failures=settings.breaker_failures,
+        breaker_cooldown_s=settings.breaker_cooldown_s,
+    )
+    admission: AdmissionControl[Backend] = AdmissionControl(
+        max_concurrency=settings.max_concurrency,
+        max_backend_concurrency=settings.max_backend_concurrency,
+        queue_size=settings.queue_size,
+        queue_timeout_s=settings.queue_timeout_s,
+    )
+    gate = ClientGate(settings)
+    metrics = RouterMetrics(lambda: pool, lambda: _runtime_stats(admission, gate))
     precise = _precise_index(settings, pool, metrics) if settings.kv_events else None
     routing = routing or RoutingEngine(settings, precise=precise)
     pool.on_removed(lambda backend: routing.forget_backend(backend.url))
     pool.on_removed(lambda backend: metrics.forget_backend(backend.url))
-    state = RouterState(settings=settings, pool=pool, routing=routing, metrics=metrics, precise=precise)
+    if admission.limited:
+        pool.on_changed(admission.wake)  # a backend joined or recovered: a waiter may run
+    state = RouterState(
+        settings=settings, pool=pool, routing=routing, metrics=metrics, admission=admission, gate=gate,
+        precise=precise,
+    )
 
     app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
     app[STATE] = state
@@ -76,8 +109,10 @@ def build_app(settings: Settings, routing: RoutingEngine | None = None) -> web.A
     app.router.add_get("/v1/models", _models_handler(state))
     app.router.add_get("/health", _health_handler(state))
     app.router.add_get("/metrics", _metrics_handler(state))
+    app.router.add_get("/openapi.json", _openapi_handler(settings))
     if settings.admin_token:
-        AdminAPI(settings, pool, lambda: _started(state.health)).add_routes(app)
+        on_secret = redactor.add if redactor is not None else None
+        AdminAPI(settings, pool, lambda: _started(state.health), on_secret=on_secret).add_routes(app)
     app.cleanup_ctx.append(_lifecycle)
     return app
 
@@ -89,6 +124,15 @@ def _precise_index(settings: Settings, pool: BackendPool, metrics: RouterMetrics
     pool.on_added(lambda backend: precise.add_backend(backend.url, backend.kv_events_endpoint))
     pool.on_removed(lambda backend: precise.remove_backend(backend.url))
     return precise
+
+
+def _runtime_stats(admission: AdmissionControl[Backend], gate: ClientGate) -> RuntimeStats:
+    return RuntimeStats(
+        active_requests=admission.active,
+        queued_requests=admission.queued,
+        rejected={**admission.rejected, **gate.rejected},
+        rate_limited_clients=gate.tracked_clients,
+    )
 
 
 def _started(part: _T | None) -> _T:
@@ -110,7 +154,8 @@ def _proxy_handler(state: RouterState, endpoint: Endpoint) -> Handler:
 
 def _models_handler(state: RouterState) -> Handler:
     async def models(request: web.Request) -> web.StreamResponse:
-        _started(state.proxy).authenticate(request)
+        if state.gate.active:
+            state.gate.check(request)
         return json_response({"object": "list", "data": state.pool.model_cards()})
 
     return models
@@ -137,6 +182,15 @@ def _metrics_handler(state: RouterState) -> Handler:
     return metrics
 
 
+def _openapi_handler(settings: Settings) -> Handler:
+    document = openapi_document(admin=bool(settings.admin_token), api_keys=bool(settings.api_keys))
+
+    async def openapi(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=document, content_type=JSON_CONTENT_TYPE)
+
+    return openapi
+
+
 # --- lifecycle -------------------------------------------------------------------------
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
@@ -150,7 +204,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state.session = session
     state.upstream = upstream
     state.health = HealthChecker(settings, state.pool, session)
-    state.proxy = Proxy(settings, state.pool, state.routing, state.metrics, upstream)
+    state.proxy = Proxy(
+        settings, state.pool, state.routing, state.metrics, upstream, admission=state.admission, gate=state.gate
+    )
     state.pool.on_removed(lambda backend: upstream.forget(backend.url))
     try:
         await _admit_configured_backends(state.health, settings)
@@ -181,9 +237,19 @@ async def _admit_configured_backends(health: HealthChecker, settings: Settings) 
 
 
 # --- running ---------------------------------------------------------------------------
+class _RouterRunner(web.AppRunner):
+    """aiohttp's runner, serving with :class:`~router.errors.JsonErrorServer` connections."""
+
+    async def _make_server(self) -> web_server.Server:
+        server = await super()._make_server()
+        # Same server, same options; only its connections answer parse errors as JSON.
+        server.__class__ = JsonErrorServer
+        return server
+
+
 def make_runner(app: web.Application, settings: Settings) -> web.AppRunner:
     """The runner the router is served with (also used by tests that run it in-process)."""
-    return web.AppRunner(
+    return _RouterRunner(
         app,
         handle_signals=False,
         handler_cancellation=True,  # a client hanging up cancels its handler: upstream closed at once
@@ -191,6 +257,9 @@ def make_runner(app: web.Application, settings: Settings) -> web.AppRunner:
         shutdown_timeout=settings.drain_timeout_s,
         max_line_size=settings.max_header_bytes,
         max_field_size=settings.max_header_bytes,
+        # Closes idle keep-alive connections and those whose request head never completes
+        # (slowloris); aiohttp's default would keep them for an hour.
+        keepalive_timeout=settings.request_read_timeout_s,
     )
 
 

@@ -105,6 +105,8 @@ class Settings(BaseSettings):
     # --- limits and admission --------------------------------------------------------
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     max_header_bytes: int = Field(default=16 * 1024, gt=0)
+    # A client's whole request body (408 after), and a connection's request head (closed after).
+    request_read_timeout_s: float = Field(default=60.0, gt=0)
     max_concurrency: int | None = Field(default=None, gt=0)
     max_backend_concurrency: int | None = Field(default=None, gt=0)
     queue_size: int = Field(default=1024, ge=0)

@@ -5,7 +5,9 @@ with a fitting HTTP status, whether it comes from the proxy (bad body, unknown m
 backend, upstream timeout), from aiohttp's dispatcher (unknown path, wrong method, body too
 large) or from an unexpected exception (500, logged with its traceback, never shown).
 A stream that breaks after its headers were sent cannot change its status any more; it
-ends with :func:`sse_error_event` instead.
+ends with :func:`sse_error_event` instead. Requests aiohttp cannot even parse (a header
+over ``max_header_bytes``: 431; garbage: 400) are answered by :class:`JsonErrorServer`'s
+connection handlers, in the same JSON form, without echoing the offending bytes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import web, web_server
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.web_protocol import RequestHandler
 
 log = logging.getLogger("kvroute.errors")
 
@@ -28,9 +32,12 @@ _TYPE_BY_STATUS: dict[int, str] = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    414: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     502: "server_error",
     503: "server_error",
@@ -49,6 +56,7 @@ class RouterError(Exception):
         code: str | None = None,
         error_type: str | None = None,
         headers: dict[str, str] | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -56,12 +64,17 @@ class RouterError(Exception):
         self.code = code
         self.error_type = error_type or _TYPE_BY_STATUS.get(status, "server_error")
         self.headers = headers
+        #: Close the connection after answering (the rest of the request was not read).
+        self.close = close
 
     def to_response(self) -> web.Response:
         """The JSON response for this error."""
-        return error_response(
+        response = error_response(
             self.status, self.message, code=self.code, error_type=self.error_type, headers=self.headers
         )
+        if self.close:
+            response.force_close()
+        return response
 
 
 def error_body(message: str, *, error_type: str, code: str | int | None) -> bytes:
@@ -133,3 +146,42 @@ def _http_exception_message(request: web.Request, exc: web.HTTPException) -> str
 def json_response(payload: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     """A JSON response serialised with orjson (dataclasses included)."""
     return web.Response(status=status, body=orjson.dumps(payload), content_type=JSON_CONTENT_TYPE, headers=headers)
+
+
+# --- requests that cannot be parsed ------------------------------------------------------
+class _JsonErrorRequestHandler(RequestHandler):
+    """aiohttp's connection handler, answering unparsable requests in OpenAI's JSON form.
+
+    aiohttp's own answer is plain text and its log line quotes the offending bytes, which
+    may hold a client's credentials; this one names only the kind of problem.
+    """
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response was already started; the connection is closed instead")
+        if isinstance(exc, LineTooLong) or (isinstance(exc, BadHttpMessage) and "too many headers" in str(exc).lower()):
+            status, text, code = 431, "request line or header fields too large", "headers_too_large"
+        elif status < 500:
+            text, code = f"malformed HTTP request ({type(exc).__name__ if exc else 'unknown'})", "bad_request"
+        else:
+            log.error("unhandled error serving %s", request.path, exc_info=exc)
+            text, code = "internal router error", "internal_error"
+        if status < 500:
+            log.debug("unparsable request from %s: %s", request.remote, type(exc).__name__ if exc else status)
+        response = error_response(status, text, code=code)
+        response.force_close()
+        return response
+
+
+class JsonErrorServer(web_server.Server):
+    """aiohttp's server with :class:`_JsonErrorRequestHandler` connections (see ``router.app``)."""
+
+    def __call__(self) -> RequestHandler:
+        # Server keeps the handler options in _kwargs and the loop in _loop (aiohttp 3.x).
+        return _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)

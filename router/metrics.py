@@ -16,14 +16,22 @@ drift from the router's own counters and vanish with the backend.
 Gauges other parts of the router set directly (``index_blocks``, ``index_bytes``,
 ``kv_events_state``) are plain ``Gauge`` objects. :meth:`RouterMetrics.forget_backend`
 drops every series of a removed backend, so removing backends leaks nothing.
+
+Process and runtime gauges show what a soak test watches for leaks: the process's memory,
+CPU and open file descriptors (``kvroute_process_*``), the event loop's task count
+(``kvroute_asyncio_tasks``), admission control's running and queued requests, and the
+requests turned away (``kvroute_rejected_requests_total{reason}``), all read at scrape time
+from a :class:`RuntimeStats` snapshot.
 """
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
@@ -163,20 +171,85 @@ class _BackendStateCollector:
             "The engine's prefix cache hit ratio (hits / queries in tokens) since the previous scrape.",
             labels=["backend"],
         )
+        breaker = GaugeMetricFamily(
+            "kvroute_backend_breaker_state",
+            "The backend's circuit breaker (0 closed, 1 open: ejected, 2 half-open: one probe request).",
+            labels=["backend"],
+        )
+        trips = CounterMetricFamily(
+            "kvroute_backend_breaker_trips", "Times the backend's circuit breaker opened.", labels=["backend"]
+        )
         for backend in backends:
             in_flight.add_metric([backend.url], backend.in_flight)
             healthy.add_metric([backend.url], 1.0 if backend.healthy else 0.0)
+            breaker.add_metric([backend.url], int(backend.breaker.state))
+            trips.add_metric([backend.url], backend.breaker.trips)
             if backend.engine_waiting is not None:
                 waiting.add_metric([backend.url], backend.engine_waiting)
             if backend.engine_prefix_cache_hit_ratio is not None:
                 hit_ratio.add_metric([backend.url], backend.engine_prefix_cache_hit_ratio)
-        yield from (in_flight, healthy, waiting, hit_ratio)
+        yield from (in_flight, healthy, waiting, hit_ratio, breaker, trips)
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeStats:
+    """What admission control and the client gate report at scrape time."""
+
+    #: Requests holding a global concurrency slot (0 without a global limit).
+    active_requests: int
+    queued_requests: int
+    #: Requests turned away, by reason (queue_full, queue_timeout, unauthorized, rate_limited).
+    rejected: Mapping[str, int]
+    #: Clients with a rate-limit bucket.
+    rate_limited_clients: int
+
+
+class _RuntimeCollector:
+    """The event loop's task count and the admission/gate numbers, read at scrape time."""
+
+    def __init__(self, runtime: Callable[[], RuntimeStats]) -> None:
+        self._runtime = runtime
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families(None, 0)
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:  # scraped outside the event loop (a test rendering directly)
+            tasks = 0
+        yield from self._families(self._runtime(), tasks)
+
+    @staticmethod
+    def _families(stats: RuntimeStats | None, tasks: int) -> Iterator[Metric]:
+        tasks_family = GaugeMetricFamily("kvroute_asyncio_tasks", "Tasks alive on the router's event loop.")
+        active = GaugeMetricFamily(
+            "kvroute_admission_active_requests", "Requests holding a slot of the global concurrency limit."
+        )
+        queued = GaugeMetricFamily(
+            "kvroute_admission_queued_requests", "Requests waiting for a turn in the admission queue."
+        )
+        rejected = CounterMetricFamily(
+            "kvroute_rejected_requests", "Requests turned away before reaching a backend, by reason.",
+            labels=["reason"],
+        )
+        clients = GaugeMetricFamily("kvroute_rate_limit_clients", "Clients with a rate-limit bucket.")
+        if stats is not None:
+            tasks_family.add_metric([], tasks)
+            active.add_metric([], stats.active_requests)
+            queued.add_metric([], stats.queued_requests)
+            for reason, count in stats.rejected.items():
+                rejected.add_metric([reason], count)
+            clients.add_metric([], stats.rate_limited_clients)
+        yield from (tasks_family, active, queued, rejected, clients)
 
 
 class RouterMetrics:
     """Every metric of the router, in its own :class:`CollectorRegistry`."""
 
-    def __init__(self, backends: Callable[[], Iterable[Backend]]) -> None:
+    def __init__(
+        self, backends: Callable[[], Iterable[Backend]], runtime: Callable[[], RuntimeStats] | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         #: (backend, policy, endpoint, status) -> requests.
         self.requests: dict[tuple[str, str, str, str], int] = {}
@@ -198,6 +271,10 @@ class RouterMetrics:
         )
         self.registry.register(_RequestCollector(self))
         self.registry.register(_BackendStateCollector(backends))
+        # kvroute_process_resident_memory_bytes, _open_fds, _cpu_seconds_total, ... (Linux).
+        ProcessCollector(namespace="kvroute", registry=self.registry)
+        if runtime is not None:
+            self.registry.register(_RuntimeCollector(runtime))
 
     # --- hot path ----------------------------------------------------------------------
     def record_request(

@@ -7,12 +7,21 @@ the lean keep-alive client of ``router.upstream``, and relay the answer:
 * non-streaming answers are read whole (they are small) and sent with the routing headers;
 * SSE streams are written to the client chunk by chunk as they arrive, never buffered.
 
-Before the first byte reaches the client a failure is retried once on another healthy
-backend (connection refused/reset, connect timeout, 502/503/504 answers). After that,
-nothing is retried: a stream broken by its engine ends with an SSE error event and
-``[DONE]``. Every attempt holds the backend's in-flight counters in a ``try/finally``,
-so a client hanging up (the handler is cancelled, the upstream connection is closed at
-once so the engine aborts) or any error returns them to zero.
+Before any request is parsed, the client passes the gate (``router.security``: API key,
+rate limit) and admission control (``router.admission``: concurrency limits, a bounded
+wait queue, else 429); the body must arrive within ``request_read_timeout_s`` (408) and
+within ``max_body_bytes`` (413).
+
+Until the first byte reaches the client, a failure is retried once on another healthy
+backend: connection refused/reset, timeouts, 500/502/503/504 answers, a non-streaming
+answer broken off mid-body, a stream that breaks before its first chunk. (A stream's
+headers are sent to the client together with its first chunk, so the whole prefill is
+inside that window.) After that nothing is retried: a stream broken by its engine ends
+with an SSE error event and ``[DONE]``. Every attempt's outcome feeds the backend's
+circuit breaker (``router.breaker``). Every attempt holds the backend's in-flight
+counters in a ``try/finally``, so a client hanging up (the handler is cancelled, the
+upstream connection is closed at once so the engine aborts) or any error returns them
+to zero.
 
 The engine's ``usage`` (prompt and cached tokens) is read from every answer and fed to
 ``RoutingEngine.observe`` and the metrics; streams get ``include_usage`` injected when the
@@ -22,16 +31,17 @@ client did not ask for it, and the extra usage chunk is removed again (``router.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from router.admission import AdmissionControl
 from router.backends import Backend, BackendPool
 from router.config import Settings
 from router.errors import RouterError, sse_error_event
@@ -39,11 +49,13 @@ from router.metrics import RouterMetrics
 from router.policies.base import Decision, RouteRequest
 from router.request_info import Endpoint, ParsedRequest, body_with_usage_requested, parse_request
 from router.routing import RoutePlan, RoutingEngine
+from router.security import ClientGate
 from router.upstream import (
     UpstreamClient,
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamError,
+    UpstreamProtocolError,
     UpstreamResponse,
     UpstreamTimeout,
 )
@@ -62,8 +74,9 @@ HOP_BY_HOP = frozenset(
 # Recomputed for each hop, or set by the router itself.
 _REQUEST_SKIP = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-request-id"}
 _RESPONSE_SKIP = HOP_BY_HOP | {b"content-length", b"x-request-id"}
-# Answers that mean "this replica cannot take it now": safe to try another one.
-_RETRYABLE_STATUSES = frozenset({502, 503, 504})
+# Answers that mean "this replica failed or cannot take it now": nothing reached the
+# client yet and generation has no side effects, so another replica may answer instead.
+_RETRYABLE_STATUSES = frozenset({500, 502, 503, 504})
 _STATUS_LABELS = {code: str(code) for code in range(100, 600)}
 
 
@@ -79,9 +92,20 @@ class _Outcome:
 class _Retry(Exception):
     """This attempt failed before anything reached the client; try another backend."""
 
-    def __init__(self, error: RouterError | None) -> None:
-        super().__init__(error.message if error else "retryable upstream answer")
+    def __init__(self, error: RouterError) -> None:
+        super().__init__(error.message)
         self.error = error
+
+
+def _hop_by_hop(raw_headers: Sequence[tuple[bytes, bytes]], base: frozenset[bytes]) -> frozenset[bytes]:
+    """``base`` plus every header name a ``Connection`` header lists (RFC 9110 7.6.1)."""
+    listed = [
+        token.strip().lower()
+        for name, value in raw_headers
+        if name.lower() == b"connection"
+        for token in value.split(b",")
+    ]
+    return base.union(listed) if listed else base
 
 
 class Proxy:
@@ -94,18 +118,26 @@ class Proxy:
         routing: RoutingEngine,
         metrics: RouterMetrics,
         upstream: UpstreamClient,
+        *,
+        admission: AdmissionControl[Backend] | None = None,
+        gate: ClientGate | None = None,
     ) -> None:
         self._pool = pool
         self._routing = routing
         self._metrics = metrics
         self._upstream = upstream
+        self._admission: AdmissionControl[Backend] = admission or AdmissionControl(
+            max_concurrency=None, max_backend_concurrency=None, queue_size=0, queue_timeout_s=1.0
+        )
+        self._gate = gate or ClientGate(settings)
+        self._max_body_bytes = settings.max_body_bytes
+        self._read_timeout = settings.request_read_timeout_s
         # The first-byte timeout covers the wait for the answer's head and a stream's first
         # chunk (engines send SSE headers before the prefill); the idle timeout the rest.
         self._first_byte_timeout = settings.first_byte_timeout_s
         self._idle_timeout = settings.idle_timeout_s
         self._session_header = settings.session_header
         self._strip_kvroute_headers = not settings.allow_policy_header
-        self._api_keys = tuple(key.encode() for key in settings.api_keys)
         self._decision_log = settings.decision_log
 
     # --- entry -----------------------------------------------------------------------
@@ -114,8 +146,8 @@ class Proxy:
         started = time.monotonic()
         request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         try:
-            if self._api_keys:
-                self.authenticate(request)
+            if self._gate.active:
+                self._gate.check(request)
             raw = await self._read_body(request)
             parsed = parse_request(raw, endpoint, request.headers, self._session_header)
             return await self._route(request, endpoint, parsed, raw, request_id, started)
@@ -124,23 +156,27 @@ class Proxy:
             response.headers["x-request-id"] = request_id
             return response
 
-    def authenticate(self, request: web.Request) -> None:
-        """Check the client's bearer token against ``api_keys`` (when configured); 401 if wrong."""
-        if not self._api_keys:
-            return
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        presented = token.strip().encode()
-        # Compare with every key, without stopping at a match, so timing tells nothing.
-        matches = [hmac.compare_digest(presented, key) for key in self._api_keys]
-        if scheme.lower() != "bearer" or not any(matches):
-            raise RouterError(401, "invalid or missing API key", code="invalid_api_key")
-
-    @staticmethod
-    async def _read_body(request: web.Request) -> bytes:
+    async def _read_body(self, request: web.Request) -> bytes:
+        length = request.content_length
+        if length is not None and length > self._max_body_bytes:
+            # Refused before reading it; the connection closes rather than swallow the rest.
+            raise RouterError(
+                413, f"request body of {length} bytes is over the limit of {self._max_body_bytes}",
+                code="request_too_large", close=True,
+            )
         try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise RouterError(413, f"request body too large: {exc.text}", code="request_too_large") from None
+            async with asyncio.timeout(self._read_timeout):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise RouterError(
+                413, f"request body is over the limit of {self._max_body_bytes} bytes",
+                code="request_too_large", close=True,
+            ) from None
+        except TimeoutError:
+            raise RouterError(
+                408, f"the request body did not arrive within {self._read_timeout:g} s",
+                code="request_timeout", close=True,
+            ) from None
 
     # --- choosing backends -----------------------------------------------------------
     async def _route(
@@ -152,25 +188,45 @@ class Proxy:
         request_id: str,
         started: float,
     ) -> web.StreamResponse:
+        pool = self._pool
+        model = parsed.model
+        admission = self._admission
         failed: list[Backend] = []
-        for attempt in range(2):
-            candidates = self._pool.candidates(parsed.model)
-            if failed:
-                candidates = [backend for backend in candidates if backend not in failed]
-            if not candidates:
-                raise self._no_backend(parsed.model)
-            plan = self._plan(endpoint, parsed, request, candidates)
-            backend = self._pool.get(plan.backend)
-            if backend is None:
-                log.error("policy %s chose %s, which is not in the pool", plan.policy, plan.backend)
-                raise RouterError(500, "routing chose an unknown backend", code="internal_error")
-            can_retry = attempt == 0 and len(candidates) > 1
-            try:
-                return await self._attempt(request, endpoint, parsed, raw, request_id, started, plan, backend, can_retry)
-            except _Retry as retry:
-                failed.append(backend)
-                log.debug("retrying %s elsewhere after %s failed: %s", request_id, backend.url, retry)
-        raise RouterError(502, "no backend could take the request", code="backend_unavailable")
+        holds_slot = False
+        last_error: RouterError | None = None
+
+        def eligible() -> list[Backend]:
+            candidates = pool.candidates(model)
+            return [backend for backend in candidates if backend not in failed] if failed else candidates
+
+        try:
+            for attempt in range(2):
+                if admission.limited:
+                    # May wait for a turn (or raise 429); only backends with room come back.
+                    candidates = list(await admission.admit(eligible, holds_slot=holds_slot))
+                    holds_slot = True
+                    alternatives = len(eligible())
+                else:
+                    candidates = eligible()
+                    alternatives = len(candidates)
+                if not candidates:
+                    raise last_error or self._no_backend(model)
+                plan = self._plan(endpoint, parsed, request, candidates)
+                backend = pool.get(plan.backend)
+                if backend is None:
+                    log.error("policy %s chose %s, which is not in the pool", plan.policy, plan.backend)
+                    raise RouterError(500, "routing chose an unknown backend", code="internal_error")
+                can_retry = attempt == 0 and alternatives > 1
+                try:
+                    return await self._attempt(request, endpoint, parsed, raw, request_id, started, plan, backend, can_retry)
+                except _Retry as retry:
+                    failed.append(backend)
+                    last_error = retry.error
+                    log.debug("retrying %s elsewhere after %s failed: %s", request_id, backend.url, retry)
+            raise last_error or RouterError(502, "no backend could take the request", code="backend_unavailable")
+        finally:
+            if holds_slot:
+                admission.leave()
 
     def _plan(
         self, endpoint: Endpoint, parsed: ParsedRequest, request: web.Request, candidates: list[Backend]
@@ -216,6 +272,8 @@ class Proxy:
             raise
         finally:
             self._pool.release(backend, tokens)
+            if self._admission.limited:
+                self._admission.wake()  # a backend slot freed
             self._finish(plan, endpoint, outcome, started)
 
     async def _exchange(
@@ -232,27 +290,22 @@ class Proxy:
         outcome: _Outcome,
     ) -> web.StreamResponse:
         inject_usage = parsed.stream and endpoint.accepts_stream_options and not parsed.include_usage
-        body = body_with_usage_requested(parsed.body) if inject_usage else raw
+        body = raw
+        if inject_usage:
+            try:
+                body = body_with_usage_requested(parsed.body)
+            except orjson.JSONEncodeError:
+                # Nested deeper than orjson writes (it reads deeper): forward it as sent.
+                inject_usage = False
         headers = self._upstream_headers(request, backend, request_id, inject_usage)
         try:
             upstream = await self._upstream.post(
                 backend.url, request.raw_path.encode(), headers, body, first_byte_timeout=self._first_byte_timeout
             )
-        except (UpstreamConnectError, UpstreamDisconnected) as exc:
-            self._pool.request_failed(backend, unreachable=True)
-            outcome.status = "502"
-            error = RouterError(502, f"backend {backend.url} failed before answering: {exc}", code="backend_unreachable")
-            if can_retry:
-                raise _Retry(error) from None
-            raise error from None
-        except UpstreamTimeout:
-            self._pool.request_failed(backend)
-            outcome.status = "504"
-            raise RouterError(504, f"backend {backend.url} did not answer in time", code="upstream_timeout") from None
         except UpstreamError as exc:
-            self._pool.request_failed(backend)
-            outcome.status = "502"
-            raise RouterError(502, f"backend {backend.url} failed: {exc}", code="bad_gateway") from None
+            unreachable = isinstance(exc, (UpstreamConnectError, UpstreamDisconnected))
+            self._pool.request_failed(backend, unreachable=unreachable)
+            raise self._failed_before_first_byte(backend, exc, outcome, can_retry) from None
 
         completed = False
         try:
@@ -263,12 +316,14 @@ class Proxy:
                 self._pool.request_succeeded(backend)
             if can_retry and status in _RETRYABLE_STATUSES:
                 outcome.status = _STATUS_LABELS[status]
-                raise _Retry(None)
+                raise _Retry(RouterError(502, f"backend {backend.url} answered {status}", code="bad_gateway"))
             outcome.status = _STATUS_LABELS.get(status) or str(status)
             if upstream.is_event_stream:
-                response = await self._relay_stream(request, upstream, plan, backend, request_id, started, inject_usage, outcome)
+                response = await self._relay_stream(
+                    request, upstream, plan, backend, request_id, started, inject_usage, outcome, can_retry
+                )
             else:
-                response = await self._relay_body(upstream, endpoint, plan, backend, request_id, outcome)
+                response = await self._relay_body(upstream, endpoint, plan, backend, request_id, outcome, can_retry)
             completed = True
             return response
         finally:
@@ -285,16 +340,14 @@ class Proxy:
         backend: Backend,
         request_id: str,
         outcome: _Outcome,
+        can_retry: bool,
     ) -> web.StreamResponse:
         try:
             data = await upstream.read()
         except UpstreamError as exc:
+            # Read whole before anything is sent: the client has seen nothing yet.
             self._pool.request_failed(backend)
-            if isinstance(exc, UpstreamTimeout):
-                outcome.status = "504"
-                raise RouterError(504, f"backend {backend.url} did not answer in time", code="upstream_timeout") from None
-            outcome.status = "502"
-            raise RouterError(502, f"backend {backend.url} broke off its answer: {exc}", code="bad_gateway") from None
+            raise self._failed_before_first_byte(backend, exc, outcome, can_retry) from None
         if endpoint.reports_usage and upstream.status == 200:
             outcome.usage = usage_from_body(data)
         return web.Response(status=upstream.status, body=data, headers=self._response_headers(upstream, plan, request_id))
@@ -309,14 +362,30 @@ class Proxy:
         started: float,
         strip_usage_chunk: bool,
         outcome: _Outcome,
+        can_retry: bool,
     ) -> web.StreamResponse:
+        read = upstream.read_available
+        # The client gets the headers together with the first chunk: until then (engines
+        # send SSE headers before the prefill) the request may still go elsewhere.
+        try:
+            chunk = await read()
+            if not chunk:
+                raise UpstreamProtocolError("the stream ended before its first event")
+        except UpstreamError as exc:
+            self._pool.request_failed(backend)
+            raise self._failed_before_first_byte(backend, exc, outcome, can_retry) from None
+        outcome.ttft_s = time.monotonic() - started
+        # From the first chunk on, a stream may pause at most idle_timeout_s.
+        upstream.set_timeout(self._idle_timeout)
         response = web.StreamResponse(status=upstream.status, headers=self._response_headers(upstream, plan, request_id))
         tap = StreamTap(strip_usage_chunk=strip_usage_chunk)
-        read = upstream.read_available
         write = response.write
         try:
             await response.prepare(request)
             while True:
+                forward = tap.feed(chunk)
+                if forward:
+                    await write(forward)
                 try:
                     chunk = await read()
                 except UpstreamError as exc:
@@ -330,13 +399,6 @@ class Proxy:
                     if rest:
                         await write(rest)
                     break
-                if outcome.ttft_s is None:
-                    outcome.ttft_s = time.monotonic() - started
-                    # From the first chunk on, a stream may pause at most idle_timeout_s.
-                    upstream.set_timeout(self._idle_timeout)
-                forward = tap.feed(chunk)
-                if forward:
-                    await write(forward)
             outcome.usage = tap.usage
             await response.write_eof()
         except ConnectionResetError:
@@ -346,17 +408,38 @@ class Proxy:
             upstream.close()
         return response
 
+    @staticmethod
+    def _failed_before_first_byte(
+        backend: Backend, exc: UpstreamError, outcome: _Outcome, can_retry: bool
+    ) -> Exception:
+        """The error for an attempt that failed before the client saw anything: retry it
+        elsewhere when there is an alternative, else a 504 (timeout) or 502."""
+        if isinstance(exc, UpstreamTimeout):
+            outcome.status = "504"
+            error = RouterError(504, f"backend {backend.url} did not answer in time: {exc}", code="upstream_timeout")
+        elif isinstance(exc, (UpstreamConnectError, UpstreamDisconnected)):
+            outcome.status = "502"
+            error = RouterError(
+                502, f"backend {backend.url} failed before answering: {exc}", code="backend_unreachable"
+            )
+        else:
+            outcome.status = "502"
+            error = RouterError(502, f"backend {backend.url} broke off its answer: {exc}", code="bad_gateway")
+        return _Retry(error) if can_retry else error
+
     # --- headers -----------------------------------------------------------------------
     def _upstream_headers(
         self, request: web.Request, backend: Backend, request_id: str, identity_encoding: bool
     ) -> list[tuple[bytes, bytes]]:
         strip_kvroute = self._strip_kvroute_headers
         replace_auth = backend.api_key is not None
+        raw_headers = request.raw_headers
+        skip = _hop_by_hop(raw_headers, _REQUEST_SKIP)
         headers = [(b"x-request-id", request_id.encode())]
-        for name, value in request.raw_headers:
+        for name, value in raw_headers:
             lower = name.lower()
             if (
-                lower in _REQUEST_SKIP
+                lower in skip
                 or (strip_kvroute and lower.startswith(b"x-kvroute-"))
                 or (replace_auth and lower == b"authorization")
                 or (identity_encoding and lower == b"accept-encoding")
@@ -373,8 +456,10 @@ class Proxy:
     @staticmethod
     def _response_headers(upstream: UpstreamResponse, plan: RoutePlan, request_id: str) -> CIMultiDict[str]:
         headers: CIMultiDict[str] = CIMultiDict()
-        for name, value in upstream.raw_headers:
-            if name.lower() not in _RESPONSE_SKIP:
+        raw_headers = upstream.raw_headers
+        skip = _hop_by_hop(raw_headers, _RESPONSE_SKIP)
+        for name, value in raw_headers:
+            if name.lower() not in skip:
                 headers.add(name.decode("latin-1"), value.decode("latin-1"))
         headers["x-kvroute-backend"] = plan.backend
         headers["x-kvroute-policy"] = plan.policy

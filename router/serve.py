@@ -21,6 +21,7 @@ from typing import Any
 from pydantic.fields import FieldInfo
 
 from router.config import BackendConfig, ConfigError, Settings, load_settings
+from router.security import SecretRedactor, install_redaction, settings_secrets
 
 # Fields whose flag is written by hand below, or that only a config file can express.
 _CUSTOM_FLAGS = {"backends", "models"}
@@ -112,11 +113,13 @@ def _with_kv_events_endpoints(settings: Settings, pairs: list[str]) -> Settings:
     return settings.model_copy(update={"backends": backends})
 
 
-def configure_logging(level: str) -> None:
-    """Plain one-line logs on stderr."""
+def configure_logging(level: str, redactor: SecretRedactor | None = None) -> None:
+    """Plain one-line logs on stderr, with secrets blanked out by ``redactor``."""
     logging.basicConfig(
         level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if redactor is not None:
+        install_redaction(redactor)
 
 
 def main(argv: list[str]) -> int:
@@ -128,7 +131,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_level)
+    redactor = SecretRedactor(settings_secrets(settings))
+    configure_logging(settings.log_level, redactor)
 
     from prometheus_client import disable_created_metrics
 
@@ -137,7 +141,7 @@ def main(argv: list[str]) -> int:
     # *_created series double the exposition size and say nothing a dashboard uses.
     disable_created_metrics()
     try:
-        app = build_app(settings)
+        app = build_app(settings, redactor=redactor)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"kvroute serve: cannot start: {exc}", file=sys.stderr)
         return 2
