@@ -72,7 +72,7 @@ _BYTE_INDEX = np.uint64(0x0001020304050607)
 _BYTES_AS_WORD = np.dtype("<u8")
 _NO_TICK = np.uint32(0xFFFFFFFF)
 # Per occupancy byte of a bucket: its first free slot; and the bit of each slot.
-_FIRST_FREE = np.array([((~bits) & (bits + 1)).bit_length() - 1 if bits != 0xFF else 0 for bits in range(256)], dtype=np.int64)
+_FIRST_FREE = np.array([((~bits) & (bits + 1)).bit_length() - 1 if bits != 0xFF else 0 for bits in range(256)], dtype=np.uint8)
 _SLOT_BIT = np.array([1 << column for column in range(_BUCKET)], dtype=np.uint8)
 _SLOT_CLEAR = ~_SLOT_BIT
 _FIRST_CHUNK = 256  # blocks looked up before the match walk widens its chunks (x4 each)
@@ -183,33 +183,41 @@ class _BucketSet:
 
     def add(self, keys: np.ndarray, spread: np.ndarray) -> np.ndarray:
         """Insert keys known to be absent (the table must have room); their slots."""
-        placed = np.empty(len(keys), dtype=np.int64)
-        pending = np.arange(len(keys))
+        placed = np.empty(0, dtype=np.int64)
+        pending: np.ndarray | None = None  # None: every key (most batches need one round)
         buckets = self._home(spread)
-        while len(pending):
+        while True:
             bits = self.occupied[buckets]
+            columns = _FIRST_FREE[bits]
+            targets = buckets * _BUCKET
+            targets += columns
+            wanted = keys if pending is None else keys[pending]
+            # Every key claiming one bucket in a round takes its first free slot: one write
+            # sticks (a bucket gains one key per round) and the others retry. The slot is
+            # taken whoever won it, so every claimant may mark it.
             full = bits == 0xFF
-            if full.any():
+            if full.any():  # these keys pass their full bucket and try the next one next round
                 np.add.at(self.spills, buckets[full], 1)
                 buckets[full] = self._next(buckets[full])
-                open_ = ~full  # the spilled keys look at their next bucket in the next round
-                claim, claim_buckets, claim_bits = pending[open_], buckets[open_], bits[open_]
+                claiming = ~full
+                self.flat[targets[claiming]] = wanted[claiming]
+                won = self.flat[targets] == wanted
+                won &= claiming
+                self.occupied[buckets[claiming]] |= _SLOT_BIT[columns[claiming]]
             else:
-                open_ = None
-                claim, claim_buckets, claim_bits = pending, buckets, bits
-            columns = _FIRST_FREE[claim_bits]
-            targets = claim_buckets * _BUCKET + columns
-            wanted = keys[claim]
-            self.flat[targets] = wanted
-            # Keys claiming one bucket in a round all race for its first free slot: one
-            # write sticks (so a bucket gains one key per round); the others retry.
-            won = self.flat[targets] == wanted
-            self.occupied[claim_buckets[won]] |= _SLOT_BIT[columns[won]]
-            placed[claim[won]] = targets[won]
+                self.flat[targets] = wanted
+                won = self.flat[targets] == wanted
+                self.occupied[buckets] |= _SLOT_BIT[columns]
+            if pending is None:
+                placed = targets  # losers' entries are written again when they win
+            else:
+                placed[pending] = targets
             self.count += int(np.count_nonzero(won))
-            stay = ~won if open_ is None else ~_spread_back(open_, won)
-            pending, buckets = pending[stay], buckets[stay]
-        return placed
+            if won.all():
+                return placed
+            stay = ~won
+            pending = np.flatnonzero(stay) if pending is None else pending[stay]
+            buckets = buckets[stay]
 
     def remove(self, slots: np.ndarray, spread: np.ndarray) -> None:
         """Empty these (distinct, occupied) slots; ``spread`` of their keys."""
@@ -235,13 +243,6 @@ class _BucketSet:
         following = buckets + 1
         following[following == self._buckets] = 0
         return following
-
-
-def _spread_back(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``values`` (one per True of ``mask``) put back in ``mask``'s positions, False elsewhere."""
-    out = np.zeros(len(mask), dtype=bool)
-    out[mask] = values
-    return out
 
 
 def _spread(hashes: np.ndarray) -> np.ndarray:
