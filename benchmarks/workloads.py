@@ -21,7 +21,8 @@ Workloads (``--workload``):
     Independent chat conversations whose histories grow turn by turn.
 ``agent-sessions``
     S agent sessions taking turns in lockstep (session 0, 1, ..., S-1, then again), each turn
-    appending a tool result, so histories grow to tens of thousands of tokens. A production
+    appending the assistant's tool call and the tool's result (OpenAI ``tools`` /
+    ``tool_calls`` / ``tool`` messages), so histories grow to tens of thousands of tokens. A production
     agent turn is about 88K tokens in and 400 out; ``agent_scale`` scales both. Swept over S
     (``--sessions 4,8,16,32``) past what the fleet's caches hold, it shows the cliff where
     turns go from nearly free to full prefill.
@@ -32,6 +33,7 @@ Workloads (``--workload``):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -231,33 +233,71 @@ def multi_turn(
 AGENT_CONTEXT_TOKENS = 88_000
 AGENT_OUTPUT_TOKENS = 400
 
+#: The agent's tools, sent with every agent request as OpenAI function tools.
+AGENT_TOOLS: tuple[dict[str, Any], ...] = tuple(
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {argument: {"type": "string"}},
+                "required": [argument],
+            },
+        },
+    }
+    for name, argument, description in (
+        ("run_command", "command", "Run a shell command in the workspace; returns its output."),
+        ("read_file", "path", "Read a file of the workspace; returns its text."),
+        ("search_code", "query", "Search the workspace's code; returns matching lines."),
+    )
+)
+
+
+def _tool_call(rng: np.random.Generator, call_id: str) -> dict[str, Any]:
+    """An assistant tool call (OpenAI shape) to one of the agent's tools."""
+    function = AGENT_TOOLS[int(rng.integers(0, len(AGENT_TOOLS)))]["function"]
+    argument = function["parameters"]["required"][0]
+    value = "/".join(words(rng, 6).split()[:3])
+    return {
+        "id": call_id, "type": "function",
+        "function": {"name": function["name"], "arguments": json.dumps({argument: value})},
+    }
+
 
 def agent_sessions(
     *, sessions: int = 8, turns: int = 8, scale: float = 0.25, system_tokens: int = 2000,
     gap_s: float = 0.25, model: str = "sim", seed: int = 0,
 ) -> Iterator[WorkloadRequest]:
-    """S agent sessions in round-robin lockstep; each turn appends a tool result.
+    """S agent sessions in round-robin lockstep; each turn appends a tool call and its result.
 
     The last turn's prompt is about ``scale * 88K`` tokens, the output ``scale * 400``. All
-    sessions share the agent's system prompt (its instructions and tool descriptions).
+    sessions share the agent's system prompt and tools. A turn's history is the previous
+    turn's plus the assistant's answer (some text and a tool call) and the tool's result.
     """
     final_tokens = AGENT_CONTEXT_TOKENS * scale
     max_tokens = max(8, round(AGENT_OUTPUT_TOKENS * scale))
     tool_tokens = max(16, round((final_tokens - system_tokens) / turns) - max_tokens)
     system = {"role": "system", "content": words(_rng(seed, 5), system_tokens)}
-    histories = []
+    histories: list[list[dict[str, Any]]] = []
     rngs = [_rng(seed, 6, session) for session in range(sessions)]
     for session in range(sessions):
         task = {"role": "user", "content": "Task: " + words(rngs[session], 200)}
         histories.append([system, task])
     for turn in range(turns):
         for session in range(sessions):
-            history = histories[session]
+            history, rng = histories[session], rngs[session]
             if turn > 0:
-                history.append({"role": "assistant", "content": words(rngs[session], max_tokens)})
-                history.append({"role": "tool", "content": words(rngs[session], tool_tokens)})
+                call = _tool_call(rng, f"call-{session}-{turn}")
+                history.append({"role": "assistant", "content": words(rng, max_tokens - 20),
+                                "tool_calls": [call]})
+                history.append({"role": "tool", "tool_call_id": call["id"],
+                                "content": words(rng, tool_tokens)})
             arrival = (turn * sessions + session) * gap_s
-            yield _chat(arrival, model, history, max_tokens, f"agent-{session}", turn)
+            body = {"model": model, "messages": list(history), "tools": list(AGENT_TOOLS),
+                    "max_tokens": max_tokens}
+            yield WorkloadRequest(arrival, CHAT_ENDPOINT, body, f"agent-{session}", turn)
 
 
 def mooncake_trace(

@@ -66,6 +66,15 @@ def test_agent_sessions_take_turns_in_lockstep_and_grow() -> None:
     assert 0.8 * expected_tokens < words * workloads.TOKENS_PER_WORD < 1.2 * expected_tokens
     assert last["max_tokens"] == 40
     assert {m["role"] for m in last["messages"]} == {"system", "user", "assistant", "tool"}
+    assert [tool["function"]["name"] for tool in last["tools"]] == [
+        "run_command", "read_file", "search_code"
+    ]
+    messages = last["messages"]
+    for call_message, result in zip(messages, messages[1:]):
+        if result["role"] == "tool":  # OpenAI shape: each result answers the call before it
+            (call,) = call_message["tool_calls"]
+            assert result["tool_call_id"] == call["id"]
+            assert call["function"]["name"] in {"run_command", "read_file", "search_code"}
 
 
 def test_limit_keeps_the_earliest_requests() -> None:
@@ -91,7 +100,7 @@ def test_turns_are_token_exact_prefixes_and_sized_in_tokens(spec: str) -> None:
     (workload,) = make_workloads(spec, WorkloadOptions(agent_scale=0.05, system_tokens=2000))
     previous: dict[str | None, list[int]] = {}
     for request in workload.requests:
-        tokens = tokenizer.encode_chat(request.body["messages"])
+        tokens = tokenizer.encode_chat(request.body["messages"], tools=request.body.get("tools"))
         earlier = previous.get(request.session_id)
         if earlier is not None:
             assert tokens[: len(earlier)] == earlier
