@@ -1,0 +1,1 @@
+"""Fault-injection suite: sim-engine subprocesses behind kvroute, faults injected under steady load."""
