@@ -29,11 +29,12 @@ with a bitmask of its holders (``8 + 8 * words`` bytes per slot, ``words = ceil(
 an append-only log of ticks (4 bytes per touch, compacted when full of stale entries).
 Both tables are open addressing over 8-slot buckets (a lookup reads one cache line for
 nearly every key; deletion leaves no tombstone) and are kept between 40 % and 60 % full.
-Per cached backend-block that is ``16 / 0.4 + 8 / 0.4 + 4..8 = 64..68`` bytes at worst
-(no two backends share a block, both tables just grown) and about 50-60 on average; a
-block several backends hold costs its 16-byte row once. ``stats().bytes`` is the exact
-total; ``python -m benchmarks.bench_index`` measured 59.5 bytes per backend-block at 1M
-blocks over 16 backends. Memory is bounded by the capacities; removing a backend frees
+Each bucket of 8 slots also has an occupancy byte and a 4-byte spill count (0.6 bytes per
+slot). Per cached backend-block that is ``16.6 / 0.4 + 8.6 / 0.4 + 4..8 = 67..71`` bytes
+at worst (no two backends share a block and both tables just grew) and 50-60 on average;
+a block several backends hold costs its block-table slot once. ``stats().bytes`` is the exact
+total; ``python -m benchmarks.bench_index`` measured about 60 bytes per backend-block at
+1M blocks over 16 backends. Memory is bounded by the capacities; removing a backend frees
 everything of it (its block table slots are reused; the table itself never shrinks).
 
 Cost per call is a few dozen numpy passes over the request's blocks, mostly random reads
