@@ -318,6 +318,18 @@ async def test_max_num_seqs_queues_the_rest() -> None:
         assert samples["vllm:num_requests_running"] == 0 and samples["vllm:num_requests_waiting"] == 0
 
 
+async def test_concurrent_generations_share_decode_steps() -> None:
+    # Continuous batching: four 300-token generations advance together, one token per step.
+    async with sim_server() as (url, engine):
+        sdk = client(url)
+        completions = await asyncio.gather(
+            *(sdk.completions.create(model="sim", prompt=token_prompt(40 + i, 30), max_tokens=300) for i in range(4))
+        )
+        assert all(completion.usage.completion_tokens == 300 for completion in completions)  # type: ignore[union-attr]
+        assert engine.scheduler is not None
+        assert 300 <= engine.scheduler.stats.steps < 2 * 300
+
+
 # --- metrics --------------------------------------------------------------------------
 
 

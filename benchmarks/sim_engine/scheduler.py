@@ -118,6 +118,7 @@ class Scheduler:
         self._waiting: deque[SimRequest] = deque()
         self._running: list[SimRequest] = []
         self._kv_blocks_in_use = 0
+        self._prefilling = 0  # running requests whose prompt is not fully computed yet
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.stats = EngineStats()
@@ -174,6 +175,8 @@ class Scheduler:
         if request in self._running:
             self._running.remove(request)
             self._kv_blocks_in_use -= request.kv_blocks
+            if request.computed < request.prompt_len:
+                self._prefilling -= 1
             # What it computed stays cached, as in vLLM.
             computed_blocks = request.computed // self._block_size
             self._cache.store(request.hashes, request.prompt, computed_blocks, request.key)
@@ -210,7 +213,9 @@ class Scheduler:
             finished: list[SimRequest] = []
             wall = 0.0
             while wall < min_wall:
-                step_s = self._step(produced, finished)
+                # Decode steps that fit in what is left of this sleep's minimum.
+                decode_steps = max(1, int((min_wall - wall) * scale / self._decode_step_s))
+                step_s = self._step(produced, finished, decode_steps)
                 if step_s <= 0.0:
                     break
                 wall += step_s / scale
@@ -229,9 +234,17 @@ class Scheduler:
                 await asyncio.sleep(delay)
             self._deliver(produced, finished, loop.time())
 
-    def _step(self, produced: dict[SimRequest, None], finished: list[SimRequest]) -> float:
-        """One engine iteration; returns its cost in engine seconds (0: nothing to do)."""
+    def _step(
+        self, produced: dict[SimRequest, None], finished: list[SimRequest], decode_steps: int = 1
+    ) -> float:
+        """One engine iteration; returns its cost in engine seconds (0: nothing to do).
+
+        When every running request is decoding, up to ``decode_steps`` iterations are taken
+        at once (never past the next request's end, when the batch could change).
+        """
         self._admit()
+        if self._prefilling == 0 and decode_steps > 1 and self._running:
+            return self._decode_only(produced, finished, decode_steps)
         budget = self._config.max_num_batched_tokens
         prefilled = 0
         decoding = False
@@ -252,6 +265,7 @@ class Scheduler:
                 )
                 if request.computed < request.prompt_len:
                     continue
+                self._prefilling -= 1
             else:
                 decoding = True
             request.generated += 1
@@ -270,6 +284,23 @@ class Scheduler:
             step_s += self._decode_step_s
         return step_s
 
+    def _decode_only(
+        self, produced: dict[SimRequest, None], finished: list[SimRequest], max_steps: int
+    ) -> float:
+        active = [request for request in self._running if not request.paused]
+        if not active:
+            return 0.0
+        steps = min(max_steps, min(request.max_tokens - request.generated for request in active))
+        for request in active:
+            request.generated += steps
+            self._grow_kv(request)
+            produced[request] = None
+            if request.generated >= request.max_tokens:
+                self._finish(request)
+                finished.append(request)
+        self.stats.steps += steps
+        return steps * self._decode_step_s
+
     def _admit(self) -> None:
         """Move waiting requests into the batch while a slot and KV room are free."""
         max_seqs = self._config.max_num_seqs
@@ -285,6 +316,7 @@ class Scheduler:
             self._lookup_prefix(request)
             self._grow_kv(request)
             self._running.append(request)
+            self._prefilling += 1  # even a fully cached prompt computes its last token
             admitted = True
         if admitted:
             self._publish_gauges()
