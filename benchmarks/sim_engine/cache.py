@@ -24,7 +24,7 @@ from benchmarks.sim_engine.kv_events import (
     KVEventPublisher,
 )
 from tokenizer_index import PrefixIndex
-from tokenizer_index.hashing import block_hashes, chain_hash
+from tokenizer_index.hashing import block_hashes
 
 #: The one backend name of the single-replica index.
 SELF = "self"
@@ -71,22 +71,6 @@ class PrefixCache:
     def hashes(self, tokens: Sequence[int] | np.ndarray, key: CacheKey) -> np.ndarray:
         """Chained hashes of the full blocks of ``tokens`` (uint64)."""
         return block_hashes(tokens, self.block_size, key.salt)
-
-    def extend_hashes(self, hashes: np.ndarray, tokens: np.ndarray, key: CacheKey) -> np.ndarray:
-        """``hashes`` of ``tokens``'s leading blocks, continued over its remaining full blocks.
-
-        For a sequence that grew by a few generated tokens: only the new blocks are hashed.
-        """
-        size = self.block_size
-        total = len(tokens) // size
-        if total <= len(hashes):
-            return hashes
-        extra = np.empty(total - len(hashes), dtype=np.uint64)
-        parent = int(hashes[-1]) if len(hashes) else None
-        for offset, block in enumerate(range(len(hashes), total)):
-            parent = chain_hash(parent, tokens[block * size : (block + 1) * size], key.salt)
-            extra[offset] = parent
-        return np.concatenate((hashes, extra))
 
     def cached_blocks(self, hashes: np.ndarray) -> int:
         """How many leading blocks of this sequence the cache holds."""

@@ -352,8 +352,11 @@ class Scheduler:
         # The last sampled token never had its KV computed.
         sequence = np.concatenate((request.prompt, request.output[: request.generated - 1]))
         full_blocks = len(sequence) // size
-        hashes = self._cache.extend_hashes(request.hashes, sequence, request.key)
-        self._cache.store(hashes, sequence, full_blocks, request.key)
+        if full_blocks > len(request.hashes):
+            # Rehashing the whole sequence in one vectorised call beats chaining block by block.
+            self._cache.store(self._cache.hashes(sequence, request.key), sequence, full_blocks, request.key)
+        else:
+            self._cache.store(request.hashes, sequence, full_blocks, request.key)
         self.stats.requests_served += 1
         self.stats.generation_tokens += request.generated
         self._metrics.generation_tokens.inc(request.generated)
