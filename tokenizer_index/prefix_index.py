@@ -315,9 +315,9 @@ class _Blocks:
     def release(self, slots: np.ndarray, spread: np.ndarray, word: int, bit: np.uint64) -> None:
         """Clear one holder's bit on these (distinct) slots; free those left with no holder."""
         column = self.owners[:, word]
-        column[slots] &= ~bit
-        rows = self.owners[slots]
-        orphaned = ~rows.any(axis=1) if self.words > 1 else rows[:, 0] == 0
+        left = column[slots] & ~bit
+        column[slots] = left
+        orphaned = left == 0 if self.words == 1 else ~self.owners[slots].any(axis=1)
         if orphaned.any():
             self.table.remove(slots[orphaned], spread[orphaned])
             self.version += 1
