@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-out/kv_events.json"))
     parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
     args = parser.parse_args(argv)
-    steps, repeats = (300, 3) if args.quick else (2000, 5)
+    steps, repeats = (300, 2) if args.quick else (1000, 3)
     results: list[Result] = []
     for block_size in (16, 32):
         for per_step in (1, 8, 64):
