@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 JSON = "application/json"
 DISCONNECT_POLL_S = 0.2
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+SHUTTING_DOWN = APIError(503, "the engine is shutting down")
 
 
 class SimEngine:
@@ -259,7 +260,7 @@ class Handlers:
             return await self._break_off(request, response, sim, fault)
         await sim.wait_until_finished()
         if sim.aborted:
-            raise asyncio.CancelledError
+            return _error(SHUTTING_DOWN)
         return web.Response(body=self._final_body(params, sim, sim.generated), content_type=JSON)
 
     def _final_body(self, params: GenerationParams, sim: SimRequest, completion_tokens: int) -> bytes:
@@ -276,7 +277,7 @@ class Handlers:
         # still retry elsewhere, and the first byte is the first token.
         await sim.wait_for_tokens(0)
         if sim.aborted:
-            raise asyncio.CancelledError
+            return _error(SHUTTING_DOWN)
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         sent = 0
@@ -291,10 +292,12 @@ class Handlers:
             await response.write(chunk)
             if fault in ("stall_mid_stream", "close_mid_stream"):
                 return await self._break_off(request, response, sim, fault)
-            if sim.finished or sim.aborted:
+            if sim.aborted or (sim.finished and sent == sim.delivered):
                 break
             await sim.wait_for_tokens(sent)
         if sim.aborted:
+            # Only a shutdown aborts a request whose handler is still running: cut the
+            # stream without [DONE], as a dying engine would.
             raise asyncio.CancelledError
         if params.include_usage:
             await response.write(formatter.usage(usage(sim.prompt_len, sent, sim.cached_tokens)))
