@@ -259,7 +259,8 @@ class KVEventsState(enum.IntEnum):
     * ``APPROXIMATE`` (0): no usable stream (not configured, not connected yet, disconnected,
       or silent while requests were sent there); the approximate index answers for it.
     * ``PRECISE`` (1): gap-free since the engine's first batch; the events answer.
-    * ``RECOVERING`` (2): fetching missed batches from the replay socket.
+    * ``RECOVERING`` (2): fetching batches missed in a gap from the replay socket; the
+      events keep answering (they are right up to the gap).
     * ``PARTIAL`` (3): gap-free from now on, but part of the engine's history could not be
       replayed (the router joined late, or a gap outran the replay buffer): blocks seen in
       events answer exactly, and the approximate index fills in for older blocks.
@@ -502,7 +503,10 @@ class KVEventSubscriber:
             return
         replayed: list[tuple[int, bytes]] = []
         if self.replay_endpoint is not None:
-            self._set_state(KVEventsState.RECOVERING)
+            if self._state is not KVEventsState.APPROXIMATE:
+                # Filling a gap: the index is right up to it. (While a joining router
+                # replays history it stays APPROXIMATE: its index is still being built.)
+                self._set_state(KVEventsState.RECOVERING)
             try:
                 replayed = [item for item in await self._request_replay(start) if start <= item[0] < end]
             except ReplayFailed:
