@@ -108,5 +108,10 @@ def main(argv: list[str]) -> int:
         runner = uvloop.run
     except ImportError:
         runner = asyncio.run
-    runner(serve(config))
+    try:
+        runner(serve(config))
+    except (OSError, ValueError) as exc:
+        # A missing tokenizer directory, a port in use, a bad ZeroMQ endpoint.
+        print(f"kvroute sim-engine: cannot start: {exc}", file=sys.stderr)
+        return 1
     return 0

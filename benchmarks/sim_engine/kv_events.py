@@ -144,15 +144,22 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        if _binds(endpoint):
-            self._pub.bind(endpoint)
-        else:
-            self._pub.connect(endpoint)
         self._replay: zmq.asyncio.Socket | None = None
-        if replay_endpoint is not None:
-            self._replay = zmq.asyncio.Context.shadow(self._ctx.underlying).socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(replay_endpoint)
+        try:
+            if _binds(endpoint):
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+            if replay_endpoint is not None:
+                self._replay = zmq.asyncio.Context.shadow(self._ctx.underlying).socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+            self._ctx.term()
+            raise ValueError(f"KV events endpoint {endpoint!r} / {replay_endpoint!r}: {exc}") from None
         self._replay_task: asyncio.Task[None] | None = None
 
     @property
