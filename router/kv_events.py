@@ -548,12 +548,14 @@ class KVEventSubscriber:
                     frames = await asyncio.wait_for(dealer.recv_multipart(), self._replay_timeout_s)
                 except TimeoutError as exc:
                     raise ReplayFailed(f"no replay from {self.replay_endpoint}") from exc
-                if len(frames) != 3 or len(frames[1]) != 8:
+                # ["", seq, payload] as documented, or ["", topic, seq, payload] as vLLM 0.32
+                # sends it (its end marker is ["", "", -1, ""]).
+                if len(frames) not in (3, 4) or len(frames[-2]) != 8:
                     self.decoder.stats.malformed_messages += 1
                     continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
+                seq = int.from_bytes(frames[-2], "big", signed=True)
                 if seq == END_OF_REPLAY:
                     return replayed
-                replayed.append((seq, bytes(frames[2])))
+                replayed.append((seq, bytes(frames[-1])))
         finally:
             dealer.close(linger=0)

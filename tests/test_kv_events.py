@@ -173,3 +173,43 @@ def test_large_unsigned_hashes_survive() -> None:
     batch = KVEventDecoder().decode_payload(0, ENCODE([1.0, [["BlockRemoved", [top, 0]]], 0]))
     (removed,) = batch.events
     assert isinstance(removed, BlockRemoved) and removed.block_hashes == [top, 0]
+
+
+@pytest.mark.parametrize("with_topic", [False, True], ids=["3-frame", "vllm-0.32-4-frame"])
+async def test_replay_answers_with_or_without_the_topic_frame(with_topic: bool) -> None:
+    """The replay socket's frames as documented (``["", seq, payload]``) and as vLLM 0.32
+    sends them (``["", topic, seq, payload]``, ending ``["", "", -1, ""]``) both decode."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from router.kv_events import KVEventSubscriber
+
+    ctx = zmq.asyncio.Context()
+    router_socket = ctx.socket(zmq.ROUTER)
+    port = router_socket.bind_to_random_port("tcp://127.0.0.1")
+    batch = ENCODE([1.0, [stored_map()], 0])
+
+    async def serve_one_replay() -> None:
+        client, empty, start = await router_socket.recv_multipart()
+        assert empty == b"" and int.from_bytes(start, "big") == 5
+        prefix = [client, b""] + ([b"kv-events"] if with_topic else [])
+        for seq in (5, 6):
+            await router_socket.send_multipart([*prefix, seq.to_bytes(8, "big"), batch])
+        end = [client, b""] + ([b""] if with_topic else [])
+        await router_socket.send_multipart([*end, (-1).to_bytes(8, "big", signed=True), b""])
+
+    subscriber = KVEventSubscriber(
+        "http://engine", "tcp://127.0.0.1:1", sink=None,  # type: ignore[arg-type]
+        replay_endpoint=f"tcp://127.0.0.1:{port}", context=ctx,
+    )
+    try:
+        server = asyncio.create_task(serve_one_replay())
+        replayed = await subscriber._request_replay(5)
+        await server
+    finally:
+        router_socket.close(linger=0)
+        ctx.term()
+    assert [seq for seq, _ in replayed] == [5, 6]
+    assert all(payload == batch for _, payload in replayed)
