@@ -18,6 +18,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -150,7 +151,7 @@ class SimEngine:
     # --- disconnects ------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def watched(self, request: web.Request) -> Any:
+    def watched(self, request: web.Request) -> Iterator[None]:
         """Cancel the current handler if its client goes away while inside this block."""
         task = asyncio.current_task()
         assert task is not None
