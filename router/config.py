@@ -57,72 +57,196 @@ class Settings(BaseSettings):
     )
 
     # --- listening -------------------------------------------------------------------
-    host: str = "0.0.0.0"
-    port: int = Field(default=8000, ge=0, le=65535)
+    host: str = Field(default="0.0.0.0", description="address to listen on")
+    port: int = Field(default=8000, ge=0, le=65535, description="port to listen on (0: any free port)")
 
     # --- backends and discovery ------------------------------------------------------
-    backends: list[BackendConfig] = Field(default_factory=list)
-    discovery: Literal["static", "file", "k8s"] = "static"
-    backends_file: Path | None = None
-    k8s_selector: str = "app=vllm"
-    k8s_namespace: str = "default"
-    k8s_port: int | None = Field(default=None, ge=1, le=65535)
-    k8s_api_url: str | None = None  # default: in-cluster https://kubernetes.default.svc
+    backends: list[BackendConfig] = Field(
+        default_factory=list,
+        description="engine base URLs (--backend URL, repeatable; env: comma-separated; file: list of {url, api_key, kv_events_endpoint, kv_events_replay_endpoint, capacity_tokens})",
+    )
+    discovery: Literal["static", "file", "k8s"] = Field(
+        default="static",
+        description="where backends come from: static (--backend), file (--backends-file, reloaded on change) or k8s (EndpointSlices)",
+    )
+    backends_file: Path | None = Field(
+        default=None, description="file of backend URLs (YAML list or one URL per line) for --discovery file"
+    )
+    k8s_selector: str = Field(
+        default="app=vllm", description="label selector of the engines' EndpointSlices for --discovery k8s"
+    )
+    k8s_namespace: str = Field(default="default", description="namespace watched by --discovery k8s")
+    k8s_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="engine port for --discovery k8s (default: the slice's port named http, else its first)",
+    )
+    k8s_api_url: str | None = Field(
+        default=None, description="Kubernetes API URL (default: in-cluster https://kubernetes.default.svc)"
+    )
 
     # --- routing ---------------------------------------------------------------------
-    policy: PolicyName = "cache_aware"
-    ab: dict[str, int] | None = None  # policy name -> weight, from --ab "a=80,b=20"
-    allow_policy_header: bool = False
-    session_header: str = "x-session-id"
-    tokenizer: str | None = None  # None: the offline default tokenizer
-    models: dict[str, ModelConfig] = Field(default_factory=dict)
-    block_size: int | None = Field(default=None, gt=0)  # None: the engine's, else 16
-    default_capacity_tokens: int | None = Field(default=None, gt=0)
-    load_weight: float = Field(default=1.0, ge=0)
-    overload_factor: float = Field(default=2.0, gt=1.0)
-    index_ttl_s: float | None = Field(default=None, gt=0)
-    decision_log: bool = False
+    policy: PolicyName = Field(default="cache_aware", description="routing policy")
+    ab: dict[str, int] | None = Field(
+        default=None,
+        description='A/B split of policies by weight, e.g. "cache_aware=80,round_robin=20" (stable per session)',
+    )
+    allow_policy_header: bool = Field(
+        default=False, description="let clients force a policy with the x-kvroute-policy request header"
+    )
+    session_header: str = Field(
+        default="x-session-id",
+        description="request header carrying the session key (sticky policy, A/B assignment)",
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="tokenizer: local directory or hub id (default: the shipped offline BPE tokenizer)",
+    )
+    models: dict[str, ModelConfig] = Field(
+        default_factory=dict,
+        description="per-model settings (config file only): {model: {tokenizer, block_size}}",
+    )
+    block_size: int | None = Field(
+        default=None,
+        gt=0,
+        description="prefix index block size in tokens (default: the engines' own, else 16)",
+    )
+    default_capacity_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="KV cache size per backend in tokens when neither configured nor scraped",
+    )
+    load_weight: float = Field(
+        default=1.0,
+        ge=0,
+        description="cache_aware: tokens of queued work that cost as much as one uncached prompt token",
+    )
+    overload_factor: float = Field(
+        default=2.0,
+        gt=1.0,
+        description="cache_aware: a backend above this multiple of the mean load loses affinity",
+    )
+    index_ttl_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="forget index entries not touched for this long (default: never; capacity bounds memory)",
+    )
+    decision_log: bool = Field(
+        default=False, description="log one JSON line per request with the routing decision"
+    )
 
     # --- precise mode ----------------------------------------------------------------
-    kv_events: bool = False
-    kv_events_port: int | None = Field(default=None, ge=1, le=65535)
-    kv_events_replay_port: int | None = Field(default=None, ge=1, le=65535)
-    kv_events_topic: str = "kv-events"
-    kv_events_silence_s: float = Field(default=30.0, gt=0)
-    speculative_ttl_s: float = Field(default=2.0, gt=0)
+    kv_events: bool = Field(
+        default=False, description="precise mode: keep the index exact from the engines' KV events (ZMQ)"
+    )
+    kv_events_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="precise mode: events port on each backend's host (instead of per-backend endpoints)",
+    )
+    kv_events_replay_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="precise mode: replay port on each backend's host, for gap recovery",
+    )
+    kv_events_topic: str = Field(
+        default="kv-events", description="precise mode: ZMQ topic of the engines' events"
+    )
+    kv_events_silence_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="precise mode: a backend's stream silent this long while it gets traffic falls back to approximate",
+    )
+    speculative_ttl_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="precise mode: how long a routed request's blocks count before the engine's events confirm them",
+    )
 
     # --- health and timeouts ---------------------------------------------------------
-    health_interval_s: float = Field(default=5.0, gt=0)
-    health_timeout_s: float = Field(default=2.0, gt=0)
-    unhealthy_after: int = Field(default=3, ge=1)
-    healthy_after: int = Field(default=2, ge=1)
-    connect_timeout_s: float = Field(default=5.0, gt=0)
-    first_byte_timeout_s: float = Field(default=600.0, gt=0)
-    idle_timeout_s: float = Field(default=300.0, gt=0)
-    drain_timeout_s: float = Field(default=30.0, ge=0)
-    engine_scrape_interval_s: float = Field(default=5.0, gt=0)
+    health_interval_s: float = Field(
+        default=5.0, gt=0, description="seconds between active /health checks of each backend"
+    )
+    health_timeout_s: float = Field(default=2.0, gt=0, description="timeout of one active health check")
+    unhealthy_after: int = Field(
+        default=3, ge=1, description="consecutive failed checks before a backend is marked unhealthy"
+    )
+    healthy_after: int = Field(
+        default=2, ge=1, description="consecutive good checks before an unhealthy backend is used again"
+    )
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="timeout to connect to a backend")
+    first_byte_timeout_s: float = Field(
+        default=600.0, gt=0, description="timeout until a backend's first response byte (504 after)"
+    )
+    idle_timeout_s: float = Field(
+        default=300.0, gt=0, description="longest silence between two chunks of a streamed response"
+    )
+    drain_timeout_s: float = Field(
+        default=30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish"
+    )
+    engine_scrape_interval_s: float = Field(
+        default=5.0, gt=0, description="seconds between scrapes of each engine's /metrics"
+    )
 
     # --- limits and admission --------------------------------------------------------
-    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
-    max_header_bytes: int = Field(default=16 * 1024, gt=0)
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024, gt=0, description="largest request body accepted (413 above)"
+    )
+    max_header_bytes: int = Field(
+        default=16 * 1024, gt=0, description="largest request header field accepted (431 above)"
+    )
     # A client's whole request body (408 after), and a connection's request head (closed after).
-    request_read_timeout_s: float = Field(default=60.0, gt=0)
-    max_concurrency: int | None = Field(default=None, gt=0)
-    max_backend_concurrency: int | None = Field(default=None, gt=0)
-    queue_size: int = Field(default=1024, ge=0)
-    queue_timeout_s: float = Field(default=30.0, gt=0)
-    rate_limit_rps: float | None = Field(default=None, gt=0)  # per client key
-    breaker_failures: int = Field(default=5, ge=1)
-    breaker_cooldown_s: float = Field(default=10.0, gt=0)
+    request_read_timeout_s: float = Field(
+        default=60.0, gt=0, description="time a client has to send its whole request (408 after)"
+    )
+    max_concurrency: int | None = Field(
+        default=None,
+        gt=0,
+        description="requests in flight through the router at once (queued above; default: unlimited)",
+    )
+    max_backend_concurrency: int | None = Field(
+        default=None,
+        gt=0,
+        description="requests in flight per backend at once (queued above; default: unlimited)",
+    )
+    queue_size: int = Field(
+        default=1024, ge=0, description="requests that may wait for a free slot (429 above)"
+    )
+    queue_timeout_s: float = Field(
+        default=30.0, gt=0, description="longest wait for a free slot (429 with Retry-After after)"
+    )
+    rate_limit_rps: float | None = Field(
+        default=None,
+        gt=0,
+        description="requests per second per client key (token bucket; 429 above; default: off)",
+    )
+    breaker_failures: int = Field(
+        default=5, ge=1, description="consecutive failures that eject a backend for a cooldown"
+    )
+    breaker_cooldown_s: float = Field(
+        default=10.0, gt=0, description="first ejection length; doubles while recovery probes fail"
+    )
 
     # --- security --------------------------------------------------------------------
-    admin_token: str | None = None
-    api_keys: list[str] = Field(default_factory=list)
-    backend_api_key: str | None = None
-    admin_allowed_networks: list[str] = Field(default_factory=list)
+    admin_token: str | None = Field(
+        default=None, description="enable the admin API (/admin/backends) with this bearer token"
+    )
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="comma-separated API keys clients must present as Bearer tokens (default: open)",
+    )
+    backend_api_key: str | None = Field(
+        default=None, description="bearer token sent to the engines instead of the client's Authorization"
+    )
+    admin_allowed_networks: list[str] = Field(
+        default_factory=list, description="comma-separated CIDRs the admin API may add backends from"
+    )
 
     # --- logging ---------------------------------------------------------------------
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log level")
 
     @field_validator("backends", mode="before")
     @classmethod
@@ -219,3 +343,24 @@ def load_settings(flags: dict[str, Any] | None = None, config_file: Path | None 
         return Settings.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc)) from exc
+
+
+def reference_markdown() -> str:
+    """The configuration reference as a Markdown table (``python -m router.config``).
+
+    The README's table is this output, so flags, variables and defaults are documented
+    from the one place they are defined.
+    """
+    rows = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
+    for name, info in Settings.model_fields.items():
+        default = info.get_default(call_default_factory=True)
+        shown = "—" if default in (None, [], {}) else f"`{default}`"
+        flag = "`--backend`" if name == "backends" else f"`--{name.replace('_', '-')}`"
+        if name == "models":
+            flag = "(file only)"
+        rows.append(f"| {flag} | `KVROUTE_{name.upper()}` | {shown} | {info.description} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())
