@@ -1,0 +1,66 @@
+"""Fuzzing in CI: a few hundred generated requests, and schemathesis over ``/openapi.json``.
+
+The generators and the judge are those of ``benchmarks/fuzz.py`` (which runs >= 10^5
+cases): no router-made 5xx except honest 502/503/504, every router error OpenAI-style
+JSON, and the router still healthy afterwards. Schemathesis reads the router's own OpenAPI
+document and checks the running router against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import negative_data_rejection, positive_data_acceptance
+
+from benchmarks.fuzz import FuzzCase, FuzzStats, fuzz_cases, judge
+from conftest import RouterServer
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture
+def router(sim_engines: Any, router_server: Any) -> RouterServer:
+    return router_server(sim_engines(2), policy="cache_aware", max_body_bytes=1 << 20)
+
+
+def test_generated_requests_never_get_a_router_5xx(router: RouterServer) -> None:
+    stats = FuzzStats()
+    with httpx.Client(base_url=router.url, timeout=60) as client:
+
+        @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(case=fuzz_cases())
+        def one(case: FuzzCase) -> None:
+            headers = {"Content-Type": case.content_type} if case.content_type else {}
+            response = client.request(case.method, case.path, content=case.body or None, headers=headers)
+            stats.record(case, response)
+            assert judge(case, response.status_code, response.headers, response.content) is None
+
+        one()
+        assert client.get("/health").status_code == 200
+    assert stats.cases >= 300
+    assert stats.router_5xx == 0 and not stats.problems
+    assert all(backend.in_flight == 0 for backend in router.state.pool)
+
+
+@pytest.fixture
+def router_schema(router: RouterServer) -> Any:
+    schema = schemathesis.openapi.from_url(router.url + "/openapi.json")
+    assert schema.raw_schema["info"]["title"] == "kvroute"
+    return schema
+
+
+schema = schemathesis.pytest.from_fixture("router_schema")
+
+
+@schema.parametrize()
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+def test_the_router_keeps_its_own_openapi_contract(case: schemathesis.Case) -> None:
+    # The router checks only what it routes on (model, stream) and passes every other field
+    # to the engine to judge: a schema-valid body may be refused there (a role it does not
+    # know), a schema-invalid one accepted (a field the engine ignores). What the router
+    # does promise is checked: no 5xx, documented statuses, content types and shapes.
+    case.call_and_validate(excluded_checks=[positive_data_acceptance, negative_data_rejection])
