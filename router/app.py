@@ -2,11 +2,12 @@
 
 :func:`build_app` wires the parts (backend pool, routing engine, metrics, proxy, health
 checker, admin API) into one ``web.Application``; its cleanup context opens the HTTP
-clients (``router.upstream`` for proxied requests, an aiohttp session for health checks),
-probes the configured backends once, starts the health loop, and closes everything again.
-:func:`serve` runs it until SIGTERM/SIGINT, then stops accepting
-connections, lets in-flight requests and streams finish for up to ``drain_timeout_s`` and
-returns; :func:`run` does that on uvloop.
+clients (``router.upstream`` for proxied requests, an aiohttp session for health checks
+and scrapes), probes the configured backends once, starts the background loops (health
+checks, the engines' ``/metrics`` scraper, and with ``--discovery file|k8s`` the backend
+source the pool follows), and closes everything again. :func:`serve` runs it until
+SIGTERM/SIGINT, then stops accepting connections, lets in-flight requests and streams
+finish for up to ``drain_timeout_s`` and returns; :func:`run` does that on uvloop.
 
 Around the proxy: the client gate and admission control (``router.security``,
 ``router.admission``), the router's own OpenAPI document at ``/openapi.json``, and a
@@ -31,6 +32,8 @@ from router.admin import AdminAPI
 from router.admission import AdmissionControl
 from router.backends import Backend, BackendPool
 from router.config import Settings
+from router.discovery import build_discovery
+from router.engine_stats import EngineScraper, scrape_loop
 from router.errors import JSON_CONTENT_TYPE, JsonErrorServer, error_middleware, error_response, json_response
 from router.health import HealthChecker
 from router.metrics import CONTENT_TYPE, RouterMetrics, RuntimeStats
@@ -208,9 +211,24 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         settings, state.pool, state.routing, state.metrics, upstream, admission=state.admission, gate=state.gate
     )
     state.pool.on_removed(lambda backend: upstream.forget(backend.url))
+    scraper = EngineScraper(session, timeout_s=settings.health_timeout_s, listeners=[state.routing.update_engine_stats])
+    state.pool.on_removed(lambda backend: scraper.forget_backend(backend.url))
     try:
         await _admit_configured_backends(state.health, settings)
         state.tasks.append(asyncio.create_task(state.health.run(), name="kvroute-health"))
+        state.tasks.append(
+            asyncio.create_task(
+                scrape_loop(
+                    lambda: state.pool, session, interval_s=settings.engine_scrape_interval_s,
+                    timeout_s=settings.health_timeout_s, scraper=scraper,
+                ),
+                name="kvroute-engine-stats",
+            )
+        )
+        if settings.discovery != "static":
+            # Backends come and go with the source; the pool follows (new ones probed, gone ones drained).
+            source = build_discovery(settings)
+            state.tasks.append(asyncio.create_task(source.run(state.health.sync), name="kvroute-discovery"))
         if state.precise is not None:
             await state.precise.start()
         yield

@@ -11,6 +11,8 @@ from router.backends import Backend, BackendPool
 from router.metrics import RouterMetrics
 from router.policies.base import BackendView
 
+from conftest import wait_until
+
 
 def card(model: str) -> dict[str, Any]:
     return {"id": model, "object": "model", "owned_by": "test"}
@@ -181,3 +183,25 @@ def unused_tcp_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def test_engine_stats_are_scraped_into_the_backends(sim_engines: Any, router_server: Any) -> None:
+    (engine,) = sim_engines(1, kv_capacity_tokens=8192, block_size=16)
+    router = router_server([engine], engine_scrape_interval_s=0.2)
+    backend = router.state.pool.get(engine.url)
+    assert backend is not None
+    wait_until(lambda: backend.engine_running is not None)
+    assert backend.engine_waiting == 0
+    assert backend.capacity_tokens == 8192  # from vllm:cache_config_info
+
+
+def test_file_discovery_adds_and_drains_backends(sim_engines: Any, router_server: Any, tmp_path: Any) -> None:
+    first, second = sim_engines(2)
+    listing = tmp_path / "backends.txt"
+    listing.write_text(first.url + "\n")
+    router = router_server([], discovery="file", backends_file=str(listing))
+    pool = router.state.pool
+    wait_until(lambda: [b.url for b in pool] == [first.url])
+    assert pool.get(first.url).healthy
+    listing.write_text(f"# the fleet\n{second.url}\n")
+    wait_until(lambda: [b.url for b in pool] == [second.url])
