@@ -19,7 +19,9 @@ class TokenizationError(ValueError):
     """The request's prompt or messages cannot be tokenized (a client error)."""
 
 
-_CLIENT_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, jinja2.TemplateError)
+# What RequestTokenizer raises for a malformed request (anything else is a server bug and
+# must not be disguised as a 400).
+_CLIENT_ERRORS = (ValueError, TypeError, jinja2.TemplateError)
 
 
 class SimTokenizer:
