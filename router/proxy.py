@@ -164,6 +164,16 @@ class Proxy:
                 413, f"request body of {length} bytes is over the limit of {self._max_body_bytes}",
                 code="request_too_large", close=True,
             )
+        content = request.content
+        if content.is_eof():
+            # The whole body came with the head (nearly always): take it as is, no timer.
+            raw = content.read_nowait()
+            if len(raw) > self._max_body_bytes:
+                raise RouterError(
+                    413, f"request body is over the limit of {self._max_body_bytes} bytes",
+                    code="request_too_large", close=True,
+                )
+            return raw
         try:
             async with asyncio.timeout(self._read_timeout):
                 return await request.read()
