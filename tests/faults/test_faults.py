@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+import openai
 import pytest
 
 from benchmarks.steady_load import SteadyLoad, Tally
@@ -153,3 +154,31 @@ async def test_backends_added_drained_and_removed_through_the_admin_api(fleet: F
     tally = await under_load(fleet, "admin add/drain/remove", fault, seed=7)
     assert tally.failed == 0
     assert await fleet.engine_served(spare) > 0
+
+
+async def test_drain_lets_a_long_stream_finish_before_the_backend_leaves(fleet: Fleet) -> None:
+    """A drained backend takes no new requests, finishes the ones it has, then leaves."""
+    client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="drain-test", max_retries=0, timeout=60)
+    stream = await client.chat.completions.with_raw_response.create(
+        model="sim", messages=[{"role": "user", "content": "a long answer please"}], max_tokens=600, stream=True,
+    )
+    target = stream.headers["x-kvroute-backend"]
+    engine = next(e for e in fleet.engines if e.url == target)
+    chunks = 0
+    finished = False
+    drained_at = None
+    async for chunk in stream.parse():
+        chunks += 1
+        if chunks == 3:
+            assert await fleet.admin("POST", "/admin/backends/drain", {"url": target}) == 202
+            drained_at = chunks
+            state = (await fleet.backends())[target]
+            assert state["draining"] and state["in_flight"] == 1
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finished = True
+    await client.close()
+    assert drained_at == 3 and finished and chunks > 100, "the stream ran to its end after the drain"
+    assert target not in await fleet.backends(), "gone once its last request finished"
+    assert await fleet.admin("POST", "/admin/backends", {"url": engine.url}) == 201
+    await fleet.wait_serving(fleet.engines)
+    await fleet.wait_quiet()
