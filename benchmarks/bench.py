@@ -43,6 +43,7 @@ from benchmarks.workloads import (
     CHAT_ENDPOINT, WORKLOAD_KINDS, Workload, WorkloadOptions, make_workloads,
 )
 from router.config import POLICY_NAMES
+from router.policies import LOAD_ONLY_POLICIES
 
 
 def unbounded_hit_rate(workload: Workload, block_size: int, tokenizer_path: str | None) -> tuple[float, int]:
@@ -128,6 +129,8 @@ async def run_target(
     """
     await fleet.fresh()
     is_peer = target.startswith(PEER_PREFIX)
+    # Load-only policies predict nothing: their router keeps no prefix index.
+    predicts = not is_peer and target not in LOAD_ONLY_POLICIES
     if is_peer:
         front = await fleets.start_peer(target.removeprefix(PEER_PREFIX), fleet.urls)
     else:
@@ -139,7 +142,7 @@ async def run_target(
         if on_ready is not None:
             on_ready(front.url)
         engines_before = await fleets.engine_counters(fleet.urls)
-        router_before = None if is_peer else await fleets.router_counters(front.url)
+        router_before = await fleets.router_counters(front.url) if predicts else None
         progress = Progress(len(workload.requests), f"{workload.name} / {target}")
         run = await replay(front.url, workload.requests, speedup=settings.speedup,
                            max_in_flight=settings.max_in_flight, progress=progress)

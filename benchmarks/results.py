@@ -7,7 +7,7 @@ unbounded cache over the same request sequence, the ceiling no fleet of finite c
 
 Hit rates are fractions of prompt tokens: ``observed`` from the engines' own prefix-cache
 counters (what really happened), ``predicted`` from the router's own counters (what kvroute
-thought would happen; null for peers and the bound).
+thought would happen; null for peers, load-only policies and the bound).
 """
 
 from __future__ import annotations
