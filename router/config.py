@@ -118,14 +118,15 @@ class Settings(BaseSettings):
         description="KV cache size per backend in tokens when neither configured nor scraped",
     )
     load_weight: float = Field(
-        default=1.0,
+        default=0.5,
         ge=0,
-        description="cache_aware: tokens of queued work that cost as much as one uncached prompt token",
+        description="cache_aware: prompt tokens of prefill that one token of queued work costs",
     )
     overload_factor: float = Field(
         default=2.0,
         gt=1.0,
-        description="cache_aware: a backend above this multiple of the mean load loses affinity",
+        description="cache_aware, sticky: skip a backend with more in-flight requests than this "
+        "multiple of the other backends' mean (+2)",
     )
     index_ttl_s: float | None = Field(
         default=None,

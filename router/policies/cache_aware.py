@@ -67,17 +67,18 @@ and never pile onto replica 0.
 
 Knobs (``Settings``), and how their defaults were chosen:
 
-``load_weight`` (1.0)
-    Tokens of prefill one queued token is worth. Measured with
-    ``benchmarks/compare_policies.py`` (4 sim replicas of 48K tokens, two runs per value
-    on a busy 2-core machine): where the working set fits the fleet, 0.25, 0.5 and 1.0
-    all reach 96-99 % of the unbounded-cache hit rate (0.25 once fell to 88 % on 8 agent
-    sessions, piling them on two replicas early). With 16 and 24 agent sessions (1.6x
-    and 2.4x the fleet's cache) 0.5 keeps more cached (0.64-0.65 and 0.39-0.42 against
-    0.55-0.58 and 0.33-0.34 for 1.0) but packs the overflow onto fewer replicas, and
-    its TTFT p99 was up to twice as long (2.3 s against 1.0 s at 16 sessions). 1.0, a
-    queued token priced like the prefill token it competes with, is the default;
-    lower it when cache hits matter more than tail latency.
+``load_weight`` (0.5)
+    Tokens of prefill one token of queued work costs. Measured with
+    ``benchmarks/compare_policies.py`` (4 sim replicas of 48K tokens; two or three runs
+    per value on a busy 2-core machine): where the working set fits the fleet, 0.5 and
+    1.0 both reach 96-99 % of the unbounded-cache hit rate (0.25 once fell to 88 % on 8
+    agent sessions, piling them on two replicas early). With 16 and 24 agent sessions
+    (1.6x and 2.4x the fleet's cache) 0.5 keeps more cached, 0.64-0.65 and 0.39-0.42
+    against 0.55-0.58 and 0.33-0.34 for 1.0 (round robin and sticky: 0.47 and 0.36-0.37),
+    by packing the overflow onto fewer replicas within the load bound; the price was a
+    TTFT p99 1.4-2.3x as long in those oversubscribed runs (at 20x simulated speed, where
+    the router's and the sims' own CPU time is a large part of TTFT). Raise it towards 1.0
+    when tail latency matters more than cache hits.
 ``overload_factor`` (2.0)
     How much busier than the others a backend may be before it is skipped: the bound
     that caps how unevenly affinity and capacity packing may load the replicas.
@@ -329,7 +330,7 @@ class CacheAware(Policy):
         self,
         working_sets: WorkingSets,
         *,
-        load_weight: float = 1.0,
+        load_weight: float = 0.5,
         overload_factor: float = 2.0,
         index_tokens: Callable[[str], int] | None = None,
         queued_work: Callable[[BackendView], float] | None = None,
