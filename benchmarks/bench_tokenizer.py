@@ -9,9 +9,13 @@ every repetition appends a fresh user message and tokenizes the whole request th
   the pieces cut at added tokens that are new get tokenized;
 * ``transformers`` (when installed): ``apply_chat_template(tokenize=True)``, for reference.
 
-``render`` is the chat-template rendering alone, which both pay. Each repetition measures
-the variants back to back (same machine conditions); the table shows medians. Incremental
-ids are checked equal to full ids every time. Target: incremental <= 5 % of full at 100K::
+``render`` is the chat-template rendering alone, which both pay. A second table measures what
+the router hashes, an int64 array: ``array`` is ``encode_chat_array`` on its own incremental
+tokenizer (warmed by array calls only, as the router's would be), against the ``list`` form
+(the ``incremental`` column) plus ``np.asarray(list, dtype=np.int64)``, which a caller of the
+list form pays before hashing. Each repetition measures the variants back to back (same
+machine conditions); the tables show medians. Incremental ids and arrays are checked equal to
+full ids every time. Target: incremental <= 5 % of full at 100K::
 
     python -m benchmarks.bench_tokenizer [--tokenizer DIR] [--repeats 7] [--out bench-out/tokenizer.json]
 """
@@ -20,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +48,7 @@ TARGET_RATIO_AT_LARGEST = 0.05
 
 @dataclass(frozen=True)
 class Row:
-    """Medians for one history size (milliseconds)."""
+    """Medians for one history size (milliseconds; ``*_cpu_ms``: this process's CPU time)."""
 
     history_tokens: int
     messages: int
@@ -52,6 +58,13 @@ class Row:
     transformers_ms: float | None
     incremental_vs_full: float
     cache_bytes: int  # what the piece cache holds for this conversation
+    array_ms: float  # encode_chat_array, incremental
+    asarray_ms: float  # np.asarray(encode_chat's list, dtype=np.int64)
+    incremental_cpu_ms: float
+    array_cpu_ms: float
+    asarray_cpu_ms: float
+    array_vs_list_asarray_cpu: float  # array_cpu_ms / (incremental_cpu_ms + asarray_cpu_ms)
+    array_cache_bytes: int  # the array-only tokenizer's piece cache
 
 
 def _messages(seed: int, per_message_tokens: int) -> list[dict[str, str]]:
@@ -74,10 +87,27 @@ def conversation(tokenizer: RequestTokenizer, history_tokens: int, seed: int) ->
     return messages
 
 
-def _timed(function: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    result = function()
-    return (time.perf_counter() - start) * 1000, result
+@dataclass
+class _Clock:
+    """Wall and CPU milliseconds of each named step, one sample per repetition.
+
+    CPU time (all of this process's threads) is what the comparisons of small steps use: on
+    a shared machine a step's wall time also counts the time it waited for a core.
+    """
+
+    wall: defaultdict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    cpu: defaultdict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def time(self, name: str, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)``, timed under ``name``."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = function(*args)
+        self.cpu[name].append((time.process_time() - cpu) * 1000)
+        self.wall[name].append((time.perf_counter() - wall) * 1000)
+        return result
+
+    def median(self, name: str, *, cpu: bool = False) -> float:
+        return round(statistics.median((self.cpu if cpu else self.wall)[name]), 3)
 
 
 def _hf_ids(hf_tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -88,41 +118,53 @@ def _hf_ids(hf_tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 def measure(tokenizer_path: Path, history_tokens: int, repeats: int, hf_tokenizer: Any | None) -> Row:
     full = RequestTokenizer.from_pretrained(tokenizer_path, incremental=False)
     incremental = RequestTokenizer.from_pretrained(tokenizer_path)
+    arrays = RequestTokenizer.from_pretrained(tokenizer_path)  # used through the array forms only
     if not incremental.incremental:
         print(f"note: {tokenizer_path} cannot be tokenized piecewise; both columns tokenize whole texts")
     history = conversation(full, history_tokens, seed=history_tokens)
-    incremental.encode_chat(history)  # the previous turn: warms the piece cache
+    incremental.encode_chat(history)  # the previous turn: warms the piece caches
+    arrays.encode_chat_array(history)
     rng = np.random.default_rng(1)
-    timings: dict[str, list[float]] = {"full": [], "incremental": [], "render": [], "transformers": []}
+    clock = _Clock()
     tokens = 0
     for _ in range(repeats):
         request = [*history, {"role": "user", "content": words(rng, NEW_TURN_TOKENS)}]
-        elapsed, expected = _timed(lambda: full.encode_chat(request))
-        timings["full"].append(elapsed)
-        elapsed, ids = _timed(lambda: incremental.encode_chat(request))
-        timings["incremental"].append(elapsed)
+        expected = clock.time("full", full.encode_chat, request)
+        ids = clock.time("incremental", incremental.encode_chat, request)
         if ids != expected:
             raise SystemExit(f"incremental ids differ from full ids at {history_tokens} tokens")
-        timings["render"].append(_timed(lambda: incremental.render_chat(request))[0])
+        array = clock.time("array", arrays.encode_chat_array, request)
+        clock.time("asarray", np.asarray, ids, np.int64)
+        if not np.array_equal(array, expected):
+            raise SystemExit(f"the int64 array differs from full ids at {history_tokens} tokens")
+        clock.time("render", incremental.render_chat, request)
         if hf_tokenizer is not None:
-            elapsed, hf_ids = _timed(lambda: _hf_ids(hf_tokenizer, request))
-            timings["transformers"].append(elapsed)
+            hf_ids = clock.time("transformers", _hf_ids, hf_tokenizer, request)
             if hf_ids != expected:
                 raise SystemExit(f"transformers ids differ from kvroute's at {history_tokens} tokens")
         tokens = len(expected)
         history = request + [{"role": "assistant", "content": words(rng, NEW_TURN_TOKENS)}]
         incremental.encode_chat(history, add_generation_prompt=False)  # as the router saw it
-    full_ms = statistics.median(timings["full"])
-    incremental_ms = statistics.median(timings["incremental"])
+        arrays.encode_chat_array(history, add_generation_prompt=False)
+    full_ms, incremental_ms = clock.median("full"), clock.median("incremental")
+    array_cpu_ms, list_asarray_cpu_ms = clock.median("array", cpu=True), \
+        clock.median("incremental", cpu=True) + clock.median("asarray", cpu=True)
     return Row(
         history_tokens=tokens,
         messages=len(request),
-        full_ms=round(full_ms, 3),
-        incremental_ms=round(incremental_ms, 3),
-        render_ms=round(statistics.median(timings["render"]), 3),
-        transformers_ms=round(statistics.median(timings["transformers"]), 3) if timings["transformers"] else None,
+        full_ms=full_ms,
+        incremental_ms=incremental_ms,
+        render_ms=clock.median("render"),
+        transformers_ms=clock.median("transformers") if hf_tokenizer is not None else None,
         incremental_vs_full=round(incremental_ms / full_ms, 4),
         cache_bytes=incremental.cache_stats().bytes,
+        array_ms=clock.median("array"),
+        asarray_ms=clock.median("asarray"),
+        incremental_cpu_ms=clock.median("incremental", cpu=True),
+        array_cpu_ms=array_cpu_ms,
+        asarray_cpu_ms=clock.median("asarray", cpu=True),
+        array_vs_list_asarray_cpu=round(array_cpu_ms / list_asarray_cpu_ms, 4),
+        array_cache_bytes=arrays.cache_stats().bytes,
     )
 
 
@@ -147,6 +189,21 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def format_array_table(rows: list[Row]) -> str:
+    header = f"{'history tokens':>14} {'list':>7} {'asarray':>7} {'list+asarray':>12} {'array':>7} " \
+             f"{'array/(list+asarray)':>20} {'wall: list+asarray':>18} {'array':>7} {'array cache MB':>14}"
+    lines = ["int64 arrays for the block hasher, next turn (CPU ms, then wall ms; medians):", header,
+             "-" * len(header)]
+    for row in rows:
+        list_asarray_cpu = row.incremental_cpu_ms + row.asarray_cpu_ms
+        lines.append(
+            f"{row.history_tokens:>14,} {row.incremental_cpu_ms:>7.2f} {row.asarray_cpu_ms:>7.2f} "
+            f"{list_asarray_cpu:>12.2f} {row.array_cpu_ms:>7.2f} {row.array_vs_list_asarray_cpu:>20.1%} "
+            f"{row.incremental_ms + row.asarray_ms:>18.2f} {row.array_ms:>7.2f} {row.array_cache_bytes / 1e6:>14.2f}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", type=Path, default=RequestTokenizer.default_path(),
@@ -160,10 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     hf_tokenizer = None if args.no_transformers else _load_transformers(args.tokenizer)
     rows = [measure(args.tokenizer, int(size), args.repeats, hf_tokenizer) for size in args.sizes.split(",")]
     print(format_table(rows))
+    print()
+    print(format_array_table(rows))
     largest = max(rows, key=lambda row: row.history_tokens)
     met = largest.incremental_vs_full <= TARGET_RATIO_AT_LARGEST
     print(f"\ntarget: incremental <= {TARGET_RATIO_AT_LARGEST:.0%} of full at {largest.history_tokens:,} tokens: "
-          f"{'met' if met else 'NOT met'} ({largest.incremental_vs_full:.1%})")
+          f"{'met' if met else 'NOT met'} ({largest.incremental_vs_full:.1%}); "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
     report = {
         "benchmark": "tokenizer",
         "tokenizer": str(args.tokenizer),
@@ -173,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [asdict(row) for row in rows],
         "target_ratio": TARGET_RATIO_AT_LARGEST,
         "target_met": met,
+        "load_average": list(os.getloadavg()),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,7 +23,7 @@ from tokenizers_fixtures import (
 from tokenizer_index import RequestTokenizer
 from tokenizer_index.chat_messages import media_placeholder
 from tokenizer_index.chat_template import ChatTemplateError, detect_content_format
-from tokenizer_index.piece_cache import PieceCache
+from tokenizer_index.piece_cache import PieceCache, frozen_ids
 
 transformers = pytest.importorskip("transformers")
 
@@ -242,6 +243,8 @@ def test_sentencepiece_style_tokenizers(tmp_path: Path, kind: str) -> None:
         assert ours.encode_chat(messages[:end]) == hf_chat_ids(hf, messages[:end], add_generation_prompt=True)
     text = "<s>a</s>b [INST]c\n[/INST]  d</s>"
     assert ours.encode_text(text) == hf(text, add_special_tokens=False)["input_ids"]
+    assert ours.encode_chat_array(messages).tolist() == ours.encode_chat(messages)
+    assert ours.encode_prompt_array(text).tolist() == ours.encode_prompt(text) == hf(text)["input_ids"]
     # The template's raise_exception reaches the caller as a client error.
     with pytest.raises(ChatTemplateError, match="alternate"):
         ours.encode_chat([{"role": "assistant", "content": "first"}])
@@ -425,16 +428,24 @@ def test_pieces_match_the_tokenizers_own_cuts(tricky_tok: RequestTokenizer, text
 def test_piece_cache_lru_within_byte_bound() -> None:
     cache = PieceCache(max_bytes=20_000)
     for index in range(500):
-        cache.put_many([(f"piece {index} " * 5, list(range(index % 50)))])
+        ids = list(range(index % 50))
+        cache.put_many([(f"piece {index} " * 5, frozen_ids(ids), ids if index % 2 else None)])
+        assert cache.stats().bytes <= cache.max_bytes
+        cache.get_lists([f"piece {index - 1} " * 5])  # builds the list form of an array-only piece
         assert cache.stats().bytes <= cache.max_bytes
     stats = cache.stats()
     assert stats.evictions > 0 and 0 < stats.entries < 500
     assert cache.measured_bytes() <= stats.bytes + 4096  # the estimate does not under-count
     recent = f"piece {499} " * 5
     oldest = f"piece {0} " * 5
-    assert cache.get_many([recent, oldest]) == [list(range(499 % 50)), None]
+    arrays = cache.get_arrays([recent, oldest])
+    assert arrays[0] is not None and arrays[0].tolist() == list(range(499 % 50)) and arrays[1] is None
+    assert not arrays[0].flags.writeable  # shared with later lookups
+    assert cache.get_lists([recent, oldest]) == [list(range(499 % 50)), None]
+    cache.clear()
+    assert cache.stats().bytes == 0 and len(cache) == 0
     disabled = PieceCache(0)
-    disabled.put_many([("x", [1])])
+    disabled.put_many([("x", frozen_ids([1]), [1])])
     assert len(disabled) == 0
     with pytest.raises(ValueError):
         PieceCache(-1)
@@ -452,3 +463,84 @@ def test_tokenizer_cache_bound_holds_over_many_conversations() -> None:
     uncached = RequestTokenizer.default(cache_bytes=0)
     assert uncached.encode_chat(history) == tok.encode_chat(history)
     assert uncached.cache_stats().entries == 0
+    assert np.array_equal(uncached.encode_chat_array(history), tok.encode_chat_array(history))
+
+
+# --- int64 arrays equal the lists ---------------------------------------------------------------
+
+
+@SETTINGS
+@given(messages=conversations(), small_cache=st.booleans(), arrays_first=st.booleans())
+def test_arrays_equal_lists_across_turns(
+    cached_pair: dict[bool, RequestTokenizer], messages: list[dict[str, Any]], small_cache: bool, arrays_first: bool
+) -> None:
+    """Each growing prefix of a conversation: the array equals the list, whichever warmed the cache."""
+    tok = cached_pair[small_cache]
+    tok.clear_cache()
+    for end in range(1, len(messages) + 1):
+        turn = messages[:end]
+        if arrays_first:
+            array, ids = tok.encode_chat_array(turn), tok.encode_chat(turn)
+        else:
+            ids, array = tok.encode_chat(turn), tok.encode_chat_array(turn)
+        assert array.dtype == np.int64 and array.ndim == 1 and array.flags.c_contiguous
+        assert array.tolist() == ids
+        text = tok.render_chat(turn)
+        assert np.array_equal(tok.encode_prompt_array(text), tok.encode_prompt(text))
+        assert tok.cache_stats().bytes <= tok.cache_stats().max_bytes
+
+
+def test_returned_arrays_are_the_callers_own(default_tok: RequestTokenizer) -> None:
+    """Results are new writable arrays: changing one never reaches the cache or a later result."""
+    messages = [{"role": "user", "content": "Tell me about prefix caches."}]
+    expected = default_tok.encode_chat(messages)
+    first = default_tok.encode_chat_array(messages)
+    assert first.flags.writeable and first.flags.owndata
+    first[:] = 0
+    assert default_tok.encode_chat_array(messages).tolist() == expected
+    assert default_tok.encode_chat(messages) == expected
+    ids = [3, 1, 4, 1, 5]
+    from_ids = default_tok.encode_prompt_array(ids)
+    from_ids[0] = 9
+    assert ids == [3, 1, 4, 1, 5]
+
+
+def test_encode_prompt_array_forms(llama_tok: RequestTokenizer, llama_hf: Any) -> None:
+    text = "Once upon a time<|eot_id|> there was 中文"
+    with_bos = llama_hf(text)["input_ids"]
+    cases = [
+        (text, with_bos),
+        ([text, "other"], with_bos),
+        ([5, 6, 7], [5, 6, 7]),
+        ((5, 6), [5, 6]),
+        ([[9, 8], [1]], [9, 8]),
+        ([""], llama_hf("")["input_ids"]),
+    ]
+    for prompt, expected in cases:
+        array = llama_tok.encode_prompt_array(prompt)  # type: ignore[arg-type]
+        assert array.dtype == np.int64 and array.flags.c_contiguous
+        assert array.tolist() == llama_tok.encode_prompt(prompt) == expected  # type: ignore[arg-type]
+    # JSON true/false among integer ids count as 1/0, as pydantic validates vLLM's request.
+    mixed = [7, True, False]
+    assert llama_tok.encode_prompt(mixed) == llama_tok.encode_prompt_array(mixed).tolist() == [7, 1, 0]
+    bad_prompts = ([], [1, "a"], [1, "2"], [1, 2.5], [1, None], [1, [2]], [1, 2**63], [True, 2], 3.5, None, [None], b"ab")
+    for bad in bad_prompts:
+        with pytest.raises(ValueError):
+            llama_tok.encode_prompt_array(bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            llama_tok.encode_prompt(bad)  # type: ignore[arg-type]
+
+
+def test_cache_bound_holds_with_both_forms() -> None:
+    """Lists built beside cached arrays are charged too: the bound holds, the count is honest."""
+    tok = RequestTokenizer.default(cache_bytes=48_000)
+    history: list[dict[str, Any]] = []
+    for turn in range(40):
+        history.append({"role": "user", "content": f"question {turn}: " + "how? " * (turn % 5 + 1) * 15})
+        history.append({"role": "assistant", "content": f"answer {turn} " * 25})
+        window = history[-16:]
+        array = tok.encode_chat_array(window)
+        assert tok.encode_chat(window) == array.tolist()
+        stats = tok.cache_stats()
+        assert stats.bytes <= stats.max_bytes
+    assert tok.cache_stats().evictions > 0

@@ -3,9 +3,14 @@
 The request tokenizer cuts each rendered prompt at added-token boundaries and memoises every
 piece here, so a conversation's next turn only tokenizes its new text. The key is the piece
 itself: the dict hashes it (SipHash, about 2 GB/s, computed once per piece string) and a hit
-is confirmed by comparing the text, so a lookup can never return another piece's ids. Values
-are lists of token ids whose int objects are shared with the tokenizer's vocabulary, so a
-cached token costs one 8-byte pointer next to its text (about one byte per character).
+is confirmed by comparing the text, so a lookup can never return another piece's ids.
+
+A piece's ids are kept as a read-only int64 array: the router joins a prompt's pieces with
+one ``np.concatenate`` and hashes the result without converting a Python list (which costs
+more than hashing). Callers that want a Python list get one built on their first lookup of a
+piece and kept beside the array (its int objects shared with the tokenizer's vocabulary, so
+a list costs one 8-byte pointer per token); callers of arrays alone never pay for lists.
+Every byte held, arrays and lists, is charged against the bound.
 
 Thread-safe: the router may tokenize large prompts in a worker thread.
 """
@@ -15,17 +20,35 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-# Bytes an entry costs beyond its text and its list of ids: the ordered dict's hash slot,
-# its link node and the key/value references.
+import numpy as np
+
+# Bytes an entry costs beyond its text and its ids: the ordered dict's hash slot, its link
+# node and the key/value references.
 ENTRY_OVERHEAD_BYTES = 100
+# Bytes a piece's list form costs beyond the list object: its slot in the dict of lists.
+LIST_OVERHEAD_BYTES = 50
+# An int64 array object without its data (``sys.getsizeof`` of an owning array is this + nbytes).
+_ARRAY_OBJECT_BYTES = sys.getsizeof(np.empty(0, dtype=np.int64))
 
 
-def entry_bytes(piece: str, ids: list[int]) -> int:
+def entry_bytes(piece: str, ids: np.ndarray) -> int:
     """The bytes one cached piece is charged against the bound (objects as allocated)."""
-    return ENTRY_OVERHEAD_BYTES + sys.getsizeof(piece) + sys.getsizeof(ids)
+    return ENTRY_OVERHEAD_BYTES + sys.getsizeof(piece) + _ARRAY_OBJECT_BYTES + ids.nbytes
+
+
+def list_bytes(ids: list[int]) -> int:
+    """The bytes a piece's list form adds (its ints are shared, so only the pointers count)."""
+    return LIST_OVERHEAD_BYTES + sys.getsizeof(ids)
+
+
+def frozen_ids(ids: Sequence[int]) -> np.ndarray:
+    """``ids`` as the read-only int64 array the cache holds (shared by every later lookup)."""
+    array = np.array(ids, dtype=np.int64)
+    array.flags.writeable = False
+    return array
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +64,19 @@ class PieceCacheStats:
 
 
 class PieceCache:
-    """LRU of piece digest -> token ids, holding at most ``max_bytes`` (0 disables it)."""
+    """LRU of piece text -> token ids, holding at most ``max_bytes`` (0 disables it).
 
-    def __init__(self, max_bytes: int) -> None:
+    ``to_list`` turns a cached array into the list :meth:`get_lists` hands out (the
+    tokenizer passes one that shares its vocabulary's int objects).
+    """
+
+    def __init__(self, max_bytes: int, *, to_list: Callable[[np.ndarray], list[int]] = np.ndarray.tolist) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, list[int]] = OrderedDict()
+        self._to_list = to_list
+        self._arrays: OrderedDict[str, np.ndarray] = OrderedDict()  # in LRU order
+        self._lists: dict[str, list[int]] = {}  # list forms of some of the cached pieces
         self._bytes = 0
         self._hits = 0
         self._misses = 0
@@ -55,16 +84,19 @@ class PieceCache:
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._arrays)
 
-    def get_many(self, pieces: Sequence[str]) -> list[list[int] | None]:
-        """Look up every piece at once (one lock round trip); hits become most recently used."""
-        found: list[list[int] | None] = []
+    def get_arrays(self, pieces: Sequence[str]) -> list[np.ndarray | None]:
+        """Look up every piece at once (one lock round trip); hits become most recently used.
+
+        The arrays are read-only and shared: copy before changing one.
+        """
+        found: list[np.ndarray | None] = []
         append = found.append
         with self._lock:
-            entries = self._entries
-            get = entries.get
-            touch = entries.move_to_end
+            arrays = self._arrays
+            get = arrays.get
+            touch = arrays.move_to_end
             hits = 0
             for piece in pieces:
                 ids = get(piece)
@@ -72,45 +104,73 @@ class PieceCache:
                     touch(piece)
                     hits += 1
                 append(ids)
-            self._hits += hits
-            self._misses += len(pieces) - hits
+            self._count(hits, len(pieces))
         return found
 
-    def put_many(self, items: Sequence[tuple[str, list[int]]]) -> None:
-        """Insert pieces, then evict least recently used ones until within the byte bound.
+    def get_lists(self, pieces: Sequence[str]) -> list[list[int] | None]:
+        """Like :meth:`get_arrays`, as lists; a hit's list is built and kept on first use.
 
-        A piece larger than the whole bound is not cached. The caller must not mutate a list
-        after handing it over: it is shared with later lookups.
+        The lists are shared: the caller must not mutate them.
+        """
+        found: list[list[int] | None] = []
+        append = found.append
+        with self._lock:
+            arrays = self._arrays
+            lists = self._lists
+            touch = arrays.move_to_end
+            hits = 0
+            added = 0
+            for piece in pieces:
+                ids = lists.get(piece)
+                if ids is None:
+                    array = arrays.get(piece)
+                    if array is not None:
+                        ids = lists[piece] = self._to_list(array)
+                        added += list_bytes(ids)
+                if ids is not None:
+                    touch(piece)
+                    hits += 1
+                append(ids)
+            self._count(hits, len(pieces))
+            if added:
+                self._bytes += added
+                self._evict()
+        return found
+
+    def put_many(self, items: Iterable[tuple[str, np.ndarray, list[int] | None]]) -> None:
+        """Insert ``(piece, ids array, ids list or None)``, then evict down to the bound.
+
+        Arrays should come from :func:`frozen_ids` (read-only); the caller must not mutate a
+        list after handing it over. A piece larger than the whole bound is not cached.
         """
         if self.max_bytes == 0:
             return
         with self._lock:
-            entries = self._entries
-            for piece, ids in items:
-                cost = entry_bytes(piece, ids)
+            arrays = self._arrays
+            lists = self._lists
+            for piece, array, as_list in items:
+                cost = entry_bytes(piece, array) + (0 if as_list is None else list_bytes(as_list))
                 if cost > self.max_bytes:
                     continue
-                previous = entries.pop(piece, None)
-                if previous is not None:
-                    self._bytes -= entry_bytes(piece, previous)
-                entries[piece] = ids
+                self._forget(piece)
+                arrays[piece] = array
+                if as_list is not None:
+                    lists[piece] = as_list
                 self._bytes += cost
-            while self._bytes > self.max_bytes:
-                evicted_piece, evicted = entries.popitem(last=False)
-                self._bytes -= entry_bytes(evicted_piece, evicted)
-                self._evictions += 1
+            self._evict()
 
     def clear(self) -> None:
         """Drop every entry (the counters are kept)."""
         with self._lock:
-            self._entries.clear()
+            self._arrays.clear()
+            self._lists.clear()
             self._bytes = 0
 
     def stats(self) -> PieceCacheStats:
         """Current size and counters."""
         with self._lock:
             return PieceCacheStats(
-                entries=len(self._entries),
+                entries=len(self._arrays),
                 bytes=self._bytes,
                 max_bytes=self.max_bytes,
                 hits=self._hits,
@@ -121,7 +181,32 @@ class PieceCache:
     def measured_bytes(self) -> int:
         """The memory the entries really hold, measured object by object (slow: for tests)."""
         with self._lock:
-            total = sys.getsizeof(self._entries)
-            for piece, ids in self._entries.items():
-                total += sys.getsizeof(piece) + sys.getsizeof(ids)
+            total = sys.getsizeof(self._arrays) + sys.getsizeof(self._lists)
+            for piece, array in self._arrays.items():
+                total += sys.getsizeof(piece) + sys.getsizeof(array)
+            for as_list in self._lists.values():
+                total += sys.getsizeof(as_list)
             return total
+
+    # --- under the lock ----------------------------------------------------------------------
+
+    def _count(self, hits: int, lookups: int) -> None:
+        self._hits += hits
+        self._misses += lookups - hits
+
+    def _forget(self, piece: str) -> None:
+        """Remove ``piece`` (both forms) and its charge, if it is cached."""
+        array = self._arrays.pop(piece, None)
+        if array is None:
+            return
+        self._bytes -= entry_bytes(piece, array)
+        as_list = self._lists.pop(piece, None)
+        if as_list is not None:
+            self._bytes -= list_bytes(as_list)
+
+    def _evict(self) -> None:
+        """Drop least recently used pieces until the cache is within its bound."""
+        arrays = self._arrays
+        while self._bytes > self.max_bytes and arrays:
+            self._forget(next(iter(arrays)))
+            self._evictions += 1

@@ -9,7 +9,11 @@ Incremental: turn N+1 of a conversation re-renders all of turn N, but tokenizing
 the new text. The rendered text is cut right after every added token (``<|im_end|>``, ...):
 the tokenizer extracts added tokens before anything else and never merges across them, so
 each piece tokenizes on its own to exactly the ids it has inside the whole text. Pieces are
-memoised in a byte-bounded LRU (:class:`tokenizer_index.piece_cache.PieceCache`).
+memoised in a byte-bounded LRU (:class:`tokenizer_index.piece_cache.PieceCache`) as int64
+arrays, so the ``*_array`` encoders build a prompt with one ``np.concatenate`` and hand it to
+the block hasher as is: converting a long list of ids to an array costs more than the rest
+of a router's per-request work (``python -m benchmarks.bench_tokenizer``). The list encoders
+share the cache and the cutting; they join list forms of the pieces kept beside the arrays.
 Whether cutting is exact for a given tokenizer is checked at construction on probe strings;
 some pipelines (SentencePiece's Metaspace with ``prepend_scheme="first"``) look at a piece's
 position in the whole text, and for them the whole text is tokenized every time
@@ -26,12 +30,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from tokenizer_index import hf_files
 from tokenizer_index.chat_messages import conversation_from_request, tools_from_request
 from tokenizer_index.chat_template import ChatTemplate
-from tokenizer_index.piece_cache import PieceCache, PieceCacheStats
+from tokenizer_index.piece_cache import PieceCache, PieceCacheStats, frozen_ids
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,39 @@ def _trie_pattern(words: Iterable[str]) -> str:
         return body
 
     return build(trie)
+
+
+def _first_prompt(prompt: str | Sequence[Any]) -> str | Sequence[Any]:
+    """What vLLM tokenizes of a completions ``prompt``: a string, token ids, or a batch's first."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
+        raise ValueError("prompt must be a string, a list of token ids, or a list of those")
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    first = prompt[0]
+    if isinstance(first, int) and not isinstance(first, bool):
+        return prompt
+    if isinstance(first, str) or (isinstance(first, Sequence) and not isinstance(first, bytes)):
+        return _first_prompt(first)
+    raise ValueError("prompt must be a string, a list of token ids, or a list of those")
+
+
+def _token_id_array(prompt: Sequence[Any]) -> np.ndarray:
+    """Token ids given by a client, converted once to a new int64 array.
+
+    numpy's type inference is the check (a Python loop over 128K ids costs ~20 ms here):
+    floats, strings, ``None``, nested lists and ids beyond int64 give another dtype or shape
+    and are refused. JSON ``true``/``false`` among integers count as 1/0, as in vLLM's
+    (pydantic's) validation of the request.
+    """
+    try:
+        ids = np.array(prompt)
+    except (TypeError, ValueError, OverflowError) as exc:  # ragged nesting
+        raise ValueError("a token-id prompt must hold only integers") from exc
+    if ids.ndim != 1 or ids.dtype.kind != "i":
+        raise ValueError("a token-id prompt must hold only integers")
+    return ids.astype(np.int64, copy=False)
 
 
 def _ends_in_word_character(text: str) -> bool:
@@ -111,10 +149,10 @@ class RequestTokenizer:
         self._template_sources = templates
         self._templates: dict[str, ChatTemplate] = {}
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
-        self._cache = PieceCache(cache_bytes)
-        # One shared int object per token id: cached pieces then cost a pointer per token.
+        # One shared int object per token id: cached list forms then cost a pointer per token.
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self._canonical_id = list(range(max(vocab.values(), default=-1) + 1)).__getitem__
+        self._cache = PieceCache(cache_bytes, to_list=self._canonical_list)
         self._boundary_re, self._non_boundaries, self._boundary_tokens = self._boundary_matcher()
         self._incremental = False
         if incremental is not False and self._boundary_re is not None:
@@ -206,10 +244,16 @@ class RequestTokenizer:
 
     def _piecewise_is_exact(self) -> bool:
         probes = self._probe_texts()
-        whole = [encoding.ids for encoding in self._tokenizer.encode_batch_fast(probes, add_special_tokens=False)]
-        return all(self._encode_pieces(text, use_cache=False) == ids for text, ids in zip(probes, whole))
+        encode_batch = self._tokenizer.encode_batch_fast
+        for text, whole in zip(probes, encode_batch(probes, add_special_tokens=False)):
+            joined: list[int] = []
+            for encoding in encode_batch(self._pieces(text), add_special_tokens=False):
+                joined += encoding.ids
+            if joined != whole.ids:
+                return False
+        return True
 
-    def _special_token_wrapping(self) -> tuple[list[int], list[int]] | tuple[None, None]:
+    def _special_token_wrapping(self) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
         """The ids the post-processor puts around a completion prompt (e.g. ``[bos]``, ``[]``).
 
         ``(None, None)`` when they are not a fixed prefix and suffix: prompts are then
@@ -226,7 +270,7 @@ class RequestTokenizer:
         prefix, suffix = first_wrapped[:start], first_wrapped[start + len(first) :]
         if any(prefix + ids + suffix != expected for ids, expected in zip(plain, wrapped)):
             return None, None
-        return prefix, suffix
+        return frozen_ids(prefix), frozen_ids(suffix)
 
     # --- properties ----------------------------------------------------------------------
 
@@ -337,47 +381,85 @@ class RequestTokenizer:
         )
         return self.encode_text(text)
 
+    def encode_chat_array(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
+    ) -> np.ndarray:
+        """:meth:`encode_chat` as a new contiguous int64 array (what the block hasher takes)."""
+        text = self.render_chat(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+            documents=documents,
+            continue_final_message=continue_final_message,
+        )
+        return self.encode_text_array(text)
+
     # --- completions -----------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]) -> list[int]:
         """The prompt token ids of a ``/v1/completions`` request (for a batch: its first prompt).
 
         A string is tokenized with the tokenizer's special tokens (a BOS, for tokenizers that
-        add one), as vLLM does for completions; token ids are returned as they are.
+        add one), as vLLM does for completions; token ids are returned as they are (JSON
+        ``true``/``false`` among them as 1/0). Raises ``ValueError`` for anything else.
         """
-        if isinstance(prompt, str):
-            return self.encode_text(prompt, add_special_tokens=True)
-        if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
-            raise ValueError("prompt must be a string, a list of token ids, or a list of those")
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        first = prompt[0]
-        if isinstance(first, int) and not isinstance(first, bool):
-            if not all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
-                raise ValueError("a token-id prompt must hold only integers")
-            return prompt if isinstance(prompt, list) else list(prompt)  # type: ignore[arg-type,return-value]
-        if isinstance(first, str) or (isinstance(first, Sequence) and not isinstance(first, bytes)):
-            return self.encode_prompt(first)
-        raise ValueError("prompt must be a string, a list of token ids, or a list of those")
+        first = _first_prompt(prompt)
+        if isinstance(first, str):
+            return self.encode_text(first, add_special_tokens=True)
+        return _token_id_array(first).tolist()
+
+    def encode_prompt_array(
+        self, prompt: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
+    ) -> np.ndarray:
+        """:meth:`encode_prompt` as a new contiguous int64 array (token ids converted once)."""
+        first = _first_prompt(prompt)
+        if isinstance(first, str):
+            return self.encode_text_array(first, add_special_tokens=True)
+        return _token_id_array(first)
 
     # --- text ------------------------------------------------------------------------------
 
     def encode_text(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        """Tokenize ``text`` (incrementally when possible); the hot path of both encoders."""
-        if add_special_tokens:
-            if self._prompt_prefix is None:
-                return self._tokenizer.encode(text, add_special_tokens=True).ids
-            return [*self._prompt_prefix, *self._encode(text), *self._prompt_suffix]
-        return self._encode(text)
+        """Tokenize ``text`` (incrementally when possible); the hot path of the list encoders."""
+        joined: list[int] = []
+        for part in self._parts(text, add_special_tokens=add_special_tokens, arrays=False):
+            joined += part  # += is several times faster than chain() for long lists
+        return joined
+
+    def encode_text_array(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
+        """:meth:`encode_text` as a new int64 array: the pieces' cached arrays, joined in one copy."""
+        return np.concatenate(self._parts(text, add_special_tokens=add_special_tokens, arrays=True))
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Token ids back to text."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def _encode(self, text: str) -> list[int]:
-        if not self._incremental:
-            return self._tokenizer.encode(text, add_special_tokens=False).ids
-        return self._encode_pieces(text, use_cache=True)
+    def _parts(self, text: str, *, add_special_tokens: bool, arrays: bool) -> list[Any]:
+        """Runs of ``text``'s ids, int64 arrays or lists, that joined in order are all of them."""
+        if add_special_tokens and self._prompt_prefix is None:
+            return [self._encode_whole(text, add_special_tokens=True, array=arrays)]
+        if self._incremental:
+            parts = self._piece_ids(self._pieces(text), arrays=arrays)
+        else:
+            parts = [self._encode_whole(text, add_special_tokens=False, array=arrays)]
+        if add_special_tokens:
+            prefix, suffix = self._prompt_prefix, self._prompt_suffix
+            if not arrays:
+                prefix, suffix = prefix.tolist(), suffix.tolist()
+            parts = [prefix, *parts, suffix]
+        return parts
+
+    def _encode_whole(self, text: str, *, add_special_tokens: bool, array: bool) -> list[int] | np.ndarray:
+        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return np.array(ids, dtype=np.int64) if array else ids
 
     def _pieces(self, text: str) -> list[str]:
         """``text`` cut right after each added token the tokenizer itself cuts at."""
@@ -397,25 +479,23 @@ class RequestTokenizer:
             pieces.append(text[start:])
         return pieces
 
-    def _encode_pieces(self, text: str, *, use_cache: bool) -> list[int]:
-        pieces = self._pieces(text)
-        if not use_cache:
-            joined: list[int] = []
-            for encoding in self._tokenizer.encode_batch_fast(pieces, add_special_tokens=False):
-                joined += encoding.ids
-            return joined
-        found = self._cache.get_many(pieces)
+    def _piece_ids(self, pieces: list[str], *, arrays: bool) -> list[Any]:
+        """Each piece's ids (shared arrays or lists) from the cache; misses tokenized in one batch."""
+        cache = self._cache
+        found: list[Any] = cache.get_arrays(pieces) if arrays else cache.get_lists(pieces)
         missing = [index for index, ids in enumerate(found) if ids is None]
         if missing:
             encodings = self._tokenizer.encode_batch_fast([pieces[i] for i in missing], add_special_tokens=False)
-            canonical = self._canonical_id
             new_entries = []
             for index, encoding in zip(missing, encodings):
-                ids = list(map(canonical, encoding.ids))
-                found[index] = ids
-                new_entries.append((pieces[index], ids))
-            self._cache.put_many(new_entries)
-        joined: list[int] = []
-        for ids in found:  # += is several times faster than chain() for long lists
-            joined += ids  # type: ignore[operator]
-        return joined
+                ids = encoding.ids
+                array = frozen_ids(ids)
+                as_list = None if arrays else list(map(self._canonical_id, ids))
+                found[index] = array if arrays else as_list
+                new_entries.append((pieces[index], array, as_list))
+            cache.put_many(new_entries)
+        return found
+
+    def _canonical_list(self, ids: np.ndarray) -> list[int]:
+        """``ids`` as a list of the vocabulary's shared int objects (what the cache keeps)."""
+        return list(map(self._canonical_id, ids.tolist()))
