@@ -242,7 +242,9 @@ def format_rows(rows: Sequence[OverheadRow]) -> str:
         for row in sorted(rows, key=lambda row: (row.concurrency, row.target != DIRECT))
     ]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in table)
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in table
+    )
 
 
 async def run_overhead(policies: Sequence[str], peers: Sequence[str],
