@@ -32,15 +32,33 @@ import aiohttp
 from benchmarks import fleet as fleets
 from benchmarks import mooncake
 from benchmarks.fleet import (
-    PEERS, EngineCounters, ExternalFleet, Fleet, FleetError, RouterCounters, SimFleet, SimSpec,
+    PEERS,
+    EngineCounters,
+    ExternalFleet,
+    Fleet,
+    FleetError,
+    RouterCounters,
+    SimFleet,
+    SimSpec,
 )
 from benchmarks.replay import Progress, ReplayResult, replay
 from benchmarks.results import (
-    BOUND_TARGET, PEER_PREFIX, TargetResult, format_table, percentile, plot_summary, ratio,
-    shares, write_json,
+    BOUND_TARGET,
+    PEER_PREFIX,
+    TargetResult,
+    format_table,
+    percentile,
+    plot_summary,
+    ratio,
+    shares,
+    write_json,
 )
 from benchmarks.workloads import (
-    CHAT_ENDPOINT, WORKLOAD_KINDS, Workload, WorkloadOptions, make_workloads,
+    CHAT_ENDPOINT,
+    WORKLOAD_KINDS,
+    Workload,
+    WorkloadOptions,
+    make_workloads,
 )
 from router.config import POLICY_NAMES
 from router.policies import LOAD_ONLY_POLICIES
@@ -210,10 +228,11 @@ async def run_bench(
 
 async def _served_model(url: str) -> str:
     """The first model an external engine serves (its ``/v1/models``)."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
-        async with client.get(url + "/v1/models") as response:
-            response.raise_for_status()
-            data = await response.json()
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as client, \
+            client.get(url + "/v1/models") as response:
+        response.raise_for_status()
+        data = await response.json()
     return str(data["data"][0]["id"])
 
 

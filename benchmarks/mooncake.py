@@ -84,7 +84,7 @@ def _splitmix64(counters: np.ndarray) -> np.ndarray:
 class BlockMapping:
     """hash id -> a fixed run of ``block_tokens`` token ids in ``[first_token_id, vocab_size)``."""
 
-    __slots__ = ("block_tokens", "first_token_id", "vocab_size", "_rank", "_successors")
+    __slots__ = ("_rank", "_successors", "block_tokens", "first_token_id", "vocab_size")
 
     def __init__(
         self, *, vocab_size: int = DEFAULT_VOCAB_SIZE,

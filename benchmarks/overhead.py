@@ -170,7 +170,7 @@ async def closed_loop(url: str, body: bytes, concurrency: int, seconds: float,
                 sent = time.perf_counter()
                 try:
                     ok = await one()
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     ok = False
                 if ok:
                     latencies.append(time.perf_counter() - sent)

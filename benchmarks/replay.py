@@ -177,7 +177,7 @@ async def send_one(
             record.latency_s = time.perf_counter() - sent
             if record.ttft_s is None:
                 record.ttft_s = record.latency_s  # no text at all (max_tokens 0 or empty)
-    except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as exc:
+    except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:200]
 
 

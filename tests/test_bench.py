@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -84,7 +85,7 @@ async def test_replay_reports_ttft_usage_and_session_order() -> None:
     for request, record in zip(workload.requests, run.records):
         by_session.setdefault(request.session_id, []).append(record)
     for records in by_session.values():
-        for earlier, later in zip(records, records[1:]):
+        for earlier, later in itertools.pairwise(records):
             assert later.sent_s >= earlier.sent_s + earlier.latency_s - 1e-6
 
 

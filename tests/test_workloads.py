@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import pytest
@@ -36,7 +37,7 @@ def test_each_turn_extends_the_previous_turns_messages(spec: str) -> None:
     (workload,) = make_workloads(spec, WorkloadOptions(agent_scale=0.05))
     for turns in _by_session(workload.requests).values():
         assert [t.turn for t in turns] == list(range(len(turns)))
-        for previous, current in zip(turns, turns[1:]):
+        for previous, current in itertools.pairwise(turns):
             old, new = previous.body["messages"], current.body["messages"]
             assert new[: len(old)] == old and len(new) > len(old)
             assert current.arrival_s > previous.arrival_s
@@ -70,7 +71,7 @@ def test_agent_sessions_take_turns_in_lockstep_and_grow() -> None:
         "run_command", "read_file", "search_code"
     ]
     messages = last["messages"]
-    for call_message, result in zip(messages, messages[1:]):
+    for call_message, result in itertools.pairwise(messages):
         if result["role"] == "tool":  # OpenAI shape: each result answers the call before it
             (call,) = call_message["tool_calls"]
             assert result["tool_call_id"] == call["id"]
