@@ -58,13 +58,12 @@ class SimTokenizer:
         if not isinstance(add_generation_prompt, bool):
             raise TokenizationError("'add_generation_prompt' must be a boolean")
         try:
-            ids = self._encoder.encode_chat(
+            return self._encoder.encode_chat_array(
                 messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=kwargs,
             )
-            return np.asarray(ids, dtype=np.int64)
         except _CLIENT_ERRORS as exc:
             raise TokenizationError(f"cannot apply the chat template: {exc}") from None
 
@@ -73,7 +72,7 @@ class SimTokenizer:
         if not isinstance(prompt, str | list):
             raise TokenizationError("'prompt' must be a string or a list of token ids")
         try:
-            ids = np.asarray(self._encoder.encode_prompt(prompt), dtype=np.int64)
+            ids = self._encoder.encode_prompt_array(prompt)
         except (*_CLIENT_ERRORS, OverflowError) as exc:
             raise TokenizationError(f"invalid prompt: {exc}") from None
         if len(ids) and (ids.min() < 0 or ids.max() >= self.vocab_size):
