@@ -43,6 +43,7 @@ from multidict import CIMultiDict
 
 from router.admission import AdmissionControl
 from router.backends import Backend, BackendPool
+from router.breaker import BreakerState
 from router.config import Settings
 from router.errors import RouterError, sse_error_event
 from router.metrics import RouterMetrics
@@ -207,7 +208,12 @@ class Proxy:
 
         def eligible() -> list[Backend]:
             candidates = pool.candidates(model)
-            return [backend for backend in candidates if backend not in failed] if failed else candidates
+            if not failed:
+                return candidates
+            others = [backend for backend in candidates if backend not in failed]
+            # The retry is the client's last chance: not on a backend still on probation.
+            proven = [backend for backend in others if backend.breaker.state is BreakerState.CLOSED]
+            return proven or others
 
         try:
             for attempt in range(2):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
 from router.backends import Backend, BackendPool
 from router.breaker import MAX_COOLDOWN_FACTOR, BreakerState, CircuitBreaker
+from router.policies.sticky import rendezvous_score
 
 
 def test_consecutive_failures_open_it_and_a_success_resets_the_count() -> None:
@@ -157,3 +159,40 @@ def test_removed_backend_is_forgotten_only_when_its_requests_finish() -> None:
     pool2.add(again)
     pool2.release(c, 1)
     assert gone == [] and again.url in pool2
+
+
+# --- through the proxy ----------------------------------------------------------------------
+def _session_ranking(*urls: str) -> str:
+    """A session key whose rendezvous order over these backends is exactly ``urls``."""
+    for number in range(100_000):
+        key = f"session-{number}"
+        if sorted(urls, key=lambda url: rendezvous_score(key, url), reverse=True) == list(urls):
+            return key
+    raise AssertionError("no such session key")
+
+
+def test_a_retry_never_goes_to_a_backend_on_probation(sim_engines: Any, router_server: Any) -> None:
+    """A request that failed on its first backend is retried on a proven one, not on a
+    backend whose breaker is half-open (its probe is as likely to fail: one retry is all
+    the client gets)."""
+    first, on_probation, proven = sim_engines(3)
+    router = router_server([first, on_probation, proven], policy="sticky", breaker_failures=1, breaker_cooldown_s=0.3)
+    client = router.client()
+
+    def chat(session: str) -> str:
+        raw = client.chat.completions.with_raw_response.create(
+            model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2, user=session,
+        )
+        return raw.headers["x-kvroute-backend"]
+
+    # Eject `on_probation` (its request is retried elsewhere), then let its cooldown pass.
+    on_probation.set_fault("error_500")
+    assert chat(_session_ranking(on_probation.url, first.url, proven.url)) == first.url
+    assert router.state.pool.get(on_probation.url).breaker.state is BreakerState.OPEN
+    time.sleep(0.35)
+    assert on_probation.url in {b.url for b in router.state.pool.candidates("sim")}  # half-open now
+    # This session prefers first, then on_probation: first fails, the retry skips the probe.
+    first.set_fault("error_500", 1)
+    assert chat(_session_ranking(first.url, on_probation.url, proven.url)) == proven.url
+    assert router.state.pool.get(on_probation.url).breaker.state is BreakerState.HALF_OPEN
+    on_probation.set_fault("none")
