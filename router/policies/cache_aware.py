@@ -381,10 +381,10 @@ class CacheAware(Policy):
             queued = self._queued_tokens(backend) - computing.get(url, 0)
             plain = prompt - matched.get(url, 0) + load_weight * max(0.0, queued)
             cost = plain
-            if conversation is not None:
+            if conversation is not None and capacity:
                 cost += working_sets.placement_cost(conversation, prompt, url, capacity)
-                if home is not None and url != home:
-                    cost += relief
+            if home is not None and url != home:
+                cost += relief
             fill = self._index_tokens(url) / capacity if capacity else float(self._index_tokens(url))
             key = (cost, fill, offset)
             if best_any is None or key < best_any:
