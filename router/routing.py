@@ -162,14 +162,14 @@ def request_salt(model: str | None, cache_salt: Any) -> str:
     return name if not isinstance(cache_salt, str) or not cache_salt else f"{name}\x00{cache_salt}"
 
 
-def _tokenize(tokenizer: RequestTokenizer, endpoint: str, body: Mapping[str, Any]) -> list[int] | None:
-    """The prompt token ids the engine will compute, or None when this router cannot tell."""
+def _tokenize(tokenizer: RequestTokenizer, endpoint: str, body: Mapping[str, Any]) -> np.ndarray | None:
+    """The prompt token ids the engine will compute (int64), or None when this router cannot tell."""
     if endpoint == _CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return None
         kwargs = body.get("chat_template_kwargs")
-        return tokenizer.encode_chat(
+        return tokenizer.encode_chat_array(
             messages,
             tools=body.get("tools") or None,
             add_generation_prompt=body.get("add_generation_prompt", True) is not False,
@@ -178,10 +178,10 @@ def _tokenize(tokenizer: RequestTokenizer, endpoint: str, body: Mapping[str, Any
             continue_final_message=body.get("continue_final_message") is True,
         )
     if endpoint == _COMPLETIONS:
-        return tokenizer.encode_prompt(body["prompt"]) if "prompt" in body else None
+        return tokenizer.encode_prompt_array(body["prompt"]) if "prompt" in body else None
     if endpoint == _GENERATE:  # SGLang's native API: token ids or text
         prompt = body.get("input_ids", body.get("text"))
-        return tokenizer.encode_prompt(prompt) if prompt is not None else None
+        return tokenizer.encode_prompt_array(prompt) if prompt is not None else None
     return None
 
 
@@ -273,7 +273,7 @@ class RoutingEngine:
         except Exception as exc:  # noqa: BLE001 - a body the engine will reject routes by load
             log.debug("cannot tokenize a %s request: %r", endpoint, exc)
             return None
-        if not tokens:
+        if tokens is None or not len(tokens):
             return None
         size = self._block_size(model if isinstance(model, str) else None)
         cache_salt = body.get("cache_salt")
