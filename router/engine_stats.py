@@ -153,10 +153,12 @@ def with_hit_ratio(current: EngineStats, previous: EngineStats | None) -> Engine
     queries, hits = current.prefix_queries_tokens, current.prefix_hit_tokens
     if queries is None or hits is None:
         return current
-    if previous is None or previous.prefix_queries_tokens is None or previous.prefix_hit_tokens is None:
-        delta_queries, delta_hits = queries, hits
-        carried = None
-    elif queries < previous.prefix_queries_tokens:  # the engine restarted: counters reset
+    if (
+        previous is None
+        or previous.prefix_queries_tokens is None
+        or previous.prefix_hit_tokens is None
+        or queries < previous.prefix_queries_tokens  # the engine restarted: counters reset
+    ):
         delta_queries, delta_hits = queries, hits
         carried = None
     else:

@@ -55,7 +55,14 @@ from router import request_info
 from router.config import POLICY_NAMES, Settings
 from router.engine_stats import EngineStats
 from router.kv_events import KVEventsState
-from router.policies import CacheRequest, LeastLoad, Policy, TrafficSplit, WorkingSets, make_policy
+from router.policies import (
+    CacheRequest,
+    LeastLoad,
+    Policy,
+    TrafficSplit,
+    WorkingSets,
+    make_policy,
+)
 from router.policies.base import BackendView, Decision, RouteRequest
 from router.policies.cache_aware import Conversation
 from router.precise_index import PreciseIndex, PreparedRequest

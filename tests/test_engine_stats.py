@@ -6,13 +6,19 @@ import asyncio
 from typing import Any
 
 import aiohttp
-import httpx
 import pytest
 
 from benchmarks.sim_engine.config import SimEngineConfig
 from benchmarks.sim_engine.metrics import EngineMetrics
 from router.backends import Backend
-from router.engine_stats import EngineScraper, EngineStats, parse_metrics, scrape, scrape_loop, with_hit_ratio
+from router.engine_stats import (
+    EngineScraper,
+    EngineStats,
+    parse_metrics,
+    scrape,
+    scrape_loop,
+    with_hit_ratio,
+)
 
 # An SGLang page in its own format (names and labels as its docs show them), with
 # histogram lines that share a wanted prefix to check they are ignored.
@@ -127,7 +133,7 @@ def test_scraper_updates_the_backend_and_tells_listeners() -> None:
     heard: list[tuple[str, EngineStats]] = []
     backend = Backend("http://engine")
     scraper = EngineScraper(None, timeout_s=1.0, listeners=[lambda url, s: heard.append((url, s))])  # type: ignore[arg-type]
-    metrics, page = sim_page(block_size=16, kv_capacity_tokens=4096)
+    metrics, _ = sim_page(block_size=16, kv_capacity_tokens=4096)
     metrics.prefix_queries.inc(100)
     metrics.prefix_hits.inc(40)
     metrics.waiting.set(2)
@@ -146,13 +152,16 @@ def test_configured_capacity_wins_over_the_scraped_one() -> None:
     assert backend.capacity_tokens == 1000
 
 
+async def complete(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> None:
+    body = {"model": "sim", "prompt": prompt, "max_tokens": 2}
+    async with session.post(url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+
+
 async def test_scrape_reads_a_sim_engine_over_http(sim_engines: Any) -> None:
     (engine,) = sim_engines(1, block_size=32, kv_capacity_tokens=32 * 512)
-    httpx.post(
-        engine.url + "/v1/completions", json={"model": "sim", "prompt": list(range(100)), "max_tokens": 2},
-        timeout=30,
-    ).raise_for_status()
     async with aiohttp.ClientSession() as session:
+        await complete(session, engine.url, list(range(100)))
         stats = await scrape(session, engine.url, timeout_s=10.0)
     assert (stats.kind, stats.block_size, stats.capacity_tokens) == ("vllm", 32, 32 * 512)
     assert stats.prefix_queries_tokens == 100.0 and stats.prefix_hit_tokens == 0.0
@@ -161,11 +170,10 @@ async def test_scrape_reads_a_sim_engine_over_http(sim_engines: Any) -> None:
 async def test_scrape_loop_keeps_backends_current_and_survives_a_dead_one(sim_engines: Any) -> None:
     engines = sim_engines(2, block_size=16, kv_capacity_tokens=16 * 256)
     fleet = [Backend(engine.url) for engine in engines] + [Backend("http://127.0.0.1:9")]
-    prompt = {"model": "sim", "prompt": list(range(64)), "max_tokens": 2}
-    for _ in range(2):  # the second request hits the first one's blocks
-        httpx.post(engines[0].url + "/v1/completions", json=prompt, timeout=30).raise_for_status()
     heard: list[str] = []
     async with aiohttp.ClientSession() as session:
+        for _ in range(2):  # the second request hits the first one's blocks
+            await complete(session, engines[0].url, list(range(64)))
         task = asyncio.create_task(
             scrape_loop(lambda: fleet, session, interval_s=0.05, timeout_s=5.0, listeners=[lambda u, s: heard.append(u)])
         )

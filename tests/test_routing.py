@@ -10,7 +10,6 @@ from typing import Any
 
 import httpx
 import openai
-import pytest
 
 from router.backends import Backend
 from router.config import Settings

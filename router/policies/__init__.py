@@ -7,26 +7,31 @@ from collections.abc import Callable
 from router.config import Settings
 from router.policies.ab import TrafficSplit
 from router.policies.base import BackendView, Decision, Policy, RouteRequest
-from router.policies.cache_aware import CacheAware, CacheRequest, Conversation, WorkingSets
+from router.policies.cache_aware import (
+    CacheAware,
+    CacheRequest,
+    Conversation,
+    WorkingSets,
+)
 from router.policies.simple import LeastLoad, PowerOfTwo, Random, RoundRobin
 from router.policies.sticky import Sticky
 
 __all__ = [
+    "LOAD_ONLY_POLICIES",
     "BackendView",
-    "Decision",
-    "Policy",
-    "RouteRequest",
-    "RoundRobin",
-    "Random",
-    "LeastLoad",
-    "PowerOfTwo",
     "CacheAware",
     "CacheRequest",
     "Conversation",
-    "WorkingSets",
+    "Decision",
+    "LeastLoad",
+    "Policy",
+    "PowerOfTwo",
+    "Random",
+    "RoundRobin",
+    "RouteRequest",
     "Sticky",
     "TrafficSplit",
-    "LOAD_ONLY_POLICIES",
+    "WorkingSets",
     "make_policy",
 ]
 
