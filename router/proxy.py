@@ -49,7 +49,7 @@ from router.errors import RouterError, sse_error_event
 from router.metrics import RouterMetrics
 from router.policies.base import Decision, RouteRequest
 from router.request_info import Endpoint, ParsedRequest, body_with_usage_requested, parse_request
-from router.routing import RoutePlan, RoutingEngine
+from router.routing import PreparedPrompt, RoutePlan, RoutingEngine
 from router.security import ClientGate
 from router.upstream import (
     UpstreamClient,
@@ -63,6 +63,10 @@ from router.upstream import (
 from router.usage import StreamTap, Usage, usage_from_body
 
 log = logging.getLogger("kvroute.proxy")
+
+#: Request bodies at least this large are tokenized in a worker thread (~25K tokens of text):
+#: below it, tokenizing inline costs less than the thread hand-off.
+THREAD_PREPARE_BYTES = 100_000
 decision_log = logging.getLogger("kvroute.decisions")
 
 # RFC 9110 7.6.1 hop-by-hop headers (lower-case bytes, as compared with raw header names).
@@ -215,6 +219,7 @@ class Proxy:
             proven = [backend for backend in others if backend.breaker.state is BreakerState.CLOSED]
             return proven or others
 
+        prepared = await self._prepare(endpoint, parsed, len(raw))
         try:
             for attempt in range(2):
                 if admission.limited:
@@ -227,7 +232,7 @@ class Proxy:
                     alternatives = len(candidates)
                 if not candidates:
                     raise last_error or self._no_backend(model)
-                plan = self._plan(endpoint, parsed, request, candidates)
+                plan = self._plan(endpoint, parsed, request, candidates, prepared)
                 backend = pool.get(plan.backend)
                 if backend is None:
                     log.error("policy %s chose %s, which is not in the pool", plan.policy, plan.backend)
@@ -244,11 +249,36 @@ class Proxy:
             if holds_slot:
                 admission.leave()
 
+    async def _prepare(self, endpoint: Endpoint, parsed: ParsedRequest, size: int) -> PreparedPrompt | None:
+        """Tokenize and hash the prompt once per request, not per attempt.
+
+        Long prompts are tokenized in a worker thread (the tokenizer releases the GIL), so
+        a 100K-token first turn does not stall every other request's relay.
+        """
+        if not self._routing.tracks_prefixes:
+            return None
+        if size >= THREAD_PREPARE_BYTES:
+            return await asyncio.to_thread(self._routing.prepare, endpoint.path, parsed.body)
+        return self._routing.prepare(endpoint.path, parsed.body)
+
     def _plan(
-        self, endpoint: Endpoint, parsed: ParsedRequest, request: web.Request, candidates: list[Backend]
+        self,
+        endpoint: Endpoint,
+        parsed: ParsedRequest,
+        request: web.Request,
+        candidates: list[Backend],
+        prepared: PreparedPrompt | None,
     ) -> RoutePlan:
         try:
-            return self._routing.route(endpoint.path, parsed.body, request.headers, candidates)
+            return self._routing.route(
+                endpoint.path,
+                parsed.body,
+                request.headers,
+                candidates,
+                prepared=prepared,
+                session_key=parsed.session_key,
+                expected_output_tokens=parsed.expected_output_tokens,
+            )
         except Exception:  # noqa: BLE001 - a routing bug must not cost the request
             log.exception("routing failed; falling back to the least loaded backend")
             backend = min(candidates, key=lambda b: (b.in_flight, b.in_flight_tokens))

@@ -92,8 +92,8 @@ def parse_request(
         model=model,
         stream=stream,
         include_usage=_asked_for_usage(body),
-        expected_output_tokens=_expected_output_tokens(body),
-        session_key=_session_key(body, headers, session_header),
+        expected_output_tokens=expected_output_tokens_of(body),
+        session_key=session_key_of(body, headers, session_header),
     )
 
 
@@ -102,7 +102,7 @@ def _asked_for_usage(body: dict[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-def _expected_output_tokens(body: dict[str, Any]) -> int:
+def expected_output_tokens_of(body: dict[str, Any]) -> int:
     value = body.get("max_completion_tokens")
     if value is None:
         value = body.get("max_tokens")
@@ -114,7 +114,7 @@ def _expected_output_tokens(body: dict[str, Any]) -> int:
     return DEFAULT_EXPECTED_OUTPUT_TOKENS
 
 
-def _session_key(body: dict[str, Any], headers: Mapping[str, str], session_header: str) -> str | None:
+def session_key_of(body: dict[str, Any], headers: Mapping[str, str], session_header: str) -> str | None:
     key = headers.get(session_header)
     if key:
         return key

@@ -312,9 +312,9 @@ class RoutingEngine:
         """
         model = body.get("model")
         if session_key is None:
-            session_key = request_info._session_key(body, headers, self._settings.session_header)
+            session_key = request_info.session_key_of(body, headers, self._settings.session_header)
         if expected_output_tokens is None:
-            expected_output_tokens = request_info._expected_output_tokens(body)
+            expected_output_tokens = request_info.expected_output_tokens_of(body)
         request = CacheRequest(
             endpoint=endpoint,
             model=model if isinstance(model, str) else None,

@@ -139,3 +139,14 @@ def test_the_installed_command_fails_fast_on_bad_config() -> None:
     assert result.returncode == 2
     assert "port" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_readme_configuration_reference_is_current() -> None:
+    """The README's settings table is ``python -m router.config``: regenerate it when a
+    setting changes, so the documented flags, variables and defaults never drift."""
+    from pathlib import Path
+
+    from router.config import reference_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert reference_markdown() in readme

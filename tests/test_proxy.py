@@ -333,3 +333,24 @@ def test_metrics_endpoint_counts_requests(sim_engines: Any, router_server: Any) 
     text = httpx.get(router.url + "/metrics", timeout=30)
     assert text.headers["content-type"].startswith("text/plain")
     assert orjson.loads(httpx.get(router.url + "/health", timeout=30).content)["healthy_backends"] == 2
+
+
+def test_long_prompt_is_tokenized_off_the_event_loop_with_the_same_key(
+    sim_engines: Any, router_server: Any
+) -> None:
+    """A body over THREAD_PREPARE_BYTES is tokenized in a worker thread; its routing key is the
+    one the engine computes, so its second turn lands on the first turn's replica, cached."""
+    from router.proxy import THREAD_PREPARE_BYTES
+
+    sims = sim_engines(2)
+    router = router_server(sims, policy="cache_aware")
+    long_text = "the quick brown fox jumps over the lazy dog " * (THREAD_PREPARE_BYTES // 40)
+    messages = [{"role": "user", "content": long_text}]
+    first = chat(router, messages=messages)
+    follow_up = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    second = chat(router, messages=follow_up)
+    assert int(first.headers["x-kvroute-prompt-tokens"]) == first.parse().usage.prompt_tokens
+    assert second.headers["x-kvroute-backend"] == first.headers["x-kvroute-backend"]
+    cached = second.parse().usage.prompt_tokens_details.cached_tokens
+    assert cached > 0.9 * first.parse().usage.prompt_tokens
+    assert int(second.headers["x-kvroute-matched-tokens"]) == cached
