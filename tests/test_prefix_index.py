@@ -166,6 +166,17 @@ class TinyTablesMachine(BoundedIndexMachine):
             setattr(prefix_index, name, value)
 
 
+class VectorPathsMachine(TinyTablesMachine):
+    """The same with the loops over a few keys turned off: every lookup, addition, removal
+    and match walk takes the vector path, which otherwise only longer prompts reach."""
+
+    @initialize()
+    def start(self) -> None:
+        super().start()
+        self._saved["_FEW_KEYS"] = prefix_index._FEW_KEYS
+        prefix_index._FEW_KEYS = 0
+
+
 _MACHINE_SETTINGS = settings(
     max_examples=35, stateful_step_count=35, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -177,6 +188,8 @@ TestExpiring = ExpiringIndexMachine.TestCase
 TestExpiring.settings = _MACHINE_SETTINGS
 TestTinyTables = TinyTablesMachine.TestCase
 TestTinyTables.settings = _MACHINE_SETTINGS
+TestVectorPaths = VectorPathsMachine.TestCase
+TestVectorPaths.settings = _MACHINE_SETTINGS
 
 
 # --- targeted cases ----------------------------------------------------------------------

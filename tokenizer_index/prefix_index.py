@@ -40,7 +40,10 @@ everything of it (its block table slots are reused; the table itself never shrin
 Cost per call is a few dozen numpy passes over the request's blocks, mostly random reads
 of the tables: the router hashes once and calls :meth:`PrefixIndex.match_hashes` and
 :meth:`PrefixIndex.insert_hashes` with the same array, and the insert reuses the match's
-lookups.
+lookups. A numpy call costs microseconds however short its input, so batches of up to
+``_FEW_KEYS`` keys (an ordinary chat prompt) are looked up, added, removed and walked by
+Python loops over the tables' memory instead (same tables, same answers); longer ones take
+the vector path.
 """
 
 from __future__ import annotations
@@ -74,9 +77,15 @@ _BYTES_AS_WORD = np.dtype("<u8")
 _NO_TICK = np.uint32(0xFFFFFFFF)
 # Per occupancy byte of a bucket: its first free slot; and the bit of each slot.
 _FIRST_FREE = np.array([((~bits) & (bits + 1)).bit_length() - 1 if bits != 0xFF else 0 for bits in range(256)], dtype=np.uint8)
+_FIRST_FREE_LIST: list[int] = _FIRST_FREE.tolist()
 _SLOT_BIT = np.array([1 << column for column in range(_BUCKET)], dtype=np.uint8)
 _SLOT_CLEAR = ~_SLOT_BIT
 _FIRST_CHUNK = 256  # blocks looked up before the match walk widens its chunks (x4 each)
+# Up to this many keys, lookups and the match walk run as Python loops over lists: a numpy
+# call costs microseconds whatever its length, and the vector forms take about twenty of them
+# where a short prompt (an ordinary chat: 20-40 blocks) needs a few dozen list steps.
+_FEW_KEYS = 48
+_ALL_BITS = 0xFFFFFFFFFFFFFFFF
 # Starting sizes; tables and logs grow as needed.
 _INITIAL_BLOCK_BUCKETS = 64
 _INITIAL_HOLDER_BUCKETS = 16
@@ -125,7 +134,10 @@ class _BucketSet:
     which only costs a lookup one more bucket; the next rebuild makes both exact again.
     """
 
-    __slots__ = ("keys", "flat", "occupied", "spills", "count", "_buckets", "_buckets_u64")
+    __slots__ = (
+        "keys", "flat", "occupied", "spills", "count", "_buckets", "_buckets_u64", "_flat_view", "_occupied_view",
+        "_spills_view",
+    )
 
     def __init__(self, buckets: int, dtype: type[np.unsignedinteger]) -> None:
         self.keys = np.zeros((buckets, _BUCKET), dtype=dtype)
@@ -135,6 +147,11 @@ class _BucketSet:
         self.count = 0
         self._buckets = buckets
         self._buckets_u64 = np.uint64(buckets)
+        # The same memory as Python sequences: one element read or written in tens of
+        # nanoseconds, for the loops over a few keys (a numpy scalar access costs several times that).
+        self._flat_view = memoryview(self.flat)
+        self._occupied_view = memoryview(self.occupied)
+        self._spills_view = memoryview(self.spills)
 
     @property
     def slots(self) -> int:
@@ -154,6 +171,8 @@ class _BucketSet:
 
     def find(self, keys: np.ndarray, spread: np.ndarray) -> np.ndarray:
         """Slot of each key (int64), -1 where absent."""
+        if len(keys) <= _FEW_KEYS:
+            return self._find_few(keys, spread)
         buckets = self._home(spread)
         found = self._find_in(buckets, keys)
         go_on = found < 0
@@ -168,6 +187,28 @@ class _BucketSet:
             go_on &= self.spills[buckets] != 0
             pending, buckets = pending[go_on], buckets[go_on]
         return found
+
+    def _find_few(self, keys: np.ndarray, spread: np.ndarray) -> np.ndarray:
+        """:meth:`find` for a few keys: their home buckets read in one gather, then a list walk."""
+        buckets = self._home(spread)
+        rows = self.keys[buckets].tolist()
+        found: list[int] = []
+        append = found.append
+        spills, flat, last = self._spills_view, self._flat_view, self._buckets - 1
+        for key, bucket, row in zip(keys.tolist(), buckets.tolist(), rows):
+            if key in row:
+                append(bucket * _BUCKET + row.index(key))
+                continue
+            slot = -1
+            while spills[bucket]:  # the key may have passed a full bucket
+                bucket = bucket + 1 if bucket < last else 0
+                start = bucket * _BUCKET
+                row = flat[start : start + _BUCKET].tolist()
+                if key in row:
+                    slot = start + row.index(key)
+                    break
+            append(slot)
+        return np.array(found, dtype=np.int64)
 
     def _find_in(self, buckets: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """Slot of each key within its given bucket, -1 where not there."""
@@ -184,6 +225,8 @@ class _BucketSet:
 
     def add(self, keys: np.ndarray, spread: np.ndarray) -> np.ndarray:
         """Insert keys known to be absent (the table must have room); their slots."""
+        if len(keys) <= _FEW_KEYS:
+            return self._add_few(keys, spread)
         placed = np.empty(0, dtype=np.int64)
         pending: np.ndarray | None = None  # None: every key (most batches need one round)
         buckets = self._home(spread)
@@ -220,8 +263,34 @@ class _BucketSet:
             pending = np.flatnonzero(stay) if pending is None else pending[stay]
             buckets = buckets[stay]
 
+    def _add_few(self, keys: np.ndarray, spread: np.ndarray) -> np.ndarray:
+        """:meth:`add` for a few keys, one after another (a key repeated in the batch gets
+        the slot of its first occurrence, so here ``count`` stays exact)."""
+        flat, occupied, spills = self._flat_view, self._occupied_view, self._spills_view
+        last = self._buckets - 1
+        placed: list[int] = []
+        first_slot: dict[int, int] = {}
+        for key, bucket in zip(keys.tolist(), self._home(spread).tolist()):
+            slot = first_slot.get(key)
+            if slot is None:
+                bits = occupied[bucket]
+                while bits == 0xFF:  # full: the key passes this bucket and says so in its count
+                    spills[bucket] += 1
+                    bucket = bucket + 1 if bucket < last else 0
+                    bits = occupied[bucket]
+                column = _FIRST_FREE_LIST[bits]
+                occupied[bucket] = bits | (1 << column)
+                slot = first_slot[key] = bucket * _BUCKET + column
+                flat[slot] = key
+            placed.append(slot)
+        self.count += len(first_slot)
+        return np.array(placed, dtype=np.int64)
+
     def remove(self, slots: np.ndarray, spread: np.ndarray) -> None:
         """Empty these (distinct, occupied) slots; ``spread`` of their keys."""
+        if len(slots) <= _FEW_KEYS:
+            self._remove_few(slots, spread)
+            return
         self.flat[slots] = 0
         buckets = slots >> 3
         np.bitwise_and.at(self.occupied, buckets, _SLOT_CLEAR[slots & 7])  # buckets repeat
@@ -233,6 +302,19 @@ class _BucketSet:
             np.subtract.at(self.spills, passing, 1)
             passing = self._next(passing)
             away = passing != buckets
+
+    def _remove_few(self, slots: np.ndarray, spread: np.ndarray) -> None:
+        """:meth:`remove` for a few slots, one after another."""
+        flat, occupied, spills = self._flat_view, self._occupied_view, self._spills_view
+        last = self._buckets - 1
+        for slot, passing in zip(slots.tolist(), self._home(spread).tolist()):
+            flat[slot] = 0
+            bucket = slot >> 3
+            occupied[bucket] &= ~(1 << (slot & 7)) & 0xFF
+            while passing != bucket:
+                spills[passing] -= 1
+                passing = passing + 1 if passing < last else 0
+        self.count -= len(slots)
 
     def _home(self, spread: np.ndarray) -> np.ndarray:
         """Each key's home bucket: range reduction of its 32-bit spread."""
@@ -300,6 +382,8 @@ class _Blocks:
         positions were added. ``known``: slots of a leading part, looked up at this version."""
         if known is None:
             slots = self.table.find(hashes, spread)
+        elif len(known) == len(hashes):  # the router's case: the match looked up every block
+            slots = known
         else:
             rest = len(known)
             slots = np.concatenate((known, self.table.find(hashes[rest:], spread[rest:])))
@@ -550,8 +634,10 @@ class PrefixIndex:
         self._expire_all()
         if not len(keys) or not self._holders:
             return {}
+        if len(keys) <= _FEW_KEYS and self._blocks.words == 1:
+            return self._match_few(keys)
         owners = self._blocks.owners
-        running = np.full(self._blocks.words, np.uint64(0xFFFFFFFFFFFFFFFF))
+        running = np.full(self._blocks.words, np.uint64(_ALL_BITS))
         matched: dict[str, int] = {}
         looked_up: list[np.ndarray] = []
         start, chunk = 0, _FIRST_CHUNK
@@ -572,6 +658,24 @@ class PrefixIndex:
             start, chunk = end, chunk * 4
         self._record_lengths(running, len(keys), matched)
         self._walked = _Walk(keys[:start].copy(), np.concatenate(looked_up), self._blocks.version)
+        return matched
+
+    def _match_few(self, keys: np.ndarray) -> dict[str, int]:
+        """:meth:`match_hashes` of a few keys when every holder bit fits one word: the same
+        walk over Python ints (one lookup, one gather of holder bits, then a list loop)."""
+        slots = self._blocks.find(keys, _spread(keys))
+        holder_bits = self._blocks.owners[slots, 0].tolist()  # slot -1 reads the last row: masked below
+        matched: dict[str, int] = {}
+        running = _ALL_BITS
+        for position, (slot, bits) in enumerate(zip(slots.tolist(), holder_bits)):
+            held = running & bits if slot >= 0 else 0
+            if held != running:
+                self._record_bits(0, running & ~held, position, matched)
+                running = held
+                if not running:
+                    break
+        self._record_bits(0, running, len(keys), matched)
+        self._walked = _Walk(keys.copy(), slots, self._blocks.version)
         return matched
 
     def backends(self) -> list[str]:
@@ -689,16 +793,22 @@ class PrefixIndex:
 
     def _record_lengths(self, lost: np.ndarray, length_blocks: int, matched: dict[str, int]) -> None:
         """Backends whose bits are in ``lost`` (one uint64 per word) matched ``length_blocks``."""
+        for word, bits in enumerate(lost.tolist()):
+            self._record_bits(word, bits, length_blocks, matched)
+
+    def _record_bits(self, word: int, bits: int, length_blocks: int, matched: dict[str, int]) -> None:
+        """Backends whose bits (of holder word ``word``) are set in ``bits`` matched ``length_blocks``."""
         if length_blocks == 0:
             return
         tokens = length_blocks * self.block_size
-        for word, bits in enumerate(lost.tolist()):
-            while bits:
-                low = bits & -bits
-                name = self._by_bit[word * 64 + low.bit_length() - 1]
-                if name is not None:
-                    matched[name] = tokens
-                bits ^= low
+        by_bit = self._by_bit
+        base = word * 64 - 1
+        while bits:
+            low = bits & -bits
+            name = by_bit[base + low.bit_length()]
+            if name is not None:
+                matched[name] = tokens
+            bits ^= low
 
     def _evict(self, holder: _Holder, slots: np.ndarray) -> None:
         hashes = self._release(holder, slots)
