@@ -111,6 +111,7 @@ def build_app(
         app.router.add_post(endpoint.path, _proxy_handler(state, endpoint))
     app.router.add_get("/v1/models", _models_handler(state))
     app.router.add_get("/health", _health_handler(state))
+    app.router.add_get("/livez", _livez)
     app.router.add_get("/metrics", _metrics_handler(state))
     app.router.add_get("/openapi.json", _openapi_handler(settings))
     if settings.admin_token:
@@ -172,6 +173,12 @@ def _health_handler(state: RouterState) -> Handler:
         return json_response({"status": "ok", "healthy_backends": healthy, "backends": len(state.pool)})
 
     return health
+
+
+async def _livez(request: web.Request) -> web.StreamResponse:
+    """Liveness: the process serves requests, whatever its backends' health (a liveness
+    probe on ``/health`` would restart every router during an engine outage)."""
+    return json_response({"status": "alive"})
 
 
 def _metrics_handler(state: RouterState) -> Handler:

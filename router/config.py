@@ -35,11 +35,13 @@ class BackendConfig(BaseModel):
     """One statically configured backend (``backends:`` section, or ``--backend URL``)."""
 
     url: str
-    api_key: str | None = None
-    kv_events_endpoint: str | None = None
-    # Default: the events endpoint's host with --kv-events-replay-port.
-    kv_events_replay_endpoint: str | None = None
-    capacity_tokens: int | None = Field(default=None, gt=0)
+    api_key: str | None = Field(default=None, description="bearer token sent to this engine")
+    kv_events_endpoint: str | None = Field(default=None, description="the KV-event ZMQ endpoint")
+    kv_events_replay_endpoint: str | None = Field(
+        default=None,
+        description="the KV-event replay endpoint (default: the events host with --kv-events-replay-port)",
+    )
+    capacity_tokens: int | None = Field(default=None, gt=0, description="KV cache size in tokens")
 
     @field_validator("url")
     @classmethod

@@ -266,7 +266,7 @@ class RouterMetrics:
         )
         self.kv_events_state = Gauge(
             "kvroute_kv_events_state", "KV event subscription per backend "
-            "(0 off, 1 connected, 2 stale/silent, 3 replaying after a gap).",
+            "(0 approximate, 1 precise, 2 recovering a gap, 3 partial: history before joining lost).",
             ["backend"], registry=self.registry,
         )
         self.registry.register(_RequestCollector(self))

@@ -284,6 +284,13 @@ def openapi_spec(*, admin: bool, api_keys: bool) -> dict[str, Any]:
             },
         }
     }
+    paths["/livez"] = {
+        "get": {
+            "operationId": "livez",
+            "summary": "200 while the router process serves, whatever its backends' health.",
+            "responses": {"200": {"description": "Alive.", "content": {JSON: {"schema": {"type": "object"}}}}},
+        }
+    }
     paths["/metrics"] = {
         "get": {
             "operationId": "metrics",

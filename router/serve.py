@@ -3,8 +3,8 @@
 Every user-tunable field of ``Settings`` has a flag, generated from the model itself so
 the two never drift apart: the field name in kebab case (``--health-interval-s``,
 ``--allow-policy-header`` / ``--no-allow-policy-header``, ...). A few read better by hand:
-``--backend URL`` (repeatable), ``--kv-events-endpoint BACKEND_URL=tcp://host:port``
-(repeatable) and ``--config FILE`` (YAML). Only flags actually given reach
+``--backend URL`` (repeatable), ``--kv-events-endpoint`` and
+``--kv-events-replay-endpoint BACKEND_URL=tcp://host:port`` (repeatable) and ``--config FILE`` (YAML). Only flags actually given reach
 :func:`~router.config.load_settings`, so precedence is flags > ``KVROUTE_*`` env > file >
 defaults. An invalid configuration exits with status 2 and a message naming the field.
 """
@@ -26,21 +26,8 @@ from router.security import SecretRedactor, install_redaction, settings_secrets
 # Fields whose flag is written by hand below, or that only a config file can express.
 _CUSTOM_FLAGS = {"backends", "models"}
 
-_HELP: dict[str, str] = {
-    "policy": "routing policy",
-    "host": "address to listen on",
-    "port": "port to listen on (0: any free port)",
-    "admin_token": "enable the admin API (/admin/backends) with this bearer token",
-    "ab": 'A/B split of policies, e.g. "cache_aware=80,round_robin=20"',
-    "allow_policy_header": "let clients force a policy with the x-kvroute-policy header",
-    "tokenizer": "tokenizer name or local path (default: the shipped offline tokenizer)",
-    "api_keys": "comma-separated API keys clients must present as Bearer tokens",
-    "backend_api_key": "Authorization bearer token sent to the engines instead of the client's",
-    "admin_allowed_networks": "comma-separated CIDRs the admin API may add backends from",
-    "discovery": "where backends come from",
-    "decision_log": "log one JSON line per request with the routing decision",
-}
-
+# Per-backend endpoints given as ``--flag BACKEND_URL=ENDPOINT`` (field -> example endpoint).
+_PER_BACKEND_ENDPOINTS = {"kv_events_endpoint": "tcp://h:5557", "kv_events_replay_endpoint": "tcp://h:5558"}
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvroute serve`` argument parser (one flag per tunable Settings field)."""
@@ -55,10 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend", dest="backends", action="append", metavar="URL",
         help="an engine's base URL, e.g. http://10.0.0.5:8000 (repeatable)",
     )
-    parser.add_argument(
-        "--kv-events-endpoint", dest="kv_events_endpoints", action="append", metavar="BACKEND_URL=ENDPOINT",
-        help="the KV event ZMQ endpoint of one backend, e.g. http://h:8000=tcp://h:5557 (repeatable)",
-    )
+    for field, example in _PER_BACKEND_ENDPOINTS.items():
+        parser.add_argument(
+            "--" + field.replace("_", "-"), dest=field + "s", action="append", metavar="BACKEND_URL=ENDPOINT",
+            help=f"{BackendConfig.model_fields[field].description}, for one backend: "
+            f"e.g. http://h:8000={example} (repeatable)",
+        )
     for name, info in Settings.model_fields.items():
         if name not in _CUSTOM_FLAGS:
             _add_field_flag(parser, name, info)
@@ -68,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_field_flag(parser: argparse.ArgumentParser, name: str, info: FieldInfo) -> None:
     flag = "--" + name.replace("_", "-")
     default = info.get_default(call_default_factory=True)
-    help_text = f"{_HELP.get(name, info.description or name.replace('_', ' '))} (default: {default})"
+    help_text = f"{info.description} (default: {default})"
     annotation = info.annotation
     if annotation is bool:
         parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
@@ -89,25 +78,27 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings from parsed flags, the environment and the config file; raises ConfigError."""
     flags = vars(args).copy()
     config_file = flags.pop("config", None)
-    endpoints = flags.pop("kv_events_endpoints", None)
+    per_backend = {field: flags.pop(field + "s", None) for field in _PER_BACKEND_ENDPOINTS}
     settings = load_settings(flags, config_file)
-    if endpoints:
-        settings = _with_kv_events_endpoints(settings, endpoints)
+    for field, pairs in per_backend.items():
+        if pairs:
+            settings = _with_backend_field(settings, field, pairs)
     return settings
 
 
-def _with_kv_events_endpoints(settings: Settings, pairs: list[str]) -> Settings:
+def _with_backend_field(settings: Settings, field: str, pairs: list[str]) -> Settings:
+    """Set one per-backend field from ``BACKEND_URL=VALUE`` flags."""
     by_url: dict[str, str] = {}
     for pair in pairs:
-        url, sep, endpoint = pair.rpartition("=")
-        if not sep or not url or not endpoint:
-            raise ConfigError(f"kv_events_endpoint: expected BACKEND_URL=ENDPOINT, got {pair!r}")
-        by_url[url.rstrip("/")] = endpoint
+        url, sep, value = pair.rpartition("=")
+        if not sep or not url or not value:
+            raise ConfigError(f"{field}: expected BACKEND_URL=ENDPOINT, got {pair!r}")
+        by_url[url.rstrip("/")] = value
     unknown = sorted(set(by_url) - {backend.url for backend in settings.backends})
     if unknown:
-        raise ConfigError(f"kv_events_endpoint: {unknown} are not configured backends")
+        raise ConfigError(f"{field}: {unknown} are not configured backends")
     backends: list[BackendConfig] = [
-        backend.model_copy(update={"kv_events_endpoint": by_url[backend.url]}) if backend.url in by_url else backend
+        backend.model_copy(update={field: by_url[backend.url]}) if backend.url in by_url else backend
         for backend in settings.backends
     ]
     return settings.model_copy(update={"backends": backends})

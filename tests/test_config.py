@@ -54,10 +54,12 @@ def test_backends_flags_and_per_backend_kv_events_endpoints() -> None:
             "--backend", "http://a:8000/",
             "--backend", "http://b:8000",
             "--kv-events-endpoint", "http://b:8000=tcp://b:5557",
+            "--kv-events-replay-endpoint", "http://b:8000=tcp://b:5558",
         ]
     )
     assert [b.url for b in settings.backends] == ["http://a:8000", "http://b:8000"]
     assert [b.kv_events_endpoint for b in settings.backends] == [None, "tcp://b:5557"]
+    assert [b.kv_events_replay_endpoint for b in settings.backends] == [None, "tcp://b:5558"]
 
 
 def test_kv_events_endpoint_of_an_unknown_backend_is_an_error() -> None:

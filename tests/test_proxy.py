@@ -316,6 +316,8 @@ def test_health_endpoint(sim_engines: Any, router_server: Any, server_loop: Any)
     response = httpx.get(router.url + "/health", timeout=30)
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "no_healthy_backend"
+    # Liveness stays up during the outage, so Kubernetes does not restart the router.
+    assert httpx.get(router.url + "/livez", timeout=30).status_code == 200
 
 
 def test_metrics_endpoint_counts_requests(sim_engines: Any, router_server: Any) -> None:
