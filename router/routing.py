@@ -67,7 +67,7 @@ from router.policies.base import BackendView, Decision, RouteRequest
 from router.policies.cache_aware import Conversation
 from router.precise_index import PreciseIndex, PreparedRequest
 from tokenizer_index import PrefixIndex, RequestTokenizer
-from tokenizer_index.hashing import block_hashes
+from tokenizer_index.hashing import block_hashes, request_salt
 
 log = logging.getLogger("kvroute.routing")
 
@@ -161,12 +161,6 @@ class IndexStats:
 
     blocks: dict[str, int] = field(default_factory=dict)
     bytes: int = 0
-
-
-def request_salt(model: str | None, cache_salt: Any) -> str:
-    """What keeps equal token sequences from sharing blocks: the model (or LoRA) and cache_salt."""
-    name = model or ""
-    return name if not isinstance(cache_salt, str) or not cache_salt else f"{name}\x00{cache_salt}"
 
 
 def _tokenize(tokenizer: RequestTokenizer, endpoint: str, body: Mapping[str, Any]) -> np.ndarray | None:

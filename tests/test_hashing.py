@@ -115,3 +115,11 @@ def test_chain_hash_continues_from_any_parent() -> None:
         assert chain_hash(int(hashes[index - 1]), tokens[index * 16 : index * 16 + 16]) == int(hashes[index])
     # The salt only seeds a first block.
     assert chain_hash(int(hashes[0]), tokens[16:32], "another") == int(hashes[1])
+
+
+def test_request_salt_separates_models_and_cache_salts() -> None:
+    from tokenizer_index.hashing import request_salt
+
+    assert request_salt("m") == request_salt("m", None) == request_salt("m", "") == "m"
+    assert request_salt("m", "s") != request_salt("m") and request_salt("m", "s") != request_salt("n", "s")
+    assert request_salt(None) == ""

@@ -171,3 +171,14 @@ def _unshift(value: int, shift: int) -> int:
     for _ in range(64 // shift):
         result = value ^ (result >> shift)
     return result
+
+
+def request_salt(model: str | None, cache_salt: object = None) -> str:
+    """The salt of a request's blocks: what keeps equal token sequences from sharing cache.
+
+    The model name (a LoRA adapter is served under its own name) and vLLM's ``cache_salt``
+    body field; an empty or non-string ``cache_salt`` is no salt. The router and the
+    simulated engine both call this, so their block hashes agree.
+    """
+    name = model or ""
+    return name if not isinstance(cache_salt, str) or not cache_salt else f"{name}\x00{cache_salt}"

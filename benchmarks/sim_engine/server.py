@@ -46,6 +46,7 @@ from benchmarks.sim_engine.protocol import (
 )
 from benchmarks.sim_engine.scheduler import Scheduler, SimRequest
 from benchmarks.sim_engine.tokens import SimTokenizer, TokenizationError
+from tokenizer_index.hashing import request_salt
 
 __all__ = ["SIM_ENGINE", "SimEngine", "SimEngineConfig", "build_app"]
 
@@ -169,11 +170,6 @@ class SimEngine:
                 if transport is None or transport.is_closing():
                     self._handlers.pop(task, None)
                     task.cancel()
-
-
-def request_salt(model: str, cache_salt: str | None) -> str:
-    """What keeps equal token sequences of different models or salts from sharing blocks."""
-    return model if cache_salt is None else f"{model}\x00{cache_salt}"
 
 
 SIM_ENGINE = web.AppKey("sim_engine", SimEngine)
