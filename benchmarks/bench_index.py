@@ -13,6 +13,9 @@
    and evicts as many), ``cached`` (one backend holds all of it: the walk reads every block,
    the insert re-touches), ``extend`` (a conversation's next turn: its first half cached).
    Target: <= 2 ms at 128K tokens.
+   **small prompts**: the same three kinds at 512 tokens (an ordinary ~2 KB chat) on an
+   index of ``--small-blocks`` backend-blocks (100K), where a numpy call's fixed cost, not
+   the tables, decides the time: median CPU time, the router's per-request cost.
 4. **memory**: ``stats().bytes`` per backend-block (target <= 64), what tracemalloc saw the
    fill allocate and keep, and the process's RSS.
 """
@@ -39,6 +42,8 @@ from tokenizer_index.hashing import block_hashes
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = (2_048, 32_768, 131_072)
+SMALL_PROMPT_TOKENS = 512
+SMALL_INDEX_BLOCKS = 100_000
 KINDS = ("new", "cached", "extend")
 VOCAB = 150_000
 SYSTEM_PROMPTS = 4
@@ -105,11 +110,13 @@ def bench_hashing(rng: np.random.Generator, repeats: int) -> list[HashResult]:
 class Workload:
     """Random prompts behind shared system prompts; the index under test."""
 
-    def __init__(self, rng: np.random.Generator, backends: int, blocks: int) -> None:
+    def __init__(
+        self, rng: np.random.Generator, backends: int, blocks: int, index_class: type[PrefixIndex] = PrefixIndex
+    ) -> None:
         self.rng = rng
         self.names = [f"http://10.0.0.{i + 1}:8000" for i in range(backends)]
         self.capacity = blocks // backends
-        self.index = PrefixIndex(block_size=BLOCK_SIZE, capacity_blocks=self.capacity)
+        self.index = index_class(block_size=BLOCK_SIZE, capacity_blocks=self.capacity)
         self.system_prompts = [self.tokens(SYSTEM_PROMPT_TOKENS) for _ in range(SYSTEM_PROMPTS)]
         self.turn = 0
 
@@ -117,8 +124,8 @@ class Workload:
         return self.rng.integers(0, VOCAB, size=count, dtype=np.int64)
 
     def prompt(self, tokens: int) -> np.ndarray:
-        """A conversation: a system prompt then ``tokens`` in all."""
-        system = self.system_prompts[int(self.rng.integers(SYSTEM_PROMPTS))]
+        """A conversation: a system prompt (at most half of it) then ``tokens`` in all."""
+        system = self.system_prompts[int(self.rng.integers(SYSTEM_PROMPTS))][: tokens // 2]
         return np.concatenate((system, self.tokens(max(0, tokens - len(system)))))
 
     def next_backend(self) -> str:
@@ -136,10 +143,10 @@ class Workload:
                 self.index.insert(name, self.prompt(int(self.rng.integers(1_024, 8_192))))
         return time.perf_counter() - start
 
-    def warm_up(self) -> None:
+    def warm_up(self, tokens: int = PROMPT_TOKENS[-1]) -> None:
         """Two longest prompts per backend: its tables reach their steady-state size."""
         for _ in range(2 * len(self.names)):
-            self.index.insert(self.next_backend(), self.prompt(PROMPT_TOKENS[-1]))
+            self.index.insert(self.next_backend(), self.prompt(tokens))
 
 
 def bench_match_insert(work: Workload, kind: str, tokens: int, repeats: int) -> MatchInsertResult:
@@ -183,7 +190,34 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def format_report(hashing: list[HashResult], memory: MemoryResult, speed: list[MatchInsertResult]) -> str:
+def bench_small_prompts(
+    rng: np.random.Generator, backends: int, blocks: int, repeats: int, index_class: type[PrefixIndex] = PrefixIndex
+) -> list[MatchInsertResult]:
+    """Match + insert of ordinary chat prompts on a filled index of ``blocks`` backend-blocks."""
+    work = Workload(rng, backends, blocks, index_class)
+    work.fill()
+    work.warm_up(8_192)
+    return [bench_match_insert(work, kind, SMALL_PROMPT_TOKENS, repeats) for kind in KINDS]
+
+
+def format_speed(rows: list[MatchInsertResult]) -> list[str]:
+    """Table rows of match + insert results."""
+    lines = [f"{'prompt':>7} {'tokens':>8} {'match':>9} {'insert':>9} {'total':>9} {'cpu':>9} {'cpu best':>9} {'matched':>8}"]
+    for row in rows:
+        lines.append(
+            f"{row.kind:>7} {row.tokens:>8} {row.match_us:>7.0f}us {row.insert_us:>7.0f}us "
+            f"{row.total_us:>7.0f}us {row.total_cpu_us:>7.0f}us {row.best_cpu_us:>7.0f}us {row.matched_tokens:>8}"
+        )
+    return lines
+
+
+def format_report(
+    hashing: list[HashResult],
+    memory: MemoryResult,
+    speed: list[MatchInsertResult],
+    small: list[MatchInsertResult],
+    small_blocks: int = SMALL_INDEX_BLOCKS,
+) -> str:
     lines = ["block_hashes (block size 16)", f"{'tokens':>8} {'int64 array':>12} {'python list':>12}"]
     for row in hashing:
         lines.append(f"{row.tokens:>8} {row.array_us:>10.0f}us {row.list_us:>10.0f}us")
@@ -196,13 +230,8 @@ def format_report(hashing: list[HashResult], memory: MemoryResult, speed: list[M
         f"RSS {memory.rss_mib:.0f} MiB",
         "",
         "match_hashes + insert_hashes: median wall time; cpu = this process's CPU time, median and best",
-        f"{'prompt':>7} {'tokens':>8} {'match':>9} {'insert':>9} {'total':>9} {'cpu':>9} {'cpu best':>9} {'matched':>8}",
+        *format_speed(speed),
     ]
-    for row in speed:
-        lines.append(
-            f"{row.kind:>7} {row.tokens:>8} {row.match_us:>7.0f}us {row.insert_us:>7.0f}us "
-            f"{row.total_us:>7.0f}us {row.total_cpu_us:>7.0f}us {row.best_cpu_us:>7.0f}us {row.matched_tokens:>8}"
-        )
     largest = [row for row in speed if row.tokens == PROMPT_TOKENS[-1]]
     worst_wall = max(row.total_us for row in largest) / 1000
     worst_cpu = max(row.total_cpu_us for row in largest) / 1000
@@ -210,6 +239,8 @@ def format_report(hashing: list[HashResult], memory: MemoryResult, speed: list[M
         f"worst median at {PROMPT_TOKENS[-1]} tokens: {worst_wall:.2f} ms wall, {worst_cpu:.2f} ms cpu "
         f"(target <= {TARGET_MS_AT_128K} ms; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus)"
     )
+    if small:
+        lines += ["", f"small prompts: {small[0].tokens} tokens on a {small_blocks:,}-block index", *format_speed(small)]
     return "\n".join(lines)
 
 
@@ -218,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", type=int, default=16)
     parser.add_argument("--blocks", type=int, default=1_000_000, help="backend-blocks in the filled index")
     parser.add_argument("--repeats", type=int, default=30, help="repetitions at 128K tokens (more when shorter)")
+    parser.add_argument("--small-blocks", type=int, default=SMALL_INDEX_BLOCKS, help="backend-blocks, small-prompt rows")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench-out/index.json"))
     args = parser.parse_args(argv)
@@ -250,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         for kind in KINDS:
             speed.append(bench_match_insert(work, kind, tokens, repeats))
 
-    print(format_report(hashing, memory, speed))
+    small = bench_small_prompts(rng, args.backends, args.small_blocks, repeats=40 * args.repeats)
+
+    print(format_report(hashing, memory, speed, small, args.small_blocks))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "load_average": list(os.getloadavg()),
@@ -261,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "hashing": [asdict(row) for row in hashing],
         "memory": asdict(memory),
         "match_insert": [asdict(row) for row in speed],
+        "small_prompts": {"index_blocks": args.small_blocks, "match_insert": [asdict(row) for row in small]},
     }
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
