@@ -483,9 +483,11 @@ class _Holder:
                 self._rebuild(_buckets_for(self.count + len(missing)), hashes_at)
                 slots = self._find_known(keys, spread, new_blocks)
             slots[missing] = self.table.add(keys[missing], spread[missing])
-        was_missing = np.zeros(len(slots), dtype=bool)
-        was_missing[missing] = True
-        self._stamp_ticks(slots[::-1], was_missing[::-1])
+            was_missing = np.zeros(len(slots), dtype=bool)
+            was_missing[missing] = True
+            self._stamp_ticks(slots[::-1], was_missing[::-1])
+        else:  # every block re-touched (a cached prompt): the count stays
+            self._stamp_ticks(slots[::-1], None)
 
     def _find_known(self, keys: np.ndarray, spread: np.ndarray, new_blocks: np.ndarray) -> np.ndarray:
         if not len(new_blocks):
@@ -524,8 +526,9 @@ class _Holder:
         live = self.table.live()
         self.table.flat[live] = (relocation[self.table.flat[live].astype(np.int64) - 1] + 1).astype(np.uint32)
 
-    def _stamp_ticks(self, touched: np.ndarray, was_missing: np.ndarray) -> None:
-        """Give ``touched`` (tail first) the next ticks and log them."""
+    def _stamp_ticks(self, touched: np.ndarray, was_missing: np.ndarray | None) -> None:
+        """Give ``touched`` (tail first) the next ticks and log them; ``was_missing``: which
+        of them were just added (None: none)."""
         n = len(touched)
         self._reserve_log(n)
         ticks = np.arange(self.tail, self.tail + n, dtype=np.uint32)
@@ -537,7 +540,8 @@ class _Holder:
             kept = self.ticks[touched] == ticks
         self.log[self.tail : self.tail + n] = touched
         self.tail += n
-        self.count += int(np.count_nonzero(kept & was_missing))
+        if was_missing is not None:
+            self.count += int(np.count_nonzero(kept & was_missing))
 
     def _reserve_log(self, n: int) -> None:
         if self.tail + n <= len(self.log):
@@ -657,7 +661,7 @@ class PrefixIndex:
             running = prefix[-1]
             start, chunk = end, chunk * 4
         self._record_lengths(running, len(keys), matched)
-        self._walked = _Walk(keys[:start].copy(), np.concatenate(looked_up), self._blocks.version)
+        self._walked = _Walk(keys[:start].tobytes(), np.concatenate(looked_up), self._blocks.version)
         return matched
 
     def _match_few(self, keys: np.ndarray) -> dict[str, int]:
@@ -675,7 +679,7 @@ class PrefixIndex:
                 if not running:
                     break
         self._record_bits(0, running, len(keys), matched)
-        self._walked = _Walk(keys.copy(), slots, self._blocks.version)
+        self._walked = _Walk(keys.tobytes(), slots, self._blocks.version)
         return matched
 
     def backends(self) -> list[str]:
@@ -787,9 +791,12 @@ class PrefixIndex:
         """Block slots the last match looked up, if ``keys`` starts with its hashes and no
         block got or lost a slot since."""
         walked, self._walked = self._walked, None
-        if walked is None or walked.version != self._blocks.version or len(walked.keys) > len(keys):
+        if walked is None or walked.version != self._blocks.version:
             return None
-        return walked.slots if np.array_equal(walked.keys, keys[: len(walked.keys)]) else None
+        count = len(walked.slots)
+        if count > len(keys):
+            return None
+        return walked.slots if keys[:count].tobytes() == walked.keys else None
 
     def _record_lengths(self, lost: np.ndarray, length_blocks: int, matched: dict[str, int]) -> None:
         """Backends whose bits are in ``lost`` (one uint64 per word) matched ``length_blocks``."""
@@ -870,9 +877,10 @@ def _shrinking_rows(prefix: np.ndarray, before: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class _Walk:
-    """What a match looked up: its leading hashes, their block slots, the table version."""
+    """What a match looked up: its leading hashes (their bytes: one comparison), their block
+    slots, the table version."""
 
-    keys: np.ndarray
+    keys: bytes
     slots: np.ndarray
     version: int
 
