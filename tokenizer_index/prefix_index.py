@@ -83,8 +83,9 @@ _SLOT_CLEAR = ~_SLOT_BIT
 _FIRST_CHUNK = 256  # blocks looked up before the match walk widens its chunks (x4 each)
 # Up to this many keys, lookups and the match walk run as Python loops over lists: a numpy
 # call costs microseconds whatever its length, and the vector forms take about twenty of them
-# where a short prompt (an ordinary chat: 20-40 blocks) needs a few dozen list steps.
-_FEW_KEYS = 48
+# where a short prompt (an ordinary chat: 20-60 blocks) needs a few dozen list steps; the two
+# cost about the same near 128 keys (measured on bench_index's workload at 1K and 2K tokens).
+_FEW_KEYS = 96
 _ALL_BITS = 0xFFFFFFFFFFFFFFFF
 # Starting sizes; tables and logs grow as needed.
 _INITIAL_BLOCK_BUCKETS = 64
