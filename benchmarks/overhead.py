@@ -66,8 +66,10 @@ _COMPLETION = orjson.dumps({
     "id": "chatcmpl-overhead", "object": "chat.completion", "created": 0, "model": MODEL,
     "choices": [{"index": 0, "finish_reason": "stop",
                  "message": {"role": "assistant", "content": "ok"}}],
-    "usage": {"prompt_tokens": 400, "completion_tokens": 1, "total_tokens": 401,
-              "prompt_tokens_details": {"cached_tokens": 0}},
+    # No prompt_tokens_details: this upstream does not tokenize, so any cached_tokens it
+    # made up would contradict the router's (correct) prediction for the repeated body and
+    # put drift trimming, which a real engine rarely triggers, on every request.
+    "usage": {"prompt_tokens": 400, "completion_tokens": 1, "total_tokens": 401},
 })
 _MODELS = orjson.dumps({"object": "list", "data": [
     {"id": MODEL, "object": "model", "owned_by": "kvroute-overhead", "max_model_len": 32768}
