@@ -356,3 +356,25 @@ def test_long_prompt_is_tokenized_off_the_event_loop_with_the_same_key(
     cached = second.parse().usage.prompt_tokens_details.cached_tokens
     assert cached > 0.9 * first.parse().usage.prompt_tokens
     assert int(second.headers["x-kvroute-matched-tokens"]) == cached
+
+
+def test_decision_log_line_explains_each_request(
+    sim_engines: Any, router_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--decision-log: one JSON line per request with backend, policy, reason, prompt tokens,
+    predicted and observed cached tokens, and TTFT."""
+    sims = sim_engines(2)
+    router = router_server(sims, policy="cache_aware", decision_log=True)
+    with caplog.at_level("INFO", logger="kvroute.decisions"):
+        chat(router)
+        raw = chat(router)
+        wait_until(lambda: len([r for r in caplog.records if r.name == "kvroute.decisions"]) >= 2)
+    lines = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "kvroute.decisions"]
+    last = lines[-1]
+    usage = raw.parse().usage
+    assert last["backend"] == raw.headers["x-kvroute-backend"]
+    assert last["policy"] == "cache_aware" and last["reason"] == raw.headers["x-kvroute-reason"]
+    assert last["prompt_tokens"] == usage.prompt_tokens
+    assert last["predicted_cached_tokens"] == int(raw.headers["x-kvroute-matched-tokens"])
+    assert last["observed_cached_tokens"] == usage.prompt_tokens_details.cached_tokens
+    assert last["status"] == "200" and last["duration_s"] > 0
