@@ -131,8 +131,9 @@ def test_dockerignore_keeps_the_build_context_small() -> None:
 
 
 def test_deploying_docs_show_a_docker_run_line() -> None:
-    readme = (ROOT / "deploy" / "README.md").read_text()
-    assert "docker run" in readme and "KVROUTE_BACKENDS=" in readme
+    readme = (ROOT / "README.md").read_text()
+    deploying = readme[readme.index("## Deploying") :]
+    assert "docker run" in deploying and "KVROUTE_BACKENDS=" in deploying
 
 
 # --------------------------------------------------------------------------- Compose
