@@ -2,8 +2,9 @@
 
 ``python -m benchmarks.soak --minutes 10`` starts sim engines and ``kvroute serve``
 (subprocesses, the cache_aware policy), runs :class:`~benchmarks.steady_load.SteadyLoad`
-against it (streaming and non-streaming chats over ever new prompts, a share of clients
-hanging up mid-stream), and every ``--interval-s`` reads from the router's ``/metrics``:
+against it (streaming and non-streaming chats drawn from ``--distinct-prompts`` user turns
+behind shared system prompts, a share of clients hanging up mid-stream), and every
+``--interval-s`` reads from the router's ``/metrics``:
 
 * resident memory (``kvroute_process_resident_memory_bytes``) and open file descriptors
   (``kvroute_process_open_fds``),
@@ -16,6 +17,12 @@ It writes ``soak.json`` (every sample, the request account, the verdict) and
 (the first ``--warmup-fraction`` of the run), memory grows by at most ``--max-rss-growth``,
 file descriptors and tasks stay within the warm-up's range plus the load's concurrency,
 the index stays within its bound, and no request was lost.
+
+Why a bounded set of prompts: the router keeps two caches that are bounded by size and
+age rather than by count -- the tokenizer's piece cache (64 MiB) and the cache-aware
+policy's conversation ledger (idle conversations leave after 10 minutes) -- and with a
+brand-new prompt every request they take longer than 10 minutes to fill, so memory would
+rise for the whole run without any leak. ``--distinct-prompts 0`` runs that worst case.
 """
 
 from __future__ import annotations
@@ -146,7 +153,10 @@ async def soak(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace, router_url: str) -> int:
-    mix = LoadMix(stream_share=0.6, disconnect_share=0.25, min_tokens=8, max_tokens=64, prompt_words=60)
+    mix = LoadMix(
+        stream_share=0.6, disconnect_share=0.25, min_tokens=8, max_tokens=64, prompt_words=60,
+        distinct_prompts=args.distinct_prompts or None,
+    )
     load = SteadyLoad(router_url, concurrency=args.concurrency, mix=mix, seed=args.seed, request_timeout_s=60.0)
     duration_s = args.minutes * 60.0
     samples: list[Sample] = []
@@ -207,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="per engine; small enough that caches (and the router's index) fill and evict")
     parser.add_argument("--warmup-fraction", type=float, default=0.2)
     parser.add_argument("--max-rss-growth", type=float, default=0.10, help="allowed after warm-up (0.10: 10%%)")
+    parser.add_argument(
+        "--distinct-prompts", type=int, default=2000,
+        help="user turns drawn from this many texts; 0: a new one every request (then the tokenizer's piece "
+        "cache and the conversation ledger grow until their bounds, 64 MiB and 10 min, longer than 10 minutes)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=Path("soak"))
     args = parser.parse_args(argv)

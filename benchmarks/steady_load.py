@@ -67,6 +67,9 @@ class LoadMix:
     max_tokens: int = 48
     #: User-turn words per request (on top of one of the shared system prompts).
     prompt_words: int = 40
+    #: Draw user turns from this many distinct texts (None: a new text every request). A
+    #: bounded set lets the router's caches reach their steady state, as real traffic does.
+    distinct_prompts: int | None = None
     model: str = "sim"
 
 
@@ -165,6 +168,7 @@ class SteadyLoad:
         )
         self._stop = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
+        self._texts = [self._words() for _ in range(self.mix.distinct_prompts or 0)]
 
     async def __aenter__(self) -> SteadyLoad:
         self.start()
@@ -205,7 +209,7 @@ class SteadyLoad:
             kind = "disconnect" if rng.random() < mix.disconnect_share else "stream"
         else:
             kind = "non_stream"
-        words = " ".join(rng.choice(WORDS) for _ in range(mix.prompt_words))
+        words = rng.choice(self._texts) if self._texts else self._words()
         body = {
             "model": mix.model,
             "messages": [
@@ -215,6 +219,9 @@ class SteadyLoad:
             "max_tokens": rng.randint(mix.min_tokens, mix.max_tokens),
         }
         return kind, body, rng.randint(1, 3)
+
+    def _words(self) -> str:
+        return " ".join(self._random.choice(WORDS) for _ in range(self.mix.prompt_words))
 
     async def one(self) -> RequestRecord:
         """Send one request of the mix and account for how it ended."""
