@@ -29,15 +29,16 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import openai
 
 WORDS = (
-    "river mountain cache token prefix engine router stream batch memory block queue latency "
-    "graph vector kernel tensor shard replica fleet policy budget answer question story ocean"
-).split()
+    "river", "mountain", "cache", "token", "prefix", "engine", "router", "stream", "batch", "memory", "block",
+    "queue", "latency", "graph", "vector", "kernel", "tensor", "shard", "replica", "fleet", "policy", "budget",
+    "answer", "question", "story", "ocean",
+)
 SYSTEM_PROMPTS = (
     "You are a terse assistant. Answer in one sentence.",
     "You are a helpful travel guide who knows every river and mountain on earth.",
@@ -170,7 +171,7 @@ class SteadyLoad:
         self._workers: list[asyncio.Task[None]] = []
         self._texts = [self._words() for _ in range(self.mix.distinct_prompts or 0)]
 
-    async def __aenter__(self) -> SteadyLoad:
+    async def __aenter__(self) -> Self:
         self.start()
         return self
 

@@ -46,7 +46,7 @@ B = TypeVar("B", bound=Loaded)
 class _Waiter(Generic[B]):
     """One queued request: its wake-up future, what it waits for, and what it holds."""
 
-    __slots__ = ("future", "eligible", "needs_slot", "reserved")
+    __slots__ = ("eligible", "future", "needs_slot", "reserved")
 
     def __init__(self, future: asyncio.Future[None], eligible: Callable[[], Sequence[B]], needs_slot: bool) -> None:
         self.future = future

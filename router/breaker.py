@@ -41,7 +41,7 @@ MAX_COOLDOWN_FACTOR = 16
 class CircuitBreaker:
     """The breaker of one backend. Not thread-safe: used on the event loop only."""
 
-    __slots__ = ("state", "failures", "trips", "probing", "_threshold", "_base_cooldown_s", "_cooldown_s", "_reopens_at")
+    __slots__ = ("_base_cooldown_s", "_cooldown_s", "_reopens_at", "_threshold", "failures", "probing", "state", "trips")
 
     def __init__(self, threshold: int, cooldown_s: float) -> None:
         if threshold < 1 or cooldown_s <= 0:

@@ -14,11 +14,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from conftest import RouterServer, wait_until
 
 from router.admission import AdmissionControl
 from router.errors import RouterError
-
-from conftest import RouterServer, wait_until
 
 
 @dataclass
@@ -120,7 +119,7 @@ async def test_per_backend_limit_routes_among_backends_with_room_and_waits_when_
     admission.wake()
     assert await waiting == [b]
     # No candidate at all is not a reason to queue: the caller answers 503 at once.
-    assert await admission.admit(lambda: [], holds_slot=False) == []
+    assert await admission.admit(list, holds_slot=False) == []
 
 
 async def test_waiters_for_other_models_do_not_block_the_queue() -> None:

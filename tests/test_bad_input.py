@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from conftest import RouterServer
 from test_errors import assert_openai_error, still_serves
 

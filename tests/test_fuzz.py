@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
+from conftest import RouterServer
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import negative_data_rejection, positive_data_acceptance
 
 from benchmarks.fuzz import FuzzCase, FuzzStats, fuzz_cases, judge
-from conftest import RouterServer
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -87,23 +87,29 @@ class Fleet:
         return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
     async def set_fault(self, engine: Engine, mode: str, count: int | None = None) -> None:
-        async with aiohttp.ClientSession() as client:
-            async with client.post(engine.url + "/sim/fault", json={"mode": mode, "count": count}) as response:
-                response.raise_for_status()
+        async with (
+            aiohttp.ClientSession() as client,
+            client.post(engine.url + "/sim/fault", json={"mode": mode, "count": count}) as response,
+        ):
+            response.raise_for_status()
 
     async def backends(self) -> dict[str, dict[str, Any]]:
         """The router's admin view: url -> state."""
-        async with aiohttp.ClientSession() as client:
-            async with client.get(self.url + "/admin/backends", headers=self.admin_headers()) as response:
-                response.raise_for_status()
-                payload = await response.json()
+        async with (
+            aiohttp.ClientSession() as client,
+            client.get(self.url + "/admin/backends", headers=self.admin_headers()) as response,
+        ):
+            response.raise_for_status()
+            payload = await response.json()
         return {state["url"]: state for state in payload["backends"]}
 
     async def admin(self, method: str, path: str, payload: dict[str, Any]) -> int:
-        async with aiohttp.ClientSession() as client:
-            async with client.request(method, self.url + path, json=payload, headers=self.admin_headers()) as response:
-                await response.read()
-                return response.status
+        async with (
+            aiohttp.ClientSession() as client,
+            client.request(method, self.url + path, json=payload, headers=self.admin_headers()) as response,
+        ):
+            await response.read()
+            return response.status
 
     async def router_samples(self) -> dict[str, float]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
@@ -115,9 +121,8 @@ class Fleet:
         return samples.get("vllm:num_requests_running", 0.0) + samples.get("vllm:num_requests_waiting", 0.0)
 
     async def engine_served(self, engine: Engine) -> int:
-        async with aiohttp.ClientSession() as client:
-            async with client.get(engine.url + "/sim/stats") as response:
-                return int((await response.json())["requests_served"])
+        async with aiohttp.ClientSession() as client, client.get(engine.url + "/sim/stats") as response:
+            return int((await response.json())["requests_served"])
 
     async def wait_quiet(self, timeout_s: float = 20.0) -> None:
         """Until nothing is in flight: the router's counters and every running engine's."""
