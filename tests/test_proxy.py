@@ -155,9 +155,13 @@ def test_retry_on_a_503_answer(sim_engines: Any, router_server: Any) -> None:
     first, second = sim_engines(2)
     router = router_server([first, second])
     first.set_fault("error_503", 1)
-    # Round robin: the first request meets the fault and moves on; the next finds it gone.
-    assert backends_of(router, 2) == [second.url, first.url]
+    # Whichever request meets the fault moves on to the other backend: the client never sees
+    # the 503 (the SDK would raise), and the router counted it once. (Which request meets it
+    # depends on health-check timing under load, so the order is not asserted.)
+    served = backends_of(router, 4)
+    assert set(served) <= {first.url, second.url}
     assert router.metrics().value("kvroute_requests_total", backend=first.url, status="503") == 1
+    assert first.url in backends_of(router, 2)  # the fault was one-off: first serves again
 
 
 def test_a_lone_backend_error_answer_is_relayed(sim_engines: Any, router_server: Any) -> None:
