@@ -23,6 +23,12 @@ Handles: ``server.url`` (base URL), ``router.v1`` (``url + "/v1"``), ``router.cl
 (a :class:`Scrape` of its ``/metrics``), ``router.state`` (the live
 :class:`~router.app.RouterState`: read it, do not mutate it from the test thread),
 ``sim.set_fault(mode, count)``, ``sim.stop()`` (its URL then refuses connections).
+
+* ``recording_engine -> (url, received)``: a bare HTTP backend (``/health``, ``/v1/models``,
+  ``/v1/chat/completions``) that answers 200 and appends ``(headers, raw body)`` of every
+  request it gets to ``received``: to see exactly what kvroute forwards.
+
+Shared assertions (plain functions) live in ``helpers.py``.
 """
 
 from __future__ import annotations
@@ -268,3 +274,24 @@ def router_server(server_loop: ServerLoop) -> Iterator[Callable[..., RouterServe
     yield start
     for server in reversed(started):
         server.stop()
+
+
+@pytest.fixture
+def recording_engine(server_loop: ServerLoop) -> Iterator[tuple[str, list[tuple[dict[str, str], bytes]]]]:
+    """An HTTP endpoint that records the raw requests it receives (to see what kvroute forwards)."""
+    received: list[tuple[dict[str, str], bytes]] = []
+
+    async def record(request: web.Request) -> web.Response:
+        received.append((dict(request.headers), await request.read()))
+        return web.json_response({"object": "list", "data": [{"id": "rec"}]}, headers={"Connection": "keep-alive"})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", record)
+    app.router.add_post("/v1/chat/completions", record)
+    runner, url = server_loop.run(_start(app))
+    yield url, received
+    server_loop.run(runner.cleanup())

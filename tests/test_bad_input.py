@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import RouterServer
-from test_errors import assert_openai_error, still_serves
+from helpers import assert_openai_error, still_serves
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -7,28 +7,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-
 from conftest import RouterServer
+from helpers import assert_openai_error, still_serves
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-def assert_openai_error(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    assert "Traceback" not in error["message"]
-    if code is not None:
-        assert error["code"] == code
-    return error
-
-
-def still_serves(router: RouterServer) -> None:
-    answer = router.client().chat.completions.create(model="sim", messages=MESSAGES, max_tokens=2)
-    assert answer.choices
 
 
 @pytest.fixture

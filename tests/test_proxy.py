@@ -10,7 +10,6 @@ import httpx
 import openai
 import orjson
 import pytest
-from aiohttp import web
 
 from conftest import RouterServer, SimServer, wait_until
 
@@ -236,34 +235,6 @@ def test_client_disconnect_mid_stream_releases_everything(sim_engines: Any, rout
 
 
 # --- what reaches the engine ---------------------------------------------------------------
-@pytest.fixture
-def recording_engine(server_loop: Any) -> Any:
-    """An HTTP endpoint that records the raw requests it receives (to see what kvroute forwards)."""
-    received: list[tuple[dict[str, str], bytes]] = []
-
-    async def record(request: web.Request) -> web.Response:
-        received.append((dict(request.headers), await request.read()))
-        return web.json_response({"object": "list", "data": [{"id": "rec"}]}, headers={"Connection": "keep-alive"})
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response()
-
-    async def start() -> web.AppRunner:
-        app = web.Application()
-        app.router.add_get("/health", health)
-        app.router.add_get("/v1/models", record)
-        app.router.add_post("/v1/chat/completions", record)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner
-
-    runner = server_loop.run(start())
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    yield url, received
-    server_loop.run(runner.cleanup())
-
-
 def test_body_bytes_and_headers_forwarded(recording_engine: Any, router_server: Any) -> None:
     url, received = recording_engine
     router = router_server([url])

@@ -12,14 +12,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import test_proxy
 from conftest import wait_until
-from test_errors import assert_openai_error
+from helpers import assert_openai_error
 
 from router.security import SecretRedactor, TokenBucketLimiter
-
-# The recording engine of the proxy tests: a backend that keeps the raw requests it gets.
-recording_engine = test_proxy.recording_engine
 
 
 class Clock:
