@@ -84,19 +84,20 @@ def test_unusable_bodies_are_400_from_the_router(router: RouterServer, body: byt
 
 
 def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    # As vLLM reads integers (pydantic's lax mode): JSON true is 1.
+    return value is True or (isinstance(value, int) and value >= 1)
 
 
-# What each field of a chat request may hold (null means "not given" for the optional ones).
+# What each field of a chat request may hold, as the sim engine judges it like vLLM (null
+# means "not given" for the optional ones; stream_options without stream must be empty).
 VALID: dict[str, Any] = {
     "model": lambda value: value == "sim",
     "messages": lambda value: False,  # none of WRONG_VALUES is a list of messages
-    "stream": lambda value: value is None or isinstance(value, bool),
-    "stream_options": lambda value: value is None or isinstance(value, dict),
+    "stream": lambda value: value is None or isinstance(value, bool),  # the router itself wants a boolean
+    "stream_options": lambda value: value is None or value == {},
     "max_tokens": lambda value: value is None or _positive_int(value),
-    # The sim engine reads max_completion_tokens=0 as "not given" (vLLM answers 400).
-    "max_completion_tokens": lambda value: value is None or value == 0 or _positive_int(value),
-    "n": lambda value: value is None or value == 1,
+    "max_completion_tokens": lambda value: value is None or _positive_int(value),
+    "n": lambda value: value is None or _positive_int(value),
     "cache_salt": lambda value: value is None or (isinstance(value, str) and value != ""),
 }
 

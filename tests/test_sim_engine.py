@@ -17,9 +17,11 @@ from typing import Any
 import aiohttp
 import numpy as np
 import openai
+import orjson
 import pytest
 from aiohttp import web
 
+from benchmarks.sim_engine import parity
 from benchmarks.sim_engine.config import SimEngineConfig
 from benchmarks.sim_engine.server import SIM_ENGINE, SimEngine, build_app
 
@@ -409,14 +411,14 @@ async def test_errors_in_openai_shape() -> None:
         with pytest.raises(openai.BadRequestError):
             await sdk.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=0)
         with pytest.raises(openai.BadRequestError):
-            await sdk.completions.create(model="sim", prompt="x", max_tokens=FAST.kv_capacity_tokens)
+            await sdk.completions.create(model="sim", prompt="x", max_tokens=FAST.kv_capacity_tokens + 1)
         cases: list[tuple[str, Any, int]] = [
             ("/v1/chat/completions", {"model": "sim"}, 400),
             ("/v1/chat/completions", {"model": "sim", "messages": "hi"}, 400),
             ("/v1/chat/completions", [1, 2], 400),
             ("/v1/completions", {"model": "sim", "prompt": {"a": 1}}, 400),
-            ("/v1/completions", {"model": "sim", "prompt": "x", "stream": "yes"}, 400),
-            ("/v1/completions", {"prompt": "x"}, 400),
+            ("/v1/completions", {"model": "sim", "prompt": "x", "stream": "maybe"}, 400),
+            ("/v1/completions", {"model": "sim"}, 400),
             ("/v1/completions", {"model": "sim", "prompt": [1, -5]}, 400),
             ("/v1/embeddings", {"model": "sim", "input": 5}, 400),
             ("/sim/fault", {"mode": "explode"}, 400),
@@ -433,6 +435,132 @@ async def test_errors_in_openai_shape() -> None:
                 assert response.status == 404 and (await response.json())["error"]["code"] == 404
             async with session.get(url + "/v1/completions") as response:
                 assert response.status == 405 and "error" in await response.json()
+
+
+# --- vLLM's request validation ---------------------------------------------------------------
+
+
+def test_requests_are_judged_as_vllm_judges_them(sim_engines: Any) -> None:
+    """Every case of the parity table (recorded against a real vLLM) gets vLLM's answer."""
+    (sim,) = sim_engines(1, models=("tiny",), max_model_len=2048)
+    report = parity.run(sim.url, "tiny")
+    assert not report.differences, "\n".join(
+        f"{name}: {'; '.join(differences)}" for name, differences in report.differences.items()
+    )
+    assert report.agree == len(parity.CASES) >= 200
+
+
+async def test_max_completion_tokens_zero_is_refused_not_ignored() -> None:
+    async with sim_server() as (url, _):
+        sdk = client(url)
+        for fields in ({"max_completion_tokens": 0}, {"max_completion_tokens": 0, "max_tokens": 5}):
+            with pytest.raises(openai.BadRequestError) as raised:
+                await sdk.chat.completions.create(model="sim", messages=MESSAGES, **fields)
+            error = raised.value.body
+            assert isinstance(error, dict)
+            assert error["param"] == "max_tokens" and error["type"] == "BadRequestError"
+            assert error["message"].startswith("max_tokens must be at least 1, got 0.")
+        # A positive max_completion_tokens wins over max_tokens, even over a max_tokens of 0.
+        answer = await sdk.chat.completions.create(
+            model="sim", messages=MESSAGES, max_completion_tokens=2, max_tokens=0
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens == 2
+
+
+async def test_type_errors_and_rule_errors_have_vllms_two_shapes() -> None:
+    async with sim_server() as (url, _):
+        status, typed = await post(url, "/v1/chat/completions", {"model": "sim", "messages": MESSAGES, "n": 1.5})
+        assert status == 400 and typed["error"]["type"] == "Bad Request" and typed["error"]["param"] == "body.n"
+        assert typed["error"]["message"].startswith("1 validation error:")
+        status, ruled = await post(url, "/v1/chat/completions", {"model": "sim", "messages": MESSAGES, "top_p": 0})
+        assert status == 400 and ruled["error"] == {
+            "message": "top_p must be in (0, 1], got 0.0. (parameter=top_p, value=0.0)",
+            "type": "BadRequestError",
+            "param": "top_p",
+            "code": 400,
+        }
+        # A huge wrong value is summarised, not echoed back.
+        body = {"model": "sim", "messages": MESSAGES, "max_tokens": ["x"] * 100_000}
+        status, bounded = await post(url, "/v1/chat/completions", body)
+        assert status == 400 and len(bounded["error"]["message"]) < 1000
+
+
+async def test_lax_values_are_read_as_vllm_reads_them() -> None:
+    async with sim_server() as (url, _):
+        body = {"model": "sim", "messages": MESSAGES, "max_tokens": "4", "n": "2", "stream": "yes",
+                "stream_options": {"include_usage": 1}}  # fmt: skip
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url + "/v1/chat/completions", json=body) as response,
+        ):
+            assert response.status == 200
+            raw = await response.text()
+        events = [orjson.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+        assert {choice["index"] for event in events for choice in event["choices"]} == {0, 1}
+        assert events[-1]["usage"]["completion_tokens"] == 2 * 4
+
+
+async def test_n_choices_differ_and_the_prompt_is_counted_once() -> None:
+    async with sim_server() as (url, engine):
+        sdk = client(url)
+        single = await sdk.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=6)
+        several = await sdk.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=6, n=3)
+        assert [choice.index for choice in several.choices] == [0, 1, 2]
+        texts = [choice.message.content for choice in several.choices]
+        assert texts[0] == single.choices[0].message.content, "sample 0 is the n=1 answer"
+        assert len(set(texts)) == 3, "the samples differ"
+        assert several.usage is not None and single.usage is not None
+        assert several.usage.prompt_tokens == single.usage.prompt_tokens
+        assert several.usage.completion_tokens == 3 * 6
+        stream = await sdk.chat.completions.create(
+            model="sim", messages=MESSAGES, max_tokens=6, n=3, stream=True, stream_options={"include_usage": True}
+        )
+        streamed = {0: "", 1: "", 2: ""}
+        roles = set()
+        usage = None
+        async for chunk in stream:
+            for choice in chunk.choices:
+                streamed[choice.index] += choice.delta.content or ""
+                if choice.delta.role:
+                    roles.add(choice.index)
+            usage = chunk.usage or usage
+        assert [streamed[index] for index in range(3)] == texts
+        assert roles == {0, 1, 2}
+        assert usage is not None and usage.completion_tokens == 18
+        assert engine.scheduler is not None and engine.scheduler.stats.requests_served == 1 + 3 + 3
+
+
+async def test_completion_batches_answer_every_prompt_n_times() -> None:
+    async with sim_server() as (url, _):
+        sdk = client(url)
+        prompts = [token_prompt(1, 20), token_prompt(2, 30)]
+        answer = await sdk.completions.create(model="sim", prompt=prompts, max_tokens=4, n=2)
+        assert [choice.index for choice in answer.choices] == [0, 1, 2, 3]
+        alone = await sdk.completions.create(model="sim", prompt=prompts[1], max_tokens=4)
+        assert answer.choices[2].text == alone.choices[0].text, "choice 2 is the second prompt's first sample"
+        assert answer.usage is not None and answer.usage.prompt_tokens == 50
+        assert answer.usage.completion_tokens == 4 * 4
+
+
+async def test_output_is_clamped_to_the_context_and_longer_prompts_are_refused() -> None:
+    async with sim_server(replace(FAST, max_model_len=64)) as (url, _):
+        sdk = client(url)
+        clamped = await sdk.completions.create(model="sim", prompt=token_prompt(3, 60), max_tokens=30)
+        assert clamped.usage is not None and clamped.usage.completion_tokens == 4
+        with pytest.raises(openai.BadRequestError, match="cannot be greater than max_model_len=64"):
+            await sdk.completions.create(model="sim", prompt=token_prompt(3, 10), max_tokens=65)
+        with pytest.raises(openai.BadRequestError, match="your prompt contains 65 input tokens"):
+            await sdk.completions.create(model="sim", prompt=token_prompt(3, 65), max_tokens=1)
+        with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1, got 0"):
+            await sdk.completions.create(model="sim", prompt=token_prompt(3, 64), max_tokens=1)
+
+
+async def test_a_request_without_model_is_served_by_the_first_model() -> None:
+    async with sim_server(replace(FAST, models=("base", "adapter"))) as (url, _):
+        status, answer = await post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 2})
+        assert status == 200 and answer["model"] == "base"
+        status, refused = await post(url, "/v1/completions", {"model": "nope", "prompt": "hello"})
+        assert status == 404 and refused["error"]["message"] == "The model `nope` does not exist. Valid aliases: base."
 
 
 # --- other endpoints ------------------------------------------------------------------
@@ -506,9 +634,7 @@ async def test_fault_hang_before_first_byte() -> None:
 async def test_fault_stall_mid_stream_holds_the_slot_until_the_client_leaves() -> None:
     async with sim_server() as (url, _):
         await set_fault(url, "stall_mid_stream", 1)
-        stream = await client(url, timeout=1.0).completions.create(
-            model="sim", prompt="x", max_tokens=50, stream=True
-        )
+        stream = await client(url, timeout=1.0).completions.create(model="sim", prompt="x", max_tokens=50, stream=True)
         texts: list[str] = []
         with pytest.raises(openai.APITimeoutError):
             async for chunk in stream:

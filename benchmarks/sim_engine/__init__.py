@@ -10,11 +10,16 @@ scheduler per replica shares a prefill/decode budget among requests, so load rai
 time to first token and cache hits lower it, as on a GPU. ``/sim/fault`` and ``/sim/stats``
 serve the reliability suite.
 
+Requests are judged as vLLM judges them (:mod:`.validation`; :mod:`.parity` holds the cases
+and a real vLLM's answers, and checks any server against them), ``n`` samples and prompt
+batches answer with several choices.
+
 Modules, in the order a request meets them: :mod:`.config` (settings), :mod:`.server`
-(HTTP), :mod:`.protocol` (request fields, response shapes), :mod:`.tokens` (prompt ids),
-:mod:`.scheduler` (batching and timing), :mod:`.cache` (prefix cache), :mod:`.kv_events`
-(ZeroMQ publisher), :mod:`.generation` (output tokens, embeddings), :mod:`.metrics`,
-:mod:`.faults`; :mod:`.cli` runs it; :mod:`.bench` measures its own CPU per request.
+(HTTP), :mod:`.validation` (request rules), :mod:`.protocol` (errors, response shapes),
+:mod:`.tokens` (prompt ids), :mod:`.scheduler` (batching and timing), :mod:`.cache`
+(prefix cache), :mod:`.kv_events` (ZeroMQ publisher), :mod:`.generation` (output tokens,
+embeddings), :mod:`.metrics`, :mod:`.faults`; :mod:`.cli` runs it; :mod:`.bench` measures its own CPU per request;
+:mod:`.parity` compares a server's answers with vLLM's.
 
 Programmatic use::
 

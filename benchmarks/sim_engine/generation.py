@@ -1,7 +1,7 @@
 """What the simulated model "says": deterministic tokens, their text, and embeddings.
 
-Outputs are pseudo-random but reproducible: the same prompt, seed and ``max_tokens`` give
-the same completion on every replica. Tokens are drawn only from vocabulary entries that
+Outputs are pseudo-random but reproducible: the same prompt, seed, sample index and
+``max_tokens`` give the same completion on every replica. Tokens are drawn only from vocabulary entries that
 decode on their own to printable text, so a stream's pieces concatenate to exactly the
 detokenized completion and every SSE chunk is valid UTF-8.
 """
@@ -62,14 +62,15 @@ class OutputVocabulary:
                 pieces.append(text)
         return cls(np.asarray(ids, dtype=np.int64), pieces, seed)
 
-    def completion(self, prompt: np.ndarray, count: int) -> np.ndarray:
-        """``count`` token ids determined by the prompt and the seed.
+    def completion(self, prompt: np.ndarray, count: int, sample: int = 0) -> np.ndarray:
+        """``count`` token ids determined by the prompt, the seed and the sample's index.
 
-        A counter-mode splitmix64 stream (a few vector operations) rather than a numpy
-        ``Generator``, whose seeding alone costs more than the rest of a request.
+        ``sample`` tells apart the choices of one request (``n > 1``). A counter-mode
+        splitmix64 stream (a few vector operations) rather than a numpy ``Generator``,
+        whose seeding alone costs more than the rest of a request.
         """
         digest = zlib.crc32(prompt.astype(np.int64, copy=False).tobytes())
-        start = np.uint64(((self._seed & 0xFFFFFFFF) << 32) | digest)
+        start = np.uint64((((self._seed + sample * 0x9E3779B9) & 0xFFFFFFFF) << 32) | digest)
         counter = np.arange(1, count + 1, dtype=np.uint64)
         return self._ids[_splitmix64(counter * _GOLDEN + start) % np.uint64(len(self._ids))]
 

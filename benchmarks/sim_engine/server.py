@@ -19,6 +19,7 @@ import functools
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,17 +36,23 @@ from benchmarks.sim_engine.protocol import (
     DONE,
     APIError,
     Endpoint,
-    GenerationParams,
     StreamFormatter,
     full_response,
     new_id,
-    parse_generation,
     parse_json_object,
     require_model,
     usage,
 )
 from benchmarks.sim_engine.scheduler import Scheduler, SimRequest
 from benchmarks.sim_engine.tokens import SimTokenizer, TokenizationError
+from benchmarks.sim_engine.validation import (
+    GenerationParams,
+    check_requested_budget,
+    check_suffix,
+    empty_prompt_error,
+    output_budget,
+    parse_generation,
+)
 from tokenizer_index.hashing import request_salt
 
 __all__ = ["SIM_ENGINE", "SimEngine", "SimEngineConfig", "build_app"]
@@ -125,29 +132,48 @@ class SimEngine:
 
     def check_model(self, model: str) -> None:
         if model not in self.config.models:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model")
-
-    def new_request(self, params: GenerationParams, prompt: np.ndarray, streaming: bool) -> SimRequest:
-        max_tokens = params.max_tokens or self.config.default_max_tokens
-        limit = self.config.context_len
-        if len(prompt) + max_tokens > limit:
             raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in "
-                "the completion). Please reduce the length of the messages or completion.",
+                404, f"The model `{model}` does not exist. Valid aliases: {self.config.models[0]}.", param="model"
             )
-        key = self.cache_key(params.model, params.cache_salt)
+
+    def served_model(self, model: str | None) -> str:
+        """The model a generation request names; vLLM serves one that names none with its first."""
+        if model is None:
+            return self.config.models[0]
+        self.check_model(model)
+        return model
+
+    def new_generation(self, params: GenerationParams, model: str, prompts: list[np.ndarray]) -> Generation:
+        """The sequences of one request, as vLLM fans it out: per prompt, ``n`` samples.
+
+        Each prompt gets its output budget and its sampling checks in turn (the first that
+        fails answers the request); a sample's tokens depend on its index, so the choices
+        of ``n > 1`` differ.
+        """
         assert self.cache is not None
-        return SimRequest(
-            request_id=new_id(params.endpoint),
-            prompt=prompt,
-            hashes=self.cache.hashes(prompt, key),
-            key=key,
-            output=self.vocabulary.completion(prompt, max_tokens),
-            arrival=asyncio.get_running_loop().time(),
-            streaming=streaming,
-        )
+        config = self.config
+        sampling = params.sampling
+        key = self.cache_key(model, params.cache_salt)
+        arrival = asyncio.get_running_loop().time()
+        response_id = new_id(params.endpoint)
+        sequences: list[SimRequest] = []
+        for prompt in prompts:
+            budget = output_budget(params, len(prompt), config.context_len, config.default_max_tokens)
+            sampling.verify(budget, self.tokenizer.vocab_size)
+            hashes = self.cache.hashes(prompt, key)
+            for sample in range(sampling.n):
+                sequences.append(
+                    SimRequest(
+                        request_id=response_id if not sequences else f"{response_id}-{len(sequences)}",
+                        prompt=prompt,
+                        hashes=hashes,
+                        key=key,
+                        output=self.vocabulary.completion(prompt, budget, sample),
+                        arrival=arrival,
+                        streaming=params.stream,
+                    )
+                )
+        return Generation(params, model, response_id, sequences, sum(len(prompt) for prompt in prompts))
 
     # --- disconnects ------------------------------------------------------------------
 
@@ -173,6 +199,22 @@ class SimEngine:
 
 
 SIM_ENGINE = web.AppKey("sim_engine", SimEngine)
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One chat or completion request: its sequences in choice order (prompt-major, then sample)."""
+
+    params: GenerationParams
+    model: str
+    response_id: str
+    sequences: list[SimRequest]
+    prompt_tokens: int  # each prompt counted once, however many samples it has
+
+    def usage(self, completion_tokens: int, cached_from: SimRequest) -> dict[str, Any]:
+        # vLLM reports the cached tokens of one prompt: the last one's in a full answer,
+        # the first one's in a stream.
+        return usage(self.prompt_tokens, completion_tokens, cached_from.cached_tokens)
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -206,9 +248,9 @@ class Handlers:
         try:
             body = await _read_object(request)
             params = parse_generation(body, endpoint)
-            engine.check_model(params.model)
-            prompt = self._prompt_tokens(body, endpoint)
-            sim = engine.new_request(params, prompt, streaming=params.stream)
+            model = engine.served_model(params.model)
+            check_requested_budget(params, engine.config.context_len)
+            generation = engine.new_generation(params, model, self._prompt_tokens(body, params))
         except APIError as error:
             return _error(error)
         fault = engine.faults.take()
@@ -216,100 +258,117 @@ class Handlers:
             return _error(APIError(500, "simulated internal error (fault injection)"))
         if fault == "error_503":
             return _error(APIError(503, "simulated overload (fault injection)"))
+        sequences = generation.sequences
         with engine.watched(request):
             if fault == "hang_before_first_byte":
                 await self._hang()
             scheduler = engine.scheduler
             assert scheduler is not None
-            scheduler.submit(sim)
+            for sequence in sequences:
+                scheduler.submit(sequence)
             try:
                 if params.stream:
-                    return await self._stream(request, params, sim, fault)
-                return await self._respond(request, params, sim, fault)
+                    return await self._stream(request, generation, fault)
+                return await self._respond(request, generation, fault)
             finally:
-                scheduler.abort(sim)
+                for sequence in sequences:
+                    scheduler.abort(sequence)
 
-    def _prompt_tokens(self, body: dict[str, Any], endpoint: Endpoint) -> np.ndarray:
+    def _prompt_tokens(self, body: dict[str, Any], params: GenerationParams) -> list[np.ndarray]:
+        """The token ids of each prompt: the rendered chat, or every prompt of a completion batch."""
         tokenizer = self.engine.tokenizer
         try:
-            if endpoint == "chat":
-                ids = tokenizer.encode_chat_body(body)
+            if params.endpoint == "chat":
+                prompts = [tokenizer.encode_chat_body(body, add_generation_prompt=params.add_generation_prompt)]
             else:
-                if "prompt" not in body:
-                    raise APIError(400, "'prompt' is required", param="prompt")
-                ids = tokenizer.encode_prompt(body["prompt"])
+                check_suffix(params)
+                if not all(params.prompts):
+                    raise empty_prompt_error()
+                prompts = [tokenizer.encode_prompt(prompt) for prompt in params.prompts]
         except TokenizationError as exc:
             raise APIError(400, str(exc)) from None
-        if len(ids) == 0:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        return ids
+        if any(len(ids) == 0 for ids in prompts):
+            raise empty_prompt_error()
+        return prompts
 
-    async def _respond(
-        self, request: web.Request, params: GenerationParams, sim: SimRequest, fault: FaultMode
-    ) -> web.StreamResponse:
+    async def _respond(self, request: web.Request, generation: Generation, fault: FaultMode) -> web.StreamResponse:
+        sequences = generation.sequences
         if fault in ("stall_mid_stream", "close_mid_stream"):
-            await sim.wait_for_tokens(0)
+            await sequences[0].wait_for_tokens(0)
             response = web.StreamResponse(headers={"Content-Type": JSON})
-            body = self._final_body(params, sim, sim.max_tokens)
+            body = self._final_body(generation, complete=True)
             response.content_length = len(body)
             await response.prepare(request)
             await response.write(body[: len(body) // 2])
-            return await self._break_off(request, response, sim, fault)
-        await sim.wait_until_finished()
-        if sim.aborted:
-            return _error(SHUTTING_DOWN)
-        return web.Response(body=self._final_body(params, sim, sim.generated), content_type=JSON)
+            return await self._break_off(request, response, generation, fault)
+        for sequence in sequences:
+            await sequence.wait_until_finished()
+            if sequence.aborted:
+                return _error(SHUTTING_DOWN)
+        return web.Response(body=self._final_body(generation, complete=False), content_type=JSON)
 
-    def _final_body(self, params: GenerationParams, sim: SimRequest, completion_tokens: int) -> bytes:
-        text = self.engine.vocabulary.text(sim.output[:completion_tokens].tolist())
-        usage_body = usage(sim.prompt_len, completion_tokens, sim.cached_tokens)
-        return full_response(params.endpoint, sim.request_id, params.model, text, usage_body)
-
-    async def _stream(
-        self, request: web.Request, params: GenerationParams, sim: SimRequest, fault: FaultMode
-    ) -> web.StreamResponse:
+    def _final_body(self, generation: Generation, complete: bool) -> bytes:
+        """The whole answer: every choice's text so far (``complete``: as it will be in the end)."""
         vocabulary = self.engine.vocabulary
-        formatter = StreamFormatter(params.endpoint, sim.request_id, params.model)
+        sequences = generation.sequences
+        counts = [sequence.max_tokens if complete else sequence.generated for sequence in sequences]
+        texts = [vocabulary.text(sequence.output[:count].tolist()) for sequence, count in zip(sequences, counts)]
+        last_prompt = sequences[len(sequences) - generation.params.sampling.n]
+        usage_body = generation.usage(sum(counts), cached_from=last_prompt)
+        return full_response(generation.params.endpoint, generation.response_id, generation.model, texts, usage_body)
+
+    async def _stream(self, request: web.Request, generation: Generation, fault: FaultMode) -> web.StreamResponse:
+        vocabulary = self.engine.vocabulary
+        sequences = generation.sequences
+        first = sequences[0]
+        formatter = StreamFormatter(generation.params.endpoint, generation.response_id, generation.model)
         # Headers go out with the first token, as from vLLM: until then a router may
         # still retry elsewhere, and the first byte is the first token.
-        await sim.wait_for_tokens(0)
-        if sim.aborted:
+        await first.wait_for_tokens(0)
+        if first.aborted:
             return _error(SHUTTING_DOWN)
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
-        sent = 0
-        opening = formatter.opening()
+        sent = [0] * len(sequences)
+        # Every choice's opening (chat: the assistant role) precedes the first tokens.
+        chunks = [formatter.opening(index) for index in range(len(sequences))]
         while True:
-            count = sim.delivered
-            pieces = [vocabulary.piece_json(token) for token in sim.output[sent:count].tolist()]
-            chunk = formatter.tokens(pieces, last_is_final=count == sim.max_tokens)
-            if opening:
-                chunk, opening = opening + chunk, b""
-            sent = count
-            await response.write(chunk)
+            for index, sequence in enumerate(sequences):
+                count = sequence.delivered
+                if count > sent[index]:
+                    pieces = [vocabulary.piece_json(token) for token in sequence.output[sent[index] : count].tolist()]
+                    chunks.append(formatter.tokens(pieces, count == sequence.max_tokens, index))
+                    sent[index] = count
+            await response.write(b"".join(chunks))
+            chunks.clear()
             if fault in ("stall_mid_stream", "close_mid_stream"):
-                return await self._break_off(request, response, sim, fault)
-            if sim.aborted or (sim.finished and sent == sim.delivered):
+                return await self._break_off(request, response, generation, fault)
+            waiting = next(
+                (index for index, sequence in enumerate(sequences) if not sequence.finished or sent[index] < sequence.delivered),
+                None,
+            )
+            if waiting is None or any(sequence.aborted for sequence in sequences):
                 break
-            await sim.wait_for_tokens(sent)
-        if sim.aborted:
+            await sequences[waiting].wait_for_tokens(sent[waiting])
+        if any(sequence.aborted for sequence in sequences):
             # Only a shutdown aborts a request whose handler is still running: cut the
             # stream without [DONE], as a dying engine would.
             raise asyncio.CancelledError
-        if params.include_usage:
-            await response.write(formatter.usage(usage(sim.prompt_len, sent, sim.cached_tokens)))
+        if generation.params.include_usage:
+            await response.write(formatter.usage(generation.usage(sum(sent), cached_from=first)))
         await response.write(DONE)
         await response.write_eof()
         return response
 
     async def _break_off(
-        self, request: web.Request, response: web.StreamResponse, sim: SimRequest, fault: FaultMode
+        self, request: web.Request, response: web.StreamResponse, generation: Generation, fault: FaultMode
     ) -> web.StreamResponse:
-        """Mid-response faults: wedge holding the slot, or drop the connection."""
+        """Mid-response faults: wedge holding the slots, or drop the connection."""
         if fault == "stall_mid_stream":
             scheduler = self.engine.scheduler
             assert scheduler is not None
-            scheduler.pause(sim)
+            for sequence in generation.sequences:
+                scheduler.pause(sequence)
             await self._hang()
         transport = request.transport
         if transport is not None:

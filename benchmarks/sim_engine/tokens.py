@@ -41,8 +41,12 @@ class SimTokenizer:
         """A local Hugging Face tokenizer directory, or the router's offline default."""
         return cls(RequestTokenizer.default() if path is None else RequestTokenizer.from_pretrained(path))
 
-    def encode_chat_body(self, body: dict[str, Any]) -> np.ndarray:
-        """The prompt of a chat request: its messages through the model's chat template."""
+    def encode_chat_body(self, body: dict[str, Any], *, add_generation_prompt: bool | None = None) -> np.ndarray:
+        """The prompt of a chat request: its messages through the model's chat template.
+
+        ``add_generation_prompt`` overrides the body's (a generation request passes the value
+        validation already read, ``"yes"`` included).
+        """
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise TokenizationError("'messages' must be a non-empty list")
@@ -54,7 +58,8 @@ class SimTokenizer:
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TokenizationError("'chat_template_kwargs' must be an object")
-        add_generation_prompt = body.get("add_generation_prompt", True)
+        if add_generation_prompt is None:
+            add_generation_prompt = body.get("add_generation_prompt", True)
         if not isinstance(add_generation_prompt, bool):
             raise TokenizationError("'add_generation_prompt' must be a boolean")
         try:
@@ -68,15 +73,18 @@ class SimTokenizer:
             raise TokenizationError(f"cannot apply the chat template: {exc}") from None
 
     def encode_prompt(self, prompt: Any) -> np.ndarray:
-        """A completion prompt: text, token ids, or a batch (the simulator answers its first)."""
+        """One completion prompt: text or token ids (of a batch, the first; generation encodes each)."""
         if not isinstance(prompt, str | list):
             raise TokenizationError("'prompt' must be a string or a list of token ids")
         try:
             ids = self._encoder.encode_prompt_array(prompt)
         except (*_CLIENT_ERRORS, OverflowError) as exc:
             raise TokenizationError(f"invalid prompt: {exc}") from None
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.vocab_size):
-            raise TokenizationError(f"token ids must be in [0, {self.vocab_size})")
+        if len(ids):
+            # vLLM's wording, the lowest offending id first.
+            lowest, highest = int(ids.min()), int(ids.max())
+            if lowest < 0 or highest >= self.vocab_size:
+                raise TokenizationError(f"Token id {lowest if lowest < 0 else highest} is out of vocabulary")
         return ids
 
     def decode(self, token_ids: list[int]) -> str:
