@@ -9,9 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tests.reference_index import ReferenceIndex
-from tokenizer_index import PrefixIndex
+from tokenizer_index import PrefixIndex, bucket_table, prefix_index
 from tokenizer_index.hashing import block_hashes
-from tokenizer_index import prefix_index
 from tokenizer_index.prefix_index import IndexStats
 
 BLOCK = 2
@@ -166,17 +165,6 @@ class TinyTablesMachine(BoundedIndexMachine):
             setattr(prefix_index, name, value)
 
 
-class VectorPathsMachine(TinyTablesMachine):
-    """The same with the loops over a few keys turned off: every lookup, addition, removal
-    and match walk takes the vector path, which otherwise only longer prompts reach."""
-
-    @initialize()
-    def start(self) -> None:
-        super().start()
-        self._saved["_FEW_KEYS"] = prefix_index._FEW_KEYS
-        prefix_index._FEW_KEYS = 0
-
-
 _MACHINE_SETTINGS = settings(
     max_examples=35, stateful_step_count=35, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -188,8 +176,6 @@ TestExpiring = ExpiringIndexMachine.TestCase
 TestExpiring.settings = _MACHINE_SETTINGS
 TestTinyTables = TinyTablesMachine.TestCase
 TestTinyTables.settings = _MACHINE_SETTINGS
-TestVectorPaths = VectorPathsMachine.TestCase
-TestVectorPaths.settings = _MACHINE_SETTINGS
 
 
 # --- targeted cases ----------------------------------------------------------------------
@@ -374,7 +360,7 @@ def test_rejects_bad_settings(bad: dict[str, float]) -> None:
 
 def test_crowded_tables_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tables let fill to 95 % spill keys over long runs of buckets: answers stay exact."""
-    monkeypatch.setattr(prefix_index, "_MAX_LOAD", 0.95)
+    monkeypatch.setattr(bucket_table, "MAX_LOAD", 0.95)
     pair = Pair(capacity=700)
     rng = np.random.default_rng(11)
     for step in range(120):
@@ -384,18 +370,3 @@ def test_crowded_tables_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:
         pair.model.insert_hashes(backend, hashes.tolist())
         assert pair.real.match_hashes(hashes) == pair.model.match_hashes(hashes.tolist())
     pair.check()
-
-
-def test_bucket_set_spills_and_unspills() -> None:
-    table = prefix_index._BucketSet(2, np.uint64)
-    keys = np.arange(2, 17, dtype=np.uint64)  # 15 keys, 16 slots, all homed in bucket 0
-    placement = np.zeros(len(keys), dtype=np.uint64)
-    slots = table.add(keys, placement)
-    assert sorted(slots.tolist()) == sorted(set(slots.tolist())) and len(slots) == 15
-    assert (table.find(keys, placement) == slots).all()
-    assert table.spills.sum() > 0
-    table.remove(slots[:7], placement[:7])
-    assert (table.find(keys[:7], placement[:7]) == -1).all()
-    assert (table.find(keys[7:], placement[7:]) == slots[7:]).all()
-    table.remove(slots[7:], placement[7:])
-    assert table.spills.sum() == 0 and table.occupied.sum() == 0 and table.count == 0
