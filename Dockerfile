@@ -13,7 +13,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     KVROUTE_HOST=0.0.0.0 \
-    KVROUTE_PORT=8000
+    KVROUTE_PORT=8000 \
+    NUMBA_CACHE_DIR=/var/cache/kvroute/numba
 
 WORKDIR /opt/kvroute
 # Sources only (see .dockerignore); the default tokenizer ships inside tokenizer_index.
@@ -21,8 +22,12 @@ COPY pyproject.toml README.md ./
 COPY router/ router/
 COPY tokenizer_index/ tokenizer_index/
 COPY benchmarks/ benchmarks/
+# The prefix index's compiled loops are compiled here, once, into a cache the router's user
+# can read and write (a read-only root file system compiles them at start instead).
 RUN pip install --no-cache-dir . \
-    && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin kvroute
+    && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin kvroute \
+    && python -c "import tokenizer_index.kernels" \
+    && chown -R 10001:10001 /var/cache/kvroute
 
 USER 10001:10001
 EXPOSE 8000
