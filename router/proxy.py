@@ -39,7 +39,6 @@ from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 
 from router.admission import AdmissionControl
 from router.backends import Backend, BackendPool
@@ -79,6 +78,15 @@ HOP_BY_HOP = frozenset(
 # Recomputed for each hop, or set by the router itself.
 _REQUEST_SKIP = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-request-id"}
 _RESPONSE_SKIP = HOP_BY_HOP | {b"content-length", b"x-request-id"}
+# The request headers not forwarded, by (the backend has its own API key, the router reads
+# the stream and asks for it unencoded): the router sends its own Authorization / Accept-Encoding.
+_REQUEST_SKIPS = {
+    (own_key, identity): _REQUEST_SKIP
+    | ({b"authorization"} if own_key else frozenset())
+    | ({b"accept-encoding"} if identity else frozenset())
+    for own_key in (False, True)
+    for identity in (False, True)
+}
 # Answers that mean "this replica failed or cannot take it now": nothing reached the
 # client yet and generation has no side effects, so another replica may answer instead.
 _RETRYABLE_STATUSES = frozenset({500, 502, 503, 504})
@@ -86,9 +94,37 @@ _STATUS_LABELS = {code: str(code) for code in range(100, 600)}
 
 
 @dataclass(slots=True)
-class _Outcome:
-    """What one attempt ended with, for metrics and feedback."""
+class _Call:
+    """One client request on its way through the proxy: what every attempt at it reads.
 
+    Built once per request, after the body is parsed and tokenized, so the functions below
+    take the call instead of a long tail of loose parameters; a retry reuses all of it.
+    """
+
+    request: web.Request
+    endpoint: Endpoint
+    parsed: ParsedRequest
+    request_id: str
+    #: ``time.monotonic()`` when the request arrived: durations and TTFT count from here.
+    started: float
+    #: The prompt tokenized and hashed once per request (None when no policy reads prefixes).
+    prepared: PreparedPrompt | None
+    #: What goes upstream: the client's bytes, or the body re-serialised with
+    #: ``include_usage`` set (decided once, not per attempt).
+    body: bytes
+    #: The router asked for the stream's usage chunk and removes it again.
+    usage_injected: bool
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One try of a call on one backend, and what it ended with (metrics, feedback)."""
+
+    call: _Call
+    plan: RoutePlan
+    backend: Backend
+    #: Another backend may still take over when this one fails before the client sees a byte.
+    can_retry: bool
     status: str = "500"  # until known: an escaping exception becomes a 500
     ttft_s: float | None = None
     usage: Usage | None = None
@@ -102,15 +138,43 @@ class _Retry(Exception):
         self.error = error
 
 
-def _hop_by_hop(raw_headers: Sequence[tuple[bytes, bytes]], base: frozenset[bytes]) -> frozenset[bytes]:
-    """``base`` plus every header name a ``Connection`` header lists (RFC 9110 7.6.1)."""
-    listed = [
-        token.strip().lower()
-        for name, value in raw_headers
-        if name.lower() == b"connection"
-        for token in value.split(b",")
-    ]
-    return base.union(listed) if listed else base
+def _forwarded(
+    raw_headers: Sequence[tuple[bytes, bytes]], skip: frozenset[bytes], drop_prefix: bytes | None = None
+) -> list[tuple[bytes, bytes]]:
+    """The headers that go on to the next hop: not in ``skip`` (lower-case names), not
+    starting with ``drop_prefix``, and not listed by a ``Connection`` header (RFC 9110 7.6.1).
+
+    One pass that lower-cases each name once; ``Connection`` is in every ``skip`` set, and
+    only when it lists more than ``keep-alive``/``close`` (rare) is the result filtered again.
+    """
+    kept: list[tuple[bytes, bytes]] = []
+    connection: list[bytes] = []
+    for name, value in raw_headers:
+        lower = name.lower()
+        if lower in skip or (drop_prefix is not None and lower.startswith(drop_prefix)):
+            if lower == b"connection":
+                connection.append(value)
+            continue
+        kept.append((name, value))
+    if connection:
+        listed = {token.strip().lower() for value in connection for token in value.split(b",")} - skip
+        if listed:
+            kept = [(name, value) for name, value in kept if name.lower() not in listed]
+    return kept
+
+
+def _outgoing_body(endpoint: Endpoint, parsed: ParsedRequest, raw: bytes) -> tuple[bytes, bool]:
+    """The body to send upstream, and whether it asks for the usage chunk the client did not.
+
+    The router needs a stream's final usage (the engine's cached tokens) to learn from it.
+    """
+    if not (parsed.stream and endpoint.accepts_stream_options and not parsed.include_usage):
+        return raw, False
+    try:
+        return body_with_usage_requested(parsed.body), True
+    except orjson.JSONEncodeError:
+        # Nested deeper than orjson writes (it reads deeper): forward it as sent.
+        return raw, False
 
 
 class Proxy:
@@ -155,7 +219,10 @@ class Proxy:
                 self._gate.check(request)
             raw = await self._read_body(request)
             parsed = parse_request(raw, endpoint, request.headers, self._session_header)
-            return await self._route(request, endpoint, parsed, raw, request_id, started)
+            prepared = await self._prepare(endpoint, parsed, len(raw))
+            body, usage_injected = _outgoing_body(endpoint, parsed, raw)
+            call = _Call(request, endpoint, parsed, request_id, started, prepared, body, usage_injected)
+            return await self._route(call)
         except RouterError as exc:
             response = exc.to_response()
             response.headers["x-request-id"] = request_id
@@ -194,17 +261,10 @@ class Proxy:
             ) from None
 
     # --- choosing backends -----------------------------------------------------------
-    async def _route(
-        self,
-        request: web.Request,
-        endpoint: Endpoint,
-        parsed: ParsedRequest,
-        raw: bytes,
-        request_id: str,
-        started: float,
-    ) -> web.StreamResponse:
+    async def _route(self, call: _Call) -> web.StreamResponse:
+        """Try the call on a backend; once more elsewhere if that fails before the first byte."""
         pool = self._pool
-        model = parsed.model
+        model = call.parsed.model
         admission = self._admission
         failed: list[Backend] = []
         holds_slot = False
@@ -219,7 +279,6 @@ class Proxy:
             proven = [backend for backend in others if backend.breaker.state is BreakerState.CLOSED]
             return proven or others
 
-        prepared = await self._prepare(endpoint, parsed, len(raw))
         try:
             for attempt in range(2):
                 if admission.limited:
@@ -232,18 +291,18 @@ class Proxy:
                     alternatives = len(candidates)
                 if not candidates:
                     raise last_error or self._no_backend(model)
-                plan = self._plan(endpoint, parsed, request, candidates, prepared)
+                plan = self._plan(call, candidates)
                 backend = pool.get(plan.backend)
                 if backend is None:
                     log.error("policy %s chose %s, which is not in the pool", plan.policy, plan.backend)
                     raise RouterError(500, "routing chose an unknown backend", code="internal_error")
                 can_retry = attempt == 0 and alternatives > 1
                 try:
-                    return await self._attempt(request, endpoint, parsed, raw, request_id, started, plan, backend, can_retry)
+                    return await self._attempt(_Attempt(call, plan, backend, can_retry))
                 except _Retry as retry:
                     failed.append(backend)
                     last_error = retry.error
-                    log.debug("retrying %s elsewhere after %s failed: %s", request_id, backend.url, retry)
+                    log.debug("retrying %s elsewhere after %s failed: %s", call.request_id, backend.url, retry)
             raise last_error or RouterError(502, "no backend could take the request", code="backend_unavailable")
         finally:
             if holds_slot:
@@ -261,23 +320,11 @@ class Proxy:
             return await asyncio.to_thread(self._routing.prepare, endpoint.path, parsed.body)
         return self._routing.prepare(endpoint.path, parsed.body)
 
-    def _plan(
-        self,
-        endpoint: Endpoint,
-        parsed: ParsedRequest,
-        request: web.Request,
-        candidates: list[Backend],
-        prepared: PreparedPrompt | None,
-    ) -> RoutePlan:
+    def _plan(self, call: _Call, candidates: list[Backend]) -> RoutePlan:
+        parsed = call.parsed
         try:
             return self._routing.route(
-                endpoint.path,
-                parsed.body,
-                request.headers,
-                candidates,
-                prepared=prepared,
-                session_key=parsed.session_key,
-                expected_output_tokens=parsed.expected_output_tokens,
+                call.endpoint.path, parsed.body, call.request.headers, candidates, prepared=call.prepared, parsed=parsed
             )
         except Exception:  # noqa: BLE001 - a routing bug must not cost the request
             log.exception("routing failed; falling back to the least loaded backend")
@@ -285,7 +332,7 @@ class Proxy:
             return RoutePlan(
                 decision=Decision(backend.url, "routing_error"),
                 policy="fallback",
-                request=RouteRequest(endpoint=endpoint.path, model=parsed.model),
+                request=RouteRequest(endpoint=call.endpoint.path, model=parsed.model),
             )
 
     def _no_backend(self, model: str | None) -> RouterError:
@@ -295,63 +342,35 @@ class Proxy:
         return RouterError(503, f"no healthy backend{which}", code="no_healthy_backend")
 
     # --- one attempt on one backend ----------------------------------------------------
-    async def _attempt(
-        self,
-        request: web.Request,
-        endpoint: Endpoint,
-        parsed: ParsedRequest,
-        raw: bytes,
-        request_id: str,
-        started: float,
-        plan: RoutePlan,
-        backend: Backend,
-        can_retry: bool,
-    ) -> web.StreamResponse:
-        tokens = (plan.request.prompt_tokens or 0) + parsed.expected_output_tokens
-        outcome = _Outcome()
+    async def _attempt(self, attempt: _Attempt) -> web.StreamResponse:
+        """One exchange with one backend, its in-flight counters held until it ends, however it ends."""
+        backend = attempt.backend
+        tokens = (attempt.plan.request.prompt_tokens or 0) + attempt.call.parsed.expected_output_tokens
         self._pool.acquire(backend, tokens)
         try:
-            return await self._exchange(request, endpoint, parsed, raw, request_id, started, plan, backend, can_retry, outcome)
+            return await self._exchange(attempt)
         except asyncio.CancelledError:
-            outcome.status = "499"  # the client hung up (or the drain timeout ran out)
+            attempt.status = "499"  # the client hung up (or the drain timeout ran out)
             self._pool.request_abandoned(backend)
             raise
         finally:
             self._pool.release(backend, tokens)
             if self._admission.limited:
                 self._admission.wake()  # a backend slot freed
-            self._finish(plan, endpoint, outcome, started)
+            self._finish(attempt)
 
-    async def _exchange(
-        self,
-        request: web.Request,
-        endpoint: Endpoint,
-        parsed: ParsedRequest,
-        raw: bytes,
-        request_id: str,
-        started: float,
-        plan: RoutePlan,
-        backend: Backend,
-        can_retry: bool,
-        outcome: _Outcome,
-    ) -> web.StreamResponse:
-        inject_usage = parsed.stream and endpoint.accepts_stream_options and not parsed.include_usage
-        body = raw
-        if inject_usage:
-            try:
-                body = body_with_usage_requested(parsed.body)
-            except orjson.JSONEncodeError:
-                # Nested deeper than orjson writes (it reads deeper): forward it as sent.
-                inject_usage = False
-        headers = self._upstream_headers(request, backend, request_id, inject_usage)
+    async def _exchange(self, attempt: _Attempt) -> web.StreamResponse:
+        call = attempt.call
+        backend = attempt.backend
         try:
             upstream = await self._upstream.post(
-                backend.url, request.raw_path.encode(), headers, body, first_byte_timeout=self._first_byte_timeout
+                backend.url, call.request.raw_path.encode(), self._upstream_headers(attempt), call.body,
+                first_byte_timeout=self._first_byte_timeout,
             )
         except UpstreamError as exc:
             unreachable = isinstance(exc, (UpstreamConnectError, UpstreamDisconnected))
             self._pool.request_failed(backend, unreachable=unreachable)
-            raise self._failed_before_first_byte(backend, exc, outcome, can_retry) from None
+            raise self._failed_before_first_byte(attempt, exc) from None
 
         completed = False
         try:
@@ -360,16 +379,14 @@ class Proxy:
                 self._pool.request_failed(backend)
             else:
                 self._pool.request_succeeded(backend)
-            if can_retry and status in _RETRYABLE_STATUSES:
-                outcome.status = _STATUS_LABELS[status]
+            if attempt.can_retry and status in _RETRYABLE_STATUSES:
+                attempt.status = _STATUS_LABELS[status]
                 raise _Retry(RouterError(502, f"backend {backend.url} answered {status}", code="bad_gateway"))
-            outcome.status = _STATUS_LABELS.get(status) or str(status)
+            attempt.status = _STATUS_LABELS.get(status) or str(status)
             if upstream.is_event_stream:
-                response = await self._relay_stream(
-                    request, upstream, plan, backend, request_id, started, inject_usage, outcome, can_retry
-                )
+                response = await self._relay_stream(attempt, upstream)
             else:
-                response = await self._relay_body(upstream, endpoint, plan, backend, request_id, outcome, can_retry)
+                response = await self._relay_body(attempt, upstream)
             completed = True
             return response
         finally:
@@ -378,38 +395,21 @@ class Proxy:
             else:
                 upstream.close()  # closes the connection: the engine sees the abort at once
 
-    async def _relay_body(
-        self,
-        upstream: UpstreamResponse,
-        endpoint: Endpoint,
-        plan: RoutePlan,
-        backend: Backend,
-        request_id: str,
-        outcome: _Outcome,
-        can_retry: bool,
-    ) -> web.StreamResponse:
+    async def _relay_body(self, attempt: _Attempt, upstream: UpstreamResponse) -> web.StreamResponse:
         try:
             data = await upstream.read()
         except UpstreamError as exc:
             # Read whole before anything is sent: the client has seen nothing yet.
-            self._pool.request_failed(backend)
-            raise self._failed_before_first_byte(backend, exc, outcome, can_retry) from None
-        if endpoint.reports_usage and upstream.status == 200:
-            outcome.usage = usage_from_body(data)
-        return web.Response(status=upstream.status, body=data, headers=self._response_headers(upstream, plan, request_id))
+            self._pool.request_failed(attempt.backend)
+            raise self._failed_before_first_byte(attempt, exc) from None
+        if attempt.call.endpoint.reports_usage and upstream.status == 200:
+            attempt.usage = usage_from_body(data)
+        response = web.Response(status=upstream.status, body=data)
+        self._add_response_headers(response, upstream, attempt)
+        return response
 
-    async def _relay_stream(
-        self,
-        request: web.Request,
-        upstream: UpstreamResponse,
-        plan: RoutePlan,
-        backend: Backend,
-        request_id: str,
-        started: float,
-        strip_usage_chunk: bool,
-        outcome: _Outcome,
-        can_retry: bool,
-    ) -> web.StreamResponse:
+    async def _relay_stream(self, attempt: _Attempt, upstream: UpstreamResponse) -> web.StreamResponse:
+        backend = attempt.backend
         read = upstream.read_available
         # The client gets the headers together with the first chunk: until then (engines
         # send SSE headers before the prefill) the request may still go elsewhere.
@@ -419,15 +419,16 @@ class Proxy:
                 raise UpstreamProtocolError("the stream ended before its first event")
         except UpstreamError as exc:
             self._pool.request_failed(backend)
-            raise self._failed_before_first_byte(backend, exc, outcome, can_retry) from None
-        outcome.ttft_s = time.monotonic() - started
+            raise self._failed_before_first_byte(attempt, exc) from None
+        attempt.ttft_s = time.monotonic() - attempt.call.started
         # From the first chunk on, a stream may pause at most idle_timeout_s.
         upstream.set_timeout(self._idle_timeout)
-        response = web.StreamResponse(status=upstream.status, headers=self._response_headers(upstream, plan, request_id))
-        tap = StreamTap(strip_usage_chunk=strip_usage_chunk)
+        response = web.StreamResponse(status=upstream.status)
+        self._add_response_headers(response, upstream, attempt)
+        tap = StreamTap(strip_usage_chunk=attempt.call.usage_injected)
         write = response.write
         try:
-            await response.prepare(request)
+            await response.prepare(attempt.call.request)
             while True:
                 forward = tap.feed(chunk)
                 if forward:
@@ -436,7 +437,7 @@ class Proxy:
                     chunk = await read()
                 except UpstreamError as exc:
                     self._pool.request_failed(backend)
-                    outcome.status = "502"
+                    attempt.status = "502"
                     log.warning("stream from %s broke off: %s", backend.url, exc)
                     await write(sse_error_event(f"the backend's stream broke off: {exc}"))
                     break
@@ -445,68 +446,57 @@ class Proxy:
                     if rest:
                         await write(rest)
                     break
-            outcome.usage = tap.usage
+            attempt.usage = tap.usage
             await response.write_eof()
         except ConnectionResetError:
             # The client hung up and a write noticed first: abort the engine's work now.
-            outcome.status = "499"
+            attempt.status = "499"
             self._pool.request_abandoned(backend)
             upstream.close()
         return response
 
     @staticmethod
-    def _failed_before_first_byte(
-        backend: Backend, exc: UpstreamError, outcome: _Outcome, can_retry: bool
-    ) -> Exception:
+    def _failed_before_first_byte(attempt: _Attempt, exc: UpstreamError) -> Exception:
         """The error for an attempt that failed before the client saw anything: retry it
         elsewhere when there is an alternative, else a 504 (timeout) or 502."""
+        url = attempt.backend.url
         if isinstance(exc, UpstreamTimeout):
-            outcome.status = "504"
-            error = RouterError(504, f"backend {backend.url} did not answer in time: {exc}", code="upstream_timeout")
+            attempt.status = "504"
+            error = RouterError(504, f"backend {url} did not answer in time: {exc}", code="upstream_timeout")
         elif isinstance(exc, (UpstreamConnectError, UpstreamDisconnected)):
-            outcome.status = "502"
-            error = RouterError(
-                502, f"backend {backend.url} failed before answering: {exc}", code="backend_unreachable"
-            )
+            attempt.status = "502"
+            error = RouterError(502, f"backend {url} failed before answering: {exc}", code="backend_unreachable")
         else:
-            outcome.status = "502"
-            error = RouterError(502, f"backend {backend.url} broke off its answer: {exc}", code="bad_gateway")
-        return _Retry(error) if can_retry else error
+            attempt.status = "502"
+            error = RouterError(502, f"backend {url} broke off its answer: {exc}", code="bad_gateway")
+        return _Retry(error) if attempt.can_retry else error
 
     # --- headers -----------------------------------------------------------------------
-    def _upstream_headers(
-        self, request: web.Request, backend: Backend, request_id: str, identity_encoding: bool
-    ) -> list[tuple[bytes, bytes]]:
-        strip_kvroute = self._strip_kvroute_headers
-        replace_auth = backend.api_key is not None
-        raw_headers = request.raw_headers
-        skip = _hop_by_hop(raw_headers, _REQUEST_SKIP)
-        headers = [(b"x-request-id", request_id.encode())]
-        for name, value in raw_headers:
-            lower = name.lower()
-            if (
-                lower in skip
-                or (strip_kvroute and lower.startswith(b"x-kvroute-"))
-                or (replace_auth and lower == b"authorization")
-                or (identity_encoding and lower == b"accept-encoding")
-            ):
-                continue
-            headers.append((name, value))
-        if replace_auth:
-            headers.append((b"Authorization", b"Bearer " + str(backend.api_key).encode()))
-        if identity_encoding:
+    def _upstream_headers(self, attempt: _Attempt) -> list[tuple[bytes, bytes]]:
+        """The client's end-to-end headers, with the router's request id and, where the
+        backend has one, its own API key."""
+        call = attempt.call
+        api_key = attempt.backend.api_key
+        skip = _REQUEST_SKIPS[api_key is not None, call.usage_injected]
+        drop_prefix = b"x-kvroute-" if self._strip_kvroute_headers else None
+        headers = [(b"x-request-id", call.request_id.encode())]
+        headers += _forwarded(call.request.raw_headers, skip, drop_prefix)
+        if api_key is not None:
+            headers.append((b"Authorization", b"Bearer " + str(api_key).encode()))
+        if call.usage_injected:
             # The router must read the stream to remove the usage chunk it asked for.
             headers.append((b"Accept-Encoding", b"identity"))
         return headers
 
     @staticmethod
-    def _response_headers(upstream: UpstreamResponse, plan: RoutePlan, request_id: str) -> CIMultiDict[str]:
-        headers: CIMultiDict[str] = CIMultiDict()
-        raw_headers = upstream.raw_headers
-        skip = _hop_by_hop(raw_headers, _RESPONSE_SKIP)
-        for name, value in raw_headers:
-            if name.lower() not in skip:
-                headers.add(name.decode("latin-1"), value.decode("latin-1"))
+    def _add_response_headers(response: web.StreamResponse, upstream: UpstreamResponse, attempt: _Attempt) -> None:
+        """The engine's end-to-end headers and the routing headers, straight into the
+        response's own header map (a map passed to the constructor would be copied)."""
+        headers = response.headers
+        add = headers.add
+        for name, value in _forwarded(upstream.raw_headers, _RESPONSE_SKIP):
+            add(name.decode("latin-1"), value.decode("latin-1"))
+        plan = attempt.plan
         headers["x-kvroute-backend"] = plan.backend
         headers["x-kvroute-policy"] = plan.policy
         headers["x-kvroute-reason"] = plan.reason
@@ -514,18 +504,19 @@ class Proxy:
         if prompt_tokens is not None:
             headers["x-kvroute-prompt-tokens"] = str(prompt_tokens)
             headers["x-kvroute-matched-tokens"] = str(plan.predicted_cached_tokens)
-        headers["x-request-id"] = request_id
-        return headers
+        headers["x-request-id"] = attempt.call.request_id
 
     # --- bookkeeping -------------------------------------------------------------------
-    def _finish(self, plan: RoutePlan, endpoint: Endpoint, outcome: _Outcome, started: float) -> None:
+    def _finish(self, attempt: _Attempt) -> None:
         """Metrics, routing feedback and the decision log for one finished attempt."""
-        usage = outcome.usage
+        plan = attempt.plan
+        usage = attempt.usage
         prompt_tokens = usage.prompt_tokens if usage is not None else None
         cached_tokens = usage.cached_tokens if usage is not None else None
-        duration = time.monotonic() - started
+        duration = time.monotonic() - attempt.call.started
+        endpoint = attempt.call.endpoint.name
         self._metrics.record_request(
-            plan.backend, plan.policy, endpoint.name, outcome.status, duration, outcome.ttft_s,
+            plan.backend, plan.policy, endpoint, attempt.status, duration, attempt.ttft_s,
             prompt_tokens, plan.predicted_cached_tokens, cached_tokens,
         )
         self._metrics.record_decision(plan.policy, plan.reason)
@@ -540,15 +531,14 @@ class Proxy:
                         "backend": plan.backend,
                         "policy": plan.policy,
                         "reason": plan.reason,
-                        "endpoint": endpoint.name,
-                        "status": outcome.status,
+                        "endpoint": endpoint,
+                        "status": attempt.status,
                         "prompt_tokens": plan.request.prompt_tokens if prompt_tokens is None else prompt_tokens,
                         "predicted_cached_tokens": plan.predicted_cached_tokens,
                         "observed_cached_tokens": cached_tokens,
-                        "ttft_s": outcome.ttft_s,
+                        "ttft_s": attempt.ttft_s,
                         "duration_s": round(duration, 6),
                     }
                 ).decode()
             )
-
 

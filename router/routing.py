@@ -95,6 +95,26 @@ class PreparedPrompt:
     block_size: int
     #: The same prompt hashed for the precise index (``--kv-events``), else None.
     precise: PreparedRequest | None = None
+    _hash_list: list[int] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def hash_list(self) -> list[int]:
+        """The hashes as Python ints, converted on first use and kept.
+
+        Only the conversation ledger's walk along a prompt chain reads them all (as dict
+        keys); a request with a session key never converts them, and a retry reuses them.
+        The conversion is not free: ~1 us for 25 blocks, ~250 us for a 100K-token prompt.
+        """
+        hashes = self._hash_list
+        if hashes is None:
+            hashes = self.hashes.tolist()
+            object.__setattr__(self, "_hash_list", hashes)  # a cache: frozen for everything else
+        return hashes
+
+    def hash_at(self, position: int) -> int:
+        """One block's hash as a Python int, without converting the others."""
+        hashes = self._hash_list
+        return hashes[position] if hashes is not None else int(self.hashes[position])
 
 
 @dataclass(slots=True)
@@ -296,29 +316,32 @@ class RoutingEngine:
         candidates: Sequence[BackendView],
         *,
         prepared: PreparedPrompt | None = None,
-        session_key: str | None = None,
-        expected_output_tokens: int | None = None,
+        parsed: request_info.ParsedRequest | None = None,
     ) -> RoutePlan:
         """Pick a backend among ``candidates`` (non-empty) for this parsed request body.
 
-        ``prepared`` (from :meth:`prepare`, e.g. run in a thread), ``session_key`` and
-        ``expected_output_tokens`` may be passed when the caller already has them.
+        ``prepared`` (from :meth:`prepare`, e.g. run in a thread) and ``parsed`` (the
+        proxy's parse of ``body``: its model, session key and output budget) may be passed
+        when the caller already has them; else they are worked out here.
         """
-        model = body.get("model")
-        if session_key is None:
+        if parsed is not None:
+            model = parsed.model
+            session_key = parsed.session_key
+            expected_output_tokens = parsed.expected_output_tokens
+        else:
+            named = body.get("model")
+            model = named if isinstance(named, str) else None
             session_key = request_info.session_key_of(body, headers, self._settings.session_header)
-        if expected_output_tokens is None:
             expected_output_tokens = request_info.expected_output_tokens_of(body)
         request = CacheRequest(
             endpoint=endpoint,
-            model=model if isinstance(model, str) else None,
+            model=model,
             session_key=session_key,
             expected_output_tokens=expected_output_tokens,
         )
         serial = next(self._serials)
         if prepared is None and self._tracking:
             prepared = self.prepare(endpoint, body)
-        hashes: list[int] = []
         raw_matches: Mapping[str, int] = {}
         index: PrefixIndex | None = None
         if prepared is not None:
@@ -331,10 +354,12 @@ class RoutingEngine:
             cacheable = (prepared.tokens - 1) // size * size
             request.prompt_tokens = prepared.tokens
             request.matched_tokens = {url: min(tokens, cacheable) for url, tokens in raw_matches.items()}
-            hashes = prepared.hashes.tolist()
-            request.computing_tokens = self._computing_tokens(request.matched_tokens, hashes, size)
+            request.computing_tokens = self._computing_tokens(request.matched_tokens, prepared)
             shared = max(raw_matches.values(), default=0)
-            request.conversation = self._working_sets.find(session_key, hashes, shared)
+            # A session key names the conversation; without one the ledger follows the
+            # prompt chain, the one reader of every hash as an int.
+            chain = prepared.hash_list if session_key is None else ()
+            request.conversation = self._working_sets.find(session_key, chain, shared)
 
         label = self._label(headers, session_key, request.conversation, body)
         policy = self._policy(label)
@@ -345,7 +370,7 @@ class RoutingEngine:
             decision = policy.choose(request, candidates)
         plan = RoutePlan(decision=decision, policy=label, request=request, prompt=prepared, serial=serial)
         if prepared is not None and index is not None:
-            self._learn(plan, index, hashes, raw_matches.get(decision.backend, 0) // prepared.block_size)
+            self._learn(plan, index, raw_matches.get(decision.backend, 0) // prepared.block_size)
             if prepared.precise is not None and self._precise is not None:
                 self._precise.speculate(decision.backend, prepared.precise)
         return plan
@@ -471,44 +496,46 @@ class RoutingEngine:
                 capacities[key] = blocks
         return index
 
-    def _learn(self, plan: RoutePlan, index: PrefixIndex, hashes: list[int], matched_blocks: int) -> None:
+    def _learn(self, plan: RoutePlan, index: PrefixIndex, matched_blocks: int) -> None:
         """Insert the request's blocks for its backend; track its work and what it computes."""
         backend = plan.backend
         prompt = plan.prompt
         assert prompt is not None
+        blocks = len(prompt.hashes)
         # The prediction counts as confirmed up to the first block a request still in flight put there.
         request = plan.request
         still_computing = request.computing_tokens.get(backend, 0) if isinstance(request, CacheRequest) else 0
         plan.confirmed_cached_tokens = plan.predicted_cached_tokens - still_computing
         computing = self._computing.setdefault(backend, {})
         first_new = None
-        if len(hashes) > matched_blocks:
-            first_new = (matched_blocks, hashes[matched_blocks])
+        if blocks > matched_blocks:
+            first_new = (matched_blocks, prompt.hash_at(matched_blocks))
             computing[plan.serial] = first_new
         work = plan.work_tokens
         self._work[backend] = self._work.get(backend, 0) + work
         self._in_flight[plan.serial] = _InFlight(self._clock(), backend, work, first_new)
         self._expire_in_flight()
-        if hashes:
+        if blocks:
             index.insert_hashes(backend, prompt.hashes)
-        conversation = plan.request.conversation if isinstance(plan.request, CacheRequest) else None
+        conversation = request.conversation if isinstance(request, CacheRequest) else None
         if conversation is not None:
-            self._working_sets.record(conversation, backend, prompt.tokens, hashes[-1] if hashes else None)
+            self._working_sets.record(conversation, backend, prompt.tokens, prompt.hash_at(-1) if blocks else None)
 
-    def _computing_tokens(self, matched: Mapping[str, int], hashes: list[int], block_size: int) -> dict[str, int]:
+    def _computing_tokens(self, matched: Mapping[str, int], prompt: PreparedPrompt) -> dict[str, int]:
         """Per backend, the tokens of this match that requests in flight there are computing.
 
         Each in-flight request is known by the first block it added; a match that contains
         that block (at its position) is being computed from there on.
         """
         computing: dict[str, int] = {}
+        block_size = prompt.block_size
         for url, tokens in matched.items():
             entries = self._computing.get(url)
             if not entries:
                 continue
             first = blocks = tokens // block_size
             for position, block in entries.values():
-                if position < first and hashes[position] == block:
+                if position < first and prompt.hash_at(position) == block:
                     first = position
             if first < blocks:
                 computing[url] = (blocks - first) * block_size

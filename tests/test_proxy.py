@@ -10,6 +10,7 @@ import httpx
 import openai
 import orjson
 import pytest
+from aiohttp import web
 
 from conftest import RouterServer, SimServer, wait_until
 
@@ -270,6 +271,35 @@ def test_policy_header_passes_only_when_allowed(recording_engine: Any, router_se
     lower = {k.lower(): v for k, v in received[-1][0].items()}
     assert lower["x-kvroute-policy"] == "round_robin"
     assert lower["authorization"] == "Bearer engine-secret"
+
+
+def test_headers_an_engine_lists_in_connection_stop_at_the_router(server_loop: Any, router_server: Any) -> None:
+    """RFC 9110 7.6.1 on the way back too: the headers an engine's ``Connection`` names are
+    for the router's hop only; its other headers reach the client."""
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(
+            {"object": "list", "data": [{"id": "rec"}]},
+            headers={"Connection": "keep-alive, X-Engine-Hop", "X-Engine-Hop": "private", "X-Engine-Kept": "yes"},
+        )
+
+    app = web.Application()
+    app.router.add_get("/health", answer)
+    app.router.add_get("/v1/models", answer)
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app, access_log=None)
+    server_loop.run(runner.setup())
+    server_loop.run(web.TCPSite(runner, "127.0.0.1", 0).start())
+    try:
+        router = router_server([f"http://127.0.0.1:{runner.addresses[0][1]}"])
+        response = httpx.post(router.v1 + "/chat/completions", json={"model": "rec", "messages": MESSAGES}, timeout=30)
+        assert response.status_code == 200
+        assert response.headers["x-engine-kept"] == "yes"
+        assert "x-engine-hop" not in response.headers
+        assert response.headers["x-kvroute-policy"] == "round_robin"
+    finally:
+        server_loop.run(runner.cleanup())
 
 
 def test_client_api_keys(sim_engines: Any, router_server: Any) -> None:

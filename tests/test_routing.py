@@ -10,10 +10,12 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 
 from router.backends import Backend
 from router.config import Settings
 from router.engine_stats import EngineStats
+from router.request_info import ENDPOINTS, parse_request
 from router.routing import RoutePlan, RoutingEngine
 from tokenizer_index import RequestTokenizer
 
@@ -176,6 +178,49 @@ def test_prepare_in_advance_gives_the_same_plan() -> None:
     assert prepared is not None
     plan = engine.route(CHAT, body, {}, backends, prepared=prepared)
     assert plan.request.prompt_tokens == prepared.tokens and plan.reason == "prefix_match"
+
+
+def test_the_proxys_parse_stands_in_for_reading_the_body_again() -> None:
+    """``parsed=`` (the proxy's one parse of the body) gives the plan the body alone gives."""
+    cases = [(chat("shared", "reply", "next", max_tokens=40), {"x-session-id": "s7"}), (chat("shared", user=""), {})]
+    for body, headers in cases:
+        parsed = parse_request(orjson.dumps(body), ENDPOINTS[0], headers, "x-session-id")
+        plans = []
+        for given in (None, parsed):
+            engine = RoutingEngine(Settings(policy="cache_aware"))
+            backends = fleet(2)
+            served(engine, chat("shared"), backends)
+            plans.append(engine.route(CHAT, body, headers, backends, parsed=given))
+        by_body, by_parse = (
+            (plan.backend, plan.reason, plan.predicted_cached_tokens, plan.request.session_key,
+             plan.request.expected_output_tokens, plan.request.prompt_tokens, plan.request.conversation.key)
+            for plan in plans
+        )
+        assert by_body == by_parse
+    assert by_parse[3:5] == (None, 8)  # no session key, the default output budget of chat()
+
+
+def test_block_hashes_become_python_ints_only_where_a_prompt_chain_is_walked() -> None:
+    """A request with a session key never converts its block hashes to a list (its session
+    names its conversation); one without converts them once, and its retry reuses them."""
+    engine = RoutingEngine(Settings(policy="cache_aware"))
+    backends = fleet(2)
+    served(engine, chat("first"), backends, **{"x-session-id": "s1"})
+    body = chat("first", "ok", "second")
+    keyed = engine.prepare(CHAT, body)
+    assert keyed is not None
+    plan = engine.route(CHAT, body, {"x-session-id": "s1"}, backends, prepared=keyed)
+    assert keyed._hash_list is None  # the lazy list stayed unbuilt
+    assert plan.request.conversation.key == "session:s1"
+    assert plan.request.conversation.leaf == int(keyed.hashes[-1]) == keyed.hash_at(-1)
+    chained = engine.prepare(CHAT, body)
+    assert chained is not None
+    first = engine.route(CHAT, body, {}, backends, prepared=chained)
+    converted = chained.hash_list
+    assert converted == chained.hashes.tolist() and chained.hash_at(-1) == converted[-1]
+    retry = engine.route(CHAT, body, {}, [b for b in backends if b.url != first.backend], prepared=chained)
+    assert chained.hash_list is converted
+    assert retry.backend != first.backend and retry.request.prompt_tokens == first.request.prompt_tokens
 
 
 def test_forgetting_a_backend_drops_its_index_and_conversations() -> None:
