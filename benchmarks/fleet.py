@@ -229,6 +229,9 @@ class SimFleet:
             await reset_prefix_caches(self.urls)
             return
         self.stop()
+        # Compile the index kernels once here, so that the replicas (and the routers after
+        # them) load numba's cache instead of all compiling them at once on a fresh machine.
+        importlib.import_module("tokenizer_index.kernels")
         self.processes = [
             ManagedProcess(f"sim-{number}", self.spec.argv(port), url)
             for number, (port, url) in enumerate(zip(self.ports, self.urls))
