@@ -421,6 +421,8 @@ async def test_errors_in_openai_shape() -> None:
             ("/v1/completions", {"model": "sim"}, 400),
             ("/v1/completions", {"model": "sim", "prompt": [1, -5]}, 400),
             ("/v1/embeddings", {"model": "sim", "input": 5}, 400),
+            ("/v1/embeddings", {"model": "sim", "input": "x", "encoding_format": {}}, 400),
+            ("/v1/embeddings", {"model": "sim", "input": [99999]}, 400),
             ("/sim/fault", {"mode": "explode"}, 400),
         ]
         for path, body, status in cases:

@@ -13,6 +13,9 @@ It prints one row per case whose answer differs, then a summary, and writes JSON
 ``bench-out/sim_parity.json``). The server must run with a 2048-token context and that
 tokenizer: some answers depend on them.
 
+The cases cover ``/v1/chat/completions``, ``/v1/completions``, ``/tokenize`` and
+``/detokenize`` (a generative vLLM has no ``/v1/embeddings``; the simulator's is its own).
+
 What an answer is compared on: the status; for errors the ``type``, the ``param`` and, for
 vLLM's own rules (``type: "BadRequestError"``), the message; for successes the number of
 choices and of completion tokens. ``...`` in a case means "not compared", where vLLM's answer
@@ -34,8 +37,12 @@ from typing import Any, Literal
 
 import httpx
 
-CHAT_PATH = "/v1/chat/completions"
-COMPLETION_PATH = "/v1/completions"
+PATHS = {
+    "chat": "/v1/chat/completions",
+    "completion": "/v1/completions",
+    "tokenize": "/tokenize",
+    "detokenize": "/detokenize",
+}
 DROP = "<absent>"  # a field value that removes the field from the body
 HI = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
@@ -61,14 +68,18 @@ class Case:
     """A request body, built around the served model's name, and what vLLM answered."""
 
     name: str
-    endpoint: Literal["chat", "completion"]
+    endpoint: Literal["chat", "completion", "tokenize", "detokenize"]
     changes: dict[str, Any]
     expected: Expected
 
     def body(self, model: str) -> dict[str, Any]:
-        # ignore_eos: a real model may sample its end-of-sequence token early.
-        base: dict[str, Any] = {"model": model, "max_tokens": 3, "ignore_eos": True}
-        base.update({"messages": HI} if self.endpoint == "chat" else {"prompt": "hello there"})
+        base: dict[str, Any] = {"model": model}
+        if self.endpoint in ("chat", "completion"):
+            # ignore_eos: a real model may sample its end-of-sequence token early.
+            base.update(max_tokens=3, ignore_eos=True)
+        base.update(
+            {"chat": {"messages": HI}, "detokenize": {"tokens": [1, 2]}}.get(self.endpoint, {"prompt": "hello there"})
+        )
         base.update(self.changes)
         return {name: value for name, value in base.items() if value != DROP}
 
@@ -110,6 +121,14 @@ def _chat(name: str, expected: Expected, **changes: Any) -> Case:
 
 def _completion(name: str, expected: Expected, **changes: Any) -> Case:
     return Case(name, "completion", changes, expected)
+
+
+def _tokenize(name: str, expected: Expected, **changes: Any) -> Case:
+    return Case(name, "tokenize", changes, expected)
+
+
+def _detokenize(name: str, expected: Expected, **changes: Any) -> Case:
+    return Case(name, "detokenize", changes, expected)
 
 
 def _at_least_one(value: int) -> str:
@@ -558,6 +577,26 @@ CASES: tuple[Case, ...] = (
         max_tokens=100000,
     ),
     _completion("echo-word", typed("body.echo"), echo="x"),
+    # tokenize: a chat when its messages validate, else a text prompt; detokenize: lax ids
+    _tokenize("tokenize-text", Expected(200)),
+    _tokenize("tokenize-chat", Expected(200), prompt=DROP, messages=HI),
+    _tokenize("tokenize-chat-over-text", Expected(200), messages=HI),
+    _tokenize("tokenize-text-when-messages-are-invalid", Expected(200), messages=_user("", name={})),
+    _tokenize("tokenize-nothing", typed("body.prompt"), prompt=DROP),
+    _tokenize("tokenize-ids", typed("body.prompt"), prompt=[1, 2]),
+    _tokenize("tokenize-int", typed("body.prompt"), prompt=5),
+    _tokenize("tokenize-model-null", Expected(200), model=None),
+    _tokenize("tokenize-model-unknown", Expected(404, "NotFoundError", "model"), model="nope"),
+    _tokenize("tokenize-chat-bad-part", Expected(400, "BadRequestError", None), prompt=DROP, messages=_user(["a"])),
+    _detokenize("detokenize", Expected(200)),
+    _detokenize("detokenize-out-of-vocabulary", Expected(200), tokens=[99999]),
+    _detokenize("detokenize-string-id", Expected(200), tokens=["5"]),
+    _detokenize("detokenize-true", Expected(200), tokens=[True]),
+    _detokenize("detokenize-negative", typed("body.tokens.0"), tokens=[-1]),
+    _detokenize("detokenize-over-32-bits", rule(None, "number too large to fit in target type"), tokens=[2**40]),
+    _detokenize("detokenize-absent", typed("body.tokens"), tokens=DROP),
+    _detokenize("detokenize-model-null", Expected(200), model=None),
+    _detokenize("detokenize-model-unknown", Expected(404, "NotFoundError", "model"), model="nope"),
     _completion(
         "completion-temperature-negative",
         rule("temperature", "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)"),
@@ -568,9 +607,7 @@ CASES: tuple[Case, ...] = (
 
 def ask(client: httpx.Client, case: Case, model: str) -> Answer:
     """Send one case to the server behind ``client`` and reduce its answer."""
-    path = CHAT_PATH if case.endpoint == "chat" else COMPLETION_PATH
-    body = case.body(model)
-    with client.stream("POST", path, json=body) as response:
+    with client.stream("POST", PATHS[case.endpoint], json=case.body(model)) as response:
         raw = response.read()
     if response.headers.get("content-type", "").startswith("text/event-stream"):
         return _stream_answer(response.status_code, raw)

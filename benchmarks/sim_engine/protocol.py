@@ -75,14 +75,6 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def require_model(body: dict[str, Any]) -> str:
-    """The body's ``model`` (the tokenize and embedding endpoints insist on one), else a 400."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise APIError(400, "'model' must be a non-empty string", param="model")
-    return model
-
-
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,

@@ -40,7 +40,6 @@ from benchmarks.sim_engine.protocol import (
     full_response,
     new_id,
     parse_json_object,
-    require_model,
     usage,
 )
 from benchmarks.sim_engine.scheduler import Scheduler, SimRequest
@@ -51,7 +50,10 @@ from benchmarks.sim_engine.validation import (
     check_suffix,
     empty_prompt_error,
     output_budget,
+    parse_detokenize,
+    parse_embeddings,
     parse_generation,
+    parse_tokenize,
 )
 from tokenizer_index.hashing import request_salt
 
@@ -344,7 +346,11 @@ class Handlers:
             if fault in ("stall_mid_stream", "close_mid_stream"):
                 return await self._break_off(request, response, generation, fault)
             waiting = next(
-                (index for index, sequence in enumerate(sequences) if not sequence.finished or sent[index] < sequence.delivered),
+                (
+                    index
+                    for index, sequence in enumerate(sequences)
+                    if not sequence.finished or sent[index] < sequence.delivered
+                ),
                 None,
             )
             if waiting is None or any(sequence.aborted for sequence in sequences):
@@ -416,18 +422,16 @@ class Handlers:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         engine = self.engine
+        tokenizer = engine.tokenizer
         try:
             body = await _read_object(request)
-            model = body.get("model")
-            if model is not None:
-                engine.check_model(require_model(body))
+            params = parse_tokenize(body)
+            engine.served_model(params.model)
             try:
-                if "messages" in body:
-                    ids = engine.tokenizer.encode_chat_body(body)
-                elif "prompt" in body:
-                    ids = engine.tokenizer.encode_prompt(body["prompt"])
+                if params.text is None:
+                    ids = tokenizer.encode_chat_body(body, add_generation_prompt=params.add_generation_prompt)
                 else:
-                    raise APIError(400, "either 'prompt' or 'messages' is required")
+                    ids = tokenizer.encode_prompt(params.text)
             except TokenizationError as exc:
                 raise APIError(400, str(exc)) from None
         except APIError as error:
@@ -444,30 +448,24 @@ class Handlers:
     async def detokenize(self, request: web.Request) -> web.Response:
         engine = self.engine
         try:
-            body = await _read_object(request)
-            if body.get("model") is not None:
-                engine.check_model(require_model(body))
-            tokens = body.get("tokens")
-            if not isinstance(tokens, list) or not all(
-                isinstance(token, int) and not isinstance(token, bool) for token in tokens
-            ):
-                raise APIError(400, "'tokens' must be a list of integers", param="tokens")
-            if any(token < 0 or token >= engine.tokenizer.vocab_size for token in tokens):
-                raise APIError(400, "token id out of range", param="tokens")
+            params = parse_detokenize(await _read_object(request))
+            engine.served_model(params.model)
         except APIError as error:
             return _error(error)
-        return _json({"prompt": engine.tokenizer.decode(tokens)})
+        vocab_size = engine.tokenizer.vocab_size
+        known = [token for token in params.tokens if token < vocab_size]
+        return _json({"prompt": engine.tokenizer.decode(known)})
 
     async def embeddings(self, request: web.Request) -> web.Response:
         engine = self.engine
+        tokenizer = engine.tokenizer
         try:
-            body = await _read_object(request)
-            model = require_model(body)
-            engine.check_model(model)
-            inputs = self._embedding_inputs(body.get("input"))
-            encoding = body.get("encoding_format") or "float"
-            if encoding not in ("float", "base64"):
-                raise APIError(400, "encoding_format must be 'float' or 'base64'", param="encoding_format")
+            params = parse_embeddings(await _read_object(request))
+            model = engine.served_model(params.model)
+            try:
+                inputs = [tokenizer.encode_prompt(item) for item in params.inputs]
+            except TokenizationError as exc:
+                raise APIError(400, str(exc), param="input") from None
         except APIError as error:
             return _error(error)
         data = []
@@ -477,7 +475,7 @@ class Handlers:
             vector = engine.embedder.embed(tokens)
             embedding: Any = (
                 base64.b64encode(vector.astype("<f4").tobytes()).decode()
-                if encoding == "base64"
+                if params.encoding_format == "base64"
                 else vector.tolist()
             )
             data.append({"object": "embedding", "index": index, "embedding": embedding})
@@ -491,21 +489,6 @@ class Handlers:
                 "usage": {"prompt_tokens": total, "total_tokens": total},
             }
         )
-
-    def _embedding_inputs(self, raw: Any) -> list[np.ndarray]:
-        tokenizer = self.engine.tokenizer
-        if isinstance(raw, str):
-            items: list[Any] = [raw]
-        elif isinstance(raw, list) and raw and all(isinstance(item, int) for item in raw):
-            items = [raw]
-        elif isinstance(raw, list) and raw:
-            items = raw
-        else:
-            raise APIError(400, "'input' must be a string, a list of strings or token lists", param="input")
-        try:
-            return [tokenizer.encode_prompt(item) for item in items]
-        except TokenizationError as exc:
-            raise APIError(400, str(exc), param="input") from None
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         scheduler = self.engine.scheduler

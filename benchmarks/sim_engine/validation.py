@@ -49,6 +49,7 @@ MAX_CACHE_SALT_CHARS = 128
 CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 SAMPLING_EPS = 1e-5  # below this temperature vLLM samples greedily
 _INT64 = 2**63
+_UINT32 = 2**32
 # Roles whose messages may carry "content": null (OpenAI's assistant and function messages).
 _NULLABLE_CONTENT_ROLES = frozenset(("assistant", "function"))
 # Content parts a text-only model refuses as multimodal input.
@@ -250,6 +251,7 @@ def parse_generation(body: dict[str, Any], endpoint: Endpoint) -> GenerationPara
         raise _validation_error(exc) from None
     if isinstance(fields, _ChatFields):
         _check_messages(fields.messages, fields.model)
+        _check_content_parts(fields.messages, fields.model)
         if fields.max_completion_tokens is not None:
             max_tokens, max_tokens_param = fields.max_completion_tokens, "max_completion_tokens"
         else:
@@ -341,6 +343,94 @@ def check_suffix(params: GenerationParams) -> None:
     raise APIError(400, "suffix requires text prompt input for FIM completion rendering", param="suffix")
 
 
+# --- the other endpoints: tokenize, detokenize, embeddings -----------------------------------
+class _TokenizeChatFields(_Lenient):
+    model: str | None = None
+    messages: list[Any]
+    add_generation_prompt: bool = True
+    tools: list[_Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class _TokenizeTextFields(_Lenient):
+    model: str | None = None
+    prompt: str
+
+
+class _DetokenizeFields(_Lenient):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class _EmbeddingFields(_Lenient):
+    model: str | None = None
+    input: list[TokenId] | list[list[TokenId]] | str | list[str]
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeParams:
+    """A ``/tokenize`` request: a text, or a chat (the body's messages through the template)."""
+
+    model: str | None
+    text: str | None  # None: the chat form
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class DetokenizeParams:
+    model: str | None
+    tokens: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingParams:
+    model: str | None
+    inputs: tuple[str | list[int], ...]
+    encoding_format: Literal["float", "base64"]
+
+
+def parse_tokenize(body: dict[str, Any]) -> TokenizeParams:
+    """vLLM's union of its two tokenize requests: the chat form when it validates, else the text form."""
+    try:
+        chat = _TokenizeChatFields.model_validate(body)
+        _check_messages(chat.messages, chat.model)
+    except (ValidationError, APIError) as chat_error:
+        try:
+            text = _TokenizeTextFields.model_validate(body)
+        except ValidationError as text_error:
+            # Report the form the body was meant as.
+            if "messages" not in body:
+                raise _validation_error(text_error) from None
+            if isinstance(chat_error, APIError):
+                raise chat_error from None
+            raise _validation_error(chat_error) from None
+        return TokenizeParams(text.model or None, text.prompt)
+    _check_content_parts(chat.messages, chat.model)
+    return TokenizeParams(chat.model or None, None, chat.add_generation_prompt)
+
+
+def parse_detokenize(body: dict[str, Any]) -> DetokenizeParams:
+    """Token ids to decode (vLLM decodes ids outside the vocabulary to nothing)."""
+    try:
+        fields = _DetokenizeFields.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    if any(token >= _UINT32 for token in fields.tokens):
+        raise APIError(400, "number too large to fit in target type")  # the tokenizer's ids are 32-bit
+    return DetokenizeParams(fields.model or None, fields.tokens)
+
+
+def parse_embeddings(body: dict[str, Any]) -> EmbeddingParams:
+    """Inputs to embed, typed as vLLM's embedding request types them."""
+    try:
+        fields = _EmbeddingFields.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    return EmbeddingParams(fields.model or None, _prompt_batch(fields.input), fields.encoding_format)
+
+
 # --- stage 1: vLLM's "before" validators -----------------------------------------------------
 def _check_before(body: dict[str, Any], endpoint: Endpoint) -> None:
     cache_salt = body.get("cache_salt")
@@ -426,8 +516,7 @@ def _check_tool_choice(body: dict[str, Any]) -> None:
         raise _rule("When using `tool_choice`, `tools` must be set.", "tool_choice")
     if choice not in ("auto", "required") and not isinstance(choice, dict):
         raise _rule(
-            f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" '
-            "are supported.",
+            f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" are supported.',
             "tool_choice",
         )
     if not isinstance(choice, dict):
@@ -440,7 +529,9 @@ def _check_tool_choice(body: dict[str, Any]) -> None:
     if not isinstance(name, str) or not name:
         raise _rule(f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}", "tool_choice")
     named = (
-        tool.get("function", {}).get("name") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else None
+        tool.get("function", {}).get("name")
+        if isinstance(tool, dict) and isinstance(tool.get("function"), dict)
+        else None
         for tool in (tools if isinstance(tools, list) else ())
     )
     if name not in named:
@@ -449,7 +540,7 @@ def _check_tool_choice(body: dict[str, Any]) -> None:
 
 # --- stage 2: messages and prompts ----------------------------------------------------------
 def _check_messages(messages: list[Any], model: str | None) -> None:
-    """What vLLM's message union admits: any role, text content, null content for assistants."""
+    """What vLLM's message union admits: any role, string or list content, null content for assistants."""
     if not messages:
         raise APIError(400, "Cannot apply chat template to an empty conversation. Provide at least one message.")
     for index, message in enumerate(messages):
@@ -470,12 +561,18 @@ def _check_messages(messages: list[Any], model: str | None) -> None:
             continue
         if not isinstance(content, list):
             raise field_error(where + ".content", "string_type", "Input should be a valid string", content)
-        for part in content:
-            _check_content_part(part, model)
+
+
+def _check_content_parts(messages: list[Any], model: str | None) -> None:
+    """Content parts, which vLLM parses after validation (its errors there carry no param)."""
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                _check_content_part(part, model)
 
 
 def _check_content_part(part: Any, model: str | None) -> None:
-    # vLLM parses content parts after validation: its errors there carry no param.
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return
