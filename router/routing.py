@@ -112,9 +112,13 @@ class PreparedPrompt:
         return hashes
 
     def hash_at(self, position: int) -> int:
-        """One block's hash as a Python int, without converting the others."""
+        """One block's hash as a Python int, without converting the others.
+
+        The routing engine reads single blocks (the first one a request adds, the last one,
+        those in-flight requests started computing): a handful per request.
+        """
         hashes = self._hash_list
-        return hashes[position] if hashes is not None else int(self.hashes[position])
+        return hashes[position] if hashes is not None else self.hashes.item(position)  # type: ignore[no-any-return]
 
 
 @dataclass(slots=True)
