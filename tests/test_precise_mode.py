@@ -34,7 +34,7 @@ from router.kv_events import (
 from router.precise_index import PreciseIndex, precise_salt
 from router.routing import RoutingEngine
 from tokenizer_index.hashing import block_hashes
-from tests.conftest import ServerLoop, SimServer, wait_until
+from conftest import ServerLoop, SimServer, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
