@@ -30,16 +30,16 @@ backend a table of block slot -> LRU tick (``4 + 4`` bytes per slot) plus an app
 log of ticks (4 bytes per touch, compacted when full of stale entries). Both tables are
 kept between 40 % and 60 % full, and each bucket of 8 slots adds a 4-byte spill count
 (0.5 bytes per slot). Per cached backend-block that is ``16.5 / 0.4 + 8.5 / 0.4 + 4..8 =
-66..70`` bytes at worst (no two backends share a block and both tables
-just grew) and 50-60 on average; a block several backends hold costs its block-table slot
-once. ``stats().bytes`` is the exact total; ``python -m benchmarks.bench_index`` measured
-about 60 bytes per backend-block at 1M blocks over 16 backends. Memory is bounded by the
+66..70`` bytes at worst (no two backends share a block and both tables just grew) and
+50-60 on average; a block several backends hold costs its block-table slot once.
+``stats().bytes`` is the exact total; ``python -m benchmarks.bench_index`` measured about
+60 bytes per backend-block at 1M blocks over 16 backends. Memory is bounded by the
 capacities; removing a backend frees everything of it (its block table slots are reused;
 the table itself never shrinks).
 
-Per call, the work is a handful of compiled loops over the request's blocks (numba; see
-:mod:`tokenizer_index.bucket_table`), mostly random reads of the tables, plus a few numpy
-passes. The router hashes once and calls :meth:`PrefixIndex.match_hashes` and
+Per call, the work is a few compiled loops over the request's blocks
+(:mod:`tokenizer_index.kernels`), mostly random reads of the tables, and a few numpy
+calls. The router hashes once and calls :meth:`PrefixIndex.match_hashes` and
 :meth:`PrefixIndex.insert_hashes` with the same array, and the insert reuses the match's
 lookups.
 """
@@ -235,10 +235,6 @@ class _Holder:
     @property
     def over_capacity(self) -> int:
         return 0 if self.capacity is None else max(0, self.count - self.capacity)
-
-    def block_slots(self, slots: np.ndarray) -> np.ndarray:
-        """Block slots of these table slots."""
-        return self.table.flat[slots].astype(np.int64) - 1
 
     def find(self, block_slots: np.ndarray, placement: np.ndarray) -> np.ndarray:
         return self.table.find((block_slots + 1).astype(np.uint32), placement)
