@@ -5,15 +5,13 @@ Block ``i`` of a sequence is keyed by a 64-bit hash that depends on every token 
 prefix, like vLLM's ``hash_block_tokens`` chain (``kv_cache_utils.py``). The index never
 needs the tokens again: a longest-prefix match is a walk over a request's block hashes.
 
-The construction is chosen so that a whole prompt hashes in a few numpy passes:
+The construction (one compiled loop over the blocks, :func:`tokenizer_index.kernels.chain_hashes`):
 
 * **content** of block ``j``: ``c_j = fmix(sum_k tok[j, k] * P_k)`` (mod 2^64), a
   polynomial over the block's columns with fixed odd 64-bit multipliers ``P_k``, then
   splitmix64's finalizer ``fmix`` (a bijection on 64-bit words) so that equal sums of
   different blocks are not equal hashes of their chains;
-* **chain**: ``r_{-1} = seed(salt)``, ``r_i = K * r_{i-1} + c_i`` (mod 2^64). With ``K``
-  odd, ``K`` is invertible mod 2^64 and ``r_i = K^i * (K * seed + sum_{j<=i} K^-j c_j)``:
-  one cumulative sum instead of a Python loop;
+* **chain**: ``r_{-1} = seed(salt)``, ``r_i = K * r_{i-1} + c_i`` (mod 2^64, ``K`` odd);
 * **hash**: ``h_i = fmix(r_i)``. Since ``fmix`` is a bijection, :func:`chain_hash` can
   recover ``r_{i-1}`` from a parent's public hash and extend a chain one block at a time
   (what KV events need), consistently with :func:`block_hashes`.
@@ -21,7 +19,7 @@ The construction is chosen so that a whole prompt hashes in a few numpy passes:
 This is a routing key, not a cryptographic hash: someone who reads this file can build two
 blocks with equal content sums. A collision only makes the router believe a prefix is
 cached where it is not (the engines key their caches with their own hashes), so speed wins.
-A 128K-token prompt hashes in a fraction of a millisecond (``python -m benchmarks.bench_index``).
+A 128K-token prompt hashes in tens of microseconds (``python -m benchmarks.bench_index``).
 """
 
 from __future__ import annotations
@@ -32,23 +30,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tokenizer_index import kernels
+
 __all__ = ["block_hashes", "chain_hash", "salt_seed"]
 
 _MASK64 = (1 << 64) - 1
-#: Chain multiplier (odd, so invertible mod 2^64): the 64-bit golden ratio.
-_K = 0x9E3779B97F4A7C15
-_K_INV = pow(_K, -1, 1 << 64)
+_K = kernels.CHAIN_MULTIPLIER
 #: Seed of sequences with no salt (hex digits of pi); salted seeds come from BLAKE2b.
 _UNSALTED_SEED = 0x243F6A8885A308D3
-# splitmix64's finalizer constants (Steele, Lea, Flood 2014).
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
+_M1, _M2 = kernels.FMIX_MULTIPLIERS
 _M1_INV = pow(_M1, -1, 1 << 64)
 _M2_INV = pow(_M2, -1, 1 << 64)
-
-_U64 = np.uint64
-_S30, _S27, _S31, _S32 = _U64(30), _U64(27), _U64(31), _U64(32)
-_NP_M1, _NP_M2, _NP_K = _U64(_M1), _U64(_M2), _U64(_K)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -68,16 +60,9 @@ def block_hashes(tokens: Sequence[int] | np.ndarray, block_size: int, salt: str 
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     ids = _as_token_array(tokens)
-    count = len(ids) // block_size
-    if count == 0:
-        return np.empty(0, dtype=np.uint64)
-    content = _block_contents(ids[: count * block_size].reshape(count, block_size))
-    powers, inverse_powers = _chain_powers(count)
-    # r_i = K^i * (K * seed + sum_{j<=i} K^-j * c_j)   (all mod 2^64)
-    chain = np.cumsum(content * inverse_powers[:count], dtype=np.uint64)
-    chain += _U64((_K * salt_seed(salt)) & _MASK64)
-    chain *= powers[:count]
-    return _fmix_array(chain)
+    hashes = np.empty(len(ids) // block_size, dtype=np.uint64)
+    kernels.chain_hashes(ids, block_size, _column_multipliers(block_size), np.uint64(salt_seed(salt)), hashes)
+    return hashes
 
 
 def chain_hash(parent_hash: int | None, block_tokens: Sequence[int] | np.ndarray, salt: str | None = None) -> int:
@@ -90,27 +75,24 @@ def chain_hash(parent_hash: int | None, block_tokens: Sequence[int] | np.ndarray
     if len(ids) == 0:
         raise ValueError("a block has at least one token")
     previous = salt_seed(salt) if parent_hash is None else _fmix_inverse(int(parent_hash) & _MASK64)
-    content = int(_block_contents(ids.reshape(1, -1))[0])
-    return _fmix((_K * previous + content) & _MASK64)
+    hashes = np.empty(1, dtype=np.uint64)
+    kernels.chain_hashes(ids, len(ids), _column_multipliers(len(ids)), np.uint64(previous), hashes)
+    return int(hashes[0])
 
 
 # --- internals -------------------------------------------------------------------------
 
 
 def _as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Token ids as a 1-D uint64 array, without a copy when they already are 64-bit ints."""
+    """Token ids as a C-contiguous 1-D uint64 array, without a copy when they already are
+    64-bit ints."""
     if isinstance(tokens, np.ndarray):
         if tokens.dtype == np.uint64:
-            return tokens.reshape(-1)
-        if tokens.dtype == np.int64:
-            return tokens.reshape(-1).view(np.uint64)  # same bits; token ids are never negative
+            return np.ascontiguousarray(tokens.reshape(-1))
+        if tokens.dtype == np.int64:  # same bits; token ids are never negative
+            return np.ascontiguousarray(tokens.reshape(-1)).view(np.uint64)
         return tokens.reshape(-1).astype(np.uint64)
     return np.array(tokens, dtype=np.uint64).reshape(-1)
-
-
-def _block_contents(blocks: np.ndarray) -> np.ndarray:
-    """Per-row content hash ``fmix(row . P)`` of a (count, block_size) uint64 token matrix."""
-    return _fmix_array(blocks @ _column_multipliers(blocks.shape[1]))
 
 
 @functools.lru_cache(maxsize=64)
@@ -119,36 +101,8 @@ def _column_multipliers(block_size: int) -> np.ndarray:
     return np.array([_fmix((column + 1) * _K & _MASK64) | 1 for column in range(block_size)], dtype=np.uint64)
 
 
-_POWERS: tuple[np.ndarray, np.ndarray] = (np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64))
-
-
-def _chain_powers(count: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(K^i, K^-i)`` for ``i < count`` (mod 2^64), grown by doubling and kept for reuse."""
-    global _POWERS
-    powers = _POWERS
-    if len(powers[0]) < count:
-        size = max(count, 2 * len(powers[0]), 4096)
-        forward = np.full(size, _K, dtype=np.uint64)
-        forward[0] = 1
-        backward = np.full(size, _K_INV, dtype=np.uint64)
-        backward[0] = 1
-        # Integer cumprod wraps mod 2^64, exactly the arithmetic the chain uses.
-        powers = _POWERS = (np.cumprod(forward, dtype=np.uint64), np.cumprod(backward, dtype=np.uint64))
-    return powers
-
-
-def _fmix_array(values: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer over a uint64 array (in place on ``values``, which it returns)."""
-    values ^= values >> _S30
-    values *= _NP_M1
-    values ^= values >> _S27
-    values *= _NP_M2
-    values ^= values >> _S31
-    return values
-
-
 def _fmix(value: int) -> int:
-    """splitmix64's finalizer of one 64-bit integer (the scalar twin of :func:`_fmix_array`)."""
+    """splitmix64's finalizer of one 64-bit integer (:func:`tokenizer_index.kernels.fmix` in Python)."""
     value ^= value >> 30
     value = (value * _M1) & _MASK64
     value ^= value >> 27

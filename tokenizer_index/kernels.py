@@ -1,10 +1,12 @@
-"""The compiled loops of the prefix index (numba): its hash tables and its walks.
+"""The compiled loops of ``tokenizer_index`` (numba): block hashing, the prefix index's hash
+tables and its walks.
 
 A 128K-token prompt is 8,192 blocks, and a numpy pass costs microseconds per call however
 short its input, so neither numpy nor Python loops could serve both a 40-block chat and an
 8,192-block agent transcript in microseconds: these loops do a few memory reads per block
-and touch no Python object. :mod:`tokenizer_index.bucket_table` and
-:mod:`tokenizer_index.prefix_index` own the arrays and call them.
+and touch no Python object. :mod:`tokenizer_index.hashing`,
+:mod:`tokenizer_index.bucket_table` and :mod:`tokenizer_index.prefix_index` own the arrays
+and call them.
 
 Why everything compiled lives in this one file: numba's on-disk cache of a kernel is keyed
 on the file that defines it, and kernels inline the helpers they call, so a kernel in
@@ -56,6 +58,41 @@ def compiled(signatures: Any) -> Callable[[Callable[..., Any]], Any]:
             return njit(signatures, nogil=True)(function)
 
     return compile_
+
+
+# --- block hashing (the scheme is documented in tokenizer_index.hashing) --------------------
+
+#: Chain multiplier (odd, so invertible mod 2^64): the 64-bit golden ratio.
+CHAIN_MULTIPLIER = 0x9E3779B97F4A7C15
+#: splitmix64's finalizer constants (Steele, Lea, Flood 2014).
+FMIX_MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+_K = np.uint64(CHAIN_MULTIPLIER)
+_M1, _M2 = np.uint64(FMIX_MULTIPLIERS[0]), np.uint64(FMIX_MULTIPLIERS[1])
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+
+
+@njit(inline="always")
+def fmix(value: np.uint64) -> np.uint64:
+    """splitmix64's finalizer: a bijection on 64-bit words."""
+    value ^= value >> _S30
+    value *= _M1
+    value ^= value >> _S27
+    value *= _M2
+    return value ^ (value >> _S31)
+
+
+@compiled(types.void(types.uint64[::1], types.int64, types.uint64[::1], types.uint64, types.uint64[::1]))
+def chain_hashes(tokens, block_size, multipliers, seed, hashes):  # type: ignore[no-untyped-def]
+    """``hashes[i] = fmix(r_i)`` with ``r_i = K * r_{i-1} + fmix(block_i . multipliers)``
+    and ``r_{-1} = seed``, for the first ``len(hashes)`` full blocks of ``tokens``."""
+    chain = seed
+    for block in range(hashes.shape[0]):
+        start = block * block_size
+        content = np.uint64(0)
+        for column in range(block_size):
+            content += tokens[start + column] * multipliers[column]
+        chain = _K * chain + fmix(content)
+        hashes[block] = fmix(chain)
 
 
 # --- the hash tables -----------------------------------------------------------------------
