@@ -43,7 +43,9 @@ def naive_block_hashes(tokens: list[int], block_size: int, salt: str | None) -> 
 
 @settings(max_examples=200, deadline=None)
 @given(tokens=TOKEN_LISTS, block_size=SIZES, salt=st.sampled_from([None, "m", "lora:x"]))
-def test_compiled_chain_equals_the_documented_construction(tokens: list[int], block_size: int, salt: str | None) -> None:
+def test_compiled_chain_equals_the_documented_construction(
+    tokens: list[int], block_size: int, salt: str | None
+) -> None:
     hashes = block_hashes(tokens, block_size, salt)
     assert hashes.dtype == np.uint64
     assert len(hashes) == len(tokens) // block_size
