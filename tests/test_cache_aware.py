@@ -92,6 +92,44 @@ def test_load_weight_scales_the_queue_against_the_match() -> None:
     assert (cheap_queue.backend, dear_queue.backend) == ("http://b0", "http://b1")
 
 
+def _queue(backend: Backend, requests: int, tokens: int) -> None:
+    backend.in_flight, backend.in_flight_tokens = requests, tokens
+
+
+def test_deep_queues_keep_a_conversation_with_its_history() -> None:
+    """The same 30K-token queue difference outweighs an 8K history on a light fleet, not a busy one."""
+    returning = request(10_000, {"http://b0": 8000})
+    light = backends(2)
+    _queue(light[0], 1, 30_000)  # busy 0.5: weight 0.5 / 1.5, 10K of queue against 8K of history
+    left = policy().choose(returning, light)
+    assert (left.backend, left.reason) == ("http://b1", "least_cost")
+    busy = backends(2)
+    _queue(busy[0], 11, 30_000 + 100_000)  # ten more requests on each: busy 10.5
+    _queue(busy[1], 10, 100_000)
+    stayed = policy().choose(returning, busy)
+    assert (stayed.backend, stayed.reason, stayed.matched_tokens) == ("http://b0", "prefix_match", 8000)
+
+
+def test_a_shared_prefix_keeps_the_full_load_weight_on_a_busy_fleet() -> None:
+    """A match of a minority of the prompt is a shared prefix, not the request's history."""
+    fleet = backends(2)
+    _queue(fleet[0], 11, 10_000 + 100_000)
+    _queue(fleet[1], 10, 100_000)
+    new_conversation = request(6000, {"http://b0": 2000})  # 0.5 * 10K of queue > 2K of prefix
+    decision = policy().choose(new_conversation, fleet)
+    assert (decision.backend, decision.reason) == ("http://b1", "least_cost")
+    holds_most = request(6000, {"http://b0": 3000})  # half the prompt: its history, weight / 11.5
+    assert policy().choose(holds_most, fleet).backend == "http://b0"
+
+
+def test_cold_prompts_on_a_busy_fleet_still_go_to_the_least_loaded_backend() -> None:
+    fleet = backends(3)
+    _queue(fleet[0], 12, 120_000)
+    _queue(fleet[1], 10, 100_000)
+    _queue(fleet[2], 11, 110_000)
+    assert policy().choose(request(5000), fleet).backend == "http://b1"
+
+
 def test_the_engines_own_waiting_queue_counts_as_load() -> None:
     fleet = backends(2)
     cache_aware = policy()
