@@ -122,7 +122,10 @@ class Settings(BaseSettings):
     load_weight: float = Field(
         default=0.5,
         ge=0,
-        description="cache_aware: prompt tokens of prefill that one token of queued work costs",
+        description=(
+            "cache_aware: prompt tokens of prefill that one token of queued work costs (divided by 1 + the mean"
+            " in-flight requests per backend when a backend holds most of the prompt)"
+        ),
     )
     overload_factor: float = Field(
         default=2.0,
