@@ -95,9 +95,10 @@ class BucketTable:
 
     def find_or_add(self, keys: np.ndarray, placement: np.ndarray, slots: np.ndarray, added: np.ndarray) -> int:
         """Fill ``slots`` in place: positions holding :data:`LOOK_UP` are looked up and, if
-        absent, added; :data:`ABSENT` ones are added without a lookup; slots >= 0 are kept.
-        Marks ``added`` where a key was added (a key repeated in the batch is added once)
-        and returns how many were. The caller makes room first (:meth:`room`): a table
+        absent, added; :data:`ABSENT` ones (absent, and not repeated in the batch: the
+        caller knows) are added without a lookup; slots >= 0 are kept. Marks ``added``
+        where a key was added (a looked-up key repeated in the batch is added once) and
+        returns how many were. The caller makes room first (:meth:`room`): a table
         never fills past its maximum load, so a full one raises instead.
         """
         stopped, count = kernels.find_or_add(self.flat, self.spills, keys, placement, slots, added, self.room())
