@@ -282,6 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--agent-turns", type=int, default=8, help="agent-sessions: turns")
     what.add_argument("--agent-scale", type=float, default=0.25,
                       help="agent-sessions: fraction of a production turn (88K in, 400 out)")
+    what.add_argument("--think-time", type=float, metavar="MEAN",
+                      help="agent-sessions, multi-turn: exponential think time of this mean "
+                      "(seconds, seeded) between an answer and the session's next turn; "
+                      "scaled by --speedup like arrival times (default: none, lockstep)")
+    what.add_argument("--arrival-rate", type=float, metavar="R",
+                      help="agent-sessions, multi-turn: sessions start by a Poisson process "
+                      "of R per second (seeded) instead of together")
     where = parser.add_argument_group("fleet")
     where.add_argument("--engine", default="sim",
                        help="'sim' to start simulated replicas, or URL,URL,... of running engines")
@@ -338,7 +345,8 @@ async def _main(args: argparse.Namespace) -> int:
         system_tokens=args.system_tokens, conversations=args.conversations,
         sessions=tuple(int(count) for count in _csv(args.sessions)),
         agent_turns=args.agent_turns, agent_scale=args.agent_scale, limit=args.limit,
-        max_output_tokens=args.max_output_tokens,
+        max_output_tokens=args.max_output_tokens, think_time=args.think_time,
+        arrival_rate=args.arrival_rate,
     )
     try:
         workloads = [w for spec in args.workload or ["system-prompt", "agent-sessions"]

@@ -8,7 +8,9 @@ and the tokens the router predicted to be cached.
 
 Timing model: a request is sent at ``arrival_s / speedup`` after the start, but never before
 the previous request of its session has finished (a user reads the answer before the next
-turn; an agent runs its tool first). Requests without a session are independent (open loop).
+turn; an agent runs its tool first), plus the request's ``think_s / speedup`` after that
+answer (think time is modelled time, scaled like arrival times). Requests without a session
+are independent (open loop).
 ``max_in_flight`` bounds the client's own concurrency so a slow target queues in the client,
 where the queueing is counted in TTFT, instead of exhausting sockets.
 """
@@ -206,14 +208,18 @@ async def replay(
     started = time.perf_counter()
 
     async def run_session(indices: list[int]) -> None:
+        answered = started  # when this session's previous answer arrived
         for index in indices:
             request = requests[index]
-            delay = started + request.arrival_s / speedup - time.perf_counter()
+            not_before = max(started + request.arrival_s / speedup,
+                             answered + request.think_s / speedup)
+            delay = not_before - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             due = time.perf_counter()
             async with gate:
                 await send_one(client, url, request, records[index], started, due)
+            answered = time.perf_counter()
             if progress is not None:
                 progress.advance(records[index].ok)
 

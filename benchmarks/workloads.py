@@ -26,6 +26,27 @@ Workloads (``--workload``):
     agent turn is about 88K tokens in and 400 out; ``agent_scale`` scales both. Swept over S
     (``--sessions 4,8,16,32``) past what the fleet's caches hold, it shows the cliff where
     turns go from nearly free to full prefill.
+
+Timing variants (``agent-sessions`` and ``multi-turn``; flags ``--think-time MEAN`` and
+``--arrival-rate R``, or per workload as ``agent-sessions:16+think=0.3+rate=0.5``):
+
+think time
+    Each turn after the first waits ``think`` seconds after the previous turn's answer,
+    drawn from an exponential distribution of mean MEAN with a seed per (seed, session), so
+    sessions that start together drift apart the way users and tools do. Think time is
+    modelled time like arrival times: the replay divides both by its ``speedup`` (the sims'
+    time scale by default), so a think time means the same against sims at 10x as against
+    real engines at 1x. Its :attr:`WorkloadRequest.arrival_s` is then the session's start
+    plus the think times so far, a lower bound of when the turn really goes out (the
+    answers take time), which orders the workload sensibly for offline bounds.
+open arrivals
+    Sessions start by a Poisson process of R sessions per second (seeded) instead of all at
+    once. Every session ends after its turns, so under open arrivals finished sessions'
+    blocks stay in the engines' caches as dead weight while new sessions arrive.
+
+Without either, the workloads are exactly as before (same requests, same arrival times).
+The message text never depends on the timing: a variant sends the same bodies in another
+order.
 ``mooncake:PATH``
     A Mooncake production trace (see :mod:`benchmarks.mooncake`), sent as completions with a
     token-id prompt.
@@ -133,6 +154,8 @@ class WorkloadRequest:
     body: dict[str, Any]
     session_id: str | None = None
     turn: int = 0
+    #: Seconds (modelled, like ``arrival_s``) to wait after this session's previous answer.
+    think_s: float = 0.0
 
     @property
     def max_tokens(self) -> int:
@@ -148,6 +171,8 @@ class Workload:
     requests: list[WorkloadRequest]
     sessions: int | None = None
     description: str = ""
+    think_time: float | None = None  # mean seconds between an answer and the next turn
+    arrival_rate: float | None = None  # sessions starting per second (open arrivals)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +194,8 @@ class WorkloadOptions:
     max_output_tokens: int | None = None  # cap every request's max_tokens
     vocab_size: int = mooncake.DEFAULT_VOCAB_SIZE
     first_token_id: int = mooncake.DEFAULT_FIRST_TOKEN_ID
+    think_time: float | None = None  # mean think time (s); None: no think time
+    arrival_rate: float | None = None  # sessions/s by a Poisson process; None: all at once
 
 
 def _rng(seed: int, *scope: int) -> np.random.Generator:
@@ -185,10 +212,40 @@ def words(rng: np.random.Generator, tokens: int) -> str:
 
 def _chat(
     arrival_s: float, model: str, messages: list[dict[str, str]], max_tokens: int,
-    session_id: str, turn: int,
+    session_id: str, turn: int, think_s: float = 0.0,
 ) -> WorkloadRequest:
     body = {"model": model, "messages": list(messages), "max_tokens": max_tokens}
-    return WorkloadRequest(arrival_s, CHAT_ENDPOINT, body, session_id, turn)
+    return WorkloadRequest(arrival_s, CHAT_ENDPOINT, body, session_id, turn, think_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """When a session's turns go out: its start, then a fixed pace or think times.
+
+    ``think_time`` None keeps the workload's own pace (turn ``t`` at ``start + t * pace``,
+    sent no earlier than the previous answer). A mean gives each later turn an exponential
+    think time after the previous answer, seeded per (seed, stream, session).
+    """
+
+    think_time: float | None = None
+    seed: int = 0
+    stream: int = 0
+
+    def turns(self, session: int, start: float, turns: int, pace: float) -> list[tuple[float, float]]:
+        """(arrival_s, think_s) of each of ``turns`` turns of one session."""
+        if self.think_time is None:
+            return [(start + turn * pace, 0.0) for turn in range(turns)]
+        draws = _rng(self.seed, self.stream, session).exponential(self.think_time, size=turns)
+        draws[0] = 0.0  # the first turn goes out at the session's start
+        arrivals = start + np.cumsum(draws)
+        return [(float(a), float(d)) for a, d in zip(arrivals, draws)]
+
+
+def poisson_starts(rate: float, count: int, seed: int, stream: int) -> np.ndarray:
+    """Start times of ``count`` sessions arriving by a Poisson process of ``rate`` per second."""
+    if rate <= 0:
+        raise ValueError("arrival rate must be positive")
+    return np.cumsum(_rng(seed, stream).exponential(1.0 / rate, size=count))
 
 
 def system_prompt(
@@ -212,19 +269,27 @@ def system_prompt(
 def multi_turn(
     *, conversations: int = 16, turns: int = 6, user_tokens: int = 250, reply_tokens: int = 200,
     max_tokens: int = 64, mean_gap_s: float = 0.5, think_s: float = 3.0, model: str = "sim",
-    seed: int = 0,
+    seed: int = 0, think_time: float | None = None, arrival_rate: float | None = None,
 ) -> Iterator[WorkloadRequest]:
-    """Independent conversations whose histories grow turn by turn (Poisson starts)."""
-    starts = np.cumsum(_rng(seed, 3).exponential(mean_gap_s, size=conversations))
+    """Independent conversations whose histories grow turn by turn (Poisson starts).
+
+    Conversations start ``mean_gap_s`` apart on average (``arrival_rate`` per second when
+    given); turns follow every ``think_s`` seconds, or ``think_time`` on average after the
+    previous answer when given (see the module's timing variants).
+    """
+    starts = poisson_starts(arrival_rate or 1.0 / mean_gap_s, conversations, seed, 3)
+    timing = Timing(think_time, seed, 8)
     system = {"role": "system", "content": "You are a helpful assistant."}
     pending: list[WorkloadRequest] = []
     for conv in range(conversations):
         rng = _rng(seed, 4, conv)
         history = [system]
-        for turn in range(turns):
+        times = timing.turns(conv, float(starts[conv]), turns, think_s)
+        for turn, (arrival, think) in enumerate(times):
             history.append({"role": "user", "content": words(rng, user_tokens)})
-            arrival = float(starts[conv]) + turn * think_s
-            pending.append(_chat(arrival, model, history, max_tokens, f"conv-{conv}", turn))
+            pending.append(
+                _chat(arrival, model, history, max_tokens, f"conv-{conv}", turn, think)
+            )
             history.append({"role": "assistant", "content": words(rng, reply_tokens)})
     yield from sorted(pending, key=lambda request: request.arrival_s)
 
@@ -268,14 +333,25 @@ def _tool_call(rng: np.random.Generator, call_id: str) -> dict[str, Any]:
 
 def agent_sessions(
     *, sessions: int = 8, turns: int = 8, scale: float = 0.25, system_tokens: int = 2000,
-    gap_s: float = 0.25, model: str = "sim", seed: int = 0,
+    gap_s: float = 0.25, model: str = "sim", seed: int = 0, think_time: float | None = None,
+    arrival_rate: float | None = None,
 ) -> Iterator[WorkloadRequest]:
     """S agent sessions in round-robin lockstep; each turn appends a tool call and its result.
 
     The last turn's prompt is about ``scale * 88K`` tokens, the output ``scale * 400``. All
     sessions share the agent's system prompt and tools. A turn's history is the previous
     turn's plus the assistant's answer (some text and a tool call) and the tool's result.
+
+    Session ``s`` starts at ``s * gap_s`` (at Poisson times of ``arrival_rate`` per second
+    when given) and takes a turn every ``sessions * gap_s`` seconds, or ``think_time`` on
+    average after its previous answer when given (see the module's timing variants).
     """
+    starts = (
+        poisson_starts(arrival_rate, sessions, seed, 9) if arrival_rate is not None
+        else np.arange(sessions) * gap_s
+    )
+    timing = Timing(think_time, seed, 7)
+    times = [timing.turns(s, float(starts[s]), turns, sessions * gap_s) for s in range(sessions)]
     final_tokens = AGENT_CONTEXT_TOKENS * scale
     max_tokens = max(8, round(AGENT_OUTPUT_TOKENS * scale))
     tool_tokens = max(16, round((final_tokens - system_tokens) / turns) - max_tokens)
@@ -294,10 +370,10 @@ def agent_sessions(
                                 "tool_calls": [call]})
                 history.append({"role": "tool", "tool_call_id": call["id"],
                                 "content": words(rng, tool_tokens)})
-            arrival = (turn * sessions + session) * gap_s
+            arrival, think = times[session][turn]
             body = {"model": model, "messages": list(history), "tools": list(AGENT_TOOLS),
                     "max_tokens": max_tokens}
-            yield WorkloadRequest(arrival, CHAT_ENDPOINT, body, f"agent-{session}", turn)
+            yield WorkloadRequest(arrival, CHAT_ENDPOINT, body, f"agent-{session}", turn, think)
 
 
 def mooncake_trace(
@@ -331,13 +407,63 @@ def _finish(requests: Iterator[WorkloadRequest], options: WorkloadOptions) -> li
     ]
 
 
-WORKLOAD_KINDS = ("system-prompt", "multi-turn", "agent-sessions", "mooncake:PATH")
+WORKLOAD_KINDS = (
+    "system-prompt", "multi-turn[+think=S][+rate=R]", "agent-sessions[:S][+think=S][+rate=R]",
+    "mooncake:PATH",
+)
+#: Workloads that take the timing variants.
+_TIMED_KINDS = ("multi-turn", "agent-sessions")
+
+
+def _timing(spec: str, options: WorkloadOptions) -> tuple[str, WorkloadOptions]:
+    """Split ``kind[:arg]+think=S+rate=R`` into ``kind[:arg]`` and options with those set."""
+    base, *variants = spec.split("+")
+    values: dict[str, float] = {}
+    for variant in variants:
+        key, _, value = variant.partition("=")
+        if key not in ("think", "rate"):
+            raise ValueError(f"unknown workload variant {variant!r} in {spec!r}; "
+                             "known: think=SECONDS, rate=SESSIONS_PER_S")
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise ValueError(f"{key} needs a number in {spec!r}") from None
+    return base, replace(
+        options, think_time=values.get("think", options.think_time),
+        arrival_rate=values.get("rate", options.arrival_rate),
+    )
+
+
+def _variant_name(name: str, options: WorkloadOptions) -> str:
+    """The workload's name with its timing variant: ``agent-sessions:16+think=0.3``."""
+    if options.think_time is not None:
+        name += f"+think={options.think_time:g}"
+    if options.arrival_rate is not None:
+        name += f"+rate={options.arrival_rate:g}"
+    return name
+
+
+def _timed(name: str, kind: str, requests: Iterator[WorkloadRequest], options: WorkloadOptions,
+           description: str, sessions: int | None = None) -> Workload:
+    return Workload(
+        _variant_name(name, options), kind, _finish(requests, options), sessions=sessions,
+        description=description, think_time=options.think_time,
+        arrival_rate=options.arrival_rate,
+    )
 
 
 def make_workloads(spec: str, options: WorkloadOptions) -> list[Workload]:
-    """The workload(s) a ``--workload`` value names; agent-sessions gives one per S."""
+    """The workload(s) a ``--workload`` value names; agent-sessions gives one per S.
+
+    ``multi-turn`` and ``agent-sessions`` take timing variants after the name
+    (``agent-sessions:16+think=0.3+rate=0.5``), overriding ``--think-time`` and
+    ``--arrival-rate`` for that workload only.
+    """
+    if spec.split(":")[0].split("+")[0] in _TIMED_KINDS:
+        spec, options = _timing(spec, options)
     kind, _, argument = spec.partition(":")
     seed, model, limit = options.seed, options.model, options.limit
+    timing = {"think_time": options.think_time, "arrival_rate": options.arrival_rate}
     sizes = {
         name: value for name, value in
         (("user_tokens", options.user_tokens), ("reply_tokens", options.reply_tokens))
@@ -353,22 +479,23 @@ def make_workloads(spec: str, options: WorkloadOptions) -> list[Workload]:
     if kind == "multi-turn":
         requests = multi_turn(
             conversations=options.conversations, turns=options.turns, model=model, seed=seed,
-            **sizes,
+            **sizes, **timing,
         )
         description = f"{options.conversations} conversations x {options.turns} turns"
-        return [Workload(kind, kind, _finish(requests, options), description=description)]
+        return [_timed(kind, kind, requests, options, description)]
     if kind == "agent-sessions":
         counts = [int(argument)] if argument else list(options.sessions)
         return [
-            Workload(
+            _timed(
                 f"agent-sessions:{count}", kind,
-                _finish(agent_sessions(
+                agent_sessions(
                     sessions=count, turns=options.agent_turns, scale=options.agent_scale,
-                    model=model, seed=seed,
-                ), options),
-                sessions=count,
-                description=f"{count} sessions x {options.agent_turns} turns, "
+                    model=model, seed=seed, **timing,
+                ),
+                options,
+                f"{count} sessions x {options.agent_turns} turns, "
                 f"~{round(AGENT_CONTEXT_TOKENS * options.agent_scale)} tokens at the end",
+                sessions=count,
             )
             for count in counts
         ]
@@ -383,4 +510,3 @@ def make_workloads(spec: str, options: WorkloadOptions) -> list[Workload]:
         name = f"mooncake:{path.stem.removeprefix('mooncake_').removesuffix('_trace')}"
         return [Workload(name, kind, _finish(requests, options), description=str(path))]
     raise ValueError(f"unknown workload {spec!r}; known: {', '.join(WORKLOAD_KINDS)}")
-

@@ -111,3 +111,27 @@ def test_overhead_compares_a_router_with_direct(tmp_path: Path) -> None:
     assert rows["round_robin"]["router_cpu_us_per_request"] > 0
     assert rows["round_robin"]["added_p50_ms"] is not None
     assert all(row["errors"] == 0 and row["requests_per_s"] > 0 for row in rows.values())
+
+
+async def test_replay_waits_each_think_time_after_the_answer_scaled_by_speedup() -> None:
+    fleet = SimFleet(SimSpec(replicas=1, time_scale=20, kv_capacity_tokens=32768))
+    options = WorkloadOptions(conversations=2, turns=3, user_tokens=60, reply_tokens=40)
+    (workload,) = make_workloads("multi-turn+think=4", options)
+    speedup = 20.0
+    try:
+        await fleet.fresh()
+        run = await replay(fleet.urls[0], workload.requests, speedup=speedup)
+    finally:
+        fleet.stop()
+    assert run.errors == 0
+    waits = []
+    by_session: dict[str, list] = {}
+    for request, record in zip(workload.requests, run.records):
+        by_session.setdefault(request.session_id, []).append((request, record))
+    for turns in by_session.values():
+        for (_, earlier), (request, later) in itertools.pairwise(turns):
+            answered = earlier.sent_s + earlier.latency_s
+            assert later.sent_s >= answered + request.think_s / speedup - 1e-3
+            waits.append(later.sent_s - answered)
+    # think times of mean 4 s at 20x: waits of ~0.2 s wall, not back-to-back turns
+    assert len(waits) == 4 and sum(waits) > 0.2

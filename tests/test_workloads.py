@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from benchmarks import workloads
@@ -120,3 +122,64 @@ def test_max_output_tokens_caps_every_request() -> None:
     assert [r.body["messages"] for r in capped.requests] == [
         r.body["messages"] for r in plain.requests
     ]
+
+
+def _sessions_messages(workload: workloads.Workload) -> dict[str, list]:
+    return {key: [t.body["messages"] for t in turns]
+            for key, turns in _by_session(workload.requests).items()}
+
+
+@pytest.mark.parametrize("base", ["agent-sessions:6", "multi-turn"])
+def test_timing_variants_send_the_same_turns_at_other_times(base: str) -> None:
+    options = WorkloadOptions(agent_scale=0.05, seed=3)
+    (plain,) = make_workloads(base, options)
+    for variant in ("+think=0.3", "+rate=0.5", "+think=0.3+rate=2"):
+        (timed,) = make_workloads(base + variant, options)
+        assert timed.name == base + variant
+        assert _sessions_messages(timed) == _sessions_messages(plain)
+        assert [r.arrival_s for r in timed.requests] != [r.arrival_s for r in plain.requests]
+        (again,) = make_workloads(base + variant, options)
+        assert again.requests == timed.requests
+    assert all(r.think_s == 0.0 for r in plain.requests)
+
+
+def test_think_times_are_exponential_and_seeded_per_session() -> None:
+    options = WorkloadOptions(agent_scale=0.02, agent_turns=8, think_time=0.3)
+    (workload,) = make_workloads("agent-sessions:40", options)
+    assert workload.name == "agent-sessions:40+think=0.3" and workload.think_time == 0.3
+    draws = []
+    for turns in _by_session(workload.requests).values():
+        assert turns[0].think_s == 0.0  # a session's first turn waits for no answer
+        start = turns[0].arrival_s
+        for turn in turns[1:]:
+            draws.append(turn.think_s)
+            start += turn.think_s
+            # the nominal arrival is the start plus the think times: a lower bound of the send
+            assert turn.arrival_s == pytest.approx(start)
+    assert len(draws) == 40 * 7 and min(draws) > 0
+    assert 0.25 < float(np.mean(draws)) < 0.35  # mean of 280 exponential draws of mean 0.3
+    assert 0.8 < float(np.std(draws)) / float(np.mean(draws)) < 1.2  # exponential: sd = mean
+    (other_seed,) = make_workloads("agent-sessions:40", replace(options, seed=1))
+    assert [r.think_s for r in other_seed.requests] != [r.think_s for r in workload.requests]
+
+
+def test_open_arrivals_start_sessions_by_a_poisson_process_and_end_them() -> None:
+    options = WorkloadOptions(agent_scale=0.02, agent_turns=3, arrival_rate=2.0)
+    (workload,) = make_workloads("agent-sessions:200", options)
+    sessions = _by_session(workload.requests)
+    starts = sorted(turns[0].arrival_s for turns in sessions.values())
+    gaps = np.diff([0.0, *starts])
+    assert 0.42 < float(np.mean(gaps)) < 0.58  # 200 exponential gaps of mean 0.5 s
+    assert all(len(turns) == 3 for turns in sessions.values())  # every session ends
+    # sessions overlap in time but do not all run at once: early ones end before late ones
+    ends = {key: turns[-1].arrival_s for key, turns in sessions.items()}
+    first, last = sessions["agent-0"], sessions["agent-199"]
+    assert ends["agent-0"] < last[0].arrival_s and first[0].arrival_s < starts[10]
+    assert [r.arrival_s for r in workload.requests] == sorted(r.arrival_s for r in workload.requests)
+
+
+def test_unknown_timing_variant_is_refused() -> None:
+    with pytest.raises(ValueError, match="think=SECONDS"):
+        make_workloads("agent-sessions:4+pause=2", WorkloadOptions())
+    with pytest.raises(ValueError, match="needs a number"):
+        make_workloads("multi-turn+think=soon", WorkloadOptions())
