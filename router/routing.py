@@ -23,13 +23,16 @@ One request, when prefixes are tracked:
    siblings arriving before it completes co-locate with it, and its conversation is
    recorded in the ledger of working sets.
 
-Feedback: when an engine reports fewer cached tokens than the router predicted from
-blocks that *completed* requests put in the index, the index has drifted from that
-engine's cache (a smaller cache than configured, other clients, a restart), and the
-backend's entries for this prompt are trimmed to what the engine really had. Blocks that
-requests still in flight inserted are excluded from that test: a sibling routed behind a
-request that is still prefilling the shared prefix misses by design, and that is no
-evidence of drift.
+Feedback: after a response the engine holds every full block of the prompt (it has just
+computed them), so the index holds them too. When the engine reports fewer cached tokens
+than the router predicted from blocks that *completed* requests put in the index, the
+router's model of that engine's cache was too optimistic (a smaller cache than configured,
+running requests' blocks, other clients): :class:`router.cache_model.CacheModel` lowers
+the capacity the index models for that backend, and the prompt's blocks are touched again
+rather than deleted. Blocks that requests still in flight inserted are excluded from that
+test: a sibling routed behind a request that is still prefilling the shared prefix misses
+by design, and that is no evidence of drift. Backends whose matches come from KV events
+(precise mode) are left to their events.
 
 Block size: ``models[name].block_size``, else ``--block-size``, else the engines' own
 (scraped from ``vllm:cache_config_info``), else 16. Capacity per backend:
@@ -52,6 +55,7 @@ import numpy as np
 import orjson
 
 from router import request_info
+from router.cache_model import CacheModel
 from router.config import POLICY_NAMES, Settings
 from router.engine_stats import EngineStats
 from router.kv_events import KVEventsState
@@ -165,7 +169,8 @@ class FeedbackStats:
     observed_tokens: int = 0
     #: Requests where the engine had fewer tokens than completed requests had put in the index.
     drifts: int = 0
-    trimmed_blocks: int = 0
+    #: Drifts that lowered a backend's modelled capacity.
+    capacity_corrections: int = 0
 
 
 @dataclass(slots=True)
@@ -237,6 +242,9 @@ class RoutingEngine:
         self._engine_block_sizes: dict[str, int] = {}
         self._indexes: dict[int, PrefixIndex] = {}
         self._capacities: dict[tuple[int, str], int] = {}
+        # Per backend its configured capacity (tokens) and the share of it the index models.
+        self._configured_tokens: dict[str, int] = {}
+        self.cache_model = CacheModel()
         # Attempts routed and not yet observed, oldest first; per backend their summed work
         # and the first block each is computing (serial -> (position, hash)).
         self._in_flight: OrderedDict[int, _InFlight] = OrderedDict()
@@ -390,16 +398,25 @@ class RoutingEngine:
         feedback.predicted_tokens += plan.predicted_cached_tokens
         feedback.observed_tokens += cached_tokens
         size = prompt.block_size
+        backend = plan.backend
+        precise = self._precise is not None and self._precise.state(backend) is not KVEventsState.APPROXIMATE
         if plan.confirmed_cached_tokens - cached_tokens < size:
+            if plan.confirmed_cached_tokens >= size and not precise:
+                self.cache_model.confirmed(backend)
             return
         feedback.drifts += 1
         index = self._indexes.get(size)
         if index is None:
             return
-        keep = cached_tokens // size
-        before = index.blocks(plan.backend)
-        index.trim(plan.backend, prompt.hashes, keep)
-        feedback.trimmed_blocks += max(0, before - index.blocks(plan.backend))
+        # The engine computed the whole prompt: it holds every full block now, head most recent.
+        index.insert_hashes(backend, prompt.hashes)
+        configured = self._configured_tokens.get(backend)
+        if precise or configured is None:
+            return  # KV events keep that index exact; an unknown capacity has nothing to correct
+        missing = plan.confirmed_cached_tokens - cached_tokens
+        self.cache_model.shortfall(backend, configured, self.index_tokens(backend), missing)
+        feedback.capacity_corrections += 1
+        self._apply_capacity(index, size, backend, configured)
 
     def forget_backend(self, url: str) -> None:
         """A backend left the pool: drop its index entries, ledger entries and policy state."""
@@ -407,6 +424,8 @@ class RoutingEngine:
             index.remove_backend(url)
         for key in [key for key in self._capacities if key[1] == url]:
             del self._capacities[key]
+        self._configured_tokens.pop(url, None)
+        self.cache_model.forget(url)
         self._computing.pop(url, None)
         self._work.pop(url, None)
         for serial in [serial for serial, entry in self._in_flight.items() if entry.backend == url]:
@@ -491,14 +510,24 @@ class RoutingEngine:
                 capacity_blocks=UNKNOWN_CAPACITY_TOKENS // block_size,
                 ttl_s=self._settings.index_ttl_s,
             )
-        capacities = self._capacities
+        configured = self._configured_tokens
         for backend in candidates:
-            blocks = max(1, (backend.capacity_tokens or UNKNOWN_CAPACITY_TOKENS) // block_size)
-            key = (block_size, backend.url)
-            if capacities.get(key) != blocks:
-                index.set_capacity(backend.url, blocks)
-                capacities[key] = blocks
+            capacity = backend.capacity_tokens
+            if capacity:
+                configured[backend.url] = capacity
+            else:
+                configured.pop(backend.url, None)
+            self._apply_capacity(index, block_size, backend.url, capacity)
         return index
+
+    def _apply_capacity(self, index: PrefixIndex, block_size: int, url: str, configured: int | None) -> None:
+        """Bound ``url`` in ``index`` to the share of its configured cache the model counts on."""
+        tokens = self.cache_model.capacity(url, configured) if configured else UNKNOWN_CAPACITY_TOKENS
+        blocks = max(1, tokens // block_size)
+        key = (block_size, url)
+        if self._capacities.get(key) != blocks:
+            index.set_capacity(url, blocks)
+            self._capacities[key] = blocks
 
     def _learn(self, plan: RoutePlan, index: PrefixIndex, matched_blocks: int) -> None:
         """Insert the request's blocks for its backend; track its work and what it computes."""

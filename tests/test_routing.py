@@ -133,16 +133,46 @@ def test_index_is_bounded_by_each_backends_capacity() -> None:
     assert engine.index_stats().bytes > 0
 
 
-def test_engine_reporting_less_than_predicted_trims_the_index() -> None:
+def test_a_shortfall_keeps_the_computed_prompt_and_shrinks_the_modelled_cache() -> None:
+    """The engine computed the whole prompt, so its next turn finds all of it; the missed
+    blocks say the engine's cache is smaller than modelled, so the model shrinks."""
     engine = RoutingEngine(Settings(policy="cache_aware"))
-    backends = fleet(2)
+    backends = fleet(2, capacity=4096)
+    tokenizer = RequestTokenizer.default()
     served(engine, chat("first question"), backends)
-    plan = route(engine, chat("first question", "an answer", "second question"), backends)
-    assert plan.confirmed_cached_tokens == plan.predicted_cached_tokens > 0
+    body = chat("first question", "an answer", "second question")
+    plan = route(engine, body, backends)
+    assert plan.confirmed_cached_tokens == plan.predicted_cached_tokens > 32
     engine.observe(plan, 32)  # the engine had evicted most of it
-    assert (engine.feedback.drifts, engine.feedback.trimmed_blocks > 0) == (1, True)
+    assert (engine.feedback.drifts, engine.feedback.capacity_corrections) == (1, 1)
+    assert engine.cache_model.scale(plan.backend) < 1.0
     again = route(engine, chat("first question", "an answer", "second question", "x", "y"), backends)
-    assert again.predicted_cached_tokens == 32
+    assert again.backend == plan.backend
+    assert again.predicted_cached_tokens == len(tokenizer.encode_chat(body["messages"])) // 16 * 16
+
+
+def test_confirmed_predictions_grow_the_modelled_cache_back() -> None:
+    engine = RoutingEngine(Settings(policy="cache_aware"))
+    backends = fleet(1, capacity=4096)
+    served(engine, chat("q"), backends)
+    plan = route(engine, chat("q", "a", "q2"), backends)
+    engine.observe(plan, 0)
+    shrunk = engine.cache_model.scale(backends[0].url)
+    history = ["q", "a", "q2"]
+    for turn in range(3):
+        history += [f"a{turn}", f"next {turn}"]
+        served(engine, chat(*history), backends)
+    assert shrunk < engine.cache_model.scale(backends[0].url) <= 1.0
+
+
+def test_a_shortfall_with_unknown_capacity_corrects_nothing() -> None:
+    engine = RoutingEngine(Settings(policy="cache_aware"))
+    backends = fleet(1)
+    served(engine, chat("q"), backends)
+    plan = route(engine, chat("q", "a", "q2"), backends)
+    engine.observe(plan, 0)
+    assert (engine.feedback.drifts, engine.feedback.capacity_corrections) == (1, 0)
+    assert route(engine, chat("q", "a", "q2", "b", "q3"), backends).predicted_cached_tokens > plan.predicted_cached_tokens
 
 
 def test_siblings_behind_a_request_still_in_flight_are_no_evidence_of_drift() -> None:
@@ -399,3 +429,23 @@ def test_predicted_and_observed_tokens_equal_the_engines_own_counters(sim_engine
     assert mine.value("kvroute_prompt_tokens_total") == queries
     # Sequential requests, one tokenizer, caches that never fill: the prediction is exact.
     assert mine.value("kvroute_predicted_cached_tokens_total") == hits
+
+
+def test_an_engine_smaller_than_configured_shrinks_the_routers_model(sim_engines: Factory, router_server: Factory) -> None:
+    """A sim engine of 2,048 tokens behind a router told 16,384: its shortfalls shrink the
+    index towards what the engine really holds, and the next turn still finds the whole
+    prompt the engine just computed."""
+    engines = sim_engines(1, kv_capacity_tokens=2048)
+    router = router_server([{"url": engines[0].url, "capacity_tokens": 16384}], policy="cache_aware")
+    client = router.client()
+    histories = [[{"role": "system", "content": f"conversation {n}: " + SYSTEM[:600]}] for n in range(8)]
+    for turn in range(4):
+        for history in histories:
+            history.append({"role": "user", "content": f"turn {turn}: " + " ".join(["more words"] * 150)})
+            _, headers = ask(client, history)
+            history.append({"role": "assistant", "content": "ok"})
+    assert router.metrics().value("kvroute_index_blocks") * 16 <= 0.5 * 16384
+    previous = int(headers["x-kvroute-prompt-tokens"])
+    histories[-1].append({"role": "user", "content": "one more"})
+    _, headers = ask(client, histories[-1])
+    assert int(headers["x-kvroute-matched-tokens"]) == (previous - 1) // 16 * 16
