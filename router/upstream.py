@@ -9,8 +9,12 @@ does only what a reverse proxy needs, on ``asyncio.Protocol`` (uvloop):
   engine closes them or after :data:`KEEPALIVE_S` idle (below uvicorn's 5 s, so the router
   never reuses a connection the engine is about to close);
 * the request written in one ``write`` (head built from raw header bytes, then the body);
-* the response head parsed once; the body framed by ``Content-Length``, ``chunked`` or
-  connection close, delivered as it arrives (:meth:`UpstreamResponse.read_available`);
+* responses parsed by llhttp (``httptools``, uvicorn's parser), strictly: bad or conflicting
+  ``Content-Length``, a ``Transfer-Encoding`` other than one ``chunked``, bad chunk sizes or
+  missing CRLFs fail the request with :class:`UpstreamProtocolError` and close the connection;
+  the body is delivered as it arrives (:meth:`UpstreamResponse.read_available`);
+* a connection is reused only after a complete, well-framed keep-alive response, and one
+  that receives any byte while idle (an engine's unsolicited ``408``) is discarded;
 * one read timer per request that is re-armed only when it fires (data arriving just
   stamps the time), switched from the first-byte to the idle timeout by the caller;
 * flow control both ways: reading pauses when the client is slower than the engine;
@@ -27,6 +31,8 @@ import asyncio
 import ssl
 from collections import deque
 from collections.abc import Sequence
+
+import httptools
 from urllib.parse import urlsplit
 
 #: Idle keep-alive connections older than this are closed instead of reused.
@@ -39,9 +45,6 @@ MAX_HEAD_BYTES = 64 * 1024
 HIGH_WATER_BYTES = 256 * 1024
 
 RawHeaders = Sequence[tuple[bytes, bytes]]
-
-# Outcomes of parsing a response head.
-_FINAL, _INTERIM, _FAILED = object(), object(), object()
 
 
 class UpstreamError(Exception):
@@ -79,8 +82,19 @@ class Origin:
         self.host_header = parts.netloc.encode("idna" if not parts.netloc.isascii() else "ascii")
 
 
+class _Violation(Exception):
+    """Raised from a parser callback to stop llhttp at a framing rule it does not enforce itself."""
+
+
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection and the response being read on it."""
+    """One keep-alive connection and the response being read on it.
+
+    llhttp (``httptools``) decides the framing; this class adds the rules llhttp leaves to
+    its caller (one final ``chunked`` coding or none, HTTP/1.x, no unrequested upgrade, a
+    head size limit) and the proxy's rules for the connection: it is reused only after a
+    complete, well-framed, keep-alive response with nothing after it, and any byte that
+    arrives while no response is expected condemns it.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -88,19 +102,23 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.reused = False
         self.idle_since = 0.0
+        # One parser for the connection's life: llhttp carries its state from one response
+        # to the next (and into the interim 1xx responses before a final one).
+        self._parser = httptools.HttpResponseParser(self)
         self._reset_exchange()
 
     def _reset_exchange(self) -> None:
-        self._head = bytearray()
+        self._awaiting = False  # True from send() until the final response ended: bytes are expected
+        self._head_bytes = 0
         self._head_done = False
         self._head_waiter: asyncio.Future[None] | None = None
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.keep_alive = True
-        self._framing = ""  # "length", "chunked" or "close"
-        self._remaining = 0
-        self._chunk_state = 0  # chunked: 0 size line, 1 data, 2 CRLF after data, 3 trailers
-        self._pending = b""  # chunked: an incomplete size line or CRLF carried over
+        self._codings: list[bytes] = []  # Transfer-Encoding values, as sent
+        self._has_length = False
+        self._until_close = False  # the body ends when the engine closes the connection
+        self._violation = ""
         self._body: deque[bytes] = deque()
         self._buffered = 0
         self._body_waiter: asyncio.Future[None] | None = None
@@ -121,50 +139,91 @@ class _Connection(asyncio.Protocol):
         if self.error is None and not self.body_done:
             if not self._head_done:
                 self._fail(UpstreamDisconnected(f"connection closed before the response ({exc or 'EOF'})"))
-            elif self._framing == "close":
+            elif self._until_close:
                 self._finish_body()
             else:
                 self._fail(UpstreamProtocolError(f"connection closed in the middle of the body ({exc or 'EOF'})"))
         self._stop_timer()
 
     def data_received(self, data: bytes) -> None:
+        if not self._awaiting:
+            # Nothing was asked (an idle pooled connection, or a response already complete):
+            # e.g. an engine's unsolicited 408. It must never pass for the next answer.
+            self.keep_alive = False
+            self.abort()
+            return
         self._got_bytes = True
         self._last_data = self._loop.time()
         if not self._head_done:
-            self._head += data
-            while True:
-                end = self._head.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(self._head) > MAX_HEAD_BYTES:
-                        self._fail(UpstreamProtocolError("response head too large"))
-                    return
-                rest = bytes(self._head[end + 4 :])
-                outcome = self._parse_head(bytes(self._head[:end]))
-                if outcome is _INTERIM:
-                    self._head = bytearray(rest)  # the real head follows
-                    continue
-                if outcome is _FAILED or not rest:
-                    return
-                data = rest
-                break
-        if self._framing == "chunked":
-            self._feed_chunked(data)
-        elif self._framing == "length":
-            if len(data) >= self._remaining:
-                self._deliver(data[: self._remaining])
-                self._finish_body()
-            else:
-                self._remaining -= len(data)
-                self._deliver(data)
-        elif self._framing == "close":
-            self._deliver(data)
+            self._head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._reject("protocol switch (101) that was never requested")
+        except httptools.HttpParserError as exc:
+            self._reject(self._violation or str(exc))
+        else:
+            if not self._head_done and self._head_bytes > MAX_HEAD_BYTES:
+                self._reject("response head too large")
 
     def eof_received(self) -> bool | None:
         return False  # close the transport; connection_lost settles the exchange
 
+    # --- llhttp callbacks (called from feed_data) --------------------------------------
+    def on_message_begin(self) -> None:
+        if self.body_done:  # a second response to one request: pipelined garbage
+            self._violation = "bytes after the complete response"
+            raise _Violation
+        self.headers = []
+        self._codings = []
+        self._has_length = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        value = value.rstrip(b" \t")  # llhttp drops the leading whitespace only
+        self.headers.append((name, value))
+        if len(name) == 17 and name.lower() == b"transfer-encoding":
+            self._codings.append(value)
+        elif len(name) == 14 and name.lower() == b"content-length":
+            self._has_length = True  # llhttp checks the value, duplicates and the clash with chunked
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        status = parser.get_status_code()
+        if status < 200:
+            return  # interim (1xx): the final head follows; 101 stops llhttp as an upgrade
+        if parser.get_http_version() not in ("1.1", "1.0"):
+            self._violation = f"unsupported HTTP version {parser.get_http_version()}"
+            raise _Violation
+        codings = self._codings
+        # Only one coding, chunked: a proxy that re-frames the body must not drop another one.
+        if codings and (len(codings) > 1 or codings[0].lower() != b"chunked"):
+            self._violation = f"unsupported Transfer-Encoding {b', '.join(codings)[:80]!r}"
+            raise _Violation
+        self.status = status
+        self._head_done = True
+        self._until_close = not codings and not self._has_length and status not in (204, 304)
+        if self._until_close:
+            self.keep_alive = False
+        waiter = self._head_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def on_body(self, data: bytes) -> None:
+        self._deliver(data)
+
+    def on_message_complete(self) -> None:
+        if not self._head_done:
+            return  # the end of an interim response
+        self.keep_alive = self.keep_alive and self._parser.should_keep_alive()
+        self._finish_body()
+
     # --- request -------------------------------------------------------------------------
     def send(self, head: bytes, body: bytes, first_byte_timeout: float) -> None:
         assert self.transport is not None
+        if self.closed:  # condemned between connect and send (it spoke first)
+            self._fail(UpstreamDisconnected("connection closed before the request was sent"))
+            return
+        self._awaiting = True
         self._timeout = first_byte_timeout
         self._last_data = self._loop.time()
         self._timer = self._loop.call_later(first_byte_timeout, self._on_timer)
@@ -179,118 +238,8 @@ class _Connection(asyncio.Protocol):
         if self.error is not None:
             raise self.error
 
-    # --- response head -------------------------------------------------------------------
-    def _parse_head(self, head: bytes) -> object:
-        """Parse a response head; returns :data:`_FINAL`, :data:`_INTERIM` (1xx) or :data:`_FAILED`."""
-        lines = head.split(b"\r\n")
-        status_line = lines[0].split(b" ", 2)
-        try:
-            version = status_line[0]
-            status = int(status_line[1])
-        except (IndexError, ValueError):
-            self._fail(UpstreamProtocolError(f"bad status line {lines[0][:80]!r}"))
-            return _FAILED
-        if 100 <= status < 200:
-            return _INTERIM
-        headers = []
-        length: int | None = None
-        chunked = False
-        keep_alive = version == b"HTTP/1.1"
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep:
-                continue
-            value = value.strip()
-            headers.append((name, value))
-            lower = name.lower()
-            if lower == b"content-length":
-                try:
-                    length = int(value)
-                except ValueError:
-                    self._fail(UpstreamProtocolError("bad Content-Length"))
-                    return _FAILED
-            elif lower == b"transfer-encoding":
-                chunked = value.lower().endswith(b"chunked")
-            elif lower == b"connection":
-                tokens = value.lower()
-                if b"close" in tokens:
-                    keep_alive = False
-                elif b"keep-alive" in tokens:
-                    keep_alive = True
-        self.status = status
-        self.headers = headers
-        self.keep_alive = keep_alive
-        self._head_done = True
-        self._head = bytearray()
-        if chunked:
-            self._framing = "chunked"
-        elif length is not None:
-            self._framing = "length"
-            self._remaining = length
-        elif status in (204, 304):
-            self._framing = "length"
-            self._remaining = 0
-        else:
-            self._framing = "close"
-            self.keep_alive = False
-        if self._head_waiter is not None and not self._head_waiter.done():
-            self._head_waiter.set_result(None)
-        if self._framing == "length" and self._remaining == 0:
-            self._finish_body()
-        return _FINAL
-
     # --- response body -------------------------------------------------------------------
-    def _feed_chunked(self, data: bytes) -> None:
-        if self._pending:
-            data = self._pending + data
-            self._pending = b""
-        position = 0
-        size = len(data)
-        while position < size and not self.body_done:
-            state = self._chunk_state
-            if state == 1:  # chunk data
-                take = min(self._remaining, size - position)
-                self._deliver(data[position : position + take] if take != size else data)
-                position += take
-                self._remaining -= take
-                if self._remaining == 0:
-                    self._chunk_state = 2
-            elif state == 0:  # size line
-                end = data.find(b"\r\n", position)
-                if end < 0:
-                    self._pending = data[position:]
-                    if len(self._pending) > 1024:
-                        self._fail(UpstreamProtocolError("chunk size line too long"))
-                    return
-                try:
-                    chunk_size = int(data[position:end].split(b";", 1)[0], 16)
-                except ValueError:
-                    self._fail(UpstreamProtocolError("bad chunk size"))
-                    return
-                position = end + 2
-                if chunk_size == 0:
-                    self._chunk_state = 3
-                else:
-                    self._remaining = chunk_size
-                    self._chunk_state = 1
-            elif state == 2:  # CRLF after chunk data
-                if size - position < 2:
-                    self._pending = data[position:]
-                    return
-                position += 2
-                self._chunk_state = 0
-            else:  # trailers, ended by an empty line
-                end = data.find(b"\r\n", position)
-                if end < 0:
-                    self._pending = data[position:]
-                    return
-                if end == position:
-                    self._finish_body()
-                position = end + 2
-
     def _deliver(self, data: bytes) -> None:
-        if not data:
-            return
         self._body.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER_BYTES and not self._paused and not self.closed:
@@ -301,6 +250,7 @@ class _Connection(asyncio.Protocol):
 
     def _finish_body(self) -> None:
         self.body_done = True
+        self._awaiting = False
         self._stop_timer()
         self._wake_body()
 
@@ -351,6 +301,12 @@ class _Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def _reject(self, reason: str) -> None:
+        """Malformed bytes: fail the response unless it was already complete, and close."""
+        if not self.body_done:
+            self._fail(UpstreamProtocolError(f"malformed response: {reason}"))
+        self.abort()
 
     def _fail(self, error: UpstreamError) -> None:
         if self.error is None:

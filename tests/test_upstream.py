@@ -288,3 +288,102 @@ async def test_abandoning_a_response_closes_its_connection(serve, client) -> Non
     assert await response.read_available() == b"a"
     response.close()
     await asyncio.wait_for(closed.wait(), 10)
+
+
+# --- strict framing (issue 13): a malformed answer fails, and its connection is never reused ---
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+MALFORMED = {
+    "negative chunk size": CHUNKED_HEAD + b"-3\r\nabc\r\n0\r\n\r\n",
+    "chunk size not hex": CHUNKED_HEAD + b"3x\r\nabc\r\n0\r\n\r\n",
+    "chunk size overflow": CHUNKED_HEAD + b"1" + b"0" * 20 + b"\r\nabc\r\n",
+    "no CRLF after chunk data": CHUNKED_HEAD + b"3\r\nabcXY0\r\n\r\n",
+    "conflicting Content-Length": b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
+    "Content-Length list": b"HTTP/1.1 200 OK\r\nContent-Length: 3, 4\r\n\r\nabcd",
+    "signed Content-Length": b"HTTP/1.1 200 OK\r\nContent-Length: +3\r\n\r\nabc",
+    "Content-Length with chunked": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+    ),
+    "Transfer-Encoding gzip": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nabc",
+    "chunked not the final coding": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+    "chunked twice": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+    ),
+    "unrequested protocol switch": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\nabc",
+    "bare LF line ends": b"HTTP/1.1 200 OK\nContent-Length: 3\n\nabc",
+    "HTTP/2 status line": b"HTTP/2.0 200 OK\r\nContent-Length: 3\r\n\r\nabc",
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("raw", list(MALFORMED.values()), ids=list(MALFORMED))
+async def test_malformed_framing_fails_and_the_connection_is_not_reused(serve, client, raw: bytes) -> None:
+    async def handler(reader, writer) -> None:
+        first = server.connections == 1
+        while True:
+            await server.read_request(reader)
+            # The first connection answers badly, then stays open: only the parser can end the exchange.
+            writer.write(raw if first else length_response(b"good"))
+            await writer.drain()
+
+    server, url = await serve(handler)
+    with pytest.raises(UpstreamProtocolError):
+        await asyncio.wait_for(post(client, url), 10)
+    assert await post(client, url) == (200, b"good")
+    assert server.connections == 2
+
+
+@pytest.mark.parametrize("gap", [0.0, 0.1])
+async def test_bytes_after_a_complete_response_are_never_the_next_answer(serve, client, gap: float) -> None:
+    """An engine's unsolicited 408 (right after the answer, or later on the idle connection)."""
+    unsolicited = b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n"
+
+    async def handler(reader, writer) -> None:
+        first = server.connections == 1
+        while True:
+            await server.read_request(reader)
+            writer.write(length_response(b"answer"))
+            if first and gap:
+                await writer.drain()
+                await asyncio.sleep(gap)
+            if first:
+                writer.write(unsolicited)
+            await writer.drain()
+
+    server, url = await serve(handler)
+    assert await post(client, url) == (200, b"answer")
+    await asyncio.sleep(gap + 0.1)
+    assert await post(client, url) == (200, b"answer")
+    assert server.connections == 2
+
+
+async def test_interim_responses_are_skipped_and_the_connection_reused(serve, client) -> None:
+    interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n"
+
+    async def handler(reader, writer) -> None:
+        while True:
+            await server.read_request(reader)
+            writer.write(interim + chunked(b"data: x\n\n"))
+            await writer.drain()
+
+    server, url = await serve(handler)
+    for _ in range(2):
+        response = await client.post(url, b"/", [], b"{}", first_byte_timeout=10)
+        assert response.status == 200 and response.header(b"link") is None
+        assert await response.read() == b"data: x\n\n"
+        response.release()
+    assert server.connections == 1
+
+
+async def test_oversized_response_head(serve, client) -> None:
+    async def handler(reader, writer) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n" + b"X-Filler: " + b"f" * 100 + b"\r\n" * 1)
+        for _ in range(1000):
+            writer.write(b"X-Filler: " + b"f" * 100 + b"\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    server, url = await serve(handler)
+    with pytest.raises(UpstreamProtocolError):
+        await asyncio.wait_for(post(client, url), 10)
