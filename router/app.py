@@ -32,7 +32,7 @@ from router.admin import AdminAPI
 from router.admission import AdmissionControl
 from router.backends import Backend, BackendPool
 from router.config import Settings
-from router.discovery import build_discovery
+from router.discovery import build_discovery, check_discovery
 from router.engine_stats import EngineScraper, scrape_loop
 from router.errors import JSON_CONTENT_TYPE, JsonErrorServer, error_middleware, error_response, json_response
 from router.health import HealthChecker
@@ -80,6 +80,7 @@ def build_app(
     ``redactor``: the log filter of ``kvroute serve``; engine API keys given to the admin
     API at run time are added to it.
     """
+    check_discovery(settings)  # e.g. --discovery k8s without kvroute[k8s]: an error now, not a dead task later
     pool = BackendPool(
         unhealthy_after=settings.unhealthy_after,
         healthy_after=settings.healthy_after,
