@@ -6,12 +6,19 @@ consecutive failures (active or passive, see :meth:`BackendPool.record_failure`)
 backend unhealthy; ``healthy_after`` consecutive passing checks bring it back. A backend
 joining the pool (at start, through the admin API or discovery) is probed once first, so
 it starts healthy or not according to that probe instead of after several intervals.
+
+An unhealthy backend is probed sooner than every interval (:mod:`router.probe_schedule`:
+0.25 s, doubling up to the interval), and one that has never answered is healthy at its
+first passing check, as a newcomer is at admission: engines that come up just after their
+router serve within a fraction of a second instead of a full interval later.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from typing import Any
 
 import aiohttp
@@ -19,6 +26,7 @@ import orjson
 
 from router.backends import Backend, BackendPool
 from router.config import BackendConfig, Settings
+from router.probe_schedule import ProbeSchedule
 
 log = logging.getLogger("kvroute.health")
 
@@ -31,6 +39,14 @@ class HealthChecker:
         self._pool = pool
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s)
+        self._schedule = ProbeSchedule(settings.health_interval_s)
+        # URLs of backends that passed a check at least once (healthy_after applies to them only).
+        self._answered: set[str] = set()
+        self._probes: dict[str, asyncio.Task[None]] = {}
+        # Set on any pool change (a backend joined, or fell ill between probes): replan now.
+        self._wake = asyncio.Event()
+        pool.on_changed(self._wake.set)
+
 
     # --- admission -------------------------------------------------------------------
     def new_backend(self, config: BackendConfig) -> Backend:
@@ -51,6 +67,8 @@ class HealthChecker:
             raise ValueError(f"backend {backend.url} is already in the pool")
         self._pool.set_healthy(backend, healthy)
         self._pool.add(backend)
+        if healthy:
+            self._answered.add(backend.url)
         return backend
 
     async def sync(self, urls: set[str]) -> None:
@@ -82,25 +100,69 @@ class HealthChecker:
             self._pool.set_models(backend, cards)
         return True
 
-    async def check(self, backend: Backend) -> None:
-        """Probe a backend and record the result."""
-        if await self.probe(backend):
+    async def check(self, backend: Backend) -> bool:
+        """Probe a backend and record the result; True if it passed."""
+        if not await self.probe(backend):
+            self._pool.record_failure(backend)
+            return False
+        if backend.url in self._answered:
             self._pool.record_success(backend, active=True)
         else:
-            self._pool.record_failure(backend)
+            # Nothing to flap yet: a first answer admits it, as the probe at admission does.
+            self._answered.add(backend.url)
+            self._pool.set_healthy(backend, True)
+        return True
 
     async def check_all(self) -> None:
         """Check every backend concurrently."""
         await asyncio.gather(*(self.check(backend) for backend in self._pool))
 
     async def run(self) -> None:
-        """Check every backend every ``health_interval_s``, until cancelled."""
-        while True:
-            await asyncio.sleep(self._settings.health_interval_s)
-            try:
-                await self.check_all()
-            except Exception:  # noqa: BLE001 - the loop must outlive any one bad answer
-                log.exception("health check round failed")
+        """Probe each backend when its schedule says (see :mod:`router.probe_schedule`), until cancelled."""
+        try:
+            while True:
+                self._wake.clear()
+                now = time.monotonic()
+                self._plan(now)
+                for url in self._schedule.due(now):
+                    self._start_probe(url)
+                due = self._schedule.next_due()
+                timeout = None if due is None else max(due - time.monotonic(), 0.0)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+        finally:
+            probes = list(self._probes.values())
+            for task in probes:
+                task.cancel()
+            await asyncio.gather(*probes, return_exceptions=True)
+
+    def _plan(self, now: float) -> None:
+        backends = list(self._pool)
+        urls = [backend.url for backend in backends]
+        self._schedule.retain(urls)
+        self._answered.intersection_update(urls)
+        for backend in backends:
+            if backend.healthy:
+                self._answered.add(backend.url)
+            self._schedule.track(backend.url, backend.healthy, now)
+
+    def _start_probe(self, url: str) -> None:
+        backend = self._pool.get(url)
+        if backend is None:
+            return
+        self._schedule.started(url)
+        self._probes[url] = asyncio.create_task(self._scheduled_check(backend), name=f"kvroute-probe {url}")
+
+    async def _scheduled_check(self, backend: Backend) -> None:
+        passed = False
+        try:
+            passed = await self.check(backend)
+        except Exception:  # noqa: BLE001 - the schedule must outlive any one bad answer
+            log.exception("health check of %s failed", backend.url)
+        finally:
+            self._probes.pop(backend.url, None)
+            self._schedule.probed(backend.url, passed=passed, healthy=backend.healthy, now=time.monotonic())
+            self._wake.set()
 
     async def _model_cards(self, backend: Backend) -> list[dict[str, Any]] | None:
         """The engine's /v1/models cards, or None when it could not tell."""
