@@ -9,6 +9,9 @@ Every call needs ``Authorization: Bearer <admin_token>``, compared in constant t
 * ``DELETE /admin/backends``         ``{"url"}`` (or ``?url=``) -> 200, removed at once
 * ``POST   /admin/backends/drain``   ``{"url"}`` -> 202; no new requests go there and it
   leaves the pool when its in-flight requests reach zero
+* ``GET    /admin/decisions?last=N`` -> ``{"decisions": [...]}``: the last N (default 100)
+  routing decisions, oldest first, each with every candidate's cost terms
+  (:mod:`router.decisions`)
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pydantic import ValidationError
 
 from router.backends import BackendPool
 from router.config import BackendConfig, Settings
+from router.decisions import DecisionRecorder
 from router.errors import RouterError, json_response
 from router.health import HealthChecker
 
@@ -43,14 +47,17 @@ class AdminAPI:
         health: Callable[[], HealthChecker],
         *,
         on_secret: Callable[[str], None] | None = None,
+        decisions: DecisionRecorder | None = None,
     ) -> None:
-        """``on_secret`` hears of every engine API key added at run time (log redaction)."""
+        """``on_secret`` hears of every engine API key added at run time (log redaction);
+        ``decisions`` holds the recent routing decisions ``GET /admin/decisions`` returns."""
         if not settings.admin_token:
             raise ValueError("the admin API needs an admin token")
         self._token = settings.admin_token.encode()
         self._pool = pool
         self._health = health
         self._on_secret = on_secret
+        self._decisions = decisions
         self._allowed_networks = [ipaddress.ip_network(net, strict=False) for net in settings.admin_allowed_networks]
 
     def add_routes(self, app: web.Application) -> None:
@@ -59,6 +66,7 @@ class AdminAPI:
         app.router.add_post("/admin/backends", self._guard(self.add_backend))
         app.router.add_delete("/admin/backends", self._guard(self.remove_backend))
         app.router.add_post("/admin/backends/drain", self._guard(self.drain_backend))
+        app.router.add_get("/admin/decisions", self._guard(self.list_decisions))
 
     def _guard(self, handler: AdminHandler) -> AdminHandler:
         async def guarded(request: web.Request) -> web.StreamResponse:
@@ -81,6 +89,14 @@ class AdminAPI:
     async def list_backends(self, request: web.Request) -> web.Response:
         """All backends with their state."""
         return json_response({"backends": [backend.state() for backend in self._pool]})
+
+    async def list_decisions(self, request: web.Request) -> web.Response:
+        """The last ``?last=N`` routing decisions, oldest first."""
+        raw = request.query.get("last", "100")
+        if not raw.isdigit():
+            raise RouterError(400, "'last' must be a non-negative integer", code="invalid_last")
+        decisions = self._decisions
+        return json_response({"decisions": decisions.last(int(raw)) if decisions is not None else []})
 
     async def add_backend(self, request: web.Request) -> web.Response:
         """Probe and add a backend."""

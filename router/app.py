@@ -117,7 +117,9 @@ def build_app(
     app.router.add_get("/openapi.json", _openapi_handler(settings))
     if settings.admin_token:
         on_secret = redactor.add if redactor is not None else None
-        AdminAPI(settings, pool, lambda: _started(state.health), on_secret=on_secret).add_routes(app)
+        AdminAPI(
+            settings, pool, lambda: _started(state.health), on_secret=on_secret, decisions=routing.decisions
+        ).add_routes(app)
     app.cleanup_ctx.append(_lifecycle)
     return app
 

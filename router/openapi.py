@@ -243,6 +243,24 @@ def _admin_paths() -> dict[str, Any]:
                 },
             }
         },
+        "/admin/decisions": {
+            "get": {
+                "operationId": "admin_list_decisions",
+                "summary": "The last routing decisions, oldest first, each with every candidate's cost terms.",
+                "security": secured,
+                "parameters": [
+                    {"name": "last", "in": "query", "required": False, "schema": {"type": "string", "pattern": "^[0-9]+$"}}
+                ],
+                "responses": {
+                    "200": {
+                        "description": "Recent decisions (router.decisions).",
+                        "content": {JSON: {"schema": {"type": "object", "required": ["decisions"]}}},
+                    },
+                    "400": errors["400"],
+                    "401": errors["401"],
+                },
+            }
+        },
     }
 
 

@@ -44,6 +44,7 @@ from router.admission import AdmissionControl
 from router.backends import Backend, BackendPool
 from router.breaker import BreakerState
 from router.config import Settings
+from router.decisions import Outcome
 from router.errors import RouterError, sse_error_event
 from router.metrics import RouterMetrics
 from router.policies.base import Decision, RouteRequest
@@ -66,7 +67,6 @@ log = logging.getLogger("kvroute.proxy")
 #: Request bodies at least this large are tokenized in a worker thread (~25K tokens of text):
 #: below it, tokenizing inline costs less than the thread hand-off.
 THREAD_PREPARE_BYTES = 100_000
-decision_log = logging.getLogger("kvroute.decisions")
 
 # RFC 9110 7.6.1 hop-by-hop headers (lower-case bytes, as compared with raw header names).
 HOP_BY_HOP = frozenset(
@@ -207,7 +207,6 @@ class Proxy:
         self._idle_timeout = settings.idle_timeout_s
         self._session_header = settings.session_header
         self._strip_kvroute_headers = not settings.allow_policy_header
-        self._decision_log = settings.decision_log
 
     # --- entry -----------------------------------------------------------------------
     async def forward(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -524,21 +523,10 @@ class Proxy:
             self._routing.observe(plan, cached_tokens)
         except Exception:  # noqa: BLE001 - feedback must never fail a request
             log.exception("routing feedback failed")
-        if self._decision_log:
-            decision_log.info(
-                orjson.dumps(
-                    {
-                        "backend": plan.backend,
-                        "policy": plan.policy,
-                        "reason": plan.reason,
-                        "endpoint": endpoint,
-                        "status": attempt.status,
-                        "prompt_tokens": plan.request.prompt_tokens if prompt_tokens is None else prompt_tokens,
-                        "predicted_cached_tokens": plan.predicted_cached_tokens,
-                        "observed_cached_tokens": cached_tokens,
-                        "ttft_s": attempt.ttft_s,
-                        "duration_s": round(duration, 6),
-                    }
-                ).decode()
-            )
+        decisions = self._routing.decisions
+        if decisions.active:
+            decisions.record(plan, Outcome(
+                attempt.call.request_id, endpoint, attempt.status,
+                prompt_tokens, cached_tokens, attempt.ttft_s, duration,
+            ))
 

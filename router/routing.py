@@ -57,6 +57,7 @@ import orjson
 from router import request_info
 from router.cache_model import CacheModel
 from router.config import POLICY_NAMES, Settings
+from router.decisions import RING_SIZE, DecisionRecorder
 from router.engine_stats import EngineStats
 from router.kv_events import KVEventsState
 from router.policies import (
@@ -236,6 +237,8 @@ class RoutingEngine:
         self._fallback = LeastLoad()
         self._tokenizers: dict[str | None, RequestTokenizer] = {}
         self._tracking = False
+        # Explained decisions for --decision-log and, with the admin API, GET /admin/decisions.
+        self.decisions = DecisionRecorder(log=settings.decision_log, ring_size=RING_SIZE if settings.admin_token else 0)
         for label in self._split.labels if self._split else [settings.policy]:
             self._policy(label)
         # Prefix tracking state.
@@ -448,6 +451,7 @@ class RoutingEngine:
             policy = self._policies[label] = make_policy(
                 label, self._settings, self._working_sets, self.index_tokens, self.queued_work
             )
+            policy.explain = self.decisions.active
             if policy.needs_prefix_match and not self._tracking:
                 self._load_tokenizers()
                 self._tracking = True

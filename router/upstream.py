@@ -305,6 +305,10 @@ class _Connection(asyncio.Protocol):
     def _reject(self, reason: str) -> None:
         """Malformed bytes: fail the response unless it was already complete, and close."""
         if not self.body_done:
+            # Unread bytes may be the malformed chunk's own (llhttp hands them over before
+            # it sees the missing CRLF): the caller gets the error, never them.
+            self._body.clear()
+            self._buffered = 0
             self._fail(UpstreamProtocolError(f"malformed response: {reason}"))
         self.abort()
 

@@ -58,12 +58,44 @@ class RouteRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class CandidateCost:
+    """One backend's price for a request, in prompt tokens, as a cost-based policy saw it."""
+
+    backend: str
+    matched_tokens: int
+    #: Prompt tokens it would prefill there.
+    prefill: int
+    #: Work queued there (tokens, net of what this request shares with it) and its price.
+    queued_tokens: float
+    queue: float
+    #: What the placement does to the caches: thrash it adds there, relief it brings home.
+    capacity: float
+    cost: float
+    in_flight: int
+    #: Over the bounded-load test: skipped unless every candidate is.
+    over_bound: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """Why a cost-based policy chose as it did: every candidate's terms (when asked for)."""
+
+    candidates: tuple[CandidateCost, ...]
+    #: Price of one token of queued work against one token of prefill, as applied.
+    load_weight: float
+    #: Where the request's conversation lived before it (None: new or not followed).
+    home: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """The chosen backend and a short machine-readable reason (``x-kvroute-reason``)."""
 
     backend: str
     reason: str
     matched_tokens: int = 0
+    #: Filled only when the policy's ``explain`` is on (the decision log or ring wants it).
+    explanation: Explanation | None = None
 
 
 class Policy(ABC):
@@ -72,6 +104,8 @@ class Policy(ABC):
     name: ClassVar[str]
     #: True when the policy reads ``RouteRequest.prompt_tokens`` / ``matched_tokens``.
     needs_prefix_match: ClassVar[bool] = False
+    #: Attach an :class:`Explanation` to each decision (costs a little; off on the hot path).
+    explain: bool = False
 
     @abstractmethod
     def choose(self, request: RouteRequest, candidates: Sequence[BackendView]) -> Decision:

@@ -125,7 +125,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from router.policies.base import BackendView, Decision, Policy, RouteRequest
+from router.policies.base import BackendView, CandidateCost, Decision, Explanation, Policy, RouteRequest
 
 #: A conversation not seen for this long no longer counts in any backend's working set:
 #: about the longest pause between an agent's turns (a long tool run) or a user's reads.
@@ -403,12 +403,13 @@ class CacheAware(Policy):
         best_fit: tuple[float, float, int] | None = None
         best_plain: tuple[float, float, int] | None = None
         chosen_any = chosen_fit = chosen_plain = candidates[start]
+        terms: list[CandidateCost] | None = [] if self.explain else None
         for offset in range(count):
             backend = candidates[(start + offset) % count]
             url = backend.url
             capacity = backend.capacity_tokens
-            queued = self._queued_tokens(backend) - computing.get(url, 0)
-            plain = prompt - matched.get(url, 0) + load_weight * max(0.0, queued)
+            queued = max(0.0, self._queued_tokens(backend) - computing.get(url, 0))
+            plain = prompt - matched.get(url, 0) + load_weight * queued
             cost = plain
             if conversation is not None and capacity:
                 cost += working_sets.placement_cost(conversation, prompt, url, capacity)
@@ -418,7 +419,10 @@ class CacheAware(Policy):
             key = (cost, fill, offset)
             if best_any is None or key < best_any:
                 best_any, chosen_any = key, backend
-            if over_load_bound(backend.in_flight, total_in_flight, count, overload_factor):
+            over = over_load_bound(backend.in_flight, total_in_flight, count, overload_factor)
+            if terms is not None:
+                terms.append(_terms(backend, matched.get(url, 0), prompt, queued, load_weight, plain, cost, over))
+            if over:
                 continue
             if best_fit is None or key < best_fit:
                 best_fit, chosen_fit = key, backend
@@ -440,7 +444,8 @@ class CacheAware(Policy):
             reason = "least_cost"
         work = prompt - chosen_match + request.expected_output_tokens
         self._mean_work += _WORK_EWMA_WEIGHT * (work - self._mean_work)
-        return Decision(chosen.url, reason, chosen_match)
+        explanation = None if terms is None else Explanation(tuple(terms), load_weight, home)
+        return Decision(chosen.url, reason, chosen_match, explanation)
 
     def _queued_tokens(self, backend: BackendView) -> float:
         queued = float(self._queued_work(backend))
@@ -448,3 +453,20 @@ class CacheAware(Policy):
         if waiting is not None and waiting > backend.in_flight:
             queued += (waiting - backend.in_flight) * self._mean_work
         return queued
+
+
+def _terms(
+    backend: BackendView, matched: int, prompt: int, queued: float, weight: float, plain: float, cost: float, over: bool
+) -> CandidateCost:
+    """One candidate's cost terms for the explanation (rounded: a log line, not a ledger)."""
+    return CandidateCost(
+        backend=backend.url,
+        matched_tokens=matched,
+        prefill=prompt - matched,
+        queued_tokens=round(queued, 1),
+        queue=round(weight * queued, 1),
+        capacity=round(cost - plain, 1),
+        cost=round(cost, 1),
+        in_flight=backend.in_flight,
+        over_bound=over,
+    )

@@ -53,6 +53,15 @@ class Sticky(Policy):
     def __len__(self) -> int:
         return len(self._sessions)
 
+    @property  # type: ignore[override]
+    def explain(self) -> bool:
+        """Requests without a session key are the fallback's: it explains them."""
+        return self._fallback.explain
+
+    @explain.setter
+    def explain(self, value: bool) -> None:
+        self._fallback.explain = value
+
     def choose(self, request: RouteRequest, candidates: Sequence[BackendView]) -> Decision:
         key = request.session_key
         if key is None:
