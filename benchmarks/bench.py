@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import sys
 import time
 from collections import Counter
@@ -31,6 +32,7 @@ import aiohttp
 
 from benchmarks import fleet as fleets
 from benchmarks import mooncake
+from benchmarks.bounds import Prompt, bounds
 from benchmarks.fleet import (
     PEERS,
     EngineCounters,
@@ -43,9 +45,12 @@ from benchmarks.fleet import (
 )
 from benchmarks.replay import Progress, ReplayResult, replay
 from benchmarks.results import (
+    BOUND_FLEET_TARGET,
     BOUND_TARGET,
     PEER_PREFIX,
+    POOLED_LRU_TARGET,
     TargetResult,
+    format_repeats,
     format_table,
     percentile,
     plot_summary,
@@ -63,6 +68,28 @@ from benchmarks.workloads import (
 from router.config import POLICY_NAMES
 from router.policies import LOAD_ONLY_POLICIES
 
+#: Each sim engine's KV cache when ``--kv-capacity-tokens`` is not given.
+DEFAULT_SIM_CAPACITY_TOKENS = 65536
+
+
+def workload_prompts(workload: Workload, block_size: int, tokenizer_path: str | None) -> list[Prompt]:
+    """Every request's prompt as block hashes, tokenized as the engines and routers do."""
+    from tokenizer_index import RequestTokenizer
+
+    tokenizer = (
+        RequestTokenizer.from_pretrained(tokenizer_path) if tokenizer_path
+        else RequestTokenizer.default()
+    )
+    prompts = []
+    for request in workload.requests:
+        body = request.body
+        if request.endpoint == CHAT_ENDPOINT:
+            tokens = tokenizer.encode_chat(body["messages"], tools=body.get("tools"))
+        else:
+            tokens = tokenizer.encode_prompt(body["prompt"])
+        prompts.append(Prompt.of(tokens, block_size))
+    return prompts
+
 
 def unbounded_hit_rate(workload: Workload, block_size: int, tokenizer_path: str | None) -> tuple[float, int]:
     """(hit rate, prompt tokens) of one unbounded prefix cache over the workload, in order.
@@ -70,25 +97,13 @@ def unbounded_hit_rate(workload: Workload, block_size: int, tokenizer_path: str 
     Counted as an engine counts: whole blocks only, and never the whole prompt (the last
     token is always computed), so it is directly comparable with the engines' counters.
     """
-    from tokenizer_index import PrefixIndex, RequestTokenizer
+    result = bounds(workload_prompts(workload, block_size, tokenizer_path), None)
+    return result.bound, result.prompt_tokens
 
-    tokenizer = (
-        RequestTokenizer.from_pretrained(tokenizer_path) if tokenizer_path
-        else RequestTokenizer.default()
-    )
-    index = PrefixIndex(block_size=block_size)
-    hits = total = 0
-    for request in workload.requests:
-        body = request.body
-        if request.endpoint == CHAT_ENDPOINT:
-            tokens = tokenizer.encode_chat(body["messages"], tools=body.get("tools"))
-        else:
-            tokens = tokenizer.encode_prompt(body["prompt"])
-        cacheable = (len(tokens) - 1) // block_size * block_size
-        hits += min(index.match(tokens).get(BOUND_TARGET, 0), cacheable)
-        total += len(tokens)
-        index.insert(BOUND_TARGET, tokens)
-    return (hits / total if total else 0.0), total
+
+def sent_order(run: ReplayResult) -> list[int]:
+    """Indices of the workload's requests in the order this run sent them."""
+    return sorted(range(len(run.records)), key=lambda index: (run.records[index].sent_s, index))
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +113,7 @@ class RunSettings:
     speedup: float
     max_in_flight: int
     time_scale: float
+    setting: str = ""  # the settings-sweep point this run belongs to, if any
 
 
 def summarize(
@@ -140,10 +156,13 @@ def summarize(
 async def run_target(
     target: str, workload: Workload, fleet: Fleet, settings: RunSettings,
     tokenizer: str | None, on_ready: Callable[[str], None] | None = None,
+    prompts: Sequence[Prompt] | None = None,
 ) -> TargetResult:
     """One target x workload: fresh engines, a fresh router, the replay, the counters.
 
     ``on_ready`` is called with the router's URL once it serves, before the replay starts.
+    With the workload's ``prompts`` (:func:`workload_prompts`), the result carries the
+    offline caches over the order this run sent the requests (:func:`attach_bounds`).
     """
     await fleet.fresh()
     is_peer = target.startswith(PEER_PREFIX)
@@ -174,23 +193,65 @@ async def run_target(
     deltas = {url: engines_after[url] - engines_before[url] for url in fleet.urls}
     result = summarize(target, workload, run, deltas, router_delta)
     result.time_scale = settings.time_scale
+    result.setting = settings.setting
+    if prompts is not None:
+        ordered = [prompts[index] for index in sent_order(run)]
+        await asyncio.to_thread(attach_bounds, result, ordered, fleet_capacity_blocks(fleet))
     return result
+
+
+def fleet_capacity_blocks(fleet: Fleet) -> int | None:
+    """The fleet's total KV capacity in blocks; None when the engines' size is unknown."""
+    if fleet.capacity_tokens is None:
+        return None
+    return len(fleet.urls) * (fleet.capacity_tokens // fleet.block_size)
+
+
+def attach_bounds(result: TargetResult, prompts: Sequence[Prompt], capacity: int | None) -> None:
+    """Set ``result``'s pooled bounds over ``prompts`` (in the order they were sent)."""
+    found = bounds(prompts, capacity)
+    result.bound_fleet, result.pooled_lru = found.bound_fleet, found.pooled_lru
+    result.fleet_capacity_blocks = capacity
+    if result.hit_rate_observed is not None and found.bound_fleet:
+        result.of_bound_fleet = result.hit_rate_observed / found.bound_fleet
+
+
+def offline_rows(
+    workload: Workload, prompts: Sequence[Prompt], capacity: int | None, setting: str = ""
+) -> list[TargetResult]:
+    """The ``bound``, ``bound_fleet`` and ``pooled_lru`` rows over the arrival order."""
+    found = bounds(prompts, capacity)
+    rates = {BOUND_TARGET: found.bound, BOUND_FLEET_TARGET: found.bound_fleet,
+             POOLED_LRU_TARGET: found.pooled_lru}
+    rows = []
+    for target, rate in rates.items():
+        if rate is None:
+            continue
+        row = TargetResult(
+            target, workload.name, len(prompts), 0, rate, None, None, None, None,
+            prompt_tokens=found.prompt_tokens, sessions=workload.sessions, setting=setting,
+        )
+        attach_bounds(row, prompts, capacity)
+        rows.append(row)
+    return rows
 
 
 def _targets(policies: Sequence[str], peers: Sequence[str]) -> list[str]:
     return [*policies, *(PEER_PREFIX + peer for peer in peers)]
 
 
-def _not_run(target: str, workload: Workload, status: str) -> TargetResult:
+def _not_run(target: str, workload: Workload, status: str, setting: str = "") -> TargetResult:
     return TargetResult(target, workload.name, 0, 0, None, None, None, None, None,
-                        sessions=workload.sessions, status=status)
+                        sessions=workload.sessions, status=status, setting=setting)
 
 
 async def run_bench(
     workloads: Sequence[Workload], fleet: Fleet, targets: Sequence[str], settings: RunSettings,
-    *, tokenizer: str | None = None, bound: bool = True,
+    *, tokenizer: str | None = None, bound: bool = True, repeats: int = 1,
 ) -> list[TargetResult]:
-    """Every target on every workload; the fleet is stopped at the end, also on errors."""
+    """Every target on every workload, ``repeats`` rounds of every target in turn (so drift
+    of a shared machine spreads over all targets alike); the fleet is stopped at the end,
+    also on errors."""
     missing = {
         target for target in targets
         if target.startswith(PEER_PREFIX)
@@ -201,26 +262,36 @@ async def run_bench(
         print(f"kvroute bench: {peer} is not installed (pip install {peer}); skipped",
               file=sys.stderr)
     results: list[TargetResult] = []
+    capacity = fleet_capacity_blocks(fleet)
     try:
         for workload in workloads:
+            prompts = None
             if bound:
-                hit_rate, tokens = await asyncio.to_thread(
-                    unbounded_hit_rate, workload, fleet.block_size, tokenizer
+                prompts = await asyncio.to_thread(
+                    workload_prompts, workload, fleet.block_size, tokenizer
                 )
-                results.append(TargetResult(
-                    BOUND_TARGET, workload.name, len(workload.requests), 0, hit_rate, None,
-                    None, None, None, prompt_tokens=tokens, sessions=workload.sessions,
-                ))
-            for target in targets:
+                results += await asyncio.to_thread(
+                    offline_rows, workload, prompts, capacity, settings.setting
+                )
+            for repeat, target in itertools.product(range(repeats), targets):
                 if target in missing:
-                    results.append(_not_run(target, workload, "not installed"))
+                    if repeat == 0:
+                        results.append(
+                            _not_run(target, workload, "not installed", settings.setting)
+                        )
                     continue
                 try:
-                    results.append(await run_target(target, workload, fleet, settings, tokenizer))
+                    result = await run_target(
+                        target, workload, fleet, settings, tokenizer, prompts=prompts
+                    )
+                    result.repeat = repeat
+                    results.append(result)
                 except FleetError as exc:
                     print(f"kvroute bench: {target} on {workload.name} failed: {exc}",
                           file=sys.stderr)
-                    results.append(_not_run(target, workload, "failed to start"))
+                    results.append(
+                        _not_run(target, workload, "failed to start", settings.setting)
+                    )
     finally:
         fleet.stop()
     return results
@@ -293,11 +364,19 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--engine", default="sim",
                        help="'sim' to start simulated replicas, or URL,URL,... of running engines")
     where.add_argument("--replicas", type=int, default=4)
-    where.add_argument("--kv-capacity-tokens", type=int, default=65536)
+    where.add_argument("--kv-capacity-tokens", type=int,
+                       help="KV cache of each engine in tokens (sims: default "
+                       f"{DEFAULT_SIM_CAPACITY_TOKENS}; external engines: their real size, "
+                       "for bound_fleet and the routers' capacity model; unknown if not given)")
     where.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
     where.add_argument("--decode-tokens-per-s", type=float, default=50.0)
     where.add_argument("--time-scale", type=float, default=1.0,
                        help="sim engines run this many times faster than real time")
+    where.add_argument("--sweep-time-scale", metavar="LIST",
+                       help="sims only: run everything at each of these time scales "
+                       "(e.g. 1,10), to see whether the comparison depends on them")
+    where.add_argument("--sweep-prefill", metavar="LIST",
+                       help="sims only: ... and at each of these prefill rates (tokens/s)")
     where.add_argument("--block-size", type=int, default=16,
                        help="engine block size (sims use it; give the real one for engines)")
     where.add_argument("--model", help="model name to request (default: sim, or the "
@@ -311,9 +390,28 @@ def build_parser() -> argparse.ArgumentParser:
     who.add_argument("--no-bound", action="store_true", help="skip the unbounded-cache bound")
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, help="directory for results.json and summary.png")
+    out.add_argument("--repeat", type=int, default=1, metavar="N",
+                     help="run every target N times per workload, in rounds (every target "
+                     "once, then again), and print medians and spread")
     out.add_argument("--max-in-flight", type=int, default=256,
                      help="client concurrency limit")
     return parser
+
+
+def _sim_fleet(args: argparse.Namespace, time_scale: float, prefill: float) -> SimFleet:
+    return SimFleet(SimSpec(
+        replicas=args.replicas, model=args.model or "sim", block_size=args.block_size,
+        kv_capacity_tokens=args.kv_capacity_tokens or DEFAULT_SIM_CAPACITY_TOKENS,
+        prefill_tokens_per_s=prefill, decode_tokens_per_s=args.decode_tokens_per_s,
+        time_scale=time_scale, tokenizer=args.tokenizer,
+    ))
+
+
+def _sweep_points(args: argparse.Namespace) -> list[tuple[float, float]]:
+    """(time scale, prefill tokens/s) of every settings-sweep point; one when not sweeping."""
+    scales = [float(v) for v in _csv(args.sweep_time_scale or "")] or [args.time_scale]
+    prefills = [float(v) for v in _csv(args.sweep_prefill or "")] or [args.prefill_tokens_per_s]
+    return [(scale, prefill) for scale in scales for prefill in prefills]
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -324,25 +422,23 @@ async def _main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     peers = list(PEERS) if "all" in args.peer else list(dict.fromkeys(args.peer))
-    if args.engine == "sim":
-        fleet: Fleet = SimFleet(SimSpec(
-            replicas=args.replicas, model=args.model or "sim", block_size=args.block_size,
-            kv_capacity_tokens=args.kv_capacity_tokens,
-            prefill_tokens_per_s=args.prefill_tokens_per_s,
-            decode_tokens_per_s=args.decode_tokens_per_s, time_scale=args.time_scale,
-            tokenizer=args.tokenizer,
-        ))
+    sim = args.engine == "sim"
+    points = _sweep_points(args)
+    swept = len(points) > 1 or bool(args.sweep_time_scale or args.sweep_prefill)
+    if not sim and swept:
+        print("kvroute bench: --sweep-* needs --engine sim", file=sys.stderr)
+        return 2
+    if sim:
         model = args.model or "sim"
-        speedup = args.speedup or args.time_scale
     else:
-        fleet = ExternalFleet(_csv(args.engine), block_size=args.block_size,
-                              capacity_tokens=None)
-        model = args.model or await _served_model(fleet.urls[0])
-        speedup = args.speedup or 1.0
+        external = ExternalFleet(_csv(args.engine), block_size=args.block_size,
+                                 capacity_tokens=args.kv_capacity_tokens)
+        model = args.model or await _served_model(external.urls[0])
     first_token, end_token = _token_range(args.tokenizer)
     options = WorkloadOptions(
-        vocab_size=end_token, first_token_id=first_token, model=model, seed=args.seed, users=args.users, turns=args.turns,
-        system_tokens=args.system_tokens, conversations=args.conversations,
+        vocab_size=end_token, first_token_id=first_token, model=model, seed=args.seed,
+        users=args.users, turns=args.turns, system_tokens=args.system_tokens,
+        conversations=args.conversations,
         sessions=tuple(int(count) for count in _csv(args.sessions)),
         agent_turns=args.agent_turns, agent_scale=args.agent_scale, limit=args.limit,
         max_output_tokens=args.max_output_tokens, think_time=args.think_time,
@@ -355,17 +451,27 @@ async def _main(args: argparse.Namespace) -> int:
         print(f"kvroute bench: {exc}", file=sys.stderr)
         return 2
     targets = _targets(policies, peers)
-    print(f"kvroute bench: {len(workloads)} workload(s) x {len(targets)} target(s) on "
-          f"{len(fleet.urls)} engine(s); arrivals sped up {speedup:g}x", file=sys.stderr)
-    settings = RunSettings(speedup=speedup, max_in_flight=args.max_in_flight,
-                           time_scale=args.time_scale if args.engine == "sim" else 1.0)
     started = time.monotonic()
-    results = await run_bench(workloads, fleet, targets, settings, tokenizer=args.tokenizer,
-                              bound=not args.no_bound)
+    results: list[TargetResult] = []
+    for time_scale, prefill in points:
+        fleet = _sim_fleet(args, time_scale, prefill) if sim else external
+        speedup = args.speedup or (time_scale if sim else 1.0)
+        setting = f"time-scale={time_scale:g} prefill={prefill:g}" if swept else ""
+        print(f"kvroute bench: {len(workloads)} workload(s) x {len(targets)} target(s) x "
+              f"{args.repeat} run(s) on {len(fleet.urls)} engine(s); arrivals sped up "
+              f"{speedup:g}x" + (f"; {setting}" if setting else ""), file=sys.stderr)
+        settings = RunSettings(speedup=speedup, max_in_flight=args.max_in_flight,
+                               time_scale=time_scale if sim else 1.0, setting=setting)
+        results += await run_bench(workloads, fleet, targets, settings, tokenizer=args.tokenizer,
+                                   bound=not args.no_bound, repeats=args.repeat)
     print(format_table(results))
+    if args.repeat > 1:
+        print()
+        print(format_repeats(results))
+    scales = {point[0] for point in points} if sim else {1.0}
     print(f"\n({time.monotonic() - started:.0f} s; TTFT and latency in wall seconds"
-          + (f" of sims running {settings.time_scale:g}x real time)" if settings.time_scale != 1
-             else ")"))
+          + (" of sims running " + "/".join(f"{scale:g}" for scale in sorted(scales))
+             + "x real time)" if scales != {1.0} else ")"))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         write_json(results, args.out / "results.json")

@@ -2,8 +2,14 @@
 
 ``results.json`` is a list of :class:`TargetResult` objects (keys as the field names below).
 A *target* is a ``kvroute serve`` policy (``round_robin``, ``cache_aware``, ...), a peer
-router (``peer:sglang-router``, ``peer:vllm-router``) or ``bound``: the hit rate of one
-unbounded cache over the same request sequence, the ceiling no fleet of finite caches beats.
+router (``peer:sglang-router``, ``peer:vllm-router``) or one of three offline caches over the
+workload's requests in arrival order (:mod:`benchmarks.bounds`): ``bound``, one unbounded
+cache, the ceiling no fleet of finite caches beats; ``bound_fleet``, one cache of the fleet's
+total capacity evicted optimally (Belady), the ceiling no router on this fleet beats; and
+``pooled_lru``, that cache evicted LRU as an engine does. Every served target also carries
+``bound_fleet`` and ``pooled_lru`` over the order *it* sent the requests (think time and
+answers make that order differ from run to run) and ``of_bound_fleet``, its observed hit rate
+over that bound.
 
 Hit rates are fractions of prompt tokens: ``observed`` from the engines' own prefix-cache
 counters (what really happened), ``predicted`` from the router's own counters (what kvroute
@@ -22,6 +28,10 @@ from typing import Any
 import numpy as np
 
 BOUND_TARGET = "bound"
+BOUND_FLEET_TARGET = "bound_fleet"
+POOLED_LRU_TARGET = "pooled_lru"
+#: Rows computed offline, not served by a router.
+OFFLINE_TARGETS = (BOUND_TARGET, BOUND_FLEET_TARGET, POOLED_LRU_TARGET)
 PEER_PREFIX = "peer:"
 
 
@@ -57,6 +67,13 @@ class TargetResult:
     time_scale: float = 1.0  # sims ran this many times faster than real time
     status: str = "ok"
     error_sample: str | None = None  # the first error a client saw, if any
+    # Offline caches over the order this target sent the requests (see the module doc).
+    bound_fleet: float | None = None
+    pooled_lru: float | None = None
+    of_bound_fleet: float | None = None  # hit_rate_observed / bound_fleet
+    fleet_capacity_blocks: int | None = None
+    setting: str = ""  # a settings-sweep point, e.g. "time-scale=10 prefill=20000"
+    repeat: int = 0  # which run of this target x workload (``--repeat``), from 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,10 +127,13 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec)
 
 
-def _bound_of(results: Sequence[TargetResult], workload: str) -> float | None:
-    for result in results:
-        if result.workload == workload and result.target == BOUND_TARGET:
-            return result.hit_rate_observed
+def _bound_of(results: Sequence[TargetResult], result: TargetResult) -> float | None:
+    """The unbounded cache's hit rate on ``result``'s workload and setting."""
+    for other in results:
+        if (other.workload, other.setting, other.target) == (
+            result.workload, result.setting, BOUND_TARGET
+        ):
+            return other.hit_rate_observed
     return None
 
 
@@ -122,40 +142,53 @@ def _balance(share: dict[str, BackendShare]) -> str:
     return "/".join(f"{round(s.prompt_tokens * 100)}" for s in share.values()) or "-"
 
 
-def format_table(results: Sequence[TargetResult]) -> str:
-    """A plain-text table, one row per target x workload, grouped by workload."""
-    header = (
-        "workload", "target", "reqs", "err", "hit obs", "hit pred", "of bound",
-        "TTFT p50", "p90", "p99", "e2e p50", "req/s", "tokens % per backend",
+def _row(results: Sequence[TargetResult], result: TargetResult, width: int) -> tuple[str, ...]:
+    """One table row (without the setting column)."""
+    if result.status != "ok":
+        return (result.workload, result.target, "-", "-", result.status, *("",) * (width - 5))
+    bound = _bound_of(results, result)
+    of_bound = (
+        ratio(result.hit_rate_observed, bound)
+        if result.hit_rate_observed is not None and bound and result.target != BOUND_TARGET
+        else None
     )
-    rows: list[tuple[str, ...]] = []
-    for result in results:
-        bound = _bound_of(results, result.workload)
-        of_bound = (
-            ratio(result.hit_rate_observed, bound)
-            if result.hit_rate_observed is not None and bound and result.target != BOUND_TARGET
-            else None
-        )
-        if result.status != "ok":
-            rows.append((result.workload, result.target, "-", "-", result.status,
-                         *("",) * (len(header) - 5)))
-            continue
-        rows.append((
-            result.workload, result.target, str(result.requests), str(result.errors),
-            _fmt(result.hit_rate_observed, ".3f"), _fmt(result.hit_rate_predicted, ".3f"),
-            _fmt(of_bound, ".0%"), _fmt(result.ttft_p50_s, ".3f"), _fmt(result.ttft_p90_s, ".3f"),
-            _fmt(result.ttft_p99_s, ".3f"), _fmt(result.latency_p50_s, ".3f"),
-            _fmt(result.throughput_rps, ".1f"), _balance(result.backend_share),
-        ))
+    return (
+        result.workload, result.target, str(result.requests), str(result.errors),
+        _fmt(result.hit_rate_observed, ".3f"), _fmt(result.hit_rate_predicted, ".3f"),
+        _fmt(of_bound, ".0%"), _fmt(result.bound_fleet, ".3f"),
+        _fmt(result.of_bound_fleet, ".0%"), _fmt(result.ttft_p50_s, ".3f"),
+        _fmt(result.ttft_p90_s, ".3f"), _fmt(result.ttft_p99_s, ".3f"),
+        _fmt(result.latency_p50_s, ".3f"), _fmt(result.throughput_rps, ".1f"),
+        _balance(result.backend_share),
+    )
+
+
+def format_table(results: Sequence[TargetResult]) -> str:
+    """A plain-text table, one row per target x workload, grouped by (setting,) workload.
+
+    ``of bound`` is over the unbounded cache (arrival order); ``bnd fleet`` is the pooled
+    Belady bound over the order this row's target sent the requests, and ``of bound_fleet``
+    the row's hit rate over it. A ``setting`` column leads when a settings sweep ran.
+    """
+    header: tuple[str, ...] = (
+        "workload", "target", "reqs", "err", "hit obs", "hit pred", "of bound", "bnd fleet",
+        "of bound_fleet", "TTFT p50", "p90", "p99", "e2e p50", "req/s", "tokens % per backend",
+    )
+    swept = any(result.setting for result in results)
+    rows = [_row(results, result, len(header)) for result in results]
+    if swept:
+        header = ("setting", *header)
+        rows = [(result.setting, *row) for result, row in zip(results, rows)]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(header, widths))]
     lines.append("  ".join("-" * width for width in widths))
+    group_columns = 2 if swept else 1
     previous = None
     for row in rows:
-        if previous is not None and row[0] != previous:
+        if previous is not None and row[:group_columns] != previous:
             lines.append("")
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-        previous = row[0]
+        previous = row[:group_columns]
     notes = [f"  {r.workload} / {r.target}: {r.errors} errors, e.g. {r.error_sample}"
              for r in results if r.error_sample]
     if notes:
@@ -163,11 +196,66 @@ def format_table(results: Sequence[TargetResult]) -> str:
     return "\n".join(lines)
 
 
+def _spread(values: Sequence[float | None], spec: str) -> str:
+    """Median and [min-max] of the values that exist: "0.781 [0.770-0.790]"."""
+    present = sorted(value for value in values if value is not None)
+    if not present:
+        return "-"
+    median = float(np.median(present))
+    if len(present) == 1:
+        return format(median, spec)
+    return f"{median:{spec}} [{present[0]:{spec}}-{present[-1]:{spec}}]"
+
+
+#: Columns of the repeats table: (header, attribute, format).
+_REPEAT_COLUMNS = (
+    ("hit obs", "hit_rate_observed", ".3f"), ("bnd fleet", "bound_fleet", ".3f"),
+    ("of bound_fleet", "of_bound_fleet", ".0%"), ("TTFT p50", "ttft_p50_s", ".3f"),
+    ("TTFT p99", "ttft_p99_s", ".3f"), ("req/s", "throughput_rps", ".1f"),
+)
+
+
+def format_repeats(results: Sequence[TargetResult]) -> str:
+    """Per (setting,) workload and target: median [min-max] over the repeated runs."""
+    groups: dict[tuple[str, str, str], list[TargetResult]] = {}
+    for result in results:
+        if result.status == "ok":
+            groups.setdefault((result.setting, result.workload, result.target), []).append(result)
+    swept = any(setting for setting, _, _ in groups)
+    header = (*(("setting",) if swept else ()), "workload", "target", "runs",
+              *(name for name, _, _ in _REPEAT_COLUMNS))
+    rows = []
+    for (setting, workload, target), runs in groups.items():
+        cells = [_spread([getattr(run, attribute) for run in runs], spec)
+                 for _, attribute, spec in _REPEAT_COLUMNS]
+        rows.append((*((setting,) if swept else ()), workload, target, str(len(runs)), *cells))
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["median [min-max] over the runs",
+             "  ".join(cell.ljust(width) for cell, width in zip(header, widths)).rstrip(),
+             "  ".join("-" * width for width in widths)]
+    group_columns = 2 if swept else 1
+    previous = None
+    for row in rows:
+        if previous is not None and row[:group_columns] != previous:
+            lines.append("")
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        previous = row[:group_columns]
+    return "\n".join(lines)
+
+
+def _label(result: TargetResult) -> str:
+    """A workload's label in the plot: its name, and its sweep setting when there is one."""
+    return f"{result.workload}\n{result.setting}" if result.setting else result.workload
+
+
 def _bars(axis, results: Sequence[TargetResult], targets: list[str], colors: dict[str, str],
-          attribute: str, tick_attribute: str | None = None) -> None:
-    """Grouped bars: one group per workload, one bar per target (and a tick for p99)."""
-    workloads = list(dict.fromkeys(result.workload for result in results))
-    found = {(r.target, r.workload): r for r in results}
+          attribute: str, tick_attribute: str | None = None, of_fleet: bool = False) -> None:
+    """Grouped bars: one group per workload, one bar per target (and a tick for p99).
+
+    ``of_fleet`` writes each bar's ``of_bound_fleet`` above it.
+    """
+    workloads = list(dict.fromkeys(_label(result) for result in results))
+    found = {(r.target, _label(r)): r for r in results}
 
     def value(target: str, workload: str, name: str) -> float:
         result = found.get((target, workload))
@@ -178,29 +266,41 @@ def _bars(axis, results: Sequence[TargetResult], targets: list[str], colors: dic
     positions = np.arange(len(workloads))
     for number, target in enumerate(targets):
         where = positions + number * width
-        axis.bar(where, [value(target, w, attribute) for w in workloads], width,
-                 label=target, color=colors[target])
+        heights = [value(target, w, attribute) for w in workloads]
+        axis.bar(where, heights, width, label=target, color=colors[target])
         if tick_attribute:
             axis.scatter(where, [value(target, w, tick_attribute) for w in workloads],
                          marker="_", s=250, color=colors[target])
+        if of_fleet:
+            for x, height, w in zip(where, heights, workloads):
+                share = value(target, w, "of_bound_fleet")
+                if not math.isnan(share) and not math.isnan(height):
+                    axis.text(x, height + 0.01, f"{share:.0%}", ha="center", va="bottom",
+                              rotation=90, fontsize=6)
     axis.set_xticks(positions + width * (len(targets) - 1) / 2, workloads, fontsize=8)
     axis.legend(fontsize=8)
 
 
-def _sweep(axis, results: Sequence[TargetResult], colors: dict[str, str], attribute: str) -> None:
-    """One line per target over the agent-sessions sweep."""
+def _sweep(axis, results: Sequence[TargetResult], colors: dict[str, str], attribute: str,
+           of_fleet: bool = False) -> None:
+    """One line per target over the agent-sessions sweep (points labelled with their
+    ``of_bound_fleet`` when ``of_fleet``)."""
     axis.set_xscale("log", base=2)
     counts: set[int] = set()
     for target in dict.fromkeys(result.target for result in results):
         points = sorted(
-            (r.sessions, getattr(r, attribute)) for r in results
+            (r.sessions, getattr(r, attribute), r.of_bound_fleet) for r in results
             if r.target == target and getattr(r, attribute) is not None
         )
         if points:
-            xs, ys = zip(*points)
+            xs, ys, shares = zip(*points)
             counts.update(xs)
-            axis.plot(xs, ys, "--" if target == BOUND_TARGET else "-", marker="o",
+            axis.plot(xs, ys, "--" if target in OFFLINE_TARGETS else "-", marker="o",
                       label=target, color=colors[target])
+            for x, y, share in zip(xs, ys, shares):
+                if of_fleet and share is not None:
+                    axis.annotate(f"{share:.0%}", (x, y), textcoords="offset points",
+                                  xytext=(4, 2), fontsize=6, color=colors[target])
     axis.set_xticks(sorted(counts), [str(count) for count in sorted(counts)])
     axis.set_xticks([], minor=True)
     axis.set_xlabel("agent sessions taking turns in lockstep")
@@ -210,8 +310,10 @@ def _sweep(axis, results: Sequence[TargetResult], colors: dict[str, str], attrib
 def plot_summary(results: Sequence[TargetResult], path: Path) -> None:
     """summary.png: hit rate and TTFT per target per workload; the agent-sessions sweep.
 
-    Up to four panels: hit rate and TTFT as grouped bars for the plain workloads, and hit
-    rate and TTFT against the number of sessions for the agent-sessions sweep.
+    Up to four panels: hit rate and TTFT as grouped bars for the other workloads (timing
+    variants and settings-sweep points included), and hit rate and TTFT against the number
+    of sessions for the plain agent-sessions sweep. Hit-rate bars and points are labelled
+    with their share of ``bound_fleet``.
     """
     import matplotlib
 
@@ -221,29 +323,35 @@ def plot_summary(results: Sequence[TargetResult], path: Path) -> None:
     ok = [result for result in results if result.status == "ok"]
     targets = list(dict.fromkeys(result.target for result in ok))
     colors = {target: f"C{number % 10}" for number, target in enumerate(targets)}
-    served = [target for target in targets if target != BOUND_TARGET]
-    flat = [result for result in ok if result.sessions is None]
-    sweep = [result for result in ok if result.sessions is not None]
+    served = [target for target in targets if target not in OFFLINE_TARGETS]
+
+    def in_sweep(result: TargetResult) -> bool:
+        plain = "+" not in result.workload and not result.setting
+        return result.sessions is not None and plain
+
+    flat = [result for result in ok if not in_sweep(result)]
+    sweep = [result for result in ok if in_sweep(result)]
     rows = [group for group in (flat, sweep) if group]
     if not rows:
         return
-    figure, axes = plt.subplots(len(rows), 2, figsize=(13, 4.6 * len(rows)), squeeze=False)
+    figure, axes = plt.subplots(
+        len(rows), 2, figsize=(13 if len(flat) < 40 else 20, 4.8 * len(rows)), squeeze=False
+    )
     for row, group in zip(axes, rows):
         hit_axis, ttft_axis = row
+        live = [r for r in group if r.target not in OFFLINE_TARGETS]
         if group is flat:
-            _bars(hit_axis, group, targets, colors, "hit_rate_observed")
-            _bars(ttft_axis, [r for r in group if r.target != BOUND_TARGET], served, colors,
-                  "ttft_p50_s", "ttft_p99_s")
-            hit_axis.set_title("Prefix-cache hit rate (bound = one unbounded cache)")
+            _bars(hit_axis, group, targets, colors, "hit_rate_observed", of_fleet=True)
+            _bars(ttft_axis, live, served, colors, "ttft_p50_s", "ttft_p99_s")
+            hit_axis.set_title("Prefix-cache hit rate (label: share of bound_fleet)")
             ttft_axis.set_title("Time to first token (bar p50, tick p99)")
         else:
-            _sweep(hit_axis, group, colors, "hit_rate_observed")
-            _sweep(ttft_axis, [r for r in group if r.target != BOUND_TARGET], colors,
-                   "ttft_p50_s")
-            hit_axis.set_title("Agent sessions: hit rate vs sessions")
+            _sweep(hit_axis, group, colors, "hit_rate_observed", of_fleet=True)
+            _sweep(ttft_axis, live, colors, "ttft_p50_s")
+            hit_axis.set_title("Agent sessions: hit rate vs sessions (label: of bound_fleet)")
             ttft_axis.set_title("Agent sessions: TTFT p50 vs sessions")
         hit_axis.set_ylabel("engine-observed hit rate (prompt tokens)")
-        hit_axis.set_ylim(0, 1)
+        hit_axis.set_ylim(0, 1.1)
         ttft_axis.set_ylabel("seconds (wall)")
         ttft_axis.set_yscale("log")
     figure.tight_layout()

@@ -18,7 +18,8 @@ TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_co
 
 REQUIRED_KEYS = {
     "target", "workload", "requests", "errors", "hit_rate_observed", "hit_rate_predicted",
-    "ttft_p50_s", "ttft_p99_s", "throughput_rps", "backend_share",
+    "ttft_p50_s", "ttft_p99_s", "throughput_rps", "backend_share", "bound_fleet",
+    "pooled_lru", "of_bound_fleet", "fleet_capacity_blocks",
 }
 
 
@@ -45,9 +46,15 @@ def test_results_schema_on_a_tiny_replay(tmp_path: Path, capsys: pytest.CaptureF
     assert "system-prompt" in names
     for result in results:
         assert result.status == "ok"
-        assert result.target in {"bound", "round_robin"}
+        assert result.target in {"bound", "bound_fleet", "pooled_lru", "round_robin"}
         assert 0.0 <= result.hit_rate_observed <= 1.0
-        if result.target == "bound":
+        assert result.fleet_capacity_blocks == 2 * 65536 // 16
+        # every row, offline or served, is measured against the pooled optimum
+        assert result.of_bound_fleet == pytest.approx(
+            result.hit_rate_observed / result.bound_fleet
+        )
+        assert result.pooled_lru <= result.bound_fleet
+        if result.target != "round_robin":
             continue
         assert result.requests == (4 if result.workload == "system-prompt" else 5)
         assert result.errors == 0
@@ -61,6 +68,8 @@ def test_results_schema_on_a_tiny_replay(tmp_path: Path, capsys: pytest.CaptureF
             assert abs(share.requests * result.requests - result.requests / 2) <= 1
     bound = {r.workload: r.hit_rate_observed for r in results if r.target == "bound"}
     assert bound["system-prompt"] > 0.3  # the shared system prompt and the first turns
+    header = next(line for line in printed.splitlines() if line.startswith("workload"))
+    assert "of bound_fleet" in header
     assert (out / "summary.png").stat().st_size > 10_000
 
 
@@ -135,3 +144,48 @@ async def test_replay_waits_each_think_time_after_the_answer_scaled_by_speedup()
             waits.append(later.sent_s - answered)
     # think times of mean 4 s at 20x: waits of ~0.2 s wall, not back-to-back turns
     assert len(waits) == 4 and sum(waits) > 0.2
+
+
+async def test_a_real_engine_never_beats_the_pooled_bound_over_its_sent_order() -> None:
+    """One sim replica whose cache holds ~2 of 6 agent sessions: what it really kept is at
+    most bound_fleet over the order the replay sent, and LRU (its own rule) is below it."""
+    capacity_tokens = 4096
+    fleet = SimFleet(SimSpec(replicas=1, time_scale=20, kv_capacity_tokens=capacity_tokens))
+    options = WorkloadOptions(agent_turns=4, agent_scale=0.04, max_output_tokens=4)
+    (workload,) = make_workloads("agent-sessions:6+think=0.5", options)
+    prompts = bench.workload_prompts(workload, fleet.block_size, None)
+    settings = bench.RunSettings(speedup=20, max_in_flight=256, time_scale=20)
+    try:
+        result = await bench.run_target("round_robin", workload, fleet, settings, None,
+                                        prompts=prompts)
+    finally:
+        fleet.stop()
+    assert result.errors == 0
+    (unbounded,) = [r for r in bench.offline_rows(workload, prompts, None) if r.target == "bound"]
+    assert result.fleet_capacity_blocks == capacity_tokens // 16
+    assert result.pooled_lru < result.bound_fleet < unbounded.hit_rate_observed  # it binds
+    assert result.hit_rate_observed <= result.bound_fleet
+    assert result.of_bound_fleet == pytest.approx(result.hit_rate_observed / result.bound_fleet)
+
+
+def test_settings_sweep_and_repeats_label_every_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    code = bench.main([
+        "--engine", "sim", "--replicas", "2", "--workload", "system-prompt", "--users", "2",
+        "--turns", "2", "--system-tokens", "300", "--policies", "round_robin",
+        "--sweep-time-scale", "20,40", "--repeat", "2", "--out", str(out),
+    ])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "median [min-max] over the runs" in printed
+    results = read_json(out / "results.json")
+    served = [(r.setting, r.repeat) for r in results if r.target == "round_robin"]
+    assert sorted(served) == [
+        ("time-scale=20 prefill=20000", 0), ("time-scale=20 prefill=20000", 1),
+        ("time-scale=40 prefill=20000", 0), ("time-scale=40 prefill=20000", 1),
+    ]
+    assert {r.time_scale for r in results if r.target == "round_robin"} == {20.0, 40.0}
+    offline = [r.setting for r in results if r.target == "bound_fleet"]
+    assert sorted(offline) == ["time-scale=20 prefill=20000", "time-scale=40 prefill=20000"]
