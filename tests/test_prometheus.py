@@ -255,14 +255,14 @@ def panel_queries() -> list[Query]:
     ]
 
 
-def variable_queries() -> dict[str, str]:
-    """Template variable -> its label_values(...) query."""
-    variables = {}
-    for variable in dashboard()["templating"]["list"]:
-        if variable["type"] == "query":
-            query = variable["query"]
-            variables[variable["name"]] = query["query"] if isinstance(query, dict) else query
-    return variables
+def query_variables() -> list[dict[str, Any]]:
+    """The dashboard's template variables of type query."""
+    return [variable for variable in dashboard()["templating"]["list"] if variable["type"] == "query"]
+
+
+def variable_query(variable: dict[str, Any]) -> str:
+    query = variable["query"]
+    return str(query["query"] if isinstance(query, dict) else query)
 
 
 def resolve_variable(prometheus: Prometheus, query: str, start: float, end: float) -> list[str]:
@@ -286,6 +286,32 @@ def substitute(expr: str, values: dict[str, str]) -> str:
         return values[name]
 
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", replace, expr)
+
+
+@dataclass
+class Evaluation:
+    """What a set of dashboard queries gave under one choice of variable values."""
+
+    selection: str
+    failures: list[str]
+    empty: list[str]
+
+
+def evaluate(
+    prometheus: Prometheus, queries: list[Query], values: dict[str, str], selection: str, start: float, end: float
+) -> Evaluation:
+    """Run every query as Grafana's panels do (a range query, 1 s steps over [start, end])."""
+    result = Evaluation(selection, [], [])
+    for query in queries:
+        expr = substitute(query.expr, values | {"__rate_interval": RATE_INTERVAL})
+        try:
+            data = prometheus.api("query_range", query=expr, start=start, end=end, step="1s")
+        except PromQLError as error:
+            result.failures.append(f"{query.where} ({selection}): {error}\n    {expr}")
+            continue
+        if not data["result"]:
+            result.empty.append(f"{query.where} ({selection}): {expr}")
+    return result
 
 
 def test_every_dashboard_query_runs_on_a_real_prometheus(
@@ -317,26 +343,29 @@ def test_every_dashboard_query_runs_on_a_real_prometheus(
         time.sleep(TRAFFIC_S)
         end = time.time()
         start = end - TRAFFIC_S
-        variables = variable_queries()
-        resolved = {name: resolve_variable(prometheus, query, start, end) for name, query in variables.items()}
-        values = {name: regex_of(found) for name, found in resolved.items()} | {"__rate_interval": RATE_INTERVAL}
-        failures, empty = [], []
+        variables = query_variables()
+        resolved = {
+            variable["name"]: resolve_variable(prometheus, variable_query(variable), start, end)
+            for variable in variables
+        }
         queries = panel_queries()
-        for query in queries:
-            expr = substitute(query.expr, values)
-            try:
-                data = prometheus.api("query_range", query=expr, start=start, end=end, step="1s")
-            except PromQLError as error:
-                failures.append(f"{query.where}: {error}\n    {expr}")
-                continue
-            if not data["result"]:
-                empty.append(f"{query.where}: {expr}")
+        # Every value ticked, and "All" (the dashboard's default: the variable's allValue).
+        evaluations = [
+            evaluate(prometheus, queries, {name: regex_of(found) for name, found in resolved.items()},
+                     "each value", start, end),
+            evaluate(prometheus, queries, {variable["name"]: variable["allValue"] for variable in variables},
+                     "All", start, end),
+        ]
         rules = rule_problems(prometheus)
     assert not traffic.errors, traffic.errors[:5]
+    failures = [line for evaluation in evaluations for line in evaluation.failures]
+    empty = [line for evaluation in evaluations for line in evaluation.empty]
     with capsys.disabled():
-        print(f"\n{len(queries)} dashboard expressions and {len(variables)} template variables evaluated "
-              f"on Prometheus after {traffic.requests} requests; rejected: {len(failures)}, "
-              f"empty: {len(empty)}" + "".join(f"\n  empty: {line}" for line in empty))
+        print(f"\n{len(queries)} dashboard expressions x {len(evaluations)} variable selections evaluated on "
+              f"Prometheus after {traffic.requests} requests; template variables: "
+              + ", ".join(f"{name}={len(found)} values" for name, found in resolved.items())
+              + f"; rejected: {len(failures)}, empty: {len(empty)}"
+              + "".join(f"\n  empty: {line}" for line in empty))
     assert resolved == {
         "backend": sorted(engine.url for engine in engines), "policy": ["cache_aware", "round_robin"]
     }, "template variables"
