@@ -23,8 +23,9 @@ COPY router/ router/
 COPY tokenizer_index/ tokenizer_index/
 COPY benchmarks/ benchmarks/
 # The prefix index's compiled loops are compiled here, once, into a cache the router's user
-# can read and write (a read-only root file system compiles them at start instead).
-RUN pip install --no-cache-dir . \
+# can read and write (a read-only root file system compiles them at start instead). The k8s
+# extra is the Kubernetes client that --discovery k8s (the Helm chart's default) needs.
+RUN pip install --no-cache-dir ./[k8s] \
     && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin kvroute \
     && python -c "import tokenizer_index.kernels" \
     && chown -R 10001:10001 /var/cache/kvroute
