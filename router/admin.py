@@ -5,6 +5,7 @@ Every call needs ``Authorization: Bearer <admin_token>``, compared in constant t
 
 * ``GET    /admin/backends``         -> ``{"backends": [BackendState, ...]}``
 * ``POST   /admin/backends``         ``{"url", "api_key"?, "capacity_tokens"?, "kv_events_endpoint"?}``
+  (or any other per-backend setting of the config file: ``headers``, ``ca_file``, ``verify``, ...)
   -> 201 with the new backend's state (probed once first; 409 if already there)
 * ``DELETE /admin/backends``         ``{"url"}`` (or ``?url=``) -> 200, removed at once
 * ``POST   /admin/backends/drain``   ``{"url"}`` -> 202; no new requests go there and it
@@ -28,6 +29,7 @@ import orjson
 from aiohttp import web
 from pydantic import ValidationError
 
+from router.backend_url import parse_backend_url
 from router.backends import BackendPool
 from router.config import BackendConfig, Settings
 from router.decisions import DecisionRecorder
@@ -105,8 +107,9 @@ class AdminAPI:
             config = BackendConfig.model_validate(payload)
         except ValidationError as exc:
             raise RouterError(400, _validation_message(exc), code="invalid_backend") from None
-        if config.api_key and self._on_secret is not None:
-            self._on_secret(config.api_key)
+        if self._on_secret is not None:
+            for secret in config.secrets():
+                self._on_secret(secret)
         if config.url in self._pool:
             raise RouterError(409, f"backend {config.url} is already in the pool", code="backend_exists")
         await self._check_network(config.url)
@@ -139,7 +142,10 @@ class AdminAPI:
             url = (await _json_object(request)).get("url")
         if not isinstance(url, str) or not url:
             raise RouterError(400, "'url' is required", code="missing_url")
-        return url.rstrip("/")
+        try:
+            return parse_backend_url(url).base  # as the pool names it: credentials left out
+        except ValueError:
+            return url.rstrip("/")  # not a backend URL: answered "no backend" below
 
     async def _check_network(self, url: str) -> None:
         """Refuse backends outside ``admin_allowed_networks`` (when that list is set)."""

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from router.backend_access import BackendAccess
 from router.breaker import BreakerState, CircuitBreaker
 
 log = logging.getLogger("kvroute.backends")
@@ -61,7 +62,7 @@ class Backend:
 
     __slots__ = (
         "url",
-        "api_key",
+        "access",
         "kv_events_endpoint",
         "healthy",
         "draining",
@@ -86,14 +87,16 @@ class Backend:
         self,
         url: str,
         *,
-        api_key: str | None = None,
+        access: BackendAccess | None = None,
         kv_events_endpoint: str | None = None,
         capacity_tokens: int | None = None,
         default_capacity_tokens: int | None = None,
         breaker: CircuitBreaker | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
-        self.api_key = api_key
+        #: Where and how the router calls it (path prefix, credentials, TLS).
+        self.access = access or BackendAccess.for_url(url)
+        #: Its identity: the URL as written, without credentials (pool key, metrics label).
+        self.url = self.access.url
         self.kv_events_endpoint = kv_events_endpoint
         self.healthy = False
         self.draining = False

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, FilePath, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from router.backend_url import parse_backend_url
 
 PolicyName = Literal["round_robin", "least_load", "random", "power_of_two", "sticky", "cache_aware"]
 POLICY_NAMES: tuple[str, ...] = PolicyName.__args__  # type: ignore[attr-defined]
@@ -31,11 +33,45 @@ class ModelConfig(BaseModel):
     block_size: int | None = Field(default=None, gt=0)
 
 
+ProxyCredential = Literal["if_absent", "always", "never"]
+
+# Request headers an operator may not set per backend: the router frames each hop itself,
+# and a credential belongs in api_key or the URL (one place, redacted from logs).
+_RESERVED_HEADERS = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer", "upgrade",
+     "proxy-connection", "expect", "authorization"}
+)
+
+
 class BackendConfig(BaseModel):
-    """One statically configured backend (``backends:`` section, or ``--backend URL``)."""
+    """One statically configured backend (``backends:`` section, or ``--backend URL``).
+
+    ``url`` is kept as written, path prefix included; credentials written into it
+    (``http://user:pw@host``) move to ``username`` / ``password`` and become
+    ``Authorization: Basic``, so the URL itself (the backend's name in metrics, headers and
+    logs) never carries them.
+    """
 
     url: str
     api_key: str | None = Field(default=None, description="bearer token sent to this engine")
+    username: str | None = Field(default=None, description="HTTP Basic user (or user:password@ in the URL)")
+    password: str | None = Field(default=None, description="HTTP Basic password")
+    api_key_on_proxy: ProxyCredential | None = Field(
+        default=None,
+        description="when proxied requests carry this engine's credential: if_absent (the client sent no"
+        " Authorization), always (replacing the client's), never (only health, model and metrics calls);"
+        " default if_absent; always for URL credentials, with --api-keys, or for --backend-api-key",
+    )
+    headers: dict[str, str] = Field(
+        default_factory=dict, description="extra request headers on every call to this engine (the client's"
+        " header of the same name is replaced)",
+    )
+    ca_file: FilePath | None = Field(
+        default=None, description="CA bundle (PEM) that signs this https engine's certificate"
+    )
+    verify: bool = Field(
+        default=True, description="verify this https engine's certificate (false: logged as a warning)"
+    )
     kv_events_endpoint: str | None = Field(default=None, description="the KV-event ZMQ endpoint")
     kv_events_replay_endpoint: str | None = Field(
         default=None,
@@ -43,12 +79,51 @@ class BackendConfig(BaseModel):
     )
     capacity_tokens: int | None = Field(default=None, gt=0, description="KV cache size in tokens")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _credentials_out_of_url(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("url"), str):
+            return data
+        try:
+            parsed = parse_backend_url(data["url"])
+        except ValueError:
+            return data  # the url validator names the problem
+        if parsed.username is None:
+            return data
+        if data.get("username") is not None or data.get("password") is not None:
+            raise ValueError("credentials are given both in the URL and as username/password")
+        return {**data, "url": parsed.base, "username": parsed.username, "password": parsed.password}
+
     @field_validator("url")
     @classmethod
-    def _strip_slash(cls, url: str) -> str:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"backend URL must start with http:// or https://, got {url!r}")
-        return url.rstrip("/")
+    def _as_written(cls, url: str) -> str:
+        return parse_backend_url(url).base
+
+    @field_validator("headers")
+    @classmethod
+    def _plain_headers(cls, headers: dict[str, str]) -> dict[str, str]:
+        for name, value in headers.items():
+            if not name or not all(char.isalnum() or char in "!#$%&'*+-.^_`|~" for char in name) or not name.isascii():
+                raise ValueError(f"not a header name: {name!r}")
+            if name.lower() in _RESERVED_HEADERS:
+                raise ValueError(f"header {name!r} cannot be set per backend (use api_key or the URL for credentials)")
+            if any(char in value for char in "\r\n\0"):
+                raise ValueError(f"header {name!r}: value must be one line")
+        return headers
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BackendConfig:
+        if self.api_key is not None and self.username is not None:
+            raise ValueError("give either api_key (Bearer) or a user and password (Basic), not both")
+        if self.password is not None and self.username is None:
+            raise ValueError("password without username")
+        if not self.url.startswith("https://") and (self.ca_file is not None or not self.verify):
+            raise ValueError("ca_file and verify apply to https:// backends only")
+        return self
+
+    def secrets(self) -> list[str]:
+        """The credentials in this entry (for log redaction)."""
+        return [secret for secret in (self.api_key, self.password) if secret]
 
 
 class Settings(BaseSettings):
@@ -65,7 +140,7 @@ class Settings(BaseSettings):
     # --- backends and discovery ------------------------------------------------------
     backends: list[BackendConfig] = Field(
         default_factory=list,
-        description="engine base URLs (--backend URL, repeatable; env: comma-separated; file: list of {url, api_key, kv_events_endpoint, kv_events_replay_endpoint, capacity_tokens})",
+        description="engine base URLs (--backend URL, repeatable; env: comma-separated; file: list of {url, api_key, api_key_on_proxy, headers, ca_file, verify, kv_events_endpoint, kv_events_replay_endpoint, capacity_tokens}; see Backends)",
     )
     discovery: Literal["static", "file", "k8s"] = Field(
         default="static",

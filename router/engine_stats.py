@@ -35,8 +35,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from ssl import SSLContext
 from typing import Literal
 
 import aiohttp
@@ -183,12 +184,18 @@ def _as_int(value: float | None) -> int | None:
 
 
 async def scrape(
-    session: aiohttp.ClientSession, url: str, *, timeout_s: float, api_key: str | None = None
+    session: aiohttp.ClientSession,
+    url: str,
+    *,
+    timeout_s: float,
+    headers: Mapping[str, str] | None = None,
+    ssl: SSLContext | bool = True,
 ) -> EngineStats:
-    """GET ``{url}/metrics`` once and parse it. Raises on HTTP or connection errors."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    """GET ``{url}/metrics`` once (``url`` with its path prefix; ``headers``, ``ssl``: the
+    backend's :class:`~router.backend_access.BackendAccess`) and parse it. Raises on HTTP or
+    connection errors."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with session.get(f"{url}/metrics", headers=headers, timeout=timeout) as response:
+    async with session.get(f"{url}/metrics", headers=headers, ssl=ssl, timeout=timeout) as response:
         response.raise_for_status()
         text = await response.text()
     return parse_metrics(text)
@@ -227,7 +234,13 @@ class EngineScraper:
         """One round: scrape all given backends concurrently; failures are logged and skipped."""
         targets = list(backends)
         results = await asyncio.gather(
-            *(scrape(self._session, b.url, timeout_s=self._timeout_s, api_key=b.api_key) for b in targets),
+            *(
+                scrape(
+                    self._session, b.url, timeout_s=self._timeout_s, headers=b.access.probe_headers,
+                    ssl=b.access.aiohttp_ssl,
+                )
+                for b in targets
+            ),
             return_exceptions=True,
         )
         for backend, result in zip(targets, results, strict=True):

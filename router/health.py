@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from router.backend_access import BackendAccess
 from router.backends import Backend, BackendPool
 from router.config import BackendConfig, Settings
 from router.probe_schedule import ProbeSchedule
@@ -47,13 +48,16 @@ class HealthChecker:
         self._wake = asyncio.Event()
         pool.on_changed(self._wake.set)
 
-
     # --- admission -------------------------------------------------------------------
     def new_backend(self, config: BackendConfig) -> Backend:
         """A :class:`Backend` for a configured URL, with the router-wide defaults applied."""
         return Backend(
             config.url,
-            api_key=config.api_key or self._settings.backend_api_key,
+            access=BackendAccess.build(
+                config,
+                default_api_key=self._settings.backend_api_key,
+                client_keys_checked=bool(self._settings.api_keys),
+            ),
             kv_events_endpoint=config.kv_events_endpoint,
             capacity_tokens=config.capacity_tokens,
             default_capacity_tokens=self._settings.default_capacity_tokens,
@@ -88,7 +92,8 @@ class HealthChecker:
         """One health check (and, when it passes, a model list refresh). Never raises."""
         try:
             async with self._session.get(
-                backend.url + "/health", headers=self._auth(backend), timeout=self._timeout
+                backend.url + "/health", headers=backend.access.probe_headers, ssl=backend.access.aiohttp_ssl,
+                timeout=self._timeout,
             ) as response:
                 await response.read()
                 if response.status != 200:
@@ -168,7 +173,8 @@ class HealthChecker:
         """The engine's /v1/models cards, or None when it could not tell."""
         try:
             async with self._session.get(
-                backend.url + "/v1/models", headers=self._auth(backend), timeout=self._timeout
+                backend.url + "/v1/models", headers=backend.access.probe_headers, ssl=backend.access.aiohttp_ssl,
+                timeout=self._timeout,
             ) as response:
                 if response.status != 200:
                     return None
@@ -179,7 +185,3 @@ class HealthChecker:
         if not isinstance(data, list):
             return None
         return [card for card in data if isinstance(card, dict) and isinstance(card.get("id"), str)]
-
-    @staticmethod
-    def _auth(backend: Backend) -> dict[str, str] | None:
-        return {"Authorization": f"Bearer {backend.api_key}"} if backend.api_key else None

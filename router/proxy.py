@@ -78,8 +78,9 @@ HOP_BY_HOP = frozenset(
 # Recomputed for each hop, or set by the router itself.
 _REQUEST_SKIP = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-request-id"}
 _RESPONSE_SKIP = HOP_BY_HOP | {b"content-length", b"x-request-id"}
-# The request headers not forwarded, by (the backend has its own API key, the router reads
-# the stream and asks for it unencoded): the router sends its own Authorization / Accept-Encoding.
+# The request headers not forwarded, by (the backend's credential goes instead of the client's,
+# the router reads the stream and asks for it unencoded): the router sends its own
+# Authorization / Accept-Encoding.
 _REQUEST_SKIPS = {
     (own_key, identity): _REQUEST_SKIP
     | ({b"authorization"} if own_key else frozenset())
@@ -363,7 +364,7 @@ class Proxy:
         backend = attempt.backend
         try:
             upstream = await self._upstream.post(
-                backend.url, call.request.raw_path.encode(), self._upstream_headers(attempt), call.body,
+                backend.access.origin, call.request.raw_path.encode(), self._upstream_headers(attempt), call.body,
                 first_byte_timeout=self._first_byte_timeout,
             )
         except UpstreamError as exc:
@@ -472,16 +473,18 @@ class Proxy:
 
     # --- headers -----------------------------------------------------------------------
     def _upstream_headers(self, attempt: _Attempt) -> list[tuple[bytes, bytes]]:
-        """The client's end-to-end headers, with the router's request id and, where the
-        backend has one, its own API key."""
+        """The client's end-to-end headers, with the router's request id and the backend's
+        own extra headers and credential (see :mod:`router.backend_access`)."""
         call = attempt.call
-        api_key = attempt.backend.api_key
-        skip = _REQUEST_SKIPS[api_key is not None, call.usage_injected]
+        access = attempt.backend.access
+        own_credential = access.proxy_credential(call.request.headers)
+        skip = _REQUEST_SKIPS[own_credential, call.usage_injected]
+        if access.header_names:
+            skip = skip | access.header_names
         drop_prefix = b"x-kvroute-" if self._strip_kvroute_headers else None
         headers = [(b"x-request-id", call.request_id.encode())]
         headers += _forwarded(call.request.raw_headers, skip, drop_prefix)
-        if api_key is not None:
-            headers.append((b"Authorization", b"Bearer " + str(api_key).encode()))
+        headers += access.proxy_headers(own_credential)
         if call.usage_injected:
             # The router must read the stream to remove the usage chunk it asked for.
             headers.append((b"Accept-Encoding", b"identity"))

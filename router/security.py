@@ -152,7 +152,7 @@ _KEY_VALUE = re.compile(r"(?i)\b(api[_-]?key|admin[_-]?token|authorization|passw
 def settings_secrets(settings: Settings) -> list[str]:
     """Every secret in the configuration: admin token, client keys, engine keys."""
     secrets = [settings.admin_token, settings.backend_api_key, *settings.api_keys]
-    secrets += [backend.api_key for backend in settings.backends]
+    secrets += [secret for backend in settings.backends for secret in backend.secrets()]
     return [secret for secret in secrets if secret]
 
 

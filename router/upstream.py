@@ -33,7 +33,8 @@ from collections import deque
 from collections.abc import Sequence
 
 import httptools
-from urllib.parse import urlsplit
+
+from router.backend_url import parse_backend_url
 
 #: Idle keep-alive connections older than this are closed instead of reused.
 KEEPALIVE_S = 4.0
@@ -68,18 +69,21 @@ class UpstreamProtocolError(UpstreamError):
 
 
 class Origin:
-    """Where one backend listens, with its precomputed ``Host`` header."""
+    """Where one backend listens: address, TLS, the precomputed ``Host`` header (never with
+    the URL's userinfo) and the path prefix every request goes under (the URL as written)."""
 
-    __slots__ = ("host", "port", "ssl", "host_header")
+    __slots__ = ("key", "host", "port", "ssl", "ssl_context", "host_header", "prefix")
 
-    def __init__(self, url: str) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
-        self.host = parts.hostname
-        self.ssl = parts.scheme == "https"
-        self.port = parts.port or (443 if self.ssl else 80)
-        self.host_header = parts.netloc.encode("idna" if not parts.netloc.isascii() else "ascii")
+    def __init__(self, url: str, ssl_context: ssl.SSLContext | None = None) -> None:
+        parsed = parse_backend_url(url)
+        self.key = parsed.base
+        self.host = parsed.host
+        self.ssl = parsed.tls
+        self.ssl_context = ssl_context
+        self.port = parsed.port
+        authority = parsed.authority
+        self.host_header = authority.encode("idna" if not authority.isascii() else "ascii")
+        self.prefix = parsed.prefix.encode("ascii")
 
 
 class _Violation(Exception):
@@ -447,26 +451,31 @@ class UpstreamClient:
         self._ssl = ssl_context
         self._pools: dict[str, _OriginPool] = {}
 
-    def _pool(self, base_url: str) -> _OriginPool:
-        pool = self._pools.get(base_url)
+    def _pool(self, target: Origin | str) -> _OriginPool:
+        key = target if isinstance(target, str) else target.key
+        pool = self._pools.get(key)
         if pool is None:
-            context = self._ssl
-            if context is None and base_url.startswith("https://"):
+            origin = Origin(target) if isinstance(target, str) else target
+            context = origin.ssl_context or self._ssl
+            if context is None and origin.ssl:
                 context = self._ssl = ssl.create_default_context()
-            pool = self._pools[base_url] = _OriginPool(Origin(base_url), context)
+            pool = self._pools[key] = _OriginPool(origin, context)
         return pool
 
     async def post(
-        self, base_url: str, path: bytes, headers: RawHeaders, body: bytes, *, first_byte_timeout: float
+        self, target: Origin | str, path: bytes, headers: RawHeaders, body: bytes, *, first_byte_timeout: float
     ) -> UpstreamResponse:
-        """POST ``body`` to ``base_url + path``; returns once the response head arrived.
+        """POST ``body`` to ``path`` under the backend ``target`` (its :class:`Origin`, or its
+        URL); returns once the response head arrived. The origin's path prefix goes first.
 
         ``headers`` must not contain Host, Content-Length or Transfer-Encoding. Raises
         :class:`UpstreamConnectError` (nothing sent), :class:`UpstreamDisconnected`,
         :class:`UpstreamTimeout` or :class:`UpstreamProtocolError`.
         """
-        pool = self._pool(base_url)
-        head = _request_head(b"POST", path, pool.origin.host_header, headers, len(body))
+        pool = self._pool(target)
+        origin = pool.origin
+        target_path = origin.prefix + path if origin.prefix else path
+        head = _request_head(b"POST", target_path, origin.host_header, headers, len(body))
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
             connection = pool.take_idle(loop.time()) if attempt == 0 else None
@@ -488,7 +497,8 @@ class UpstreamClient:
         raise AssertionError("unreachable")
 
     def forget(self, base_url: str) -> None:
-        """Close the idle connections of a backend that left the pool."""
+        """Close the idle connections of a backend that left the pool (``base_url``: its
+        identity, :attr:`Origin.key`)."""
         pool = self._pools.pop(base_url, None)
         if pool is not None:
             pool.close()

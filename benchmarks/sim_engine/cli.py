@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -49,6 +50,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-format", choices=("map", "array"), default="map")
     p.add_argument("--kv-events-topic", default="kv-events")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--api-key", default=os.environ.get("VLLM_API_KEY"),
+        help="as vLLM's: /v1/* needs 'Authorization: Bearer KEY' (default: $VLLM_API_KEY; unset: open)",
+    )
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -72,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> SimEngineConfig:
         kv_events_format=args.kv_events_format,
         kv_events_topic=args.kv_events_topic,
         seed=args.seed,
+        api_key=args.api_key or None,
     )
 
 

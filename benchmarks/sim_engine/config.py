@@ -40,6 +40,9 @@ class SimEngineConfig:
     # their results delivered together, so a large time_scale does not spin the CPU.
     min_step_wall_s: float = 0.002
     default_max_tokens: int = 16
+    #: vLLM's ``--api-key``: ``/v1/*`` then needs ``Authorization: Bearer <key>`` (401 otherwise);
+    #: ``/health``, ``/metrics`` and the rest stay open, as in vLLM.
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.models:

@@ -16,6 +16,7 @@ import asyncio
 import base64
 import contextlib
 import functools
+import hmac
 import logging
 import time
 from collections.abc import Iterator
@@ -558,11 +559,30 @@ async def _errors_middleware(request: web.Request, handler: Any) -> web.StreamRe
         return _error(APIError(500, f"internal error: {type(exc).__name__}"))
 
 
+def _api_key_middleware(api_key: str) -> Any:
+    """vLLM's ``--api-key`` check: every path under ``/v1`` needs the bearer token, compared
+    in constant time; a missing or wrong one gets vLLM's own 401 body."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method != "OPTIONS" and request.path.startswith("/v1"):
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, expected):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
+
+
 def build_app(config: SimEngineConfig, tokenizer: SimTokenizer | None = None) -> web.Application:
     """The replica as an ``aiohttp`` application; sockets and tasks start with the app."""
     engine = SimEngine(config, tokenizer)
     handlers = Handlers(engine)
-    app = web.Application(middlewares=[_errors_middleware], client_max_size=256 * 1024 * 1024)
+    middlewares = [_errors_middleware]
+    if config.api_key is not None:
+        middlewares.insert(0, _api_key_middleware(config.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 * 1024)
     app[SIM_ENGINE] = engine
     app.router.add_post("/v1/chat/completions", handlers.chat)
     app.router.add_post("/v1/completions", handlers.completions)
