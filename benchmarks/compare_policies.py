@@ -7,8 +7,9 @@ the engines restarted (empty caches) between policies, the same requests for all
 (b) ``agent-sessions:S``: S agent sessions in lockstep whose histories grow to tens of
     thousands of tokens, swept over S past what the fleet's caches hold.
 
-The reference (``bound``) is the hit rate of one unbounded cache over the same request
-sequence. Hit rates are the engines' own counters (``vllm:prefix_cache_hits_total`` /
+The references are the hit rate of one unbounded cache over the same request sequence
+(``bound``) and of one cache of the fleet's total capacity evicted optimally
+(``bound_fleet``, see :mod:`benchmarks.bounds`). Hit rates are the engines' own counters (``vllm:prefix_cache_hits_total`` /
 ``vllm:prefix_cache_queries_total`` summed over the replicas). The summary says, per
 workload, whether the fleet's total cache holds the working set (the tokens of every
 session's last prompt) and how close each policy gets to the bound; cache_aware should
@@ -40,7 +41,12 @@ from pathlib import Path
 
 from benchmarks.bench import RunSettings, run_bench
 from benchmarks.fleet import SimFleet, SimSpec, run_stoppable
-from benchmarks.results import BOUND_TARGET, TargetResult, format_table
+from benchmarks.results import (
+    BOUND_FLEET_TARGET,
+    BOUND_TARGET,
+    TargetResult,
+    format_table,
+)
 from benchmarks.workloads import Workload, WorkloadOptions, make_workloads
 
 POLICIES = ("round_robin", "sticky", "cache_aware")
@@ -59,6 +65,8 @@ class SummaryRow:
     bound: float | None
     hit_rate: dict[str, float | None]
     of_bound: dict[str, float | None]
+    bound_fleet: float | None = None  # the pooled Belady bound over the arrival order
+    of_bound_fleet: dict[str, float | None] | None = None  # each over its own sent order
 
 
 def working_set_tokens(workload: Workload, tokenizer_path: str | None) -> int:
@@ -93,17 +101,22 @@ def summarize(
             p: (rate / bound if rate is not None and bound else None) for p, rate in hit_rate.items()
         }
         size = sizes[workload.name]
-        rows.append(SummaryRow(workload.name, size, fleet_tokens, size <= fleet_tokens, bound, hit_rate, of_bound))
+        fleet_bound = mine[BOUND_FLEET_TARGET].hit_rate_observed if BOUND_FLEET_TARGET in mine else None
+        of_fleet = {p: mine[p].of_bound_fleet if p in mine else None for p in policies}
+        rows.append(SummaryRow(workload.name, size, fleet_tokens, size <= fleet_tokens, bound, hit_rate,
+                               of_bound, fleet_bound, of_fleet))
     return rows
 
 
 def format_summary(rows: list[SummaryRow], policies: tuple[str, ...]) -> str:
-    header = ["workload", "working set", "fits fleet", "bound", *policies, "cache_aware/bound"]
+    header = ["workload", "working set", "fits fleet", "bound", "bound_fleet", *policies,
+              "cache_aware/bound", "cache_aware/bound_fleet"]
     lines = []
     for row in rows:
         cells = [
             row.workload, f"{row.working_set_tokens:,}", "yes" if row.fits else "no",
             "-" if row.bound is None else f"{row.bound:.3f}",
+            "-" if row.bound_fleet is None else f"{row.bound_fleet:.3f}",
             *("-" if row.hit_rate[p] is None else f"{row.hit_rate[p]:.3f}" for p in policies),
         ]
         ratio = row.of_bound.get("cache_aware")
@@ -112,7 +125,8 @@ def format_summary(rows: list[SummaryRow], policies: tuple[str, ...]) -> str:
             verdict = f"{ratio:.0%}"
             if row.fits:
                 verdict += " (target >= 90 %: " + ("met" if ratio >= TARGET_OF_BOUND else "MISSED") + ")"
-        lines.append([*cells, verdict])
+        of_fleet = (row.of_bound_fleet or {}).get("cache_aware")
+        lines.append([*cells, verdict, "-" if of_fleet is None else f"{of_fleet:.0%}"])
     widths = [max(len(str(r[i])) for r in [header, *lines]) for i in range(len(header))]
     out = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths))]
     out.append("  ".join("-" * w for w in widths))
