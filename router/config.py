@@ -249,7 +249,8 @@ class Settings(BaseSettings):
 
     # --- health and timeouts ---------------------------------------------------------
     health_interval_s: float = Field(
-        default=5.0, gt=0, description="seconds between active /health checks of each backend"
+        default=5.0, gt=0, description="seconds between active /health checks of a healthy backend "
+        "(an unhealthy one is retried after 0.25 s, doubling up to this)",
     )
     health_timeout_s: float = Field(default=2.0, gt=0, description="timeout of one active health check")
     unhealthy_after: int = Field(
