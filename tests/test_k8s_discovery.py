@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import yaml
 from aiohttp import web
+from conftest import wait_until
 from discovery_helpers import Changes, eventually, running, stop
 
 from router.config import load_settings
@@ -527,6 +528,53 @@ async def test_build_discovery_from_settings(kube_api: tuple[FakeKubeAPI, str], 
         assert api.auth_headers[0] == f"Bearer {TOKEN}"
     finally:
         await stop(task)
+
+
+# --------------------------------------------------------------------------- the router
+
+
+def test_router_routes_to_the_pods_discovery_reports(server_loop: Any, sim_engines: Any, router_server: Any,
+                                                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The whole path: a router with ``discovery: k8s`` serves requests on the engines whose
+    endpoints are ready, and follows them becoming ready and unready."""
+    engines = sim_engines(2)
+    ports = [int(engine.url.rsplit(":", 1)[1]) for engine in engines]
+    api = FakeKubeAPI()
+    runner, url = server_loop.run(serve(api))
+    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path, url, {"token": TOKEN})))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+
+    def publish(name: str, port: int, ready: bool) -> None:
+        # One Service per engine (their ports differ); the API state lives on the server loop.
+        server_loop.call(lambda: api.put(endpoint_slice(name, [endpoint("127.0.0.1", name, ready=ready)], port=port)))
+
+    def served_by(count: int = 4) -> set[str]:
+        client = router.client()
+        return {client.chat.completions.with_raw_response.create(
+            model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2).headers["x-kvroute-backend"]
+            for _ in range(count)}
+
+    def routable() -> set[str]:
+        return {backend.url for backend in router.state.pool if backend.healthy and not backend.draining}
+
+    try:
+        publish("engine-0", ports[0], ready=True)
+        publish("engine-1", ports[1], ready=False)  # still loading its model
+        router = router_server(discovery="k8s", k8s_namespace=NAMESPACE, k8s_selector="app=vllm")
+        wait_until(lambda: routable() == {engines[0].url})
+        assert served_by() == {engines[0].url}
+
+        publish("engine-1", ports[1], ready=True)
+        wait_until(lambda: routable() == {engines[0].url, engines[1].url})
+        assert served_by() == {engines[0].url, engines[1].url}
+
+        publish("engine-0", ports[0], ready=False)  # terminating, or failing its readiness probe
+        wait_until(lambda: routable() == {engines[1].url})
+        assert served_by() == {engines[1].url}
+        assert api.lists == 1
+    finally:
+        server_loop.call(api.end_watches)
+        server_loop.run(runner.cleanup())
 
 
 # --------------------------------------------------------------------------- slices
