@@ -5,7 +5,8 @@ binary); every rendered built-in object is validated by ``kubernetes-validate`` 
 Kubernetes OpenAPI schemas, offline, strict: unknown fields fail) for the oldest and the
 newest Kubernetes release the chart supports. The Prometheus Operator's ServiceMonitor is a
 CRD with no schema in that package: its fields are checked here against what the operator
-reads (selector, port name, path).
+reads (selector, port name, path); the PrometheusRule must carry exactly the rule groups of
+deploy/prometheus/kvroute-alerts.yml, which promtool checks in tests/test_prometheus.py.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from router.config import POLICY_NAMES, load_settings  # noqa: E402
 
 # autoscaling/v2, policy/v1 and discovery.k8s.io/v1 are all GA well before the oldest.
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 
 EVERYTHING = {
     "autoscaling": {"enabled": True},
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}},
     "vllm": {"enabled": True},
     "extraEnv": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
     "extraConfig": {"max_concurrency": 256},
@@ -195,6 +197,19 @@ def test_service_monitor_on_and_off() -> None:
     engines = monitors["kvroute-engines"]["spec"]["endpoints"][0]
     assert engines["relabelings"] == [{"sourceLabels": ["__address__"], "targetLabel": "backend",
                                        "replacement": "http://$1"}]
+
+
+def test_prometheus_rule_is_the_alert_rules_file() -> None:
+    assert "PrometheusRule" not in by_kind(objects(render()))
+    rule = one(objects(render(EVERYTHING)), "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    alerts_file = CHART_DIR.parents[1] / "prometheus" / "kvroute-alerts.yml"
+    groups = yaml.safe_load(alerts_file.read_text())["groups"]
+    assert rule["spec"]["groups"] == groups
+    # Prometheus's own {{ $labels.x }} templates reach it untouched by Helm's templating.
+    assert any("{{ $labels." in rule_["annotations"]["summary"] for group in groups for rule_ in group["rules"]
+               if "alert" in rule_)
 
 
 def test_bundled_vllm_fleet_is_what_the_router_discovers(tmp_path: Path) -> None:
