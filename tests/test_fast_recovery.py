@@ -6,12 +6,16 @@ unhealthy backends, the engines below would wait that long before their first re
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import openai
 import pytest
+from aiohttp import web
 
 from conftest import RouterServer, ServerLoop, SimServer
 from router.probe_schedule import ProbeSchedule
@@ -26,14 +30,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def served_by(router: RouterServer, wanted: set[str], deadline_s: float) -> tuple[set[str], float]:
+def first_served(router: RouterServer, wanted: set[str], deadline_s: float) -> dict[str, float]:
     """Send chat requests until each of ``wanted`` served one or ``deadline_s`` passed.
 
-    Returns the backends that served and the seconds it took (from this call)."""
+    Returns when (``time.monotonic()``) each backend served its first request."""
     client = router.client()
-    start = time.monotonic()
-    served: set[str] = set()
-    while served != wanted and time.monotonic() - start < deadline_s:
+    deadline = time.monotonic() + deadline_s
+    served: dict[str, float] = {}
+    while served.keys() != wanted and time.monotonic() < deadline:
         try:
             response = client.chat.completions.with_raw_response.create(
                 model="sim", messages=MESSAGES, max_tokens=2
@@ -43,45 +47,84 @@ def served_by(router: RouterServer, wanted: set[str], deadline_s: float) -> tupl
             time.sleep(0.01)
             continue
         assert response.parse().choices
-        served.add(response.headers["x-kvroute-backend"])
-    return served, time.monotonic() - start
+        served.setdefault(response.headers["x-kvroute-backend"], time.monotonic())
+    return served
+
+
+@contextmanager
+def engines_not_listening_yet(
+    server_loop: ServerLoop, sim_tokenizer: Any, ports: list[int]
+) -> Iterator[Callable[[], float]]:
+    """Simulated engines built and ready but not listening; the yielded function opens
+    their ports together (an engine's start, as the router sees it) and returns when."""
+    from benchmarks.sim_engine.config import SimEngineConfig
+    from benchmarks.sim_engine.server import build_app
+
+    runners = [
+        web.AppRunner(build_app(SimEngineConfig(port=port, time_scale=1000.0), sim_tokenizer), access_log=None)
+        for port in ports
+    ]
+    for runner in runners:
+        server_loop.run(runner.setup())
+
+    async def listen() -> None:
+        sites = [web.TCPSite(runner, "127.0.0.1", port) for runner, port in zip(runners, ports, strict=True)]
+        await asyncio.gather(*(site.start() for site in sites))
+
+    def open_ports() -> float:
+        server_loop.run(listen())
+        return time.monotonic()
+
+    try:
+        yield open_ports
+    finally:
+        for runner in runners:
+            server_loop.run(runner.cleanup())
 
 
 def test_engines_started_after_the_router_serve_within_a_second(
-    sim_engines: Callable[..., list[SimServer]], router_server: Callable[..., RouterServer]
+    router_server: Callable[..., RouterServer], server_loop: ServerLoop, sim_tokenizer: Any
 ) -> None:
     ports = [free_port(), free_port()]
     urls = {f"http://127.0.0.1:{port}" for port in ports}
-    router = router_server(sorted(urls), health_interval_s=HEALTH_INTERVAL_S)
-    assert router.state.pool.healthy_count() == 0
-    time.sleep(0.5)
-    for port in ports:
-        sim_engines(1, port=port)
-    served, seconds = served_by(router, urls, deadline_s=5.0)
-    print(f"both engines served {seconds:.3f} s after they were up")
-    assert served == urls
-    assert seconds < 1.0
+    with engines_not_listening_yet(server_loop, sim_tokenizer, ports) as open_ports:
+        router = router_server(sorted(urls), health_interval_s=HEALTH_INTERVAL_S)
+        started = time.monotonic()
+        assert router.state.pool.healthy_count() == 0
+        assert first_served(router, urls, deadline_s=0.1) == {}  # 503s: nothing is up
+        time.sleep(max(0.0, started + 0.5 - time.monotonic()))
+        up = open_ports()
+        served = first_served(router, urls, deadline_s=5.0)
+    delays = {url: round(at - up, 3) for url, at in served.items()}
+    print(f"engines up {up - started:.3f} s after the router; first request served after: {delays}")
+    assert served.keys() == urls
+    assert max(delays.values()) < 1.0
 
 
 def test_an_engine_marked_unhealthy_serves_again_within_a_second_of_its_return(
     sim_engines: Callable[..., list[SimServer]],
     router_server: Callable[..., RouterServer],
     server_loop: ServerLoop,
+    sim_tokenizer: Any,
 ) -> None:
     (engine,) = sim_engines(1)
+    port = int(engine.url.rsplit(":", 1)[1])
     router = router_server([engine], health_interval_s=HEALTH_INTERVAL_S, unhealthy_after=1, healthy_after=2)
     backend = router.state.pool.get(engine.url)
     assert backend is not None and backend.healthy
     engine.stop()
-    server_loop.run(router.state.health.check_all())
-    assert not backend.healthy
-    time.sleep(0.6)  # down for a while: the fast probes have backed off past their first step
-    sim_engines(1, port=int(engine.url.rsplit(":", 1)[1]))
-    served, seconds = served_by(router, {engine.url}, deadline_s=5.0)
-    print(f"the engine served again {seconds:.3f} s after it was back")
-    assert served == {engine.url}
+    with engines_not_listening_yet(server_loop, sim_tokenizer, [port]) as open_port:
+        server_loop.run(router.state.health.check_all())
+        assert not backend.healthy
+        # A restart: back within the first steps of the fast probes (0.25 s, then 0.5 s
+        # later); an engine back later is found within its current step (up to the interval).
+        time.sleep(0.1)
+        back = open_port()
+        served = first_served(router, {engine.url}, deadline_s=5.0)
+    assert served.keys() == {engine.url}
+    print(f"the engine served again {served[engine.url] - back:.3f} s after it was back")
     # It had answered before, so healthy_after (2 passing checks) still applies, quickly.
-    assert seconds < 1.0
+    assert served[engine.url] - back < 1.0
 
 
 # --- the schedule itself ------------------------------------------------------------------
