@@ -16,8 +16,8 @@ from typing import Any
 import openai
 import pytest
 from aiohttp import web
-
 from conftest import RouterServer, ServerLoop, SimServer
+
 from router.probe_schedule import ProbeSchedule
 
 MESSAGES = [{"role": "user", "content": "Are you there?"}]

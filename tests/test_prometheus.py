@@ -25,12 +25,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import pytest
 import yaml
-
 from conftest import RouterServer, SimServer, wait_until
 from test_dashboard import all_panels, dashboard
 
@@ -61,10 +60,10 @@ def apt_install_prometheus() -> str:
     """Install Debian's prometheus package; returns apt's output (for the skip reason)."""
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     command = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     if result.returncode != 0:  # a stale package list: refresh it once
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600, check=False)
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     return result.stdout + result.stderr
 
 
@@ -86,7 +85,9 @@ def tools() -> PrometheusTools:
 
 # --- promtool ---------------------------------------------------------------------------
 def promtool(tools: PrometheusTools, *args: str) -> str:
-    result = subprocess.run([tools.promtool, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [tools.promtool, *args], capture_output=True, text=True, timeout=120, cwd=ROOT, check=False
+    )
     assert result.returncode == 0, f"promtool {' '.join(args)} failed:\n{result.stdout}{result.stderr}"
     return result.stdout
 
@@ -205,7 +206,7 @@ class Traffic:
         self.requests = 0
         self.errors: list[str] = []
 
-    def __enter__(self) -> Traffic:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
