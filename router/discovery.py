@@ -24,9 +24,9 @@ from types import ModuleType
 from typing import Protocol
 
 import yaml
-from pydantic import ValidationError
 
-from router.config import BackendConfig, ConfigError, Settings
+from router.backend_url import parse_backend_url
+from router.config import ConfigError, Settings
 
 log = logging.getLogger("kvroute.discovery")
 
@@ -41,8 +41,11 @@ class BackendSource(Protocol):
 
 
 def normalize_backend_url(url: str) -> str:
-    """The canonical form of a backend URL (scheme checked, trailing slash dropped)."""
-    return BackendConfig(url=url.strip()).url
+    """A backend URL as written (checked; trailing slash dropped): its path prefix and any
+    credentials stay, for the backend's :class:`~router.backend_access.BackendAccess`."""
+    url = url.strip()
+    parse_backend_url(url)  # raises ValueError naming what is wrong
+    return url.rstrip("/")
 
 
 class ChangeReporter:
@@ -108,8 +111,8 @@ def parse_backends_file(text: str) -> frozenset[str]:
             raise BackendsFileError(f"expected a URL, got {item!r}")
         try:
             urls.add(normalize_backend_url(item))
-        except ValidationError as exc:
-            raise BackendsFileError(exc.errors()[0]["msg"]) from exc
+        except ValueError as exc:
+            raise BackendsFileError(str(exc)) from exc
     return frozenset(urls)
 
 

@@ -77,11 +77,12 @@ class HealthChecker:
 
     async def sync(self, urls: set[str]) -> None:
         """Make the pool hold exactly ``urls`` (for discovery): admit new ones, drain gone ones."""
-        wanted = {url.rstrip("/") for url in urls}
+        # Keyed by the backends' names: the URLs as written, without credentials.
+        wanted = {config.url: config for config in (BackendConfig(url=url) for url in urls)}
         current = {backend.url for backend in self._pool if not backend.draining}
-        for url in current - wanted:
+        for url in current - wanted.keys():
             self._pool.drain(url)
-        new = [BackendConfig(url=url) for url in wanted - current]
+        new = [wanted[url] for url in wanted.keys() - current]
         results = await asyncio.gather(*(self.admit(config) for config in new), return_exceptions=True)
         for config, result in zip(new, results, strict=True):
             if isinstance(result, BaseException):

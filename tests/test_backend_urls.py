@@ -373,3 +373,22 @@ def test_verify_false_works_and_says_so_loudly(
     assert _chat(router.client()).choices
     warnings = [r.getMessage() for r in caplog.records if "verification is OFF" in r.getMessage()]
     assert warnings and url in warnings[0]
+
+
+def test_discovered_urls_keep_their_prefix_and_credentials(
+    sim_engines: Callable[..., list[SimServer]], gateway: Callable[..., Gateway], router_server: Any, tmp_path: Path
+) -> None:
+    first, second = sim_engines(2)
+    basic = "Basic " + base64.b64encode(b"fleet:pw-0008").decode()
+    gw_a, gw_b = gateway(first.url, prefix="/a", require=basic), gateway(second.url, prefix="/b", require=basic)
+    listing = tmp_path / "backends.txt"
+    listing.write_text(gw_a.url.replace("http://", "http://fleet:pw-0008@") + "/\n")
+    router = router_server([], discovery="file", backends_file=str(listing))
+    pool = router.state.pool
+    wait_until(lambda: [b.url for b in pool] == [gw_a.url] and pool.get(gw_a.url).healthy)
+    assert _chat(router.client()).choices
+    listing.write_text(gw_b.url.replace("http://", "http://fleet:pw-0008@") + "\n")
+    wait_until(lambda: [b.url for b in pool] == [gw_b.url] and pool.get(gw_b.url).healthy)
+    assert _chat(router.client()).choices
+    assert gw_a.paths("POST") == ["/a/v1/chat/completions"] and gw_b.paths("POST") == ["/b/v1/chat/completions"]
+    assert {s.headers["Authorization"] for s in gw_a.seen + gw_b.seen} == {basic}
