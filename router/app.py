@@ -38,6 +38,7 @@ from router.errors import JSON_CONTENT_TYPE, JsonErrorServer, error_middleware, 
 from router.health import HealthChecker
 from router.metrics import CONTENT_TYPE, RouterMetrics, RuntimeStats
 from router.openapi import openapi_document
+from router.peer_exchange import PeerExchange, Placement
 from router.precise_index import PreciseIndex
 from router.proxy import Proxy
 from router.request_info import ENDPOINTS, Endpoint
@@ -67,6 +68,8 @@ class RouterState:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     #: Precise mode (``--kv-events``): the index kept from the engines' KV events.
     precise: PreciseIndex | None = None
+    #: Placements shared with the other router replicas (``--peer-bind`` / ``--peers``).
+    exchange: PeerExchange | None = None
 
 
 STATE = web.AppKey("kvroute_state", RouterState)
@@ -103,7 +106,7 @@ def build_app(
         pool.on_changed(admission.wake)  # a backend joined or recovered: a waiter may run
     state = RouterState(
         settings=settings, pool=pool, routing=routing, metrics=metrics, admission=admission, gate=gate,
-        precise=precise,
+        precise=precise, exchange=_peer_exchange(settings, pool, routing),
     )
 
     app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
@@ -122,6 +125,22 @@ def build_app(
         ).add_routes(app)
     app.cleanup_ctx.append(_lifecycle)
     return app
+
+
+def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine) -> PeerExchange | None:
+    """The placement exchange with the other routers, wired to the routing engine, if configured."""
+    if settings.peer_bind is None and not settings.peers:
+        return None
+
+    def apply(placement: Placement) -> None:
+        if placement.backend in pool:  # a peer's backend that is not ours stays out of our index
+            routing.apply_placement(placement)
+
+    exchange = PeerExchange(
+        bind=settings.peer_bind, peers=settings.peers, apply=apply, max_bytes_per_s=settings.peer_max_bytes_per_s
+    )
+    routing.on_placement(exchange.publish)
+    return exchange
 
 
 def _precise_index(settings: Settings, pool: BackendPool, metrics: RouterMetrics) -> PreciseIndex:
@@ -241,8 +260,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             state.tasks.append(asyncio.create_task(source.run(state.health.sync), name="kvroute-discovery"))
         if state.precise is not None:
             await state.precise.start()
+        if state.exchange is not None:
+            await state.exchange.start()
         yield
     finally:
+        if state.exchange is not None:
+            await state.exchange.stop()
         if state.precise is not None:
             await state.precise.stop()
         for task in state.tasks:

@@ -312,6 +312,19 @@ class Settings(BaseSettings):
         default=10.0, gt=0, description="first ejection length; doubles while recovery probes fail"
     )
 
+    # --- several router replicas -------------------------------------------------------
+    peer_bind: str | None = Field(
+        default=None,
+        description="publish this router's placements to its peer routers on this ZMQ endpoint, e.g. tcp://0.0.0.0:5600",
+    )
+    peers: list[str] = Field(
+        default_factory=list,
+        description="comma-separated ZMQ endpoints of the other routers' --peer-bind; their placements enter this index",
+    )
+    peer_max_bytes_per_s: int = Field(
+        default=16 * 1024 * 1024, gt=0, description="bandwidth budget of published placements (bytes/s; over it they drop)"
+    )
+
     # --- security --------------------------------------------------------------------
     admin_token: str | None = Field(
         default=None, description="enable the admin API (/admin/backends) with this bearer token"
@@ -340,7 +353,7 @@ class Settings(BaseSettings):
             return [{"url": item.strip()} if isinstance(item, str) else item for item in value]
         return value
 
-    @field_validator("api_keys", "admin_allowed_networks", mode="before")
+    @field_validator("api_keys", "admin_allowed_networks", "peers", mode="before")
     @classmethod
     def _split_csv(cls, value: Any) -> Any:
         if isinstance(value, str):

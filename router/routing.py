@@ -60,6 +60,7 @@ from router.config import POLICY_NAMES, Settings
 from router.decisions import RING_SIZE, DecisionRecorder
 from router.engine_stats import EngineStats
 from router.kv_events import KVEventsState
+from router.peer_exchange import Placement
 from router.policies import (
     CacheRequest,
     LeastLoad,
@@ -248,6 +249,7 @@ class RoutingEngine:
         # Per backend its configured capacity (tokens) and the share of it the index models.
         self._configured_tokens: dict[str, int] = {}
         self.cache_model = CacheModel()
+        self._placement_listener: Callable[[Placement], None] | None = None
         # Attempts routed and not yet observed, oldest first; per backend their summed work
         # and the first block each is computing (serial -> (position, hash)).
         self._in_flight: OrderedDict[int, _InFlight] = OrderedDict()
@@ -421,6 +423,21 @@ class RoutingEngine:
         feedback.capacity_corrections += 1
         self._apply_capacity(index, size, backend, configured)
 
+    def on_placement(self, listener: Callable[[Placement], None] | None) -> None:
+        """Call ``listener`` with every placement that added blocks (the peer exchange's feed)."""
+        self._placement_listener = listener
+
+    def apply_placement(self, placement: Placement) -> None:
+        """A peer router placed these blocks: hold them as if this router had placed them.
+
+        The caller keeps backends that are not this router's out (the exchange's filter);
+        the backend's capacity is applied when it is next a candidate.
+        """
+        index = self._index_for(placement.block_size, ())
+        if self._precise is not None and self._precise.state(placement.backend) is not KVEventsState.APPROXIMATE:
+            return  # KV events already tell this router what that engine holds
+        index.insert_hashes(placement.backend, placement.hashes)
+
     def forget_backend(self, url: str) -> None:
         """A backend left the pool: drop its index entries, ledger entries and policy state."""
         for index in self._indexes.values():
@@ -554,6 +571,8 @@ class RoutingEngine:
         self._expire_in_flight()
         if blocks:
             index.insert_hashes(backend, prompt.hashes)
+            if blocks > matched_blocks and self._placement_listener is not None:
+                self._placement_listener(Placement(backend, prompt.block_size, prompt.hashes))
         conversation = request.conversation if isinstance(request, CacheRequest) else None
         if conversation is not None:
             self._working_sets.record(conversation, backend, prompt.tokens, prompt.hash_at(-1) if blocks else None)

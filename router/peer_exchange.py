@@ -1,0 +1,187 @@
+"""Placements shared between router replicas, so that approximate routers agree on the index.
+
+Production runs two or more routers behind a plain load balancer. In approximate mode each
+one learns only from the requests it routed itself, so a conversation whose turns alternate
+between routers looks cold to each of them half the time. Precise mode (KV events) solves
+this with the engines' own events; without them, routers tell each other what they placed:
+
+* every routing decision that put blocks in the index is published on a ZMQ PUB socket
+  (``--peer-bind``) as one message: block size, backend URL and the prompt's chained block
+  hashes (8 bytes a block);
+* every router subscribes to its peers (``--peer``, repeatable) and inserts what they
+  placed into its own index, exactly as if it had routed the request itself.
+
+No broker, no consensus: the same ZMQ machinery precise mode uses. Bandwidth is bounded by
+a byte budget per second (token bucket); what exceeds it, and what a slow peer cannot take
+(the PUB socket's high-water mark), is dropped and counted, never queued without bound. A
+dropped placement only costs a peer one less-informed decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger(__name__)
+
+TOPIC = b"kvroute-placements"
+_HEAD = struct.Struct("<IH")  # block size, length of the backend URL in bytes
+#: Messages a slow subscriber may have queued before the PUB socket drops for it.
+SEND_HWM = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Blocks one router placed on one backend: what a peer inserts into its index."""
+
+    backend: str
+    block_size: int
+    hashes: np.ndarray  # uint64, the prompt's chained block hashes from its first block
+
+
+@dataclass(slots=True)
+class ExchangeStats:
+    published: int = 0
+    received: int = 0
+    #: Placements not sent because the byte budget was spent.
+    dropped_budget: int = 0
+    #: Messages from peers that could not be decoded.
+    malformed: int = 0
+
+
+def encode(placement: Placement) -> list[bytes]:
+    """The ZMQ frames of one placement: topic, head with the backend URL, hash bytes."""
+    url = placement.backend.encode()
+    head = _HEAD.pack(placement.block_size, len(url)) + url
+    return [TOPIC, head, np.ascontiguousarray(placement.hashes, dtype="<u8").tobytes()]
+
+
+def decode(frames: Sequence[bytes]) -> Placement:
+    """The inverse of :func:`encode`; ``ValueError`` on anything else."""
+    if len(frames) != 3 or frames[0] != TOPIC:
+        raise ValueError("not a placement message")
+    head, body = frames[1], frames[2]
+    if len(head) < _HEAD.size or len(body) % 8:
+        raise ValueError("truncated placement message")
+    block_size, url_length = _HEAD.unpack_from(head)
+    url = head[_HEAD.size :]
+    if len(url) != url_length or block_size <= 0:
+        raise ValueError("malformed placement head")
+    return Placement(url.decode(), block_size, np.frombuffer(body, dtype="<u8").astype(np.uint64))
+
+
+class ByteBudget:
+    """A token bucket in bytes: ``rate`` per second, bursts up to one second of it."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = rate
+        self._clock = clock
+        self._level = rate
+        self._stamp = clock()
+
+    def take(self, size: int) -> bool:
+        now = self._clock()
+        self._level = min(self._rate, self._level + (now - self._stamp) * self._rate)
+        self._stamp = now
+        if size > self._level:
+            return False
+        self._level -= size
+        return True
+
+
+class PeerExchange:
+    """One router's side of the exchange: a PUB socket for its placements, SUBs for its peers'."""
+
+    def __init__(
+        self,
+        *,
+        bind: str | None,
+        peers: Sequence[str],
+        apply: Callable[[Placement], None],
+        max_bytes_per_s: float,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self._bind = bind
+        self._peers = list(peers)
+        self._apply = apply
+        self._budget = ByteBudget(max_bytes_per_s)
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._pub: zmq.Socket | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self.stats = ExchangeStats()
+
+    @property
+    def endpoint(self) -> str | None:
+        """Where the PUB socket listens (with the port the OS chose for ``tcp://host:*``)."""
+        if self._pub is None:
+            return None
+        return self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    async def start(self) -> None:
+        if self._bind is not None:
+            # A plain (non-asyncio) socket: publishing never blocks and needs no loop.
+            pub = zmq.Context.instance().socket(zmq.PUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.setsockopt(zmq.SNDHWM, SEND_HWM)
+            pub.bind(self._bind)
+            self._pub = pub
+        if self._peers:
+            self.connect(self._peers)
+
+    def connect(self, peers: Sequence[str]) -> None:
+        """Subscribe to more peers (their ``--peer-bind`` endpoints)."""
+        if self._sub is None:
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+            self._sub = sub
+            self._reader = asyncio.get_running_loop().create_task(self._read(sub))
+        for peer in peers:
+            self._sub.connect(peer)
+
+    async def stop(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        for socket in (self._sub, self._pub):
+            if socket is not None:
+                socket.close(linger=0)
+        self._pub = self._sub = self._reader = None
+
+    def publish(self, placement: Placement) -> None:
+        """Send one placement to the peers, unless the byte budget is spent (then count it)."""
+        pub = self._pub
+        if pub is None:
+            return
+        frames = encode(placement)
+        if not self._budget.take(sum(len(frame) for frame in frames)):
+            self.stats.dropped_budget += 1
+            return
+        with contextlib.suppress(zmq.Again):  # a peer at its high-water mark: PUB drops for it
+            pub.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        self.stats.published += 1
+
+    async def _read(self, sub: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sub.recv_multipart()
+            try:
+                placement = decode(frames)
+            except ValueError:
+                self.stats.malformed += 1
+                continue
+            self.stats.received += 1
+            try:
+                self._apply(placement)
+            except Exception:  # one bad placement must not stop the exchange
+                log.exception("applying a peer's placement on %s failed", placement.backend)

@@ -1,0 +1,108 @@
+"""Router replicas exchange their placements: a turn routed by one router is known to the other."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import RouterServer
+
+from router.peer_exchange import ByteBudget, Placement, decode, encode
+
+SYSTEM = "You are a careful assistant who answers questions about routing. " * 30
+
+
+def test_a_placement_survives_the_wire() -> None:
+    placement = Placement("http://10.0.0.7:8000/serving", 32, np.array([1, 2**64 - 1, 12345], dtype=np.uint64))
+    back = decode(encode(placement))
+    assert back.backend == placement.backend and back.block_size == 32
+    assert back.hashes.dtype == np.uint64 and back.hashes.tolist() == placement.hashes.tolist()
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"other-topic", b"", b""],
+        [b"kvroute-placements", b"\x10\x00", b""],  # head too short
+        [b"kvroute-placements", encode(Placement("http://a", 16, np.zeros(1, np.uint64)))[1], b"1234567"],
+        [b"kvroute-placements", b"\x00\x00\x00\x00\x01\x00a", b""],  # block size 0
+        [b"kvroute-placements", b"\x10\x00\x00\x00\x09\x00abc", b""],  # URL length disagrees
+    ],
+)
+def test_malformed_messages_are_refused(frames: list[bytes]) -> None:
+    with pytest.raises(ValueError):
+        decode(frames)
+
+
+def test_the_byte_budget_refills_at_its_rate() -> None:
+    now = [0.0]
+    budget = ByteBudget(1000, clock=lambda: now[0])
+    assert budget.take(600) and not budget.take(600)
+    now[0] = 0.5  # 400 left + 500 refilled
+    assert budget.take(600) and not budget.take(400)
+    now[0] = 10.0  # refills to one second's worth, no more
+    assert budget.take(1000) and not budget.take(1)
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _pair(sim_engines: Any, router_server: Any, **options: Any) -> tuple[RouterServer, RouterServer]:
+    """Two cache_aware routers over the same four engines, subscribed to each other."""
+    engines = sim_engines(4)
+    first = router_server(engines, policy="cache_aware", peer_bind="tcp://127.0.0.1:*", **options)
+    first_endpoint = first.state.exchange.endpoint
+    second = router_server(engines, policy="cache_aware", peer_bind="tcp://127.0.0.1:*", peers=[first_endpoint])
+    second_endpoint = second.state.exchange.endpoint
+
+    async def connect() -> None:
+        first.state.exchange.connect([second_endpoint])
+
+    first.loop.run(connect())
+    time.sleep(0.3)  # ZMQ subscriptions take a moment to reach the publisher
+    return first, second
+
+
+def _ask(router: RouterServer, messages: list[dict[str, str]]) -> tuple[str, int, str]:
+    raw = router.client().chat.completions.with_raw_response.create(model="sim", messages=messages, max_tokens=8)
+    reply = raw.parse().choices[0].message.content or ""
+    return raw.headers["x-kvroute-backend"], int(raw.headers["x-kvroute-matched-tokens"]), reply
+
+
+def test_the_next_turn_through_the_other_router_finds_its_history(sim_engines: Any, router_server: Any) -> None:
+    first, second = _pair(sim_engines, router_server)
+    conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How do prefix caches work?"}]
+    backend, matched, reply = _ask(first, conversation)
+    assert matched == 0
+    _wait_for(lambda: second.state.exchange.stats.received >= 1)
+
+    conversation += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And eviction?"}]
+    next_backend, next_matched, _ = _ask(second, conversation)
+    assert next_backend == backend
+    assert next_matched >= 512  # the whole system prompt and first turn, in whole blocks
+    assert first.state.exchange.stats.published >= 1 and second.state.exchange.stats.malformed == 0
+
+
+def test_a_peer_backend_that_is_not_ours_stays_out(sim_engines: Any, router_server: Any) -> None:
+    first, second = _pair(sim_engines, router_server)
+    placement = Placement("http://127.0.0.1:9/not-ours", 16, np.arange(1, 9, dtype=np.uint64))
+
+    async def publish() -> None:
+        first.state.exchange.publish(placement)
+
+    first.loop.run(publish())
+    _wait_for(lambda: second.state.exchange.stats.received >= 1)
+    assert "http://127.0.0.1:9/not-ours" not in second.state.routing.index_stats().blocks
+
+
+def test_over_budget_placements_are_dropped_and_counted(sim_engines: Any, router_server: Any) -> None:
+    first, _ = _pair(sim_engines, router_server, peer_max_bytes_per_s=64)
+    _ask(first, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}])
+    assert first.state.exchange.stats.dropped_budget == 1 and first.state.exchange.stats.published == 0
