@@ -40,6 +40,7 @@ log = logging.getLogger("kvroute.discovery")
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 GONE = 410
+LIST_TIMEOUT_S = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,8 +181,12 @@ class KubernetesDiscovery:
                         delay = self._retry_initial_s
             except (ApiException, ConfigException, aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as exc:
                 log.warning("EndpointSlice discovery failed, retrying in %.1f s: %s", delay, _describe(exc))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self._retry_max_s)
+            except Exception:
+                # Discovery must outlive a surprise (a library change, an odd object): a dead
+                # task would pin the pool to its last backends without a word.
+                log.exception("EndpointSlice discovery failed unexpectedly, retrying in %.1f s", delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._retry_max_s)
 
     async def _sync(self, api: DiscoveryV1Api, reporter: ChangeReporter) -> None:
         """List if no version is held, then watch until the server ends the stream."""
@@ -204,7 +209,7 @@ class KubernetesDiscovery:
         while True:
             page = await api.list_namespaced_endpoint_slice(
                 self._namespace, label_selector=self._selector, limit=self._page_size, _continue=token,
-                _request_timeout=(10, 60),
+                _request_timeout=LIST_TIMEOUT_S,
             )
             for endpoint_slice in page.items:
                 slices[endpoint_slice.metadata.name] = slice_backend_urls(endpoint_slice, self._port)
@@ -222,8 +227,9 @@ class KubernetesDiscovery:
                 api.list_namespaced_endpoint_slice, self._namespace,
                 label_selector=self._selector, resource_version=self._resource_version,
                 allow_watch_bookmarks=True, timeout_seconds=self._watch_timeout_s,
-                # (connect, read): a stream silent past the server's own timeout is dead.
-                _request_timeout=(10, self._watch_timeout_s + 30),
+                # The server ends the stream at timeoutSeconds; one still open well past that
+                # is dead. (A number: older releases take no (connect, read) pair.)
+                _request_timeout=self._watch_timeout_s + 30,
             )
             async for event in stream:
                 self._apply(event["type"], event["object"])

@@ -367,6 +367,25 @@ async def test_watch_resumes_from_bookmark_without_relist(kube_api: tuple[FakeKu
         await stop(task)
 
 
+async def test_service_scaled_to_zero(kube_api: tuple[FakeKubeAPI, str], tmp_path: Path) -> None:
+    """A Service without pods has a slice with ``endpoints: null``, listed and watched alike
+    (clients generated before Kubernetes 1.33 refused to decode it)."""
+    api, url = kube_api
+    api.put({**endpoint_slice("idle-x1", [], service="idle"), "endpoints": None})
+    api.put(endpoint_slice("vllm-7xk2p", [endpoint("10.244.1.5", "vllm-0")]))
+    changes = Changes()
+    task = await running(discovery(token_access(url, tmp_path)), changes)
+    try:
+        await changes.until({"http://10.244.1.5:8000"})
+        api.put({**endpoint_slice("vllm-7xk2p", []), "endpoints": None})
+        await changes.until(set())
+        api.put(endpoint_slice("vllm-7xk2p", [endpoint("10.244.1.9", "vllm-5")]))
+        await changes.until({"http://10.244.1.9:8000"})
+        assert api.lists == 1
+    finally:
+        await stop(task)
+
+
 async def test_api_errors_retry_and_keep_backends(kube_api: tuple[FakeKubeAPI, str], tmp_path: Path) -> None:
     api, url = kube_api
     api.put(endpoint_slice("vllm-7xk2p", [endpoint("10.244.1.5", "vllm-0")]))
