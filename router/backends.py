@@ -30,6 +30,7 @@ from typing import Any
 
 from router.backend_access import BackendAccess
 from router.breaker import BreakerState, CircuitBreaker
+from router.engines import DEFAULT_ENGINE, ENGINES, EngineAPI, EngineFacts
 
 log = logging.getLogger("kvroute.backends")
 
@@ -55,6 +56,9 @@ class BackendState:
     consecutive_failures: int
     breaker: str
     breaker_trips: int
+    #: The engine API it speaks (vllm, sglang, generic) and whether configured or detected.
+    engine: str = "vllm"
+    engine_source: str = "configured"
 
 
 class Backend:
@@ -78,6 +82,9 @@ class Backend:
         "consecutive_failures",
         "consecutive_successes",
         "breaker",
+        "engine",
+        "engine_setting",
+        "engine_facts",
         "_configured_capacity",
         "_scraped_capacity",
         "_default_capacity",
@@ -92,7 +99,14 @@ class Backend:
         capacity_tokens: int | None = None,
         default_capacity_tokens: int | None = None,
         breaker: CircuitBreaker | None = None,
+        engine: str = "auto",
     ) -> None:
+        #: ``vllm``/``sglang``/``generic`` as configured, or ``auto`` (detected at its first probe).
+        self.engine_setting = engine
+        #: Its engine API (router.engines); ``auto`` counts as vLLM until detected.
+        self.engine: EngineAPI = ENGINES.get(engine, DEFAULT_ENGINE)
+        #: What the engine said about itself when detected (page size, capacity...).
+        self.engine_facts = EngineFacts()
         #: Where and how the router calls it (path prefix, credentials, TLS).
         self.access = access or BackendAccess.for_url(url)
         #: Its identity: the URL as written, without credentials (pool key, metrics label).
@@ -171,7 +185,23 @@ class Backend:
             consecutive_failures=self.consecutive_failures,
             breaker=self.breaker.state.name.lower(),
             breaker_trips=self.breaker.trips,
+            engine=self.engine.name,
+            engine_source=self.engine_source,
         )
+
+    @property
+    def engine_source(self) -> str:
+        """``configured``, ``detected`` (``auto``, probed) or ``auto`` (not yet probed)."""
+        if self.engine_setting != "auto":
+            return "configured"
+        return "detected" if self.engine_facts.detected_by is not None else "auto"
+
+    def set_engine(self, engine: EngineAPI, facts: EngineFacts) -> None:
+        """What a probe learnt about the engine; a capacity it reported counts as scraped."""
+        self.engine = engine
+        self.engine_facts = facts
+        if facts.capacity_tokens:
+            self._scraped_capacity = facts.capacity_tokens
 
 
 class BackendPool:

@@ -78,6 +78,10 @@ class BackendConfig(BaseModel):
         description="the KV-event replay endpoint (default: the events host with --kv-events-replay-port)",
     )
     capacity_tokens: int | None = Field(default=None, gt=0, description="KV cache size in tokens")
+    engine: Literal["auto", "vllm", "sglang", "generic"] = Field(
+        default="auto",
+        description="the engine API it speaks (router.engines); auto: probe /server_info (SGLang), /metrics, /version",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -12,8 +12,13 @@ KV cache usage (0..1)         ``vllm:kv_cache_usage_perc``        ``sglang:token
 prefix-cache lookups, tokens  ``vllm:prefix_cache_queries_total`` ``sglang:prompt_tokens_total``
 prefix-cache hits, tokens     ``vllm:prefix_cache_hits_total``    ``sglang:cached_tokens_total``
 cache size                    ``vllm:cache_config_info`` labels   ``sglang:max_total_num_tokens``
-                              ``block_size`` x ``num_gpu_blocks``
+                              ``block_size`` x ``num_gpu_blocks`` ``sglang:cache_config_info``
+                                                                  ``page_size`` x ``num_pages``
 ============================  ==================================  ==========================
+
+The names are the engine modules' (``router.engines.vllm.SERIES``, ``...sglang.SERIES``);
+``kind`` is the engine whose names a page uses. SGLang's page size 1 (token-granular)
+gives no ``block_size``: the router keeps its own (see :mod:`router.engines.sglang`).
 
 Older vLLM releases name two of them ``vllm:gpu_cache_usage_perc`` and
 ``vllm:gpu_prefix_cache_{queries,hits}_total``; both spellings are read. An engine with
@@ -38,44 +43,31 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from ssl import SSLContext
-from typing import Literal
-
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.backends import Backend
+from router.engines import ENGINES, EngineAPI
 
 log = logging.getLogger("kvroute.engine_stats")
 
-EngineKind = Literal["vllm", "sglang", "unknown"]
+#: The engine module whose metric names a scrape matched (router.engines), else "unknown".
+EngineKind = str
 
 #: Listener of fresh stats: ``(backend url, stats)``; e.g. the routing engine's block size.
 StatsListener = Callable[[str, "EngineStats"], None]
 
-# Sample name -> the EngineStats field it feeds. Counters appear with their _total suffix.
-_VLLM_SERIES: dict[str, str] = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_usage",
-    "vllm:gpu_cache_usage_perc": "kv_usage",
-    "vllm:prefix_cache_queries_total": "prefix_queries_tokens",
-    "vllm:gpu_prefix_cache_queries_total": "prefix_queries_tokens",
-    "vllm:prefix_cache_hits_total": "prefix_hit_tokens",
-    "vllm:gpu_prefix_cache_hits_total": "prefix_hit_tokens",
+# Sample name -> (engine, the EngineStats field it feeds); each engine module lists its own.
+_SERIES: dict[str, tuple[EngineAPI, str]] = {
+    name: (engine, field_name) for engine in ENGINES.values() for name, field_name in engine.series.items()
 }
-_SGLANG_SERIES: dict[str, str] = {
-    "sglang:num_running_reqs": "running",
-    "sglang:num_queue_reqs": "waiting",
-    "sglang:token_usage": "kv_usage",
-    "sglang:prompt_tokens_total": "prefix_queries_tokens",
-    "sglang:cached_tokens_total": "prefix_hit_tokens",
-    "sglang:max_total_num_tokens": "capacity_tokens",
-    "sglang:cache_hit_rate": "engine_hit_rate",
+_CACHE_INFO: dict[str, EngineAPI] = {
+    engine.cache_info.name: engine for engine in ENGINES.values() if engine.cache_info is not None
 }
-_CACHE_CONFIG = "vllm:cache_config_info"
-_SERIES = {**_VLLM_SERIES, **_SGLANG_SERIES}
-_PREFIXES = (*_SERIES, _CACHE_CONFIG)
+_PREFIXES = (*_SERIES, *_CACHE_INFO)
 _MEAN_FIELDS = frozenset({"kv_usage", "engine_hit_rate"})
+# SGLang's newer cached_tokens_total splits by cache_source; only its "total" is the sum.
+_PARTIAL_LABEL, _WHOLE_VALUE = "cache_source", "total"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,30 +101,34 @@ def parse_metrics(text: str, *, scraped_at: float | None = None) -> EngineStats:
     counts: dict[str, int] = {}
     kind: EngineKind = "unknown"
     block_size: int | None = None
-    capacity_blocks = 0
+    capacity_in_info = 0  # tokens: blocks x block size, summed over ranks
     for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
-            if sample.name == _CACHE_CONFIG:
-                kind = "vllm"
-                size = _int_label(sample.labels, "block_size")
-                blocks = _int_label(sample.labels, "num_gpu_blocks")
+            info_of = _CACHE_INFO.get(sample.name)
+            if info_of is not None and info_of.cache_info is not None:
+                kind = info_of.name
+                size = _int_label(sample.labels, info_of.cache_info.size_label)
+                blocks = _int_label(sample.labels, info_of.cache_info.count_label)
                 if size and blocks:
-                    block_size = size
-                    capacity_blocks += blocks
+                    block_size = info_of.index_block_size(size)
+                    capacity_in_info += blocks * size
                 continue
-            field_name = _SERIES.get(sample.name)
-            if field_name is None:
+            series = _SERIES.get(sample.name)
+            if series is None:
                 continue  # a longer name sharing a wanted prefix, e.g. a histogram's _bucket
+            if sample.labels.get(_PARTIAL_LABEL, _WHOLE_VALUE) != _WHOLE_VALUE:
+                continue
+            engine, field_name = series
             if kind == "unknown":
-                kind = "vllm" if sample.name in _VLLM_SERIES else "sglang"
+                kind = engine.name
             sums[field_name] = sums.get(field_name, 0.0) + sample.value
             counts[field_name] = counts.get(field_name, 0) + 1
     for name in _MEAN_FIELDS & sums.keys():
         sums[name] /= counts[name]
 
     capacity = sums.get("capacity_tokens")
-    if block_size is not None:
-        capacity = float(capacity_blocks * block_size)
+    if capacity_in_info:
+        capacity = float(capacity_in_info)  # blocks x tokens per block, summed over ranks
     engine_hit_rate = sums.get("engine_hit_rate")
     has_counters = "prefix_queries_tokens" in sums and "prefix_hit_tokens" in sums
     return EngineStats(
@@ -254,6 +250,9 @@ class EngineScraper:
     def apply(self, backend: Backend, stats: EngineStats) -> EngineStats:
         """Record one scrape of ``backend``: computes its hit ratio and notifies everyone."""
         stats = with_hit_ratio(stats, self._last.get(backend.url))
+        page_size = backend.engine_facts.page_size
+        if stats.block_size is None and page_size:  # e.g. SGLang's /server_info page_size
+            stats = replace(stats, block_size=backend.engine.index_block_size(page_size))
         self._last[backend.url] = stats
         backend.update_engine_stats(
             running=stats.running,

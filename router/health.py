@@ -27,6 +27,7 @@ import orjson
 from router.backend_access import BackendAccess
 from router.backends import Backend, BackendPool
 from router.config import BackendConfig, Settings
+from router.engines.detect import learn_engine, needs_probe
 from router.probe_schedule import ProbeSchedule
 
 log = logging.getLogger("kvroute.health")
@@ -61,6 +62,7 @@ class HealthChecker:
             kv_events_endpoint=config.kv_events_endpoint,
             capacity_tokens=config.capacity_tokens,
             default_capacity_tokens=self._settings.default_capacity_tokens,
+            engine=config.engine,
         )
 
     async def admit(self, config: BackendConfig) -> Backend:
@@ -104,6 +106,8 @@ class HealthChecker:
         cards = await self._model_cards(backend)
         if cards is not None:
             self._pool.set_models(backend, cards)
+        if needs_probe(backend):  # engine: auto (or sglang's /server_info facts), once
+            await learn_engine(self._session, backend, self._timeout)
         return True
 
     async def check(self, backend: Backend) -> bool:

@@ -179,7 +179,13 @@ class _BackendStateCollector:
         trips = CounterMetricFamily(
             "kvroute_backend_breaker_trips", "Times the backend's circuit breaker opened.", labels=["backend"]
         )
+        engine = GaugeMetricFamily(
+            "kvroute_backend_engine", "1 per backend, labelled with its engine API (vllm, sglang, generic)"
+            " and how it is known (configured, detected, auto: not yet detected).",
+            labels=["backend", "engine", "source"],
+        )
         for backend in backends:
+            engine.add_metric([backend.url, backend.engine.name, backend.engine_source], 1.0)
             in_flight.add_metric([backend.url], backend.in_flight)
             healthy.add_metric([backend.url], 1.0 if backend.healthy else 0.0)
             breaker.add_metric([backend.url], int(backend.breaker.state))
@@ -188,7 +194,7 @@ class _BackendStateCollector:
                 waiting.add_metric([backend.url], backend.engine_waiting)
             if backend.engine_prefix_cache_hit_ratio is not None:
                 hit_ratio.add_metric([backend.url], backend.engine_prefix_cache_hit_ratio)
-        yield from (in_flight, healthy, waiting, hit_ratio, breaker, trips)
+        yield from (in_flight, healthy, waiting, hit_ratio, breaker, trips, engine)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from router import __version__
-from router.request_info import ENDPOINTS, Endpoint
+from router.engines import ENDPOINTS, ENGINES, Endpoint
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -34,73 +34,6 @@ _ERROR_SCHEMA: dict[str, Any] = {
                 "code": {"type": ["string", "integer", "null"]},
                 "param": {"type": ["string", "null"]},
             },
-        }
-    },
-}
-
-_MESSAGE = {
-    "type": "object",
-    "required": ["role"],
-    "properties": {
-        "role": {"type": "string", "examples": ["system", "user", "assistant", "tool"]},
-        "content": {"type": ["string", "array", "null"]},
-        "name": {"type": "string"},
-    },
-}
-
-_STREAM_FIELDS: dict[str, Any] = {
-    "stream": {"type": ["boolean", "null"], "description": "Answer as server-sent events."},
-    "stream_options": {
-        "type": ["object", "null"],
-        "properties": {"include_usage": {"type": "boolean"}},
-    },
-}
-_GENERATION_FIELDS: dict[str, Any] = {
-    "max_tokens": {"type": ["integer", "null"], "minimum": 0},
-    "max_completion_tokens": {"type": ["integer", "null"], "minimum": 0},
-    "temperature": {"type": ["number", "null"], "minimum": 0},
-    "user": {"type": "string", "description": "A session key for sticky routing."},
-    "cache_salt": {"type": "string", "description": "Isolates this request's prefix cache (vLLM)."},
-}
-
-# The request body of each proxied endpoint: what the router reads, the rest passes through.
-_BODIES: dict[str, dict[str, Any]] = {
-    "/v1/chat/completions": {
-        "required": ["model", "messages"],
-        "properties": {
-            "messages": {"type": "array", "items": _MESSAGE},
-            **_STREAM_FIELDS,
-            **_GENERATION_FIELDS,
-        },
-    },
-    "/v1/completions": {
-        "required": ["model", "prompt"],
-        "properties": {
-            "prompt": {"type": ["string", "array"]},
-            **_STREAM_FIELDS,
-            **_GENERATION_FIELDS,
-        },
-    },
-    "/v1/embeddings": {
-        "required": ["model", "input"],
-        "properties": {"input": {"type": ["string", "array"]}, "encoding_format": {"type": "string"}},
-    },
-    "/v1/responses": {
-        "required": ["model", "input"],
-        "properties": {
-            "input": {"type": ["string", "array"]},
-            "stream": {"type": ["boolean", "null"]},
-            "max_output_tokens": {"type": ["integer", "null"], "minimum": 0},
-        },
-    },
-    "/tokenize": {"properties": {"prompt": {"type": "string"}, "messages": {"type": "array", "items": _MESSAGE}}},
-    "/detokenize": {"required": ["tokens"], "properties": {"tokens": {"type": "array", "items": {"type": "integer"}}}},
-    "/generate": {
-        "properties": {
-            "text": {"type": ["string", "array"]},
-            "input_ids": {"type": "array"},
-            "sampling_params": {"type": "object"},
-            "stream": {"type": ["boolean", "null"]},
         }
     },
 }
@@ -127,7 +60,7 @@ def _error(description: str, *, retry_after: bool = False) -> dict[str, Any]:
 
 
 def _proxied_operation(endpoint: Endpoint, secured: bool) -> dict[str, Any]:
-    body = _BODIES[endpoint.path]
+    body = dict(endpoint.schema or {})
     schema: dict[str, Any] = {"type": "object", "additionalProperties": True, **body}
     properties = dict(schema.get("properties", {}))
     properties["model"] = {"type": "string", "minLength": 1, "examples": ["sim"]}
@@ -158,12 +91,17 @@ def _proxied_operation(endpoint: Endpoint, secured: bool) -> dict[str, Any]:
     operation: dict[str, Any] = {
         "operationId": endpoint.name,
         "summary": f"Proxied to a backend chosen by the routing policy ({endpoint.path}).",
+        "description": "Served by " + ", ".join(_engines_serving(endpoint)) + " backends.",
         "requestBody": {"required": True, "content": {JSON: {"schema": schema}}},
         "responses": responses,
     }
     if secured:
         operation["security"] = [{"apiKey": []}]
     return operation
+
+
+def _engines_serving(endpoint: Endpoint) -> list[str]:
+    return [name for name, engine in ENGINES.items() if engine.serves(endpoint.path)]
 
 
 def _admin_paths() -> dict[str, Any]:

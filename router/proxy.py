@@ -60,7 +60,7 @@ from router.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from router.usage import StreamTap, Usage, usage_from_body
+from router.usage import OPENAI_USAGE, StreamTap, Usage, usage_from_body
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -270,8 +270,13 @@ class Proxy:
         holds_slot = False
         last_error: RouterError | None = None
 
+        path = call.endpoint.path
+
         def eligible() -> list[Backend]:
             candidates = pool.candidates(model)
+            if any(path not in backend.engine.paths for backend in candidates):
+                # A mixed fleet: e.g. SGLang's /generate goes to SGLang replicas (if any is up).
+                candidates = [backend for backend in candidates if path in backend.engine.paths] or candidates
             if not failed:
                 return candidates
             others = [backend for backend in candidates if backend not in failed]
@@ -402,8 +407,9 @@ class Proxy:
             # Read whole before anything is sent: the client has seen nothing yet.
             self._pool.request_failed(attempt.backend)
             raise self._failed_before_first_byte(attempt, exc) from None
-        if attempt.call.endpoint.reports_usage and upstream.status == 200:
-            attempt.usage = usage_from_body(data)
+        usage_format = attempt.call.endpoint.usage
+        if usage_format is not None and upstream.status == 200:
+            attempt.usage = usage_from_body(data, usage_format)
         response = web.Response(status=upstream.status, body=data)
         self._add_response_headers(response, upstream, attempt)
         return response
@@ -425,7 +431,8 @@ class Proxy:
         upstream.set_timeout(self._idle_timeout)
         response = web.StreamResponse(status=upstream.status)
         self._add_response_headers(response, upstream, attempt)
-        tap = StreamTap(strip_usage_chunk=attempt.call.usage_injected)
+        usage_format = attempt.call.endpoint.usage or OPENAI_USAGE
+        tap = StreamTap(strip_usage_chunk=attempt.call.usage_injected, usage_format=usage_format)
         write = response.write
         try:
             await response.prepare(attempt.call.request)
@@ -514,7 +521,10 @@ class Proxy:
         plan = attempt.plan
         usage = attempt.usage
         prompt_tokens = usage.prompt_tokens if usage is not None else None
-        cached_tokens = usage.cached_tokens if usage is not None else None
+        # What the engine's report means is its engine module's to say (SGLang: null = 0
+        # with --enable-cache-report; a generic server: nothing to learn from).
+        backend = attempt.backend
+        cached_tokens = backend.engine.observed(usage, backend.engine_facts)
         duration = time.monotonic() - attempt.call.started
         endpoint = attempt.call.endpoint.name
         self._metrics.record_request(

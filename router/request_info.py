@@ -1,4 +1,4 @@
-"""The proxied endpoints and the one parse of a request body that routing needs.
+"""The one parse of a request body that routing needs (the endpoints: :mod:`router.engines`).
 
 The body is forwarded byte for byte; it is parsed once (orjson) only to learn what the
 router needs: the model, whether the client streams and asked for usage, the expected
@@ -13,39 +13,18 @@ from typing import Any
 
 import orjson
 
+from router.engines import ENDPOINTS, Endpoint
 from router.errors import RouterError
+
+# The proxied endpoints are the engine modules' (router.engines); re-exported here, where
+# the one parse of a body reads them.
+__all__ = ["ENDPOINTS", "Endpoint", "ParsedRequest", "body_with_usage_requested", "parse_request"]
 
 # An absurd max_tokens must not make one request look like the whole fleet's load.
 MAX_EXPECTED_OUTPUT_TOKENS = 32_768
 # Expected decode length when the client gives no max_tokens (vLLM's own default is
 # "up to the context length", which would overstate load by orders of magnitude).
 DEFAULT_EXPECTED_OUTPUT_TOKENS = 256
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """One proxied POST path and how the router treats its body."""
-
-    path: str
-    #: Short label for metrics (``endpoint`` label).
-    name: str
-    #: OpenAI endpoints need ``model``; vLLM's /tokenize and SGLang's /generate do not.
-    requires_model: bool
-    #: The response carries ``usage`` (prompt and cached tokens) worth reading.
-    reports_usage: bool
-    #: Streams whose final usage chunk the router may request with ``stream_options``.
-    accepts_stream_options: bool
-
-
-ENDPOINTS: tuple[Endpoint, ...] = (
-    Endpoint("/v1/chat/completions", "chat", True, True, True),
-    Endpoint("/v1/completions", "completions", True, True, True),
-    Endpoint("/v1/embeddings", "embeddings", True, True, False),
-    Endpoint("/v1/responses", "responses", True, True, False),
-    Endpoint("/tokenize", "tokenize", False, False, False),
-    Endpoint("/detokenize", "detokenize", False, False, False),
-    Endpoint("/generate", "generate", False, False, False),
-)
 
 
 @dataclass(slots=True)

@@ -59,6 +59,7 @@ from router.cache_model import CacheModel
 from router.config import POLICY_NAMES, Settings
 from router.decisions import RING_SIZE, DecisionRecorder
 from router.engine_stats import EngineStats
+from router.engines import endpoint_for
 from router.kv_events import KVEventsState
 from router.peer_exchange import Placement
 from router.policies import (
@@ -85,10 +86,6 @@ UNOBSERVED_TTL_S = 900.0
 #: Request header that forces a policy when ``allow_policy_header`` is on.
 POLICY_HEADER = "x-kvroute-policy"
 FALLBACK_REASON = "fallback"
-
-_CHAT = "/v1/chat/completions"
-_COMPLETIONS = "/v1/completions"
-_GENERATE = "/generate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,26 +192,11 @@ class IndexStats:
 
 
 def _tokenize(tokenizer: RequestTokenizer, endpoint: str, body: Mapping[str, Any]) -> np.ndarray | None:
-    """The prompt token ids the engine will compute (int64), or None when this router cannot tell."""
-    if endpoint == _CHAT:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return None
-        kwargs = body.get("chat_template_kwargs")
-        return tokenizer.encode_chat_array(
-            messages,
-            tools=body.get("tools") or None,
-            add_generation_prompt=body.get("add_generation_prompt", True) is not False,
-            chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
-            documents=body.get("documents"),
-            continue_final_message=body.get("continue_final_message") is True,
-        )
-    if endpoint == _COMPLETIONS:
-        return tokenizer.encode_prompt_array(body["prompt"]) if "prompt" in body else None
-    if endpoint == _GENERATE:  # SGLang's native API: token ids or text
-        prompt = body.get("input_ids", body.get("text"))
-        return tokenizer.encode_prompt_array(prompt) if prompt is not None else None
-    return None
+    """The prompt token ids the engine will compute (int64), or None when this router cannot
+    tell: the endpoint's engine module knows how its prompt is written (router.engines)."""
+    proxied = endpoint_for(endpoint)
+    read = proxied.prompt if proxied is not None else None
+    return read(tokenizer, body) if read is not None else None
 
 
 class RoutingEngine:

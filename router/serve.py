@@ -4,7 +4,8 @@ Every user-tunable field of ``Settings`` has a flag, generated from the model it
 the two never drift apart: the field name in kebab case (``--health-interval-s``,
 ``--allow-policy-header`` / ``--no-allow-policy-header``, ...). A few read better by hand:
 ``--backend URL`` (repeatable), ``--kv-events-endpoint`` and
-``--kv-events-replay-endpoint BACKEND_URL=tcp://host:port`` (repeatable) and ``--config FILE`` (YAML). Only flags actually given reach
+``--kv-events-replay-endpoint BACKEND_URL=tcp://host:port``, ``--engine BACKEND_URL=sglang``
+(repeatable) and ``--config FILE`` (YAML). Only flags actually given reach
 :func:`~router.config.load_settings`, so precedence is flags > ``KVROUTE_*`` env > file >
 defaults. An invalid configuration exits with status 2 and a message naming the field.
 """
@@ -18,6 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from router.config import BackendConfig, ConfigError, Settings, load_settings
@@ -27,7 +29,9 @@ from router.security import SecretRedactor, install_redaction, settings_secrets
 _CUSTOM_FLAGS = {"backends", "models"}
 
 # Per-backend endpoints given as ``--flag BACKEND_URL=ENDPOINT`` (field -> example endpoint).
-_PER_BACKEND_ENDPOINTS = {"kv_events_endpoint": "tcp://h:5557", "kv_events_replay_endpoint": "tcp://h:5558"}
+_PER_BACKEND_ENDPOINTS = {
+    "kv_events_endpoint": "tcp://h:5557", "kv_events_replay_endpoint": "tcp://h:5558", "engine": "sglang",
+}
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvroute serve`` argument parser (one flag per tunable Settings field)."""
@@ -44,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for field, example in _PER_BACKEND_ENDPOINTS.items():
         parser.add_argument(
-            "--" + field.replace("_", "-"), dest=field + "s", action="append", metavar="BACKEND_URL=ENDPOINT",
+            "--" + field.replace("_", "-"), dest=field + "s", action="append",
+            metavar="BACKEND_URL=" + field.rsplit("_", 1)[-1].upper(),
             help=f"{BackendConfig.model_fields[field].description}, for one backend: "
             f"e.g. http://h:8000={example} (repeatable)",
         )
@@ -97,10 +102,14 @@ def _with_backend_field(settings: Settings, field: str, pairs: list[str]) -> Set
     unknown = sorted(set(by_url) - {backend.url for backend in settings.backends})
     if unknown:
         raise ConfigError(f"{field}: {unknown} are not configured backends")
-    backends: list[BackendConfig] = [
-        backend.model_copy(update={field: by_url[backend.url]}) if backend.url in by_url else backend
-        for backend in settings.backends
-    ]
+    try:  # validated again: e.g. --engine http://h:8000=sglang must name a known engine
+        backends: list[BackendConfig] = [
+            BackendConfig.model_validate({**backend.model_dump(), field: by_url[backend.url]})
+            if backend.url in by_url else backend
+            for backend in settings.backends
+        ]
+    except ValidationError as exc:
+        raise ConfigError(f"{field}: {exc.errors()[0]['msg']}") from None
     return settings.model_copy(update={"backends": backends})
 
 

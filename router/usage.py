@@ -1,6 +1,8 @@
 """Reading the engine's ``usage`` (prompt and cached tokens) out of responses.
 
-Non-streaming responses carry it in their JSON body. Streams carry it in a final
+Where an answer reports them is the endpoint's :class:`UsageFormat`: the OpenAI
+endpoints' ``usage`` object (:data:`OPENAI_USAGE`, here) or SGLang's native
+``meta_info`` (:mod:`router.engines.sglang`). Non-streaming responses carry it in their JSON body. Streams carry it in a final
 usage-only chunk (``"choices": []``) when ``stream_options.include_usage`` is set; when
 the router set that option itself, :class:`StreamTap` removes that chunk so the client
 receives exactly the stream it asked for.
@@ -15,6 +17,7 @@ events that contain it are parsed.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,12 +57,29 @@ def usage_from_object(obj: Any) -> Usage | None:
     )
 
 
-def usage_from_body(body: bytes) -> Usage | None:
+@dataclass(frozen=True, slots=True)
+class UsageFormat:
+    """Where one endpoint's answers report usage.
+
+    ``key`` is the JSON key (quoted, as bytes) present in every event or body that carries
+    it: events without it are never parsed. ``read`` turns a decoded body or event into
+    :class:`Usage`.
+    """
+
+    key: bytes
+    read: Callable[[Any], Usage | None]
+
+
+#: The OpenAI endpoints' ``usage`` object (vLLM, SGLang with ``--enable-cache-report``, others).
+OPENAI_USAGE = UsageFormat(_USAGE_KEY, usage_from_object)
+
+
+def usage_from_body(body: bytes, usage_format: UsageFormat = OPENAI_USAGE) -> Usage | None:
     """The usage of a complete JSON response body; None when it has none or is not JSON."""
-    if _USAGE_KEY not in body:
+    if usage_format.key not in body:
         return None
     try:
-        return usage_from_object(orjson.loads(body))
+        return usage_format.read(orjson.loads(body))
     except orjson.JSONDecodeError:
         return None
 
@@ -103,13 +123,16 @@ class StreamTap:
 
     ``strip_usage_chunk=True`` when the router injected ``include_usage``: complete events
     are forwarded as they arrive, minus the usage-only chunk. Otherwise every chunk passes
-    through untouched and the usage is read from the stream's tail at the end.
+    through untouched and the usage is read from the stream's tail at the end (SGLang's
+    native streams repeat ``meta_info`` in every event: the last one counts).
     """
 
-    __slots__ = ("_strip", "_pending", "_tail", "_tail_bytes", "usage")
+    __slots__ = ("_strip", "_format", "_key", "_pending", "_tail", "_tail_bytes", "usage")
 
-    def __init__(self, *, strip_usage_chunk: bool) -> None:
+    def __init__(self, *, strip_usage_chunk: bool, usage_format: UsageFormat = OPENAI_USAGE) -> None:
         self._strip = strip_usage_chunk
+        self._format = usage_format
+        self._key = usage_format.key
         self._pending = b""
         self._tail: deque[bytes] = deque()
         self._tail_bytes = 0
@@ -132,7 +155,7 @@ class StreamTap:
             complete, self._pending = data, b""
         else:
             complete, self._pending = data[:end], data[end:]
-        if _USAGE_KEY not in complete:
+        if self._key not in complete:
             return complete
         return self._without_usage_chunk(complete)
 
@@ -154,11 +177,12 @@ class StreamTap:
     def _usage_from_tail(self) -> None:
         data = b"".join(self._tail)
         self._tail.clear()
-        if _USAGE_KEY not in data:
+        key = self._key
+        if key not in data:
             return
         for event in reversed(_split_events(data)):
-            if _USAGE_KEY in event:
-                usage = usage_from_object(_event_data(event))
+            if key in event:
+                usage = self._format.read(_event_data(event))
                 if usage is not None:
                     self.usage = usage
                     return
@@ -166,9 +190,9 @@ class StreamTap:
     def _without_usage_chunk(self, complete: bytes) -> bytes:
         kept: list[bytes] = []
         for event in _split_events(complete):
-            if _USAGE_KEY in event:
+            if self._key in event:
                 payload = _event_data(event)
-                usage = usage_from_object(payload)
+                usage = self._format.read(payload)
                 if usage is not None:
                     self.usage = usage
                     if payload.get("choices") == []:

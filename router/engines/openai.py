@@ -1,0 +1,98 @@
+"""The OpenAI-compatible endpoints, as vLLM, SGLang and other OpenAI servers serve them.
+
+Each engine module lists the ones it serves. Prompts: a chat is rendered with the
+model's chat template (vLLM, and SGLang unless ``--chat-template`` names one of its
+built-in conversation templates), a completion's ``prompt`` is text or token ids (a
+batch routes by its first prompt). The body schemas are what the router reads; the rest
+passes through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from router.engines.base import Endpoint
+from router.usage import OPENAI_USAGE
+from tokenizer_index import RequestTokenizer
+
+MESSAGE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string", "examples": ["system", "user", "assistant", "tool"]},
+        "content": {"type": ["string", "array", "null"]},
+        "name": {"type": "string"},
+    },
+}
+_STREAM_FIELDS: dict[str, Any] = {
+    "stream": {"type": ["boolean", "null"], "description": "Answer as server-sent events."},
+    "stream_options": {
+        "type": ["object", "null"],
+        "properties": {"include_usage": {"type": "boolean"}},
+    },
+}
+_GENERATION_FIELDS: dict[str, Any] = {
+    "max_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "max_completion_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "temperature": {"type": ["number", "null"], "minimum": 0},
+    "user": {"type": "string", "description": "A session key for sticky routing."},
+    "cache_salt": {"type": "string", "description": "Isolates this request's prefix cache (vLLM, SGLang)."},
+}
+
+
+def chat_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> np.ndarray | None:
+    """The rendered chat's token ids, with the options the engines pass to the template."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    kwargs = body.get("chat_template_kwargs")
+    return tokenizer.encode_chat_array(
+        messages,
+        tools=body.get("tools") or None,
+        add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+        chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+        documents=body.get("documents"),
+        continue_final_message=body.get("continue_final_message") is True,
+    )
+
+
+def completion_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> np.ndarray | None:
+    """A completion's ``prompt``: text or token ids; of a batch, the first."""
+    return tokenizer.encode_prompt_array(body["prompt"]) if "prompt" in body else None
+
+
+CHAT = Endpoint(
+    "/v1/chat/completions", "chat", True, OPENAI_USAGE, True, chat_prompt,
+    {
+        "required": ["model", "messages"],
+        "properties": {"messages": {"type": "array", "items": MESSAGE_SCHEMA}, **_STREAM_FIELDS, **_GENERATION_FIELDS},
+    },
+)
+COMPLETIONS = Endpoint(
+    "/v1/completions", "completions", True, OPENAI_USAGE, True, completion_prompt,
+    {
+        "required": ["model", "prompt"],
+        "properties": {"prompt": {"type": ["string", "array"]}, **_STREAM_FIELDS, **_GENERATION_FIELDS},
+    },
+)
+EMBEDDINGS = Endpoint(
+    "/v1/embeddings", "embeddings", True, OPENAI_USAGE, False, None,
+    {
+        "required": ["model", "input"],
+        "properties": {"input": {"type": ["string", "array"]}, "encoding_format": {"type": "string"}},
+    },
+)
+RESPONSES = Endpoint(
+    "/v1/responses", "responses", True, OPENAI_USAGE, False, None,
+    {
+        "required": ["model", "input"],
+        "properties": {
+            "input": {"type": ["string", "array"]},
+            "stream": {"type": ["boolean", "null"]},
+            "max_output_tokens": {"type": ["integer", "null"], "minimum": 0},
+        },
+    },
+)
