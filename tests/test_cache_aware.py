@@ -122,6 +122,50 @@ def test_a_shared_prefix_keeps_the_full_load_weight_on_a_busy_fleet() -> None:
     assert policy().choose(holds_most, fleet).backend == "http://b0"
 
 
+def test_a_new_sessions_shared_prefix_is_not_its_history() -> None:
+    """The ledger knows the conversation is new: even most of the prompt matched is a shared
+    prefix (tools, system prompt), so the queue keeps its full weight."""
+    fleet = backends(2)
+    _queue(fleet[0], 11, 10_000 + 100_000)
+    _queue(fleet[1], 10, 100_000)
+    new = request(6000, {"http://b0": 4000}, Conversation("session:s", shared_tokens=4000))
+    decision = policy().choose(new, fleet)
+    assert (decision.backend, decision.reason) == ("http://b1", "least_cost")
+    returning = request(6000, {"http://b0": 4000}, Conversation("session:t", backend="http://b0", turns=1))
+    assert policy().choose(returning, fleet).backend == "http://b0"  # its own history: weight / 11.5
+
+
+def test_a_burst_of_new_sessions_spreads_instead_of_queueing_behind_a_shared_prefix() -> None:
+    """Sixteen agent sessions start at once, all sharing a 2K-token tool list: each session's
+    first request places the whole session, so they spread by load (at most one request
+    busier than the least busy backend) instead of piling behind the replica that is
+    computing the shared prefix."""
+    fleet = backends(4)
+    cache_aware = policy()
+    for number in range(16):
+        holder = fleet[0].url if number else None  # the first one computes the tool list
+        matched = {holder: 2000} if holder else {}
+        new = request(2200, matched, Conversation(f"session:{number}", shared_tokens=2000 if holder else 0))
+        new.session_key = str(number)
+        url = cache_aware.choose(new, fleet).backend
+        next(b for b in fleet if b.url == url).in_flight += 1
+    loads = [b.in_flight for b in fleet]
+    assert max(loads) - min(loads) <= 2  # 1 + NEW_SESSION_SLACK
+
+
+def test_a_conversation_moves_only_when_the_move_pays_for_its_history_with_margin() -> None:
+    """Leaving home costs the history re-prefilled plus MOVE_MARGIN times it: a queue
+    advantage a little over the history keeps it home; three times the history moves it."""
+    history = 4000
+    home = Conversation("session:h", backend="http://b0", turns=3)
+    for advantage, expected in ((1.5 * history, "http://b0"), (3.5 * history, "http://b1")):
+        fleet = backends(2)
+        _queue(fleet[0], 1, int(advantage / 0.5))  # load weight 0.5, divided by 1 + busy (0.5)
+        fleet[0].in_flight_tokens = int(advantage * 1.5 / 0.5)
+        returning = request(5000, {"http://b0": history}, home)
+        assert policy().choose(returning, fleet).backend == expected
+
+
 def test_cold_prompts_on_a_busy_fleet_still_go_to_the_least_loaded_backend() -> None:
     fleet = backends(3)
     _queue(fleet[0], 12, 120_000)

@@ -17,7 +17,7 @@ from router.routing import RoutingEngine
 
 TOKEN = "decisions-admin-token-0123456789"
 SYSTEM = " ".join(f"rule {n}: keep the answer short and exact." for n in range(60))
-TERMS = {"backend", "matched_tokens", "prefill", "queued_tokens", "queue", "capacity", "cost", "in_flight", "over_bound"}
+TERMS = {"backend", "matched_tokens", "prefill", "queued_tokens", "queue", "capacity", "stay", "cost", "in_flight", "over_bound"}
 
 
 def converse(router: Any, session: str, turns: int) -> list[Any]:
@@ -58,7 +58,7 @@ def test_admin_decisions_explain_each_request_by_its_cost_terms(sim_engines: Any
         assert all(set(c) == TERMS for c in candidates)
         for candidate in candidates:  # the terms add up, in prompt tokens
             assert candidate["prefill"] == usage.prompt_tokens - candidate["matched_tokens"]
-            total = candidate["prefill"] + candidate["queue"] + candidate["capacity"]
+            total = candidate["prefill"] + candidate["queue"] + candidate["capacity"] + candidate["stay"]
             assert candidate["cost"] == pytest.approx(total, abs=0.2)
         chosen = next(c for c in candidates if c["backend"] == decision["backend"])
         assert chosen["cost"] == min(c["cost"] for c in candidates if not c["over_bound"])

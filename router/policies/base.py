@@ -70,6 +70,8 @@ class CandidateCost:
     queue: float
     #: What the placement does to the caches: thrash it adds there, relief it brings home.
     capacity: float
+    #: Hysteresis: the margin a conversation's move must pay for the history it leaves.
+    stay: float
     cost: float
     in_flight: int
     #: Over the bounded-load test: skipped unless every candidate is.

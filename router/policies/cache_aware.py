@@ -5,6 +5,7 @@ For every eligible backend ``b`` the policy prices the request in prompt tokens:
     cost_b = (prompt - matched_b)               prefill it would do on b
            + weight * queued_b                  work already waiting on b
            + capacity_b                          prefill this placement makes other turns redo
+           + stay_b                              margin a conversation's move must pay
 
 and picks the cheapest backend that is not overloaded. One currency for all three terms is
 what lets a 20K-token match beat a short queue and a long queue beat a 200-token match,
@@ -31,9 +32,15 @@ router's rule, which throws affinity away whenever load is a little uneven).
 
 ``weight``
     Tokens of prefill one token of queued work costs: ``load_weight``, divided by
-    ``1 + busy`` (``busy``: the mean in-flight requests per candidate) when some backend
-    holds most of the prompt. That backend is where the request's own history lives (a
-    returning conversation), and leaving it trades a delay that only this request suffers
+    ``1 + busy`` (``busy``: the mean in-flight requests per candidate) when the request's
+    own history -- what its conversation's home, the backend its previous request went
+    to, holds of it -- is at least half the prompt (for a request the ledger cannot
+    follow: when any backend holds most of it). A new conversation's match is a shared
+    prefix (tools, a system prompt) however long, never its history: with a 2.3K-token
+    tool list in a 2.5K-token first turn, 16 agent sessions starting together piled onto
+    two of four replicas at reduced weight and had to move, history and all, a turn
+    later (offline replay of ``kvroute bench``'s defaults: 0.756 of prompt tokens cached
+    against round robin's 0.796). Leaving its home trades a delay that only this request suffers
     for prefill that the fleet carries: on average ``busy`` requests wait behind each
     backend's work, later ones queue behind the re-prefilled history, and its second copy
     takes cache space from others. So the deeper the fleet's queues, the less a token of
@@ -54,6 +61,17 @@ router's rule, which throws affinity away whenever load is a little uneven).
     equal or lower; one unbounded cache keeps 0.294. vllm-router, which leaves the best
     match only when loads differ by more than 64 requests and 1.5x, kept 0.185 on the
     real fleet.
+
+``stay_b``
+    Hysteresis: a conversation with a home pays, on any other backend, ``MOVE_MARGIN``
+    (2) times the history it would re-prefill there, on top of that prefill itself. The
+    re-prefill is not the only price of a move: the moved history's second copy takes
+    cache from others, and under desynchronised arrivals (think time) queues differ by a
+    request or two by pure chance, so without a margin conversations drifted between
+    replicas at scattered turns and lost their histories each time (agent sessions with
+    think time and multi-turn chats: 0.781 and 0.540 of prompt tokens cached against
+    0.791 and 0.568 for session pinning; with the margin 0.795 and 0.567). It still
+    leaves an overloaded home, and the capacity term still moves it when relief pays.
 
 ``capacity_b``
     What the placement does to the replicas' caches. :class:`WorkingSets` records where
@@ -86,6 +104,14 @@ a few requests on an otherwise idle fleet from counting as overload (with the de
 factor 2, a backend is over the bound from 4 requests against idle peers, 12 against
 peers with 4 each). When the load falls back under the bound the cost decides again, so
 affinity returns by itself.
+
+New sessions. A session's first request (a session key the ledger has not seen) places
+the whole session: it goes only to a backend at most ``NEW_SESSION_SLACK`` (1) requests
+busier than the least busy one, so a burst of sessions sharing a system prompt spreads by
+load instead of queueing behind the replica computing that prefix (a request sent behind
+a sibling that computes its prefix is priced as sharing that work, which is right for a
+one-off sibling and wrong for a session that will come back for eight turns). Staggered
+sessions on an idle fleet still gather where the shared prefix is.
 
 Ties (equal cost: typically a cold prompt on an idle fleet) go to the backend whose index
 holds the smallest share of its cache, then to a rotating start, so cold prefixes spread
@@ -134,6 +160,12 @@ CONVERSATION_IDLE_S = 600.0
 MAX_CONVERSATIONS = 200_000
 #: Weight of the newest request in the running mean of request work (for engine queues).
 _WORK_EWMA_WEIGHT = 0.05
+#: A conversation that has a home pays, on any other backend, this many times the history
+#: it would re-prefill there on top of the prefill itself: it moves only when that pays.
+MOVE_MARGIN = 2.0
+#: A session's first request goes only to a backend at most this many requests busier than
+#: the least busy one.
+NEW_SESSION_SLACK = 1
 
 
 @dataclass(slots=True, eq=False)
@@ -397,8 +429,16 @@ class CacheAware(Policy):
         best_match = max((matched.get(backend.url, 0) for backend in candidates), default=0)
         overload_factor = self._overload_factor
         load_weight = self._load_weight
-        if best_match and 2 * best_match >= prompt:  # the request's history lives somewhere
+        # Its own history: what the backend it last went to holds of this prompt.
+        anchor = conversation.backend if conversation is not None and conversation.turns >= 1 else None
+        anchor_match = matched.get(anchor, 0) if anchor is not None else 0
+        # Without a ledger entry, a backend holding most of the prompt is taken for its home.
+        history = best_match if conversation is None else anchor_match
+        if history and 2 * history >= prompt:  # the request's own history lives there
             load_weight /= 1.0 + total_in_flight / count
+        # A session's first request places the whole session: by load first, prefix second.
+        starts = conversation is not None and conversation.turns == 0 and request.session_key is not None
+        least_in_flight = min(backend.in_flight for backend in candidates)
         best_any: tuple[float, float, int] | None = None
         best_fit: tuple[float, float, int] | None = None
         best_plain: tuple[float, float, int] | None = None
@@ -415,13 +455,17 @@ class CacheAware(Policy):
                 cost += working_sets.placement_cost(conversation, prompt, url, capacity)
             if home is not None and url != home:
                 cost += relief
+            stay = MOVE_MARGIN * max(0, anchor_match - matched.get(url, 0)) if anchor is not None else 0.0
+            cost += stay
             fill = self._index_tokens(url) / capacity if capacity else float(self._index_tokens(url))
             key = (cost, fill, offset)
             if best_any is None or key < best_any:
                 best_any, chosen_any = key, backend
             over = over_load_bound(backend.in_flight, total_in_flight, count, overload_factor)
+            if starts and backend.in_flight > least_in_flight + NEW_SESSION_SLACK:
+                over = True
             if terms is not None:
-                terms.append(_terms(backend, matched.get(url, 0), prompt, queued, load_weight, plain, cost, over))
+                terms.append(_terms(backend, matched.get(url, 0), prompt, queued, load_weight, plain, stay, cost, over))
             if over:
                 continue
             if best_fit is None or key < best_fit:
@@ -456,7 +500,8 @@ class CacheAware(Policy):
 
 
 def _terms(
-    backend: BackendView, matched: int, prompt: int, queued: float, weight: float, plain: float, cost: float, over: bool
+    backend: BackendView, matched: int, prompt: int, queued: float, weight: float, plain: float, stay: float,
+    cost: float, over: bool,
 ) -> CandidateCost:
     """One candidate's cost terms for the explanation (rounded: a log line, not a ledger)."""
     return CandidateCost(
@@ -465,7 +510,8 @@ def _terms(
         prefill=prompt - matched,
         queued_tokens=round(queued, 1),
         queue=round(weight * queued, 1),
-        capacity=round(cost - plain, 1),
+        capacity=round(cost - plain - stay, 1),
+        stay=round(stay, 1),
         cost=round(cost, 1),
         in_flight=backend.in_flight,
         over_bound=over,
