@@ -18,6 +18,7 @@ where the queueing is counted in TTFT, instead of exhausting sockets.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -196,11 +197,17 @@ def _sessions(requests: Sequence[WorkloadRequest]) -> list[list[int]]:
 
 
 async def replay(
-    base_url: str, requests: Sequence[WorkloadRequest], *, speedup: float = 1.0,
+    base_url: str | Sequence[str], requests: Sequence[WorkloadRequest], *, speedup: float = 1.0,
     max_in_flight: int = 256, timeout_s: float = 900.0, progress: Progress | None = None,
 ) -> ReplayResult:
-    """Send ``requests`` to ``base_url`` (e.g. ``http://127.0.0.1:8000``) and measure them."""
-    url = base_url.rstrip("/")
+    """Send ``requests`` to ``base_url`` (e.g. ``http://127.0.0.1:8000``) and measure them.
+
+    Several URLs (router replicas) take the requests in turn, in the order they are sent,
+    as a client-side round robin in front of them would.
+    """
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
+    urls = [url.rstrip("/") for url in urls]
+    turns = itertools.count()
     records = [RequestRecord(request.session_id, 0.0) for request in requests]
     gate = asyncio.Semaphore(max_in_flight)
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=30)
@@ -218,7 +225,7 @@ async def replay(
                 await asyncio.sleep(delay)
             due = time.perf_counter()
             async with gate:
-                await send_one(client, url, request, records[index], started, due)
+                await send_one(client, urls[next(turns) % len(urls)], request, records[index], started, due)
             answered = time.perf_counter()
             if progress is not None:
                 progress.advance(records[index].ok)

@@ -189,3 +189,19 @@ def test_settings_sweep_and_repeats_label_every_row(
     assert {r.time_scale for r in results if r.target == "round_robin"} == {20.0, 40.0}
     offline = [r.setting for r in results if r.target == "bound_fleet"]
     assert sorted(offline) == ["time-scale=20 prefill=20000", "time-scale=40 prefill=20000"]
+
+
+async def test_replay_over_several_urls_takes_them_in_turn() -> None:
+    """Router replicas behind a client-side round robin: request k goes to URL k mod N."""
+    from benchmarks.fleet import engine_counters
+
+    fleet = SimFleet(SimSpec(replicas=2, time_scale=20, kv_capacity_tokens=32768))
+    (workload,) = make_workloads("system-prompt", WorkloadOptions(users=2, turns=3, system_tokens=400))
+    try:
+        await fleet.fresh()
+        run = await replay(fleet.urls, workload.requests, speedup=20)
+        counters = await engine_counters(fleet.urls)
+    finally:
+        fleet.stop()
+    assert run.errors == 0 and run.completed == 6
+    assert [counters[url].requests for url in fleet.urls] == [3, 3]
