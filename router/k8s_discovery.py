@@ -228,7 +228,7 @@ class KubernetesDiscovery:
                 label_selector=self._selector, resource_version=self._resource_version,
                 allow_watch_bookmarks=True, timeout_seconds=self._watch_timeout_s,
                 # The server ends the stream at timeoutSeconds; one still open well past that
-                # is dead. (A number: older releases take no (connect, read) pair.)
+                # is dead.
                 _request_timeout=self._watch_timeout_s + 30,
             )
             async for event in stream:
