@@ -86,6 +86,9 @@ class Origin:
         self.prefix = parsed.prefix.encode("ascii")
 
 
+_LINE_ENDS = (ord("\r"), ord("\n"))
+
+
 class _Violation(Exception):
     """Raised from a parser callback to stop llhttp at a framing rule it does not enforce itself."""
 
@@ -156,10 +159,16 @@ class _Connection(asyncio.Protocol):
             self.keep_alive = False
             self.abort()
             return
+        if not self._head_done:
+            if not self._got_bytes and data[0] in _LINE_ENDS:
+                # llhttp skips blank lines before a status line (a server's leniency for
+                # requests); an answer that starts with one is not a well-formed response.
+                self._got_bytes = True
+                self._reject("a blank line before the status line")
+                return
+            self._head_bytes += len(data)
         self._got_bytes = True
         self._last_data = self._loop.time()
-        if not self._head_done:
-            self._head_bytes += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -183,6 +192,8 @@ class _Connection(asyncio.Protocol):
         self._has_length = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._head_done:
+            return  # a trailer field: not forwarded (the body was re-framed), never a header
         value = value.rstrip(b" \t")  # llhttp drops the leading whitespace only
         self.headers.append((name, value))
         if len(name) == 17 and name.lower() == b"transfer-encoding":
@@ -194,10 +205,16 @@ class _Connection(asyncio.Protocol):
         parser = self._parser
         status = parser.get_status_code()
         if status < 200:
+            if status < 100:
+                self._violation = f"status {status}"
+                raise _Violation
             return  # interim (1xx): the final head follows; 101 stops llhttp as an upgrade
-        if parser.get_http_version() not in ("1.1", "1.0"):
-            self._violation = f"unsupported HTTP version {parser.get_http_version()}"
-            raise _Violation
+        version = parser.get_http_version()
+        if version != "1.1":
+            if version != "1.0":
+                self._violation = f"unsupported HTTP version {version}"
+                raise _Violation
+            self.keep_alive = False  # HTTP/1.0 keep-alive is a legacy extension: not worth the doubt
         codings = self._codings
         # Only one coding, chunked: a proxy that re-frames the body must not drop another one.
         if codings and (len(codings) > 1 or codings[0].lower() != b"chunked"):

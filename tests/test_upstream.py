@@ -312,6 +312,8 @@ MALFORMED = {
     "unrequested protocol switch": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\nabc",
     "bare LF line ends": b"HTTP/1.1 200 OK\nContent-Length: 3\n\nabc",
     "HTTP/2 status line": b"HTTP/2.0 200 OK\r\nContent-Length: 3\r\n\r\nabc",
+    "status below 100": b"HTTP/1.1 099 Odd\r\nContent-Length: 3\r\n\r\nabc",
+    "blank line before the status line": b"\r\nHTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc",
 }
 
 
@@ -387,3 +389,23 @@ async def test_oversized_response_head(serve, client) -> None:
     server, url = await serve(handler)
     with pytest.raises(UpstreamProtocolError):
         await asyncio.wait_for(post(client, url), 10)
+
+
+async def test_trailers_are_not_headers_and_http10_is_not_reused(serve, client) -> None:
+    async def handler(reader, writer) -> None:
+        while True:
+            await server.read_request(reader)
+            if len(server.requests) == 1:
+                writer.write(chunked(b"data: x\n\n", trailers=b"X-Trailer: late\r\n"))
+            else:
+                writer.write(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok")
+            await writer.drain()
+
+    server, url = await serve(handler)
+    response = await client.post(url, b"/", [], b"{}", first_byte_timeout=10)
+    assert await response.read() == b"data: x\n\n"
+    assert response.header(b"x-trailer") is None
+    response.release()
+    assert await post(client, url) == (200, b"ok")
+    assert await post(client, url) == (200, b"ok")
+    assert server.connections == 2  # the chunked answer's connection was kept, the HTTP/1.0 one's not
