@@ -11,7 +11,7 @@ import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "run the cache-aware reverse proxy"),
-    "sim-engine": ("benchmarks.sim_engine.cli", "run a simulated vLLM replica"),
+    "sim-engine": ("benchmarks.sim_engine.cli", "run a simulated vLLM or SGLang replica"),
     "demo": ("benchmarks.demo", "two sim engines, a router, round_robin vs cache_aware"),
     "bench": ("benchmarks.bench", "replay workloads and traces against a fleet per policy"),
 }

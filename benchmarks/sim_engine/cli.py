@@ -27,7 +27,8 @@ def _models(values: list[str] | None) -> tuple[str, ...]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvroute sim-engine",
-        description="A simulated vLLM replica: OpenAI API, real prefix cache, vLLM metrics and KV events.",
+        description="A simulated vLLM (or, with --api sglang, SGLang) replica: OpenAI API, real prefix cache,"
+        " the engine's metrics and KV events.",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
@@ -36,7 +37,17 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         help="served model name (repeatable or comma list; models after the first act as LoRA adapters)",
     )
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--api", choices=("vllm", "sglang"), default="vllm",
+        help="the engine API to speak: vLLM's, or SGLang's (/generate, /server_info, /get_load, /flush_cache,"
+        " sglang:* metrics)",
+    )
+    p.add_argument("--block-size", type=int, default=None, help="KV block size (default 16; --api sglang: --page-size)")
+    p.add_argument("--page-size", type=int, default=None, help="SGLang's --page-size (default 1: token-granular)")
+    p.add_argument(
+        "--enable-cache-report", action="store_true",
+        help="as SGLang's: OpenAI answers carry usage.prompt_tokens_details.cached_tokens (when > 0)",
+    )
     p.add_argument("--kv-capacity-tokens", type=int, default=65536)
     p.add_argument("--max-model-len", type=int, default=None, help="default: --kv-capacity-tokens")
     p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
@@ -63,7 +74,7 @@ def config_from_args(args: argparse.Namespace) -> SimEngineConfig:
         host=args.host,
         port=args.port,
         models=_models(args.model),
-        block_size=args.block_size,
+        block_size=_block_size(args),
         kv_capacity_tokens=args.kv_capacity_tokens,
         max_model_len=args.max_model_len,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
@@ -78,7 +89,19 @@ def config_from_args(args: argparse.Namespace) -> SimEngineConfig:
         kv_events_topic=args.kv_events_topic,
         seed=args.seed,
         api_key=args.api_key or None,
+        api=args.api,
+        enable_cache_report=args.enable_cache_report,
     )
+
+
+def _block_size(args: argparse.Namespace) -> int:
+    """vLLM's block size (default 16), or SGLang's page size (default 1, token-granular)."""
+    if args.page_size is not None and args.block_size is not None and args.page_size != args.block_size:
+        raise ValueError("--page-size and --block-size name the same thing: give one")
+    given = args.page_size if args.page_size is not None else args.block_size
+    if given is not None:
+        return int(given)
+    return 1 if args.api == "sglang" else 16
 
 
 async def serve(config: SimEngineConfig) -> None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 KVEventsFormat = Literal["map", "array"]
+#: Which engine's API the replica speaks: vLLM's, or SGLang's (benchmarks/sim_engine/sglang_api.py).
+EngineAPIName = Literal["vllm", "sglang"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,11 @@ class SimEngineConfig:
     #: vLLM's ``--api-key``: ``/v1/*`` then needs ``Authorization: Bearer <key>`` (401 otherwise);
     #: ``/health``, ``/metrics`` and the rest stay open, as in vLLM.
     api_key: str | None = None
+    #: ``sglang``: SGLang's native /generate, /server_info, /get_load, /flush_cache, its metric
+    #: names and its OpenAI usage rules; ``block_size`` is then its ``--page-size``.
+    api: EngineAPIName = "vllm"
+    #: SGLang's ``--enable-cache-report``: OpenAI answers carry cached tokens (when > 0).
+    enable_cache_report: bool = False
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -64,6 +71,8 @@ class SimEngineConfig:
                 raise ValueError(f"{name} must be > 0, got {rate}")
         if self.kv_capacity_tokens < self.block_size:
             raise ValueError("kv_capacity_tokens must hold at least one block")
+        if self.api not in ("vllm", "sglang"):
+            raise ValueError(f"api must be vllm or sglang, got {self.api!r}")
         if self.kv_events_format not in ("map", "array"):
             raise ValueError(f"kv_events_format must be map or array, got {self.kv_events_format!r}")
 

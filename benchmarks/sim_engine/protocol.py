@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Literal
 
 import orjson
@@ -82,6 +82,19 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def sglang_usage(cache_report: bool) -> Callable[[int, int, int], dict[str, Any]]:
+    """SGLang's OpenAI usage (``openai/usage_processor.py``): ``prompt_tokens_details`` only
+    with ``--enable-cache-report`` and cached tokens > 0, else null."""
+
+    def report(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+        body = usage(prompt_tokens, completion_tokens, cached_tokens)
+        if not (cache_report and cached_tokens > 0):
+            body["prompt_tokens_details"] = None
+        return body
+
+    return report
 
 
 def new_id(endpoint: Endpoint) -> str:

@@ -1,4 +1,4 @@
-"""The simulated vLLM replica as an aiohttp application.
+"""The simulated vLLM (or, with ``api="sglang"``, SGLang) replica as an aiohttp application.
 
 ``build_app(SimEngineConfig(...))`` returns a ``web.Application`` speaking vLLM's
 OpenAI-compatible API (chat and text completions, streaming, models, tokenize,
@@ -19,7 +19,7 @@ import functools
 import hmac
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from benchmarks.sim_engine.faults import FAULT_MODES, FaultInjector, FaultMode
 from benchmarks.sim_engine.generation import Embedder, OutputVocabulary
 from benchmarks.sim_engine.kv_events import KVEventPublisher
 from benchmarks.sim_engine.metrics import EngineMetrics
+from benchmarks.sim_engine.sglang_metrics import SGLangMetrics
 from benchmarks.sim_engine.protocol import (
     DONE,
     APIError,
@@ -41,6 +42,7 @@ from benchmarks.sim_engine.protocol import (
     full_response,
     new_id,
     parse_json_object,
+    sglang_usage,
     usage,
 )
 from benchmarks.sim_engine.scheduler import Scheduler, SimRequest
@@ -77,7 +79,9 @@ class SimEngine:
         self.vocabulary = OutputVocabulary.from_decoder(
             self.tokenizer.decode, self.tokenizer.vocab_size, self.tokenizer.special_ids, config.seed
         )
-        self.metrics = EngineMetrics(config)
+        self.metrics: EngineMetrics | SGLangMetrics = (
+            SGLangMetrics(config) if config.api == "sglang" else EngineMetrics(config)
+        )
         self.faults = FaultInjector()
         self.publisher: KVEventPublisher | None = None
         self.cache: PrefixCache | None = None
@@ -176,7 +180,8 @@ class SimEngine:
                         streaming=params.stream,
                     )
                 )
-        return Generation(params, model, response_id, sequences, sum(len(prompt) for prompt in prompts))
+        report = sglang_usage(config.enable_cache_report) if config.api == "sglang" else usage
+        return Generation(params, model, response_id, sequences, sum(len(prompt) for prompt in prompts), report)
 
     # --- disconnects ------------------------------------------------------------------
 
@@ -213,11 +218,13 @@ class Generation:
     response_id: str
     sequences: list[SimRequest]
     prompt_tokens: int  # each prompt counted once, however many samples it has
+    #: The usage object as this engine writes it (vLLM's, or SGLang's cache-report rule).
+    report: Callable[[int, int, int], dict[str, Any]] = usage
 
     def usage(self, completion_tokens: int, cached_from: SimRequest) -> dict[str, Any]:
         # vLLM reports the cached tokens of one prompt: the last one's in a full answer,
         # the first one's in a stream.
-        return usage(self.prompt_tokens, completion_tokens, cached_from.cached_tokens)
+        return self.report(self.prompt_tokens, completion_tokens, cached_from.cached_tokens)
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -590,9 +597,14 @@ def build_app(config: SimEngineConfig, tokenizer: SimTokenizer | None = None) ->
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
-    app.router.add_post("/tokenize", handlers.tokenize)
-    app.router.add_post("/detokenize", handlers.detokenize)
-    app.router.add_post("/reset_prefix_cache", handlers.reset_prefix_cache)
+    if config.api == "sglang":
+        from benchmarks.sim_engine.sglang_api import add_sglang_routes  # it builds on this module
+
+        add_sglang_routes(app, engine, handlers)
+    else:
+        app.router.add_post("/tokenize", handlers.tokenize)
+        app.router.add_post("/detokenize", handlers.detokenize)
+        app.router.add_post("/reset_prefix_cache", handlers.reset_prefix_cache)
     app.router.add_post("/sim/fault", handlers.set_fault)
     app.router.add_get("/sim/fault", handlers.get_fault)
     app.router.add_get("/sim/stats", handlers.stats)
