@@ -38,6 +38,7 @@ pytestmark = pytest.mark.prometheus
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "kvroute-alerts.yml"
 RULE_TESTS = ROOT / "deploy" / "prometheus" / "kvroute-alerts.test.yml"
+COMPOSE_DIR = ROOT / "deploy" / "compose"
 # Grafana's $__rate_interval is at least four scrape intervals; 1 s scrapes here.
 RATE_INTERVAL = "10s"
 # Seconds of traffic Prometheus must have scraped before the dashboard is evaluated.
@@ -108,6 +109,25 @@ def test_alert_rule_unit_tests_pass_and_cover_every_alert(tools: PrometheusTools
     assert fired == alerts, f"alerts never expected to fire: {sorted(alerts - fired)}"
     output = promtool(tools, "test", "rules", str(RULE_TESTS))
     assert "SUCCESS" in output
+
+
+def test_the_compose_prometheus_loads_the_alert_rules(tools: PrometheusTools, tmp_path: Path) -> None:
+    """deploy/compose/prometheus.yml is a valid configuration whose rule files are the
+    shipped rules, mounted by docker-compose.yml where it looks for them."""
+    config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    service = yaml.safe_load((COMPOSE_DIR / "docker-compose.yml").read_text())["services"]["prometheus"]
+    mounts = {}
+    for volume in service["volumes"]:
+        source, target = volume.split(":")[:2]
+        mounts[target] = (COMPOSE_DIR / source).resolve()
+    assert config["rule_files"], "the Compose Prometheus loads no rules"
+    assert [mounts.get(path) for path in config["rule_files"]] == [RULES]
+    # As the container sees it: the same configuration with the mounted files in place.
+    config["rule_files"] = [str(mounts[path]) for path in config["rule_files"]]
+    checked = tmp_path / "prometheus.yml"
+    checked.write_text(yaml.safe_dump(config))
+    output = promtool(tools, "check", "config", str(checked))
+    assert "SUCCESS" in output and f"{RULES}" in output, output
 
 
 # --- a running Prometheus -----------------------------------------------------------------
