@@ -529,7 +529,8 @@ class Proxy:
         endpoint = attempt.call.endpoint.name
         self._metrics.record_request(
             plan.backend, plan.policy, endpoint, attempt.status, duration, attempt.ttft_s,
-            prompt_tokens, plan.predicted_cached_tokens, cached_tokens,
+            # Predicted and observed count over the same requests: those with a cache report.
+            prompt_tokens if cached_tokens is not None else None, plan.predicted_cached_tokens, cached_tokens,
         )
         self._metrics.record_decision(plan.policy, plan.reason)
         try:

@@ -99,3 +99,17 @@ def test_sglang_cache_info_sets_the_index_block_size_except_token_granular(page_
     assert (stats.kind, stats.running, stats.block_size) == ("sglang", 2, block_size)
     assert stats.capacity_tokens == 4096
     assert (stats.prefix_queries_tokens, stats.prefix_hit_tokens) == (4000.0, 1000.0)  # only cache_source="total"
+
+
+def test_engine_per_backend_from_a_flag_and_a_bad_name_fails_at_start() -> None:
+    from router.config import ConfigError
+    from router.serve import build_parser, settings_from_args
+
+    args = build_parser().parse_args(
+        ["--backend", "http://a:8000", "--backend", "http://b:8000", "--engine", "http://b:8000=sglang"]
+    )
+    engines = {backend.url: backend.engine for backend in settings_from_args(args).backends}
+    assert engines == {"http://a:8000": "auto", "http://b:8000": "sglang"}
+    bad = build_parser().parse_args(["--backend", "http://a:8000", "--engine", "http://a:8000=tgi"])
+    with pytest.raises(ConfigError, match="engine"):
+        settings_from_args(bad)
