@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -42,14 +44,15 @@ DIRECT = "direct"
 MODEL = "overhead"
 
 
-def chat_body(size_bytes: int = 2048) -> bytes:
-    """A fixed chat request of about ``size_bytes`` bytes."""
+def chat_body(size_bytes: int = 2048, system: str = "You are a helpful assistant.",
+              seed: int = 42) -> bytes:
+    """A chat request of about ``size_bytes`` bytes: ``system``, then a random user turn."""
     import numpy as np
 
-    text = words(np.random.default_rng(42), size_bytes // 5)
+    text = words(np.random.default_rng(seed), size_bytes // 5)
     body = {
         "model": MODEL, "max_tokens": 8,
-        "messages": [{"role": "system", "content": "You are a helpful assistant."},
+        "messages": [{"role": "system", "content": system},
                      {"role": "user", "content": text}],
     }
     encoded = orjson.dumps(body)
@@ -58,6 +61,24 @@ def chat_body(size_bytes: int = 2048) -> bytes:
         body["messages"][1]["content"] = text
         encoded = orjson.dumps(body)
     return encoded
+
+
+def chat_bodies(size_bytes: int = 2048, system_prompts: int = 64, per_prompt: int = 16) -> list[bytes]:
+    """``system_prompts`` x ``per_prompt`` distinct requests of about ``size_bytes`` bytes.
+
+    Each has one of ``system_prompts`` system prompts (about half the body, as a fleet of
+    apps has) and its own user turn, so a router that keys on the prompt sees shared
+    prefixes and new text on every request, not one body it can answer from a cache.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    systems = [f"App {number}. " + words(rng, size_bytes // 10) for number in range(system_prompts)]
+    return [
+        chat_body(size_bytes, system, seed=number * per_prompt + turn)
+        for number, system in enumerate(systems)
+        for turn in range(per_prompt)
+    ]
 
 
 # --- the fast upstream ---------------------------------------------------------------------
@@ -136,7 +157,7 @@ def group_cpu_seconds(pgid: int) -> float:
 
 @dataclass(slots=True)
 class LoadRun:
-    """One closed-loop run against one URL."""
+    """One load run against one URL."""
 
     requests: int
     errors: int
@@ -145,52 +166,110 @@ class LoadRun:
     cpu_s: float | None  # the router's CPU time over the run; None for direct
 
 
-async def closed_loop(url: str, body: bytes, concurrency: int, seconds: float,
-                      pgid: int | None) -> LoadRun:
-    """``concurrency`` clients sending ``body`` back to back for ``seconds``."""
-    latencies: list[float] = []
-    errors = 0
-    headers = {"content-type": "application/json"}
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=30)) as client:
+class _Client:
+    """One aiohttp session posting the bodies in turn; counts what it sees."""
 
-        async def one() -> bool:
-            async with client.post(url + "/v1/chat/completions", data=body,
-                                   headers=headers) as response:
-                await response.read()
-                return response.status == 200
+    def __init__(self, url: str, bodies: Sequence[bytes], connections: int) -> None:
+        self._url = url + "/v1/chat/completions"
+        self._next_body = itertools.cycle(bodies).__next__
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=connections),
+            timeout=aiohttp.ClientTimeout(total=30))
+        self.latencies: list[float] = []
+        self.errors = 0
 
-        await asyncio.gather(*(one() for _ in range(concurrency)))  # warm the connections
-        cpu_before = group_cpu_seconds(pgid) if pgid else None
-        started = time.perf_counter()
-        deadline = started + seconds
+    async def one(self) -> bool:
+        async with self._session.post(self._url, data=self._next_body(),
+                                      headers={"content-type": "application/json"}) as response:
+            await response.read()
+            return response.status == 200
+
+    async def timed(self, since: float) -> None:
+        """One request; its latency counted from ``since`` (its send time or its due time)."""
+        try:
+            ok = await self.one()
+        except (TimeoutError, aiohttp.ClientError):
+            ok = False
+        if ok:
+            self.latencies.append(time.perf_counter() - since)
+        else:
+            self.errors += 1
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+async def _measured(client: _Client, load: Coroutine[Any, Any, None], pgid: int | None) -> LoadRun:
+    cpu_before = group_cpu_seconds(pgid) if pgid else None
+    started = time.perf_counter()
+    await load
+    elapsed = time.perf_counter() - started
+    cpu = group_cpu_seconds(pgid) - cpu_before if pgid and cpu_before is not None else None
+    return LoadRun(len(client.latencies) + client.errors, client.errors, elapsed,
+                   client.latencies, cpu)
+
+
+async def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, seconds: float,
+                      pgid: int | None, *, requests: int | None = None) -> LoadRun:
+    """``concurrency`` clients sending ``bodies`` in turn, back to back, for ``seconds``
+    (or, given ``requests``, until that many were sent)."""
+    client = _Client(url, bodies, concurrency)
+    try:
+        await asyncio.gather(*(client.one() for _ in range(concurrency)))  # warm the connections
+        deadline = time.perf_counter() + seconds
+        left = itertools.count(requests, -1) if requests is not None else None
+
+        def more() -> bool:
+            return next(left) > 0 if left is not None else time.perf_counter() < deadline
 
         async def worker() -> None:
-            nonlocal errors
-            while time.perf_counter() < deadline:
-                sent = time.perf_counter()
-                try:
-                    ok = await one()
-                except (TimeoutError, aiohttp.ClientError):
-                    ok = False
-                if ok:
-                    latencies.append(time.perf_counter() - sent)
-                else:
-                    errors += 1
+            while more():
+                await client.timed(time.perf_counter())
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
-        cpu = group_cpu_seconds(pgid) - cpu_before if pgid and cpu_before is not None else None
-    return LoadRun(len(latencies) + errors, errors, elapsed, latencies, cpu)
+        load = asyncio.gather(*(worker() for _ in range(concurrency)))
+        return await _measured(client, load, pgid)
+    finally:
+        await client.close()
+
+
+async def fixed_rate(url: str, bodies: Sequence[bytes], rate_per_s: float, seconds: float,
+                     pgid: int | None, connections: int = 256) -> LoadRun:
+    """Requests sent at a fixed ``rate_per_s`` for ``seconds`` whatever the answers do (an
+    open loop); each latency counts from the request's due time, so a client or router that
+    falls behind shows as latency instead of silently lowering the rate."""
+    client = _Client(url, bodies, connections)
+    try:
+        await asyncio.gather(*(client.one() for _ in range(min(connections, 32))))
+
+        async def schedule() -> None:
+            interval = 1.0 / rate_per_s
+            start = time.perf_counter()
+            pending: set[asyncio.Task[None]] = set()
+            for number in range(max(1, round(rate_per_s * seconds))):
+                due = start + number * interval
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                task = asyncio.create_task(client.timed(due))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            if pending:
+                await asyncio.wait(pending)
+
+        return await _measured(client, schedule(), pgid)
+    finally:
+        await client.close()
 
 
 @dataclass(slots=True)
 class OverheadRow:
-    """Median over rounds for one target at one concurrency."""
+    """Median over rounds for one target under one load: ``closed`` (``concurrency``
+    clients back to back) or ``rate`` (``offered_per_s`` requests per second)."""
 
     target: str
-    concurrency: int
+    mode: str
+    concurrency: int | None
+    offered_per_s: float | None
     requests_per_s: float
     latency_p50_ms: float
     latency_p99_ms: float
@@ -200,102 +279,215 @@ class OverheadRow:
     errors: int
 
 
+@dataclass(slots=True)
+class TargetSummary:
+    """Per target: saturation throughput (the most requests/s any closed-loop concurrency
+    got, median over rounds) and the router's CPU per request there; latency and CPU per
+    request at the fixed offered rate (where a router's idle work, health checks and
+    scrapes, weighs more per request)."""
+
+    target: str
+    saturation_per_s: float
+    saturated_cpu_us_per_request: float | None
+    router_cpu_us_per_request: float | None
+    offered_per_s: float
+    rate_p50_ms: float
+    rate_p99_ms: float
+    errors: int
+
+
 def _median(values: Sequence[float | None]) -> float | None:
     present = [value for value in values if value is not None]
     return statistics.median(present) if present else None
 
 
-def summarize(runs: dict[tuple[str, int], list[LoadRun]]) -> list[OverheadRow]:
-    rows: list[OverheadRow] = []
-    for (target, concurrency), measured in runs.items():
-        p50 = _median([percentile(run.latencies_s, 50) for run in measured]) or 0.0
-        p99 = _median([percentile(run.latencies_s, 99) for run in measured]) or 0.0
-        direct = runs.get((DIRECT, concurrency), [])
-        direct_p50 = _median([percentile(run.latencies_s, 50) for run in direct])
-        direct_p99 = _median([percentile(run.latencies_s, 99) for run in direct])
-        cpu = _median([
+def _row(target: str, mode: str, load: float, measured: list[LoadRun],
+         direct: list[LoadRun]) -> OverheadRow:
+    p50 = _median([percentile(run.latencies_s, 50) for run in measured]) or 0.0
+    p99 = _median([percentile(run.latencies_s, 99) for run in measured]) or 0.0
+    direct_p50 = _median([percentile(run.latencies_s, 50) for run in direct])
+    direct_p99 = _median([percentile(run.latencies_s, 99) for run in direct])
+    is_router = target != DIRECT
+    return OverheadRow(
+        target=target, mode=mode,
+        concurrency=int(load) if mode == "closed" else None,
+        offered_per_s=float(load) if mode == "rate" else None,
+        requests_per_s=_median([run.requests / run.seconds for run in measured]) or 0.0,
+        latency_p50_ms=p50 * 1000, latency_p99_ms=p99 * 1000,
+        added_p50_ms=(p50 - direct_p50) * 1000 if is_router and direct_p50 is not None else None,
+        added_p99_ms=(p99 - direct_p99) * 1000 if is_router and direct_p99 is not None else None,
+        router_cpu_us_per_request=_median([
             run.cpu_s / run.requests * 1e6 if run.cpu_s is not None and run.requests else None
             for run in measured
-        ])
-        rows.append(OverheadRow(
-            target=target, concurrency=concurrency,
-            requests_per_s=_median([run.requests / run.seconds for run in measured]) or 0.0,
-            latency_p50_ms=p50 * 1000, latency_p99_ms=p99 * 1000,
-            added_p50_ms=None if target == DIRECT or direct_p50 is None
-            else (p50 - direct_p50) * 1000,
-            added_p99_ms=None if target == DIRECT or direct_p99 is None
-            else (p99 - direct_p99) * 1000,
-            router_cpu_us_per_request=cpu, errors=sum(run.errors for run in measured),
+        ]),
+        errors=sum(run.errors for run in measured),
+    )
+
+
+RunKey = tuple[str, str, float]  # target, mode, concurrency or offered rate
+
+
+def summarize(runs: dict[RunKey, list[LoadRun]]) -> list[OverheadRow]:
+    return [
+        _row(target, mode, load, measured, runs.get((DIRECT, mode, load), []))
+        for (target, mode, load), measured in runs.items()
+    ]
+
+
+def target_summaries(rows: Sequence[OverheadRow]) -> list[TargetSummary]:
+    summaries = []
+    for row in rows:
+        if row.mode != "rate":
+            continue
+        closed = [other for other in rows if other.target == row.target and other.mode == "closed"]
+        busiest = max(closed, key=lambda other: other.requests_per_s, default=None)
+        summaries.append(TargetSummary(
+            target=row.target,
+            saturation_per_s=busiest.requests_per_s if busiest else 0.0,
+            saturated_cpu_us_per_request=busiest.router_cpu_us_per_request if busiest else None,
+            router_cpu_us_per_request=row.router_cpu_us_per_request,
+            offered_per_s=row.offered_per_s or 0.0,
+            rate_p50_ms=row.latency_p50_ms, rate_p99_ms=row.latency_p99_ms, errors=row.errors,
         ))
-    return rows
+    return summaries
+
+
+def _table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    table = [tuple(header), *map(tuple, lines)]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in table)
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def format_rows(rows: Sequence[OverheadRow]) -> str:
-    def cell(value: float | None, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
+    """The summary per target, then every closed-loop run."""
+    summaries = target_summaries(rows)
+    parts = []
+    if summaries:
+        rate = summaries[0].offered_per_s
+        parts.append(_table(
+            ("target", "saturation req/s", "CPU us/req saturated", f"CPU us/req @{rate:.0f}/s",
+             f"p50 ms @{rate:.0f}/s", f"p99 ms @{rate:.0f}/s", "errors"),
+            [(s.target, f"{s.saturation_per_s:.0f}", _cell(s.saturated_cpu_us_per_request, ".0f"),
+              _cell(s.router_cpu_us_per_request, ".0f"), f"{s.rate_p50_ms:.2f}",
+              f"{s.rate_p99_ms:.2f}", str(s.errors)) for s in summaries],
+        ))
+    closed = sorted((row for row in rows if row.mode == "closed"),
+                    key=lambda row: (row.concurrency or 0, row.target != DIRECT))
+    parts.append(_table(
+        ("target", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms",
+         "router CPU us/req", "errors"),
+        [(row.target, str(row.concurrency), f"{row.requests_per_s:.0f}",
+          f"{row.latency_p50_ms:.2f}", f"{row.latency_p99_ms:.2f}",
+          _cell(row.added_p50_ms, ".2f"), _cell(row.added_p99_ms, ".2f"),
+          _cell(row.router_cpu_us_per_request, ".0f"), str(row.errors)) for row in closed],
+    ))
+    return "\n\n".join(parts)
 
-    header = ("target", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms",
-              "router CPU us/req", "errors")
-    table = [header] + [
-        (row.target, str(row.concurrency), f"{row.requests_per_s:.0f}",
-         f"{row.latency_p50_ms:.2f}", f"{row.latency_p99_ms:.2f}",
-         cell(row.added_p50_ms, ".2f"), cell(row.added_p99_ms, ".2f"),
-         cell(row.router_cpu_us_per_request, ".0f"), str(row.errors))
-        for row in sorted(rows, key=lambda row: (row.concurrency, row.target != DIRECT))
-    ]
-    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in table
-    )
+
+@dataclass(slots=True)
+class Target:
+    name: str
+    url: str
+    pgid: int | None
+
+
+def offered_rate(runs: dict[RunKey, list[LoadRun]], fraction: float) -> float:
+    """``fraction`` of the slowest router's saturation throughput (of direct's without routers)."""
+    saturation: dict[str, float] = {}
+    for (target, mode, _), measured in runs.items():
+        if mode == "closed":
+            rate = _median([run.requests / run.seconds for run in measured]) or 0.0
+            saturation[target] = max(saturation.get(target, 0.0), rate)
+    routers = [rate for target, rate in saturation.items() if target != DIRECT]
+    return max(1.0, fraction * min(routers or saturation.values()))
+
+
+async def measure(targets: Sequence[Target], bodies: Sequence[bytes], concurrencies: Sequence[int],
+                  seconds: float, rounds: int, rate_fraction: float) -> list[OverheadRow]:
+    """Closed loops at each concurrency, then the fixed rate, every target in each round."""
+    runs: dict[RunKey, list[LoadRun]] = {}
+    for target in targets:  # every body once: measured from then on is the routers' steady state
+        await closed_loop(target.url, bodies, 32, 0.0, None, requests=len(bodies))
+    progress = Progress(rounds * (len(concurrencies) + 1) * len(targets), "overhead runs")
+    for _ in range(rounds):
+        for concurrency in concurrencies:
+            for target in targets:
+                run = await closed_loop(target.url, bodies, concurrency, seconds, target.pgid)
+                runs.setdefault((target.name, "closed", concurrency), []).append(run)
+                progress.advance(run.errors == 0)
+    rate = offered_rate(runs, rate_fraction)
+    for _ in range(rounds):
+        for target in targets:
+            run = await fixed_rate(target.url, bodies, rate, seconds, target.pgid)
+            runs.setdefault((target.name, "rate", rate), []).append(run)
+            progress.advance(run.errors == 0)
+    progress.close()
+    return summarize(runs)
 
 
 async def run_overhead(policies: Sequence[str], peers: Sequence[str],
                        concurrencies: Sequence[int], seconds: float, rounds: int,
-                       body_bytes: int) -> list[OverheadRow]:
-    """Start the upstream and every router, then measure them round by round."""
-    body = chat_body(body_bytes)
-    upstream = start_upstream()
+                       body_bytes: int, *, workers: Sequence[int] = (1,), backends: int = 2,
+                       rate_fraction: float = 0.5) -> list[OverheadRow]:
+    """Start the upstreams and every router, then measure them round by round."""
+    bodies = chat_bodies(body_bytes)
+    upstreams = [start_upstream() for _ in range(backends)]
     fronts: dict[str, ManagedProcess | fleets.PeerRouter] = {}
+    urls = [upstream.url for upstream in upstreams]
     try:
-        await upstream.wait_ready()
+        await asyncio.gather(*(upstream.wait_ready() for upstream in upstreams))
         for policy in policies:
-            fronts[policy] = await fleets.start_router(policy, [upstream.url])
+            for count in workers:
+                name = policy if count == 1 else f"{policy} x{count}"
+                extra = () if count == 1 else ("--workers", str(count))
+                fronts[name] = await fleets.start_router(policy, urls, extra_args=extra)
         for peer in peers:
-            fronts[f"peer:{peer}"] = await fleets.start_peer(peer, [upstream.url])
-        targets: list[tuple[str, str, int | None]] = [(DIRECT, upstream.url, None)]
+            fronts[f"peer:{peer}"] = await fleets.start_peer(peer, urls)
+        targets = [Target(DIRECT, urls[0], None)]
         for name, front in fronts.items():
             process = front.process if isinstance(front, fleets.PeerRouter) else front
-            targets.append((name, front.url, process.pid))
-        runs: dict[tuple[str, int], list[LoadRun]] = {}
-        progress = Progress(rounds * len(concurrencies) * len(targets), "overhead runs")
-        for _ in range(rounds):
-            for concurrency in concurrencies:
-                for name, url, pgid in targets:
-                    run = await closed_loop(url, body, concurrency, seconds, pgid)
-                    runs.setdefault((name, concurrency), []).append(run)
-                    progress.advance(run.errors == 0)
-        progress.close()
-        return summarize(runs)
+            targets.append(Target(name, front.url, process.pid))
+        return await measure(targets, bodies, concurrencies, seconds, rounds, rate_fraction)
     finally:
         for front in fronts.values():
             front.stop()
-        upstream.stop()
+        for upstream in upstreams:
+            upstream.stop()
 
 
 def _csv(value: str) -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
 
 
+def _serve_has_workers() -> bool:
+    from router.serve import build_parser as serve_parser
+
+    return any("--workers" in action.option_strings for action in serve_parser()._actions)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvroute bench --overhead",
         description="Router overhead: direct vs each kvroute policy vs each installed peer "
-        "router, fixed ~2 KB chat requests against a trivial upstream.",
+        "router, ~2 KB chat requests (64 system prompts) against trivial upstreams: CPU per "
+        "request, saturation throughput, latency at a fixed offered rate.",
     )
     parser.add_argument("--policies", default=",".join(POLICY_NAMES))
     parser.add_argument("--peers", default="installed",
                         help="'installed' (default), 'none', or a comma list of "
                         f"{', '.join(PEERS)}")
+    parser.add_argument("--peer", action="append", choices=PEERS,
+                        help="measure this peer router (repeatable; overrides --peers)")
+    parser.add_argument("--workers", default="1",
+                        help="comma list of kvroute serve --workers counts, each a target")
+    parser.add_argument("--backends", type=int, default=2, help="trivial upstreams")
+    parser.add_argument("--rate-fraction", type=float, default=0.5,
+                        help="the fixed offered rate, as a fraction of the slowest router's "
+                        "saturation throughput")
     parser.add_argument("--concurrency", default="32,128")
     parser.add_argument("--seconds", type=float, default=3.0, help="per run")
     parser.add_argument("--rounds", type=int, default=3)
@@ -316,7 +508,13 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"kvroute bench --overhead: unknown policies {unknown}", file=sys.stderr)
         return 2
-    if args.peers == "installed":
+    workers = [int(value) for value in _csv(args.workers)]
+    if any(count != 1 for count in workers) and not _serve_has_workers():
+        print("kvroute bench --overhead: this kvroute serve has no --workers", file=sys.stderr)
+        return 2
+    if args.peer:
+        peers = list(args.peer)
+    elif args.peers == "installed":
         peers = [peer for peer in PEERS if fleets.peer_installed(peer)]
     elif args.peers == "none":
         peers = []
@@ -331,7 +529,8 @@ def main(argv: list[str]) -> int:
 
     async def run() -> int:
         rows = await run_overhead(policies, peers, concurrencies, args.seconds, args.rounds,
-                                  args.body_bytes)
+                                  args.body_bytes, workers=workers, backends=args.backends,
+                                  rate_fraction=args.rate_fraction)
         print(format_rows(rows))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps([asdict(row) for row in rows], indent=2) + "\n")

@@ -114,12 +114,19 @@ def test_overhead_compares_a_router_with_direct(tmp_path: Path) -> None:
         "--seconds", "0.5", "--concurrency", "4", "--out", str(out),
     ])
     assert code == 0
-    rows = {row["target"]: row for row in json.loads(out.read_text())}
-    assert set(rows) == {"direct", "round_robin"}
-    assert rows["direct"]["router_cpu_us_per_request"] is None
-    assert rows["round_robin"]["router_cpu_us_per_request"] > 0
-    assert rows["round_robin"]["added_p50_ms"] is not None
-    assert all(row["errors"] == 0 and row["requests_per_s"] > 0 for row in rows.values())
+    measured = json.loads(out.read_text())
+    closed = {row["target"]: row for row in measured if row["mode"] == "closed"}
+    at_rate = {row["target"]: row for row in measured if row["mode"] == "rate"}
+    assert set(closed) == set(at_rate) == {"direct", "round_robin"}
+    assert closed["direct"]["router_cpu_us_per_request"] is None
+    assert closed["round_robin"]["router_cpu_us_per_request"] > 0
+    assert closed["round_robin"]["added_p50_ms"] is not None
+    # The fixed rate is half the router's closed-loop throughput, offered to every target.
+    offered = at_rate["direct"]["offered_per_s"]
+    assert offered == at_rate["round_robin"]["offered_per_s"]
+    assert offered == pytest.approx(closed["round_robin"]["requests_per_s"] / 2)
+    assert at_rate["round_robin"]["router_cpu_us_per_request"] > 0
+    assert all(row["errors"] == 0 and row["requests_per_s"] > 0 for row in measured)
 
 
 async def test_replay_waits_each_think_time_after_the_answer_scaled_by_speedup() -> None:
