@@ -172,7 +172,7 @@ async def run_target(
         front = await fleets.start_peer(target.removeprefix(PEER_PREFIX), fleet.urls)
     else:
         front = await fleets.start_router(
-            target, fleet.urls, block_size=fleet.block_size,
+            target, fleet.urls, block_size=fleets.router_block_size(fleet.api, fleet.block_size),
             capacity_tokens=fleet.capacity_tokens, tokenizer=tokenizer,
         )
     try:
@@ -377,8 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "(e.g. 1,10), to see whether the comparison depends on them")
     where.add_argument("--sweep-prefill", metavar="LIST",
                        help="sims only: ... and at each of these prefill rates (tokens/s)")
-    where.add_argument("--block-size", type=int, default=16,
-                       help="engine block size (sims use it; give the real one for engines)")
+    where.add_argument("--api", choices=("vllm", "sglang"), default="vllm",
+                       help="the engines' API: sims speak it, caches are emptied its way "
+                       "(vLLM /reset_prefix_cache, SGLang /flush_cache)")
+    where.add_argument("--block-size", type=int,
+                       help="engine block size, SGLang's page size (sims use it; give the real "
+                       "one for engines; default 16, --api sglang 1)")
     where.add_argument("--model", help="model name to request (default: sim, or the "
                        "first model the external engines serve)")
     where.add_argument("--tokenizer", help="tokenizer directory for sims, routers and bound")
@@ -403,7 +407,7 @@ def _sim_fleet(args: argparse.Namespace, time_scale: float, prefill: float) -> S
         replicas=args.replicas, model=args.model or "sim", block_size=args.block_size,
         kv_capacity_tokens=args.kv_capacity_tokens or DEFAULT_SIM_CAPACITY_TOKENS,
         prefill_tokens_per_s=prefill, decode_tokens_per_s=args.decode_tokens_per_s,
-        time_scale=time_scale, tokenizer=args.tokenizer,
+        time_scale=time_scale, tokenizer=args.tokenizer, api=args.api,
     ))
 
 
@@ -423,6 +427,8 @@ async def _main(args: argparse.Namespace) -> int:
         return 2
     peers = list(PEERS) if "all" in args.peer else list(dict.fromkeys(args.peer))
     sim = args.engine == "sim"
+    if args.block_size is None:
+        args.block_size = 1 if args.api == "sglang" else 16
     points = _sweep_points(args)
     swept = len(points) > 1 or bool(args.sweep_time_scale or args.sweep_prefill)
     if not sim and swept:
@@ -432,7 +438,7 @@ async def _main(args: argparse.Namespace) -> int:
         model = args.model or "sim"
     else:
         external = ExternalFleet(_csv(args.engine), block_size=args.block_size,
-                                 capacity_tokens=args.kv_capacity_tokens)
+                                 capacity_tokens=args.kv_capacity_tokens, api=args.api)
         model = args.model or await _served_model(external.urls[0])
     first_token, end_token = _token_range(args.tokenizer)
     options = WorkloadOptions(

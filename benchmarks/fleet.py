@@ -3,7 +3,8 @@
 A benchmark needs the same engines behind every target, with caches emptied in between:
 
 - :class:`SimFleet` starts R ``kvroute sim-engine`` replicas and empties their caches
-  between targets with ``POST /reset_prefix_cache`` (restarting any replica that died);
+  between targets with ``POST /reset_prefix_cache`` (``--api sglang``: ``/flush_cache``),
+  restarting any replica that died;
 - :class:`ExternalFleet` uses engines that are already running (real vLLM or SGLang) and
   empties their caches with ``POST /reset_prefix_cache`` (vLLM needs
   ``VLLM_SERVER_DEV_MODE=1`` for that endpoint);
@@ -38,6 +39,8 @@ from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from router.engines import ENGINES
 
 
 class FleetError(RuntimeError):
@@ -176,6 +179,9 @@ class SimSpec:
     decode_tokens_per_s: float = 50.0
     time_scale: float = 1.0
     tokenizer: str | None = None
+    #: The engine API the sims speak (``--api``); SGLang sims report cache hits on the
+    #: OpenAI endpoints (``--enable-cache-report``) and ``block_size`` is their page size.
+    api: str = "vllm"
 
     def argv(self, port: int) -> list[str]:
         args = [
@@ -188,19 +194,29 @@ class SimSpec:
         ]
         if self.tokenizer:
             args += ["--tokenizer", self.tokenizer]
+        if self.api != "vllm":
+            args += ["--api", self.api, "--enable-cache-report"]
         return _kvroute(*args)
 
 
-async def reset_prefix_caches(urls: Sequence[str]) -> None:
-    """``POST /reset_prefix_cache`` on every engine (vLLM's dev endpoint, the sim's own)."""
+async def reset_prefix_caches(urls: Sequence[str], api: str = "vllm") -> None:
+    """Empty every engine's prefix cache the way its engine module says: vLLM's
+    ``POST /reset_prefix_cache`` (a dev endpoint), SGLang's ``/flush_cache``."""
+    method, path = ENGINES[api].reset_cache or ("POST", "/reset_prefix_cache")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client:
         for url in urls:
-            async with client.post(url + "/reset_prefix_cache") as response:
+            async with client.request(method, url + path) as response:
                 if response.status >= 400:
                     raise FleetError(
-                        f"{url}/reset_prefix_cache answered {response.status}; for vLLM "
-                        "start it with VLLM_SERVER_DEV_MODE=1, or restart it between targets"
+                        f"{url}{path} answered {response.status}; for vLLM start it with "
+                        "VLLM_SERVER_DEV_MODE=1 (SGLang refuses while requests run), or restart it between targets"
                     )
+
+
+def router_block_size(api: str, block_size: int) -> int | None:
+    """The ``--block-size`` a router in front of these engines gets: the engine module's
+    index granularity (None for token-granular SGLang: the router keeps its own 16)."""
+    return ENGINES[api].index_block_size(block_size)
 
 
 class SimFleet:
@@ -220,13 +236,17 @@ class SimFleet:
         return self.spec.block_size
 
     @property
+    def api(self) -> str:
+        return self.spec.api
+
+    @property
     def capacity_tokens(self) -> int | None:
         return self.spec.kv_capacity_tokens
 
     async def fresh(self) -> None:
         """Empty caches: reset the running replicas, or (re)start them if any is gone."""
         if self.processes and all(p.process.poll() is None for p in self.processes):
-            await reset_prefix_caches(self.urls)
+            await reset_prefix_caches(self.urls, self.spec.api)
             return
         self.stop()
         # Compile the index kernels once here, so that the replicas (and the routers after
@@ -247,17 +267,18 @@ class ExternalFleet:
     """Engines already running; :meth:`fresh` empties their prefix caches."""
 
     def __init__(self, urls: Sequence[str], block_size: int = 16,
-                 capacity_tokens: int | None = None) -> None:
+                 capacity_tokens: int | None = None, api: str = "vllm") -> None:
         self._urls = [url.rstrip("/") for url in urls]
         self.block_size = block_size
         self.capacity_tokens = capacity_tokens
+        self.api = api
 
     @property
     def urls(self) -> list[str]:
         return list(self._urls)
 
     async def fresh(self) -> None:
-        await reset_prefix_caches(self._urls)
+        await reset_prefix_caches(self._urls, self.api)
 
     def stop(self) -> None:
         """Nothing to stop: these engines belong to the user."""
