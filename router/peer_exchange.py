@@ -6,10 +6,10 @@ between routers looks cold to each of them half the time. Precise mode (KV event
 this with the engines' own events; without them, routers tell each other what they placed:
 
 * every routing decision that put blocks in the index is published on a ZMQ PUB socket
-  (``--peer-bind``) as one message: block size, backend URL and the prompt's chained block
-  hashes (8 bytes a block);
-* every router subscribes to its peers (``--peer``, repeatable) and inserts what they
-  placed into its own index, exactly as if it had routed the request itself.
+  (``--peer-bind``) as one message: block size, backend URL, prompt length, session key
+  (if any) and the prompt's chained block hashes (8 bytes a block);
+* every router subscribes to its peers (``--peers``) and inserts what they placed into its
+  own index, and into its conversation ledger, as if it had routed the request itself.
 
 No broker, no consensus: the same ZMQ machinery precise mode uses. Bandwidth is bounded by
 a byte budget per second (token bucket); what exceeds it, and what a slow peer cannot take
@@ -34,7 +34,7 @@ import zmq.asyncio
 log = logging.getLogger(__name__)
 
 TOPIC = b"kvroute-placements"
-_HEAD = struct.Struct("<IH")  # block size, length of the backend URL in bytes
+_HEAD = struct.Struct("<IIHH")  # block size, prompt tokens, bytes of the backend URL, of the session key
 #: Messages a slow subscriber may have queued before the PUB socket drops for it.
 SEND_HWM = 10_000
 
@@ -46,6 +46,8 @@ class Placement:
     backend: str
     block_size: int
     hashes: np.ndarray  # uint64, the prompt's chained block hashes from its first block
+    prompt_tokens: int = 0
+    session_key: str | None = None
 
 
 @dataclass(slots=True)
@@ -59,9 +61,10 @@ class ExchangeStats:
 
 
 def encode(placement: Placement) -> list[bytes]:
-    """The ZMQ frames of one placement: topic, head with the backend URL, hash bytes."""
+    """The ZMQ frames of one placement: topic, head with the backend URL and session key, hash bytes."""
     url = placement.backend.encode()
-    head = _HEAD.pack(placement.block_size, len(url)) + url
+    key = (placement.session_key or "").encode()
+    head = _HEAD.pack(placement.block_size, placement.prompt_tokens, len(url), len(key)) + url + key
     return [TOPIC, head, np.ascontiguousarray(placement.hashes, dtype="<u8").tobytes()]
 
 
@@ -72,11 +75,16 @@ def decode(frames: Sequence[bytes]) -> Placement:
     head, body = frames[1], frames[2]
     if len(head) < _HEAD.size or len(body) % 8:
         raise ValueError("truncated placement message")
-    block_size, url_length = _HEAD.unpack_from(head)
-    url = head[_HEAD.size :]
-    if len(url) != url_length or block_size <= 0:
+    block_size, prompt_tokens, url_length, key_length = _HEAD.unpack_from(head)
+    names = head[_HEAD.size :]
+    if len(names) != url_length + key_length or block_size <= 0 or not url_length:
         raise ValueError("malformed placement head")
-    return Placement(url.decode(), block_size, np.frombuffer(body, dtype="<u8").astype(np.uint64))
+    try:
+        url, key = names[:url_length].decode(), names[url_length:].decode()
+    except UnicodeDecodeError as error:
+        raise ValueError("malformed placement head") from error
+    hashes = np.frombuffer(body, dtype="<u8").astype(np.uint64)
+    return Placement(url, block_size, hashes, prompt_tokens, key or None)
 
 
 class ByteBudget:

@@ -410,15 +410,23 @@ class RoutingEngine:
         self._placement_listener = listener
 
     def apply_placement(self, placement: Placement) -> None:
-        """A peer router placed these blocks: hold them as if this router had placed them.
+        """A peer router placed these blocks: hold them, and the conversation's turn in the
+        ledger, as if this router had placed them.
 
         The caller keeps backends that are not this router's out (the exchange's filter);
         the backend's capacity is applied when it is next a candidate.
         """
         index = self._index_for(placement.block_size, ())
-        if self._precise is not None and self._precise.state(placement.backend) is not KVEventsState.APPROXIMATE:
-            return  # KV events already tell this router what that engine holds
-        index.insert_hashes(placement.backend, placement.hashes)
+        hashes = placement.hashes
+        if not len(hashes):
+            return
+        shared = max(index.match_hashes(hashes).values(), default=0)
+        if self._precise is None or self._precise.state(placement.backend) is KVEventsState.APPROXIMATE:
+            index.insert_hashes(placement.backend, hashes)  # else the engine's KV events say what it holds
+        chain = hashes.tolist() if placement.session_key is None else ()
+        conversation = self._working_sets.find(placement.session_key, chain, shared)
+        if conversation is not None:
+            self._working_sets.record(conversation, placement.backend, placement.prompt_tokens, int(hashes[-1]))
 
     def forget_backend(self, url: str) -> None:
         """A backend left the pool: drop its index entries, ledger entries and policy state."""
@@ -554,7 +562,9 @@ class RoutingEngine:
         if blocks:
             index.insert_hashes(backend, prompt.hashes)
             if blocks > matched_blocks and self._placement_listener is not None:
-                self._placement_listener(Placement(backend, prompt.block_size, prompt.hashes))
+                self._placement_listener(
+                    Placement(backend, prompt.block_size, prompt.hashes, prompt.tokens, request.session_key)
+                )
         conversation = request.conversation if isinstance(request, CacheRequest) else None
         if conversation is not None:
             self._working_sets.record(conversation, backend, prompt.tokens, prompt.hash_at(-1) if blocks else None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,20 +17,32 @@ SYSTEM = "You are a careful assistant who answers questions about routing. " * 3
 
 
 def test_a_placement_survives_the_wire() -> None:
-    placement = Placement("http://10.0.0.7:8000/serving", 32, np.array([1, 2**64 - 1, 12345], dtype=np.uint64))
-    back = decode(encode(placement))
-    assert back.backend == placement.backend and back.block_size == 32
-    assert back.hashes.dtype == np.uint64 and back.hashes.tolist() == placement.hashes.tolist()
+    hashes = np.array([1, 2**64 - 1, 12345], dtype=np.uint64)
+    for key in ("agent-7", None):
+        placement = Placement("http://10.0.0.7:8000/serving", 32, hashes, 4000, key)
+        back = decode(encode(placement))
+        assert (back.backend, back.block_size, back.prompt_tokens, back.session_key) == (
+            "http://10.0.0.7:8000/serving", 32, 4000, key
+        )
+        assert back.hashes.dtype == np.uint64 and back.hashes.tolist() == hashes.tolist()
+
+
+def _head(block_size: int, url: bytes, key: bytes = b"", url_length: int | None = None) -> bytes:
+    length = len(url) if url_length is None else url_length
+    return struct.pack("<IIHH", block_size, 100, length, len(key)) + url + key
 
 
 @pytest.mark.parametrize(
     "frames",
     [
-        [b"other-topic", b"", b""],
+        [b"other-topic", _head(16, b"http://a"), b""],
         [b"kvroute-placements", b"\x10\x00", b""],  # head too short
-        [b"kvroute-placements", encode(Placement("http://a", 16, np.zeros(1, np.uint64)))[1], b"1234567"],
-        [b"kvroute-placements", b"\x00\x00\x00\x00\x01\x00a", b""],  # block size 0
-        [b"kvroute-placements", b"\x10\x00\x00\x00\x09\x00abc", b""],  # URL length disagrees
+        [b"kvroute-placements", _head(16, b"http://a"), b"1234567"],  # not whole hashes
+        [b"kvroute-placements", _head(0, b"http://a"), b""],  # block size 0
+        [b"kvroute-placements", _head(16, b"http://a", url_length=9), b""],  # lengths disagree
+        [b"kvroute-placements", _head(16, b""), b""],  # no backend
+        [b"kvroute-placements", _head(16, b"http://a", b"\xff\xfe"), b""],  # not UTF-8
+        [b"kvroute-placements", _head(16, b"http://a")],  # a frame missing
     ],
 )
 def test_malformed_messages_are_refused(frames: list[bytes]) -> None:
