@@ -343,7 +343,7 @@ class _StillLoop:
         return _Pending()
 
 
-class _Wire:
+class Wire:
     """The transport: records writes, closes, and pauses."""
 
     def __init__(self) -> None:
@@ -363,11 +363,11 @@ class _Wire:
         self.paused = False
 
 
-_LOOP = _StillLoop()
+STILL_LOOP = _StillLoop()
 _REQUEST_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: engine\r\nContent-Length: 2\r\n\r\n"
 
 
-def _read_now(connection: _Connection) -> bytes | None:
+def read_now(connection: _Connection) -> bytes | None:
     """``read_available`` when it would not wait: the bytes (b"" at the end), or None."""
     reading = connection.read_available()
     try:
@@ -379,8 +379,8 @@ def _read_now(connection: _Connection) -> bytes | None:
 
 
 def kvroute_verdict(case: Case) -> Verdict:
-    connection = _Connection(_LOOP)  # type: ignore[arg-type]
-    wire = _Wire()
+    connection = _Connection(STILL_LOOP)  # type: ignore[arg-type]
+    wire = Wire()
     connection.connection_made(wire)  # type: ignore[arg-type]
     connection.send(_REQUEST_HEAD, b"{}", 60.0)
     body = bytearray()
@@ -391,7 +391,7 @@ def kvroute_verdict(case: Case) -> Verdict:
             if wire.closed:
                 break  # the loop delivers nothing more to a closed transport
             connection.data_received(piece)
-            while (data := _read_now(connection)):
+            while (data := read_now(connection)):
                 body += data
             if data == b"":
                 ended = True
@@ -400,7 +400,7 @@ def kvroute_verdict(case: Case) -> Verdict:
             connection.eof_received()
         connection.connection_lost(None)
         while not ended:
-            data = _read_now(connection)
+            data = read_now(connection)
             assert data is not None, "a closed connection must never leave a read waiting"
             if not data:
                 ended = True
