@@ -133,9 +133,9 @@ class HealthChecker:
             while True:
                 self._wake.clear()
                 now = time.monotonic()
-                self._plan(now)
+                backends = self._plan(now)
                 for url in self._schedule.due(now):
-                    self._start_probe(url)
+                    self._start_probe(backends[url])
                 due = self._schedule.next_due()
                 timeout = None if due is None else max(due - time.monotonic(), 0.0)
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -146,22 +146,22 @@ class HealthChecker:
                 task.cancel()
             await asyncio.gather(*probes, return_exceptions=True)
 
-    def _plan(self, now: float) -> None:
-        backends = list(self._pool)
-        urls = [backend.url for backend in backends]
-        self._schedule.retain(urls)
-        self._answered.intersection_update(urls)
-        for backend in backends:
+    def _plan(self, now: float) -> dict[str, Backend]:
+        """Bring the schedule up to date with the pool; returns the pool's backends by URL."""
+        backends = {backend.url: backend for backend in self._pool}
+        self._schedule.retain(backends)
+        self._answered.intersection_update(backends)
+        for url, backend in backends.items():
             if backend.healthy:
-                self._answered.add(backend.url)
-            self._schedule.track(backend.url, backend.healthy, now)
+                self._answered.add(url)
+            self._schedule.track(url, backend.healthy, now)
+        return backends
 
-    def _start_probe(self, url: str) -> None:
-        backend = self._pool.get(url)
-        if backend is None:
-            return
-        self._schedule.started(url)
-        self._probes[url] = asyncio.create_task(self._scheduled_check(backend), name=f"kvroute-probe {url}")
+    def _start_probe(self, backend: Backend) -> None:
+        self._schedule.started(backend.url)
+        self._probes[backend.url] = asyncio.create_task(
+            self._scheduled_check(backend), name=f"kvroute-probe {backend.url}"
+        )
 
     async def _scheduled_check(self, backend: Backend) -> None:
         passed = False
