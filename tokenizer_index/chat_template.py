@@ -24,6 +24,7 @@ from typing import Any, Literal
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ContentFormat = Literal["string", "openai"]
@@ -74,8 +75,23 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+class _ChatSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, answering its most frequent question without asking it.
+
+    Templates read ``loop.first``/``loop.last`` once per message; the general check
+    (internal attribute? does it mutate a known container, through four ABC instance
+    checks?) costs more than the rest of that message's render. A public attribute of a
+    loop is always safe, as the general check would also find.
+    """
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        if type(obj) is LoopContext:
+            return not attr.startswith("_")
+        return super().is_safe_attribute(obj, attr, value)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _ChatSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -91,9 +107,13 @@ _ENVIRONMENT = _environment()
 def compile_template(source: str) -> jinja2.Template:
     """Compile a chat template once per distinct source text."""
     try:
-        return _ENVIRONMENT.from_string(source)
+        template = _ENVIRONMENT.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"invalid chat template: {exc}") from exc
+    # A template's globals are a ChainMap over the environment's, copied key by key in
+    # Python into every render's context; one plain dict (they never change) copies in C.
+    template.globals = dict(template.globals)
+    return template
 
 
 # --- content format detection ----------------------------------------------------------------

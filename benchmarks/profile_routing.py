@@ -1,0 +1,144 @@
+"""The routing engine's CPU per request, stage by stage, in one process (no HTTP, no profiler).
+
+    python3 -m benchmarks.profile_routing [--passes 7] [--per-prompt 16] [--json FILE]
+
+The ~2 KB chat bodies of ``kvroute bench --overhead`` (64 system prompts) go through the
+stages ``kvroute serve --policy cache_aware`` runs for each request, each stage timed on
+its own over all bodies with the thread's CPU clock (``time.thread_time_ns``), so neither
+other processes on a shared machine nor a profiler's own cost count: parse (the JSON
+body), render (the chat template), tokenize (the rendered text, pieces memoised), hash
+(chained block hashes), route (index match, the policy's choice, inserting the blocks,
+the in-flight ledger) and observe (the feedback after the answer). ``prepare`` is render +
+tokenize + hash as the engine runs them together (its sum check). Every body is sent
+through once before timing (the steady state of a repeated set, as the overhead
+benchmark measures); each figure is the median over ``--passes``, with its spread.
+
+It complements :mod:`benchmarks.profile_request` (a loaded server sampled by py-spy,
+whose wall-clock samples also charge waits for the CPU to the call that waited): this
+one is exact for the routing stages and blind to the HTTP server and the relay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from benchmarks.overhead import chat_bodies
+from router.backends import Backend
+from router.config import Settings
+from router.request_info import ENDPOINTS, parse_request
+from router.routing import RoutingEngine
+from tokenizer_index import RequestTokenizer
+from tokenizer_index.hashing import block_hashes, request_salt
+
+CHAT = next(endpoint for endpoint in ENDPOINTS if endpoint.path == "/v1/chat/completions")
+BLOCK_SIZE = 16
+
+
+@dataclass(slots=True)
+class StageTime:
+    stage: str
+    median_us: float
+    min_us: float
+    max_us: float
+
+
+def _timed(items: Sequence[Any], step: Callable[[Any], object]) -> float:
+    """Thread CPU microseconds per item of running ``step`` over ``items``."""
+    started = time.thread_time_ns()
+    for item in items:
+        step(item)
+    return (time.thread_time_ns() - started) / len(items) / 1000
+
+
+def profile_stages(passes: int = 7, per_prompt: int = 16) -> list[StageTime]:
+    raws = chat_bodies(per_prompt=per_prompt)
+    engine = RoutingEngine(Settings(policy="cache_aware", block_size=BLOCK_SIZE))
+    candidates = [Backend("http://b0"), Backend("http://b1")]
+    tokenizer = RequestTokenizer.default()
+
+    def parse(raw: bytes) -> Any:
+        return parse_request(raw, CHAT, {}, "x-session-id")
+
+    parsed = [parse(raw) for raw in raws]
+    messages = [orjson.loads(raw)["messages"] for raw in raws]
+    texts = [tokenizer.render_chat(turns) for turns in messages]
+    tokens = [tokenizer.encode_text_array(text) for text in texts]
+    salt = request_salt("overhead")
+
+    def prepare(request: Any) -> Any:
+        return engine.prepare(CHAT.path, request.body)
+
+    prepared = [prepare(request) for request in parsed]
+
+    def route(pair: tuple[Any, Any]) -> Any:
+        request, prompt = pair
+        return engine.route(CHAT.path, request.body, {}, candidates, prepared=prompt, parsed=request)
+
+    plans: list[Any] = []
+
+    def route_and_keep(pair: tuple[Any, Any]) -> None:
+        plans.append(route(pair))
+
+    def observe(plan: Any) -> None:
+        engine.observe(plan, None)
+
+    pairs = list(zip(parsed, prepared, strict=True))
+    for pair in pairs:  # the index and the ledgers in their steady state
+        observe(route(pair))
+    stages: dict[str, list[float]] = {}
+    for _ in range(passes):
+        plans.clear()
+        measured = {
+            "parse": _timed(raws, parse),
+            "render": _timed(messages, tokenizer.render_chat),
+            "tokenize": _timed(texts, tokenizer.encode_text_array),
+            "hash": _timed(tokens, lambda ids: block_hashes(ids, BLOCK_SIZE, salt)),
+            "prepare (render+tokenize+hash)": _timed(parsed, prepare),
+            "route": _timed(pairs, route_and_keep),
+            "observe": _timed(plans, observe),
+        }
+        for stage, value in measured.items():
+            stages.setdefault(stage, []).append(value)
+    rows = [StageTime(stage, statistics.median(values), min(values), max(values))
+            for stage, values in stages.items()]
+    end_to_end = [sum(stages[stage][number] for stage in ("parse", "prepare (render+tokenize+hash)",
+                                                          "route", "observe"))
+                  for number in range(passes)]
+    rows.append(StageTime("parse+prepare+route+observe", statistics.median(end_to_end),
+                          min(end_to_end), max(end_to_end)))
+    return rows
+
+
+def format_stages(rows: Sequence[StageTime]) -> str:
+    lines = [f"{'stage':<32} {'median us':>10} {'min':>8} {'max':>8}"]
+    lines += [f"{row.stage:<32} {row.median_us:>10.1f} {row.min_us:>8.1f} {row.max_us:>8.1f}"
+              for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m benchmarks.profile_routing",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--passes", type=int, default=7)
+    parser.add_argument("--per-prompt", type=int, default=16)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    rows = profile_stages(args.passes, args.per_prompt)
+    print(format_stages(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(row) for row in rows], indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
