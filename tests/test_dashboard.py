@@ -186,10 +186,15 @@ def test_every_queried_metric_is_exported(
     engine_exports = exported_names(httpx.get(engine.url + "/metrics", timeout=30).text)
     vllm_exports = expand_vllm(VLLM_METRICS)
 
+    # SGLang's series: no real SGLang ran here; its simulator's names (from SGLang's collector.py).
+    (sglang,) = sim_engines(1, api="sglang", block_size=1)
+    sglang_exports = exported_names(httpx.get(sglang.url + "/metrics", timeout=30).text)
+
     missing = {}
     for expr in queries():
         for name in metric_names(expr):
-            known = vllm_exports if name.startswith("vllm:") else router_exports
+            prefix = name.split(":", 1)[0] if ":" in name else "kvroute"
+            known = {"vllm": vllm_exports, "sglang": sglang_exports}.get(prefix, router_exports)
             if name not in known:
                 missing.setdefault(name, expr)
     assert not missing, "dashboard queries metrics nobody exports:\n" + "\n".join(
