@@ -463,12 +463,16 @@ def assert_index_equals_engine(running: RunningIndex, sim: EventedSim, prompts: 
 
 
 @pytest.mark.parametrize("event_format", ["map", "array"])
+@pytest.mark.parametrize(("api", "block_size"), [("vllm", 8), ("sglang", 8), ("sglang", 1)])
 def test_index_equals_the_engines_cache_under_eviction_pressure(
     evented_sims: Callable[..., list[EventedSim]],
     running_index: Callable[..., RunningIndex],
     event_format: str,
+    api: str,
+    block_size: int,
 ) -> None:
-    (sim,) = evented_sims(1, block_size=8, kv_capacity_tokens=8 * 40, kv_events_format=event_format)
+    # SGLang's events: one per page (at page size 1, per token) under its own SHA-256 hashes.
+    (sim,) = evented_sims(1, block_size=block_size, kv_capacity_tokens=8 * 40, kv_events_format=event_format, api=api)
     running = running_index([sim])
     running.go_live(sim)
     prompts = workload(1, 150, 8)

@@ -129,3 +129,27 @@ def test_sglang_metric_names_and_flush_cache(sim_engines: Any) -> None:
     for method in ("GET", "POST"):
         assert httpx.request(method, sim.url + "/flush_cache", timeout=10).status_code == 200
     assert generate(sim.url, input_ids=prompt)["meta_info"]["cached_tokens"] == 0
+
+
+def test_kv_events_one_per_page_under_sglangs_sha256_chain() -> None:
+    import hashlib
+    import struct
+
+    from benchmarks.sim_engine.sglang_events import SGLangEventHashes
+
+    hashes = SGLangEventHashes()
+    tokens = [5, 6, 7, 8, 9, 10]
+    events = hashes.stored(np.array([101, 102, 103], dtype=np.uint64), tokens, 0, 3, 2, None)
+    assert [event.token_ids for event in events] == [[5, 6], [7, 8], [9, 10]]
+    first = hashlib.sha256(struct.pack("<2I", 5, 6)).digest()
+    second = hashlib.sha256(first + struct.pack("<2I", 7, 8)).digest()
+    assert events[0].block_hashes == [int.from_bytes(first[:8], "big", signed=True)]
+    assert events[0].parent_block_hash is None
+    assert events[1].block_hashes == [int.from_bytes(second[:8], "big", signed=True)]
+    assert events[1].parent_block_hash == events[0].block_hashes[0]
+    assert events[2].parent_block_hash == events[1].block_hashes[0]
+    # A later store continues the chain from the held parent page; removals use the same hashes.
+    more = hashes.stored(np.array([101, 102, 103, 104], dtype=np.uint64), [*tokens, 11, 12], 3, 4, 2, None)
+    assert more[0].parent_block_hash == events[2].block_hashes[0]
+    removed = hashes.removed([103, 104, 999])
+    assert [event.block_hashes for event in removed] == [events[2].block_hashes, more[0].block_hashes]

@@ -23,6 +23,7 @@ from benchmarks.sim_engine.kv_events import (
     BlockStored,
     KVEventPublisher,
 )
+from benchmarks.sim_engine.sglang_events import SGLangEventHashes
 from tokenizer_index import PrefixIndex
 from tokenizer_index.hashing import block_hashes
 
@@ -44,11 +45,14 @@ class PrefixCache:
     """Full-block prefix cache of one replica, publishing KV events when configured."""
 
     def __init__(
-        self, block_size: int, num_blocks: int, publisher: KVEventPublisher | None = None
+        self, block_size: int, num_blocks: int, publisher: KVEventPublisher | None = None,
+        sglang_events: SGLangEventHashes | None = None,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._publisher = publisher
+        # SGLang's event style (a page per event, its own hashes) instead of vLLM's.
+        self._sglang = sglang_events
         self._index = PrefixIndex(
             block_size=block_size, capacity_blocks=num_blocks, on_evict=self._on_evict
         )
@@ -102,7 +106,11 @@ class PrefixCache:
         if first_new < count:
             self._held.update(hashes[first_new:count].tolist())
             if self._publisher is not None:
-                self._publisher.add(self._stored_event(hashes, tokens, first_new, count, key))
+                if self._sglang is not None:
+                    for event in self._sglang.stored(hashes, tokens, first_new, count, self.block_size, key.lora_id):
+                        self._publisher.add(event)
+                else:
+                    self._publisher.add(self._stored_event(hashes, tokens, first_new, count, key))
         self._untouched.append(hashes[:count])
 
     def flush(self) -> None:
@@ -124,13 +132,19 @@ class PrefixCache:
         if self._evicted:
             evicted, self._evicted = self._evicted, []
             if self._publisher is not None:
-                self._publisher.add(BlockRemoved(block_hashes=evicted))
+                if self._sglang is not None:
+                    for event in self._sglang.removed(evicted):
+                        self._publisher.add(event)
+                else:
+                    self._publisher.add(BlockRemoved(block_hashes=evicted))
 
     def clear(self) -> None:
         """Drop every block (``/reset_prefix_cache``) and announce ``AllBlocksCleared``."""
         self._index.clear(SELF)
         self._held.clear()
         self._untouched.clear()
+        if self._sglang is not None:
+            self._sglang.clear()
         if self._publisher is not None:
             self._publisher.add(AllBlocksCleared())
 

@@ -33,6 +33,7 @@ from benchmarks.sim_engine.faults import FAULT_MODES, FaultInjector, FaultMode
 from benchmarks.sim_engine.generation import Embedder, OutputVocabulary
 from benchmarks.sim_engine.kv_events import KVEventPublisher
 from benchmarks.sim_engine.metrics import EngineMetrics
+from benchmarks.sim_engine.sglang_events import SGLangEventHashes
 from benchmarks.sim_engine.sglang_metrics import SGLangMetrics
 from benchmarks.sim_engine.protocol import (
     DONE,
@@ -107,7 +108,8 @@ class SimEngine:
                 buffer_steps=config.kv_events_buffer_steps,
             )
             self.publisher.start()
-        self.cache = PrefixCache(config.block_size, config.num_blocks, self.publisher)
+        sglang_events = SGLangEventHashes() if config.api == "sglang" else None
+        self.cache = PrefixCache(config.block_size, config.num_blocks, self.publisher, sglang_events)
         self.scheduler = Scheduler(config, self.cache, self.metrics, self.publisher)
         self.scheduler.start()
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_disconnects())

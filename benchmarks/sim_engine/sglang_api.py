@@ -225,7 +225,10 @@ class SGLangHandlers:
             "tp_size": 1,
             "enable_cache_report": config.enable_cache_report,
             "enable_metrics": True,
-            "kv_events_config": None,
+            "kv_events_config": orjson.dumps({
+                "publisher": "zmq", "endpoint": config.kv_events_endpoint,
+                "replay_endpoint": config.kv_events_replay_endpoint, "topic": config.kv_events_topic,
+            }).decode() if config.kv_events_endpoint else None,
             "max_total_num_tokens": config.num_blocks * config.block_size,
             "max_req_input_len": config.context_len - 1,
             "version": SIM_VERSION,
