@@ -290,9 +290,10 @@ Fleet = SimFleet | ExternalFleet
 async def start_router(
     policy: str, backends: Sequence[str], *, block_size: int | None = None,
     capacity_tokens: int | None = None, tokenizer: str | None = None,
-    extra_args: Sequence[str] = (),
+    extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
 ) -> ManagedProcess:
-    """A fresh ``kvroute serve --policy POLICY`` in front of ``backends``, all of them healthy."""
+    """A fresh ``kvroute serve --policy POLICY`` in front of ``backends``, all of them healthy
+    (``env``: extra environment, e.g. ``PYTHONPATH`` of another checkout to compare with)."""
     port = free_port()
     args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
             "--log-level", "warning"]
@@ -305,7 +306,7 @@ async def start_router(
     if tokenizer:
         args += ["--tokenizer", tokenizer]
     router = ManagedProcess(f"kvroute-{policy}", _kvroute(*args, *extra_args),
-                            f"http://127.0.0.1:{port}")
+                            f"http://127.0.0.1:{port}", env=env)
     try:
         await router.wait_ready("/health")
         await _wait_all_healthy(router, len(backends))

@@ -432,8 +432,12 @@ async def measure(targets: Sequence[Target], bodies: Sequence[bytes], concurrenc
 async def run_overhead(policies: Sequence[str], peers: Sequence[str],
                        concurrencies: Sequence[int], seconds: float, rounds: int,
                        body_bytes: int, *, workers: Sequence[int] = (1,), backends: int = 2,
-                       rate_fraction: float = 0.5) -> list[OverheadRow]:
-    """Start the upstreams and every router, then measure them round by round."""
+                       rate_fraction: float = 0.5, baseline: Path | None = None) -> list[OverheadRow]:
+    """Start the upstreams and every router, then measure them round by round.
+
+    ``baseline``: another kvroute source tree (e.g. the commit before a change); each
+    policy is also served from it (target ``POLICY@baseline``), measured in the same rounds.
+    """
     bodies = chat_bodies(body_bytes)
     upstreams = [start_upstream() for _ in range(backends)]
     fronts: dict[str, ManagedProcess | fleets.PeerRouter] = {}
@@ -445,6 +449,9 @@ async def run_overhead(policies: Sequence[str], peers: Sequence[str],
                 name = policy if count == 1 else f"{policy} x{count}"
                 extra = () if count == 1 else ("--workers", str(count))
                 fronts[name] = await fleets.start_router(policy, urls, extra_args=extra)
+                if baseline is not None:
+                    fronts[f"{name}@baseline"] = await fleets.start_router(
+                        policy, urls, extra_args=extra, env={"PYTHONPATH": str(baseline.resolve())})
         for peer in peers:
             fronts[f"peer:{peer}"] = await fleets.start_peer(peer, urls)
         targets = [Target(DIRECT, urls[0], None)]
@@ -485,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", default="1",
                         help="comma list of kvroute serve --workers counts, each a target")
     parser.add_argument("--backends", type=int, default=2, help="trivial upstreams")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="also serve each policy from this kvroute source tree (e.g. "
+                        "'git worktree add DIR HEAD~1'), as POLICY@baseline in the same rounds")
     parser.add_argument("--rate-fraction", type=float, default=0.5,
                         help="the fixed offered rate, as a fraction of the slowest router's "
                         "saturation throughput")
@@ -530,7 +540,7 @@ def main(argv: list[str]) -> int:
     async def run() -> int:
         rows = await run_overhead(policies, peers, concurrencies, args.seconds, args.rounds,
                                   args.body_bytes, workers=workers, backends=args.backends,
-                                  rate_fraction=args.rate_fraction)
+                                  rate_fraction=args.rate_fraction, baseline=args.baseline)
         print(format_rows(rows))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps([asdict(row) for row in rows], indent=2) + "\n")

@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -38,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import fleet as fleets
+from benchmarks.fleet import ManagedProcess, free_port
 from benchmarks.overhead import chat_bodies, closed_loop, start_upstream
 
 RESULTS = Path(__file__).parent / "results"
@@ -175,6 +177,72 @@ async def profile_router(policy: str, seconds: float, concurrency: int, rate: in
             upstream.stop()
 
 
+async def _start_timed_router(policy: str, backends: Sequence[str], out: Path,
+                              extra_args: Sequence[str]) -> ManagedProcess:
+    """``kvroute serve`` under :mod:`benchmarks.stage_timers`, all backends healthy."""
+    port = free_port()
+    argv = [sys.executable, "-m", "benchmarks.stage_timers", str(out), "serve", "--host",
+            "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warning",
+            *(arg for url in backends for arg in ("--backend", url)), *extra_args]
+    router = ManagedProcess(f"timed-{policy}", argv, f"http://127.0.0.1:{port}")
+    try:
+        await router.wait_ready("/health")
+        await fleets._wait_all_healthy(router, len(backends))
+    except BaseException:
+        router.stop()
+        raise
+    return router
+
+
+@dataclass(slots=True)
+class TimedStage:
+    stage: str
+    calls_per_request: float
+    us_per_call: float
+    us_per_request: float
+
+
+async def time_stages(policy: str, seconds: float, concurrency: int, out: Path,
+                      extra_args: Sequence[str], *, per_prompt: int = 16) -> tuple[int, float, list[TimedStage]]:
+    """Thread CPU per routing stage inside a loaded router; (requests, CPU us/request, stages)."""
+    upstreams = [start_upstream() for _ in range(2)]
+    router = None
+    try:
+        await asyncio.gather(*(upstream.wait_ready() for upstream in upstreams))
+        router = await _start_timed_router(policy, [upstream.url for upstream in upstreams], out,
+                                           extra_args)
+        bodies = chat_bodies(per_prompt=per_prompt)
+        await closed_loop(router.url, bodies, concurrency, 0.0, None, requests=len(bodies))
+        router.process.send_signal(signal.SIGUSR1)
+        await asyncio.sleep(0.2)
+        run = await closed_loop(router.url, bodies, concurrency, seconds, router.pid)
+        router.process.send_signal(signal.SIGUSR2)
+        await asyncio.sleep(0.5)
+        timers = json.loads(out.read_text())
+    finally:
+        if router is not None:
+            router.stop()
+        for upstream in upstreams:
+            upstream.stop()
+    requests = run.requests
+    stages = [TimedStage(stage, value["calls"] / requests, value["us_per_call"],
+                         value["us_per_call"] * value["calls"] / requests)
+              for stage, value in timers.items() if value["calls"]]
+    assert run.cpu_s is not None
+    return requests, run.cpu_s / requests * 1e6, stages
+
+
+def format_timed(policy: str, requests: int, cpu_us: float, stages: Sequence[TimedStage],
+                 command: str) -> str:
+    lines = [f"# {command}",
+             (f"policy {policy}: {requests} requests, router CPU {cpu_us:.0f} us/request "
+              "(thread CPU per stage; stages nest)"), "",
+             f"{'stage':<38} {'calls/req':>9} {'us/call':>8} {'us/request':>11}"]
+    lines += [f"{row.stage:<38} {row.calls_per_request:>9.2f} {row.us_per_call:>8.1f} "
+              f"{row.us_per_request:>11.1f}" for row in stages]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m benchmarks.profile_request",
                                      description=__doc__.split("\n\n")[0])
@@ -187,10 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold", action="store_true",
                         help="do not send every body once first: user turns are new text "
                         "(use with a --per-prompt large enough for the run)")
+    parser.add_argument("--timers", action="store_true",
+                        help="instead of py-spy: thread CPU per routing stage, timed inside the "
+                        "router (benchmarks.stage_timers); writes profile-LABEL.timers.txt/.json")
     parser.add_argument("--label", default="current")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("router_args", nargs="*", help="extra kvroute serve flags (after --)")
     args = parser.parse_args(argv)
+    if args.timers:
+        return _main_timers(args, argv)
     if shutil.which("py-spy") is None:
         print("py-spy is not installed (pip install py-spy)", file=sys.stderr)
         return 2
@@ -209,6 +282,28 @@ def main(argv: list[str] | None = None) -> int:
         base.with_suffix(".txt").write_text(text)
         base.with_suffix(".json").write_text(json.dumps(asdict(profile), indent=2) + "\n")
         print(f"wrote {base}.txt, .json, .stacks")
+        return 0
+
+    return fleets.run_stoppable(run())
+
+
+def _main_timers(args: argparse.Namespace, argv: list[str] | None) -> int:
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    base = args.out_dir / f"profile-{args.label}.timers"
+
+    async def run() -> int:
+        requests, cpu_us, stages = await time_stages(
+            args.policy, args.seconds, args.concurrency, base.with_suffix(".raw.json"),
+            args.router_args, per_prompt=args.per_prompt)
+        base.with_suffix(".raw.json").unlink(missing_ok=True)
+        command = "python3 -m benchmarks.profile_request " + " ".join(argv or sys.argv[1:])
+        text = format_timed(args.policy, requests, cpu_us, stages, command)
+        print(text, end="")
+        base.with_suffix(".txt").write_text(text)
+        base.with_suffix(".json").write_text(json.dumps(
+            {"policy": args.policy, "requests": requests, "cpu_us_per_request": cpu_us,
+             "stages": [asdict(stage) for stage in stages]}, indent=2) + "\n")
+        print(f"wrote {base}.txt, .json")
         return 0
 
     return fleets.run_stoppable(run())
