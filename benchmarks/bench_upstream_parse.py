@@ -5,7 +5,7 @@
 Feeds two typical engine answers to one kept-alive ``router.upstream._Connection`` over
 the stand-in transport of :mod:`benchmarks.upstream_cases`, reads them as the proxy does,
 and times process CPU: a JSON completion (uvicorn's head and a Content-Length body, one
-packet) and a streamed one (a chunked head, then 64 SSE events of ~230 bytes, one packet
+packet) and a streamed one (a chunked head, then 64 SSE events of 174 bytes, one packet
 each, as tokens arrive). With ``--before PATH`` the ``router/upstream.py`` of that checkout is timed in the
 same rounds, alternating, and the medians of both are printed side by side. Process CPU is
 far steadier than a load test's on a shared machine, and it is the parser's own cost.
