@@ -402,6 +402,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def default_block_size(api: str) -> int:
+    """The engines' block size when ``--block-size`` is not given: vLLM's 16, SGLang's page of 1."""
+    return 1 if api == "sglang" else 16
+
+
 def _sim_fleet(args: argparse.Namespace, time_scale: float, prefill: float) -> SimFleet:
     return SimFleet(SimSpec(
         replicas=args.replicas, model=args.model or "sim", block_size=args.block_size,
@@ -428,7 +433,7 @@ async def _main(args: argparse.Namespace) -> int:
     peers = list(PEERS) if "all" in args.peer else list(dict.fromkeys(args.peer))
     sim = args.engine == "sim"
     if args.block_size is None:
-        args.block_size = 1 if args.api == "sglang" else 16
+        args.block_size = default_block_size(args.api)
     points = _sweep_points(args)
     swept = len(points) > 1 or bool(args.sweep_time_scale or args.sweep_prefill)
     if not sim and swept:

@@ -24,7 +24,7 @@ from pathlib import Path
 import orjson
 
 from benchmarks import fleet as fleets
-from benchmarks.bench import RunSettings, _sim_fleet, _token_range, build_parser, summarize
+from benchmarks.bench import RunSettings, _sim_fleet, _token_range, build_parser, default_block_size, summarize
 from benchmarks.fleet import SimFleet, free_port
 from benchmarks.replay import Progress, replay
 from benchmarks.workloads import Workload, WorkloadOptions, make_workloads
@@ -70,7 +70,7 @@ async def start_routers(arrangement: Arrangement, fleet: SimFleet, tokenizer: st
                 peers = [other for other in endpoints if other != endpoint]
                 extra = ["--peer-bind", endpoint, "--peers", ",".join(peers)]
             routers.append(await fleets.start_router(
-                "cache_aware", fleet.urls, block_size=fleet.block_size,
+                "cache_aware", fleet.urls, block_size=fleets.router_block_size(fleet.api, fleet.block_size),
                 capacity_tokens=fleet.capacity_tokens, tokenizer=tokenizer, extra_args=extra,
             ))
         await asyncio.sleep(0.5)  # ZMQ subscriptions reach their publishers
@@ -121,6 +121,8 @@ async def _main(args: argparse.Namespace) -> int:
         think_time=args.think_time, arrival_rate=args.arrival_rate,
     )
     workloads = [w for spec in args.workload or ["agent-sessions"] for w in make_workloads(spec, options)]
+    if args.block_size is None:
+        args.block_size = default_block_size(args.api)
     fleet = _sim_fleet(args, args.time_scale, args.prefill_tokens_per_s)
     settings = RunSettings(speedup=args.speedup or args.time_scale, max_in_flight=args.max_in_flight,
                            time_scale=args.time_scale)
