@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +243,25 @@ def format_repeats(results: Sequence[TargetResult]) -> str:
     return "\n".join(lines)
 
 
+#: What a plot shows of repeated runs: the median of each of these.
+_PLOTTED = ("hit_rate_observed", "of_bound_fleet", "ttft_p50_s", "ttft_p99_s")
+
+
+def _medians(results: Sequence[TargetResult]) -> list[TargetResult]:
+    """One result per (setting, workload, target): the repeats' medians of what is plotted."""
+    groups: dict[tuple[str, str, str], list[TargetResult]] = {}
+    for result in results:
+        groups.setdefault((result.setting, result.workload, result.target), []).append(result)
+    merged = []
+    for runs in groups.values():
+        values = {}
+        for name in _PLOTTED:
+            present = [getattr(run, name) for run in runs if getattr(run, name) is not None]
+            values[name] = float(np.median(present)) if present else None
+        merged.append(replace(runs[0], **values))
+    return merged
+
+
 def _label(result: TargetResult) -> str:
     """A workload's label in the plot: its name, and its sweep setting when there is one."""
     return f"{result.workload}\n{result.setting}" if result.setting else result.workload
@@ -277,7 +296,8 @@ def _bars(axis, results: Sequence[TargetResult], targets: list[str], colors: dic
                 if not math.isnan(share) and not math.isnan(height):
                     axis.text(x, height + 0.01, f"{share:.0%}", ha="center", va="bottom",
                               rotation=90, fontsize=6)
-    axis.set_xticks(positions + width * (len(targets) - 1) / 2, workloads, fontsize=8)
+    axis.set_xticks(positions + width * (len(targets) - 1) / 2,
+                    [name.replace("+", "\n+", 1) for name in workloads], fontsize=7)
     axis.legend(fontsize=8)
 
 
@@ -313,14 +333,14 @@ def plot_summary(results: Sequence[TargetResult], path: Path) -> None:
     Up to four panels: hit rate and TTFT as grouped bars for the other workloads (timing
     variants and settings-sweep points included), and hit rate and TTFT against the number
     of sessions for the plain agent-sessions sweep. Hit-rate bars and points are labelled
-    with their share of ``bound_fleet``.
+    with their share of ``bound_fleet``. Repeated runs are shown by their medians.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [result for result in results if result.status == "ok"]
+    ok = _medians([result for result in results if result.status == "ok"])
     targets = list(dict.fromkeys(result.target for result in ok))
     colors = {target: f"C{number % 10}" for number, target in enumerate(targets)}
     served = [target for target in targets if target not in OFFLINE_TARGETS]
