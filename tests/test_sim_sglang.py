@@ -1,6 +1,6 @@
 """The simulated SGLang replica (``kvroute sim-engine --api sglang``) over real sockets.
 
-What each check stands for is in the parity table of ``benchmarks/sim_engine/README.md``.
+What each check stands for is in the parity table of the README's "SGLang" section.
 """
 
 from __future__ import annotations

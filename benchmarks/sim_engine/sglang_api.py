@@ -1,8 +1,8 @@
 """SGLang's own endpoints on the simulated replica (``kvroute sim-engine --api sglang``).
 
 The scheduler, prefix cache and OpenAI endpoints are the vLLM simulator's; what differs
-is what SGLang's HTTP server says. Each row of the parity table in
-``benchmarks/sim_engine/README.md`` names the SGLang source file (sgl-project/sglang,
+is what SGLang's HTTP server says. Each row of the parity table in the README's "SGLang"
+section names the SGLang source file (sgl-project/sglang,
 ``python/sglang/srt/``) a behaviour comes from, via ``shared/notes/sglang.md``:
 
 * ``POST /generate`` (``entrypoints/http_server.py``, ``managers/io_struct.py``
