@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from ssl import SSLContext
+
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 

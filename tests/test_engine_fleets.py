@@ -11,7 +11,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-
 from conftest import RouterServer, SimServer
 
 pytestmark = pytest.mark.timeout(180)

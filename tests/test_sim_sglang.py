@@ -5,6 +5,7 @@ What each check stands for is in the parity table of the README's "SGLang" secti
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import httpx
@@ -88,7 +89,7 @@ def test_generate_streams_cumulative_text_with_meta_info_in_every_event(sim_engi
     objects = [orjson.loads(event) for event in events[:-1]]
     assert len(objects) > 1
     texts = [obj["text"] for obj in objects]
-    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))  # cumulative
+    assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(texts))  # cumulative
     assert texts[-1] == whole["text"]
     assert all(obj["meta_info"]["cached_tokens"] == 39 for obj in objects)
     assert [obj["meta_info"]["finish_reason"] for obj in objects][-1] == {"type": "length", "length": 12}

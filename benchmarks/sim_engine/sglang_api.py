@@ -25,8 +25,8 @@ section names the SGLang source file (sgl-project/sglang,
 
 from __future__ import annotations
 
-import uuid
 import asyncio
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,13 @@ from aiohttp import web
 
 from benchmarks.sim_engine.protocol import DONE, APIError, parse_json_object
 from benchmarks.sim_engine.scheduler import SimRequest
-from benchmarks.sim_engine.server import SHUTTING_DOWN, SSE_HEADERS, Generation, Handlers, SimEngine
+from benchmarks.sim_engine.server import (
+    SHUTTING_DOWN,
+    SSE_HEADERS,
+    Generation,
+    Handlers,
+    SimEngine,
+)
 from benchmarks.sim_engine.tokens import TokenizationError
 from benchmarks.sim_engine.validation import GenerationParams, Sampling
 
@@ -44,8 +50,8 @@ from benchmarks.sim_engine.validation import GenerationParams, Sampling
 DEFAULT_MAX_NEW_TOKENS = 128
 #: What ``/server_info`` answers as ``version`` (a simulated 0.5 series server).
 SIM_VERSION = "0.5.5-kvroute-sim"
-_FLUSHED = "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"  # noqa: E501
-_NOT_FLUSHED = "Cache not flushed because there are pending requests. (When there are running or waiting requests, the operation will not be performed.)\n"  # noqa: E501
+_FLUSHED = "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
+_NOT_FLUSHED = "Cache not flushed because there are pending requests. (When there are running or waiting requests, the operation will not be performed.)\n"
 
 
 @dataclass(frozen=True, slots=True)

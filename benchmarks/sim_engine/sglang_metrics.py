@@ -9,7 +9,13 @@ without knowing which engine it plays; the vLLM-only pairs SGLang has no series 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from benchmarks.sim_engine.config import SimEngineConfig
 from benchmarks.sim_engine.metrics import E2E_BUCKETS, TTFT_BUCKETS

@@ -16,8 +16,20 @@
 
 from __future__ import annotations
 
-from router.engines.base import CacheInfoMetric, Endpoint, EngineAPI, cached_as_reported, whole_blocks
-from router.engines.openai import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGE_SCHEMA, RESPONSES
+from router.engines.base import (
+    CacheInfoMetric,
+    Endpoint,
+    EngineAPI,
+    cached_as_reported,
+    whole_blocks,
+)
+from router.engines.openai import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    MESSAGE_SCHEMA,
+    RESPONSES,
+)
 
 TOKENIZE = Endpoint(
     "/tokenize", "tokenize", False, None, False, None,
