@@ -59,25 +59,8 @@ def run_batch(first_seed: int, count: int) -> Tally:
     return tally
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=1_000_000)
-    parser.add_argument("--start", type=int, default=0, help="the first seed")
-    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) // 2))
-    parser.add_argument("--json", help="also write the result here")
-    args = parser.parse_args(argv)
-
-    started = time.perf_counter()
-    total = Tally()
-    batches = [(seed, min(_BATCH, args.start + args.cases - seed)) for seed in range(args.start, args.start + args.cases, _BATCH)]
-    with ProcessPoolExecutor(args.workers) as pool:
-        for done, tally in enumerate(pool.map(run_batch, *zip(*batches)), 1):
-            total.add(tally)
-            if done % 20 == 0:
-                print(f"  {total.cases:,} cases, {len(total.disagreements)} disagreements", file=sys.stderr, flush=True)
-    elapsed = time.perf_counter() - started
-
-    result = {
+def summary(total: Tally, args: argparse.Namespace, elapsed: float) -> dict[str, object]:
+    return {
         "cases": total.cases,
         "first_seed": args.start,
         "workers": args.workers,
@@ -90,10 +73,35 @@ def main(argv: list[str] | None = None) -> int:
         "disagreement_examples": total.disagreements[:20],
         "features": dict(total.tags.most_common()),
     }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as out:
+
+
+def write(result: dict[str, object], path: str | None) -> None:
+    if path:
+        with open(path, "w") as out:
             json.dump(result, out, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=1_000_000)
+    parser.add_argument("--start", type=int, default=0, help="the first seed")
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) // 2))
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args(argv)
+
+    started = time.perf_counter()
+    total = Tally()
+    end = args.start + args.cases
+    batches = [(seed, min(_BATCH, end - seed)) for seed in range(args.start, end, _BATCH)]
+    with ProcessPoolExecutor(args.workers) as pool:
+        for done, tally in enumerate(pool.map(run_batch, *zip(*batches)), 1):
+            total.add(tally)
+            if done % 20 == 0:  # progress, and the result so far (a long run may be cut short)
+                print(f"  {total.cases:,} cases, {len(total.disagreements)} disagreements", file=sys.stderr, flush=True)
+                write(summary(total, args, time.perf_counter() - started), args.json)
+    result = summary(total, args, time.perf_counter() - started)
+    print(json.dumps(result, indent=2))
+    write(result, args.json)
     return 1 if total.disagreements else 0
 
 

@@ -87,6 +87,8 @@ class Origin:
 
 
 _LINE_ENDS = (ord("\r"), ord("\n"))
+#: What a reason phrase may hold (RFC 9112 4: HTAB, SP, VCHAR, obs-text); llhttp takes any byte.
+_REASON_BYTES = bytes([9, *range(32, 127), *range(128, 256)])
 
 
 class _Violation(Exception):
@@ -190,6 +192,11 @@ class _Connection(asyncio.Protocol):
         self.headers = []
         self._codings = []
         self._has_length = False
+
+    def on_status(self, reason: bytes) -> None:
+        if reason.translate(None, _REASON_BYTES):
+            self._violation = "a control character in the reason phrase"
+            raise _Violation
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._head_done:

@@ -312,6 +312,7 @@ MALFORMED = {
     "unrequested protocol switch": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\nabc",
     "bare LF line ends": b"HTTP/1.1 200 OK\nContent-Length: 3\n\nabc",
     "HTTP/2 status line": b"HTTP/2.0 200 OK\r\nContent-Length: 3\r\n\r\nabc",
+    "control character in the reason phrase": b"HTTP/1.1 200 O\x00K\r\nContent-Length: 3\r\n\r\nabc",
     "status below 100": b"HTTP/1.1 099 Odd\r\nContent-Length: 3\r\n\r\nabc",
     "blank line before the status line": b"\r\nHTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc",
 }

@@ -42,6 +42,7 @@ class BrokenEngine:
         self.posts = 0
         self.url = ""
         self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -50,9 +51,12 @@ class BrokenEngine:
     async def stop(self) -> None:
         assert self._server is not None
         self._server.close()
+        for writer in self._writers:  # the router's pooled connections: their handlers end
+            writer.close()
         await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -76,6 +80,7 @@ class BrokenEngine:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
+            self._writers.discard(writer)
             writer.close()
 
 
