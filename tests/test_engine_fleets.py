@@ -12,20 +12,16 @@ import httpx
 import numpy as np
 import pytest
 from conftest import RouterServer, SimServer
+from engine_apis import APIS, series, sim_options
 
 pytestmark = pytest.mark.timeout(180)
 
 TOKEN = "admin-secret"
 SYSTEM = "You are a meticulous assistant. " * 30
-#: The engine's own counter of cached prompt tokens, per API.
-ENGINE_HITS = {"vllm": "vllm:prefix_cache_hits_total", "sglang": "sglang:cached_tokens_total"}
 
 
 def start_sims(sim_engines: Any, api: str, count: int, **options: Any) -> list[SimServer]:
-    if api == "sglang":
-        options.setdefault("block_size", 1)
-        options.setdefault("enable_cache_report", True)
-    return sim_engines(count, api=api, **options)
+    return sim_engines(count, **sim_options(api, **options))
 
 
 def conversation(client: Any, turns: int, *, stream: bool = False, user: str = "u1") -> None:
@@ -46,7 +42,7 @@ def admin_backends(router: RouterServer) -> dict[str, dict[str, Any]]:
     return {entry["url"]: entry for entry in response.json()["backends"]}
 
 
-@pytest.mark.parametrize("api", ["vllm", "sglang"])
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("stream", [False, True])
 def test_feedback_sees_what_the_engines_cached(sim_engines: Any, router_server: Any, api: str, stream: bool) -> None:
     sims = start_sims(sim_engines, api, 2)
@@ -56,7 +52,7 @@ def test_feedback_sees_what_the_engines_cached(sim_engines: Any, router_server: 
     scrape = router.metrics()
     observed = scrape.value("kvroute_observed_cached_tokens_total")
     predicted = scrape.value("kvroute_predicted_cached_tokens_total")
-    engines = sum(sim.metrics().value(ENGINE_HITS[api]) for sim in sims)
+    engines = sum(sim.metrics().value(series(api, "prefix_hit_tokens")) for sim in sims)
     assert observed == engines > 0  # every cached token the engines counted reached the router
     assert 0 < predicted <= observed
     # Unpredicted: blocks of the answers (the engines cache them) and, at SGLang's page size 1,
