@@ -277,6 +277,9 @@ class OverheadRow:
     added_p99_ms: float | None
     router_cpu_us_per_request: float | None
     errors: int
+    #: The spread over rounds: (min, max) of requests/s and of CPU per request.
+    requests_per_s_range: tuple[float, float] = (0.0, 0.0)
+    cpu_us_per_request_range: tuple[float, float] | None = None
 
 
 @dataclass(slots=True)
@@ -294,11 +297,18 @@ class TargetSummary:
     rate_p50_ms: float
     rate_p99_ms: float
     errors: int
+    saturated_cpu_range: tuple[float, float] | None = None
+    rate_cpu_range: tuple[float, float] | None = None
 
 
 def _median(values: Sequence[float | None]) -> float | None:
     present = [value for value in values if value is not None]
     return statistics.median(present) if present else None
+
+
+def _spread(values: Sequence[float | None]) -> tuple[float, float] | None:
+    present = [value for value in values if value is not None]
+    return (min(present), max(present)) if present else None
 
 
 def _row(target: str, mode: str, load: float, measured: list[LoadRun],
@@ -308,19 +318,21 @@ def _row(target: str, mode: str, load: float, measured: list[LoadRun],
     direct_p50 = _median([percentile(run.latencies_s, 50) for run in direct])
     direct_p99 = _median([percentile(run.latencies_s, 99) for run in direct])
     is_router = target != DIRECT
+    rates = [run.requests / run.seconds for run in measured]
+    cpus = [run.cpu_s / run.requests * 1e6 if run.cpu_s is not None and run.requests else None
+            for run in measured]
     return OverheadRow(
         target=target, mode=mode,
         concurrency=int(load) if mode == "closed" else None,
         offered_per_s=float(load) if mode == "rate" else None,
-        requests_per_s=_median([run.requests / run.seconds for run in measured]) or 0.0,
+        requests_per_s=_median(rates) or 0.0,
         latency_p50_ms=p50 * 1000, latency_p99_ms=p99 * 1000,
         added_p50_ms=(p50 - direct_p50) * 1000 if is_router and direct_p50 is not None else None,
         added_p99_ms=(p99 - direct_p99) * 1000 if is_router and direct_p99 is not None else None,
-        router_cpu_us_per_request=_median([
-            run.cpu_s / run.requests * 1e6 if run.cpu_s is not None and run.requests else None
-            for run in measured
-        ]),
+        router_cpu_us_per_request=_median(cpus),
         errors=sum(run.errors for run in measured),
+        requests_per_s_range=_spread(rates) or (0.0, 0.0),
+        cpu_us_per_request_range=_spread(cpus),
     )
 
 
@@ -348,6 +360,8 @@ def target_summaries(rows: Sequence[OverheadRow]) -> list[TargetSummary]:
             router_cpu_us_per_request=row.router_cpu_us_per_request,
             offered_per_s=row.offered_per_s or 0.0,
             rate_p50_ms=row.latency_p50_ms, rate_p99_ms=row.latency_p99_ms, errors=row.errors,
+            saturated_cpu_range=busiest.cpu_us_per_request_range if busiest else None,
+            rate_cpu_range=row.cpu_us_per_request_range,
         ))
     return summaries
 
@@ -362,6 +376,13 @@ def _cell(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _spread_cell(value: float | None, spread: tuple[float, float] | None) -> str:
+    """``median (min-max)`` over rounds."""
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if spread is None else f"{value:.0f} ({spread[0]:.0f}-{spread[1]:.0f})"
+
+
 def format_rows(rows: Sequence[OverheadRow]) -> str:
     """The summary per target, then every closed-loop run."""
     summaries = target_summaries(rows)
@@ -371,8 +392,9 @@ def format_rows(rows: Sequence[OverheadRow]) -> str:
         parts.append(_table(
             ("target", "saturation req/s", "CPU us/req saturated", f"CPU us/req @{rate:.0f}/s",
              f"p50 ms @{rate:.0f}/s", f"p99 ms @{rate:.0f}/s", "errors"),
-            [(s.target, f"{s.saturation_per_s:.0f}", _cell(s.saturated_cpu_us_per_request, ".0f"),
-              _cell(s.router_cpu_us_per_request, ".0f"), f"{s.rate_p50_ms:.2f}",
+            [(s.target, f"{s.saturation_per_s:.0f}",
+              _spread_cell(s.saturated_cpu_us_per_request, s.saturated_cpu_range),
+              _spread_cell(s.router_cpu_us_per_request, s.rate_cpu_range), f"{s.rate_p50_ms:.2f}",
               f"{s.rate_p99_ms:.2f}", str(s.errors)) for s in summaries],
         ))
     closed = sorted((row for row in rows if row.mode == "closed"),

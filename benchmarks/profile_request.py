@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(use with a --per-prompt large enough for the run)")
     parser.add_argument("--timers", action="store_true",
                         help="instead of py-spy: thread CPU per routing stage, timed inside the "
-                        "router (benchmarks.stage_timers); writes profile-LABEL.timers.txt/.json")
+                        "router (benchmarks.stage_timers); writes profile-LABEL-timers.txt/.json")
     parser.add_argument("--label", default="current")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("router_args", nargs="*", help="extra kvroute serve flags (after --)")
@@ -289,13 +289,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main_timers(args: argparse.Namespace, argv: list[str] | None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    base = args.out_dir / f"profile-{args.label}.timers"
+    base = args.out_dir / f"profile-{args.label}-timers"
+    raw = args.out_dir / f"profile-{args.label}-timers.raw"
 
     async def run() -> int:
         requests, cpu_us, stages = await time_stages(
-            args.policy, args.seconds, args.concurrency, base.with_suffix(".raw.json"),
-            args.router_args, per_prompt=args.per_prompt)
-        base.with_suffix(".raw.json").unlink(missing_ok=True)
+            args.policy, args.seconds, args.concurrency, raw, args.router_args,
+            per_prompt=args.per_prompt)
+        raw.unlink(missing_ok=True)
         command = "python3 -m benchmarks.profile_request " + " ".join(argv or sys.argv[1:])
         text = format_timed(args.policy, requests, cpu_us, stages, command)
         print(text, end="")
