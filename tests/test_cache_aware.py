@@ -123,12 +123,13 @@ def test_a_shared_prefix_keeps_the_full_load_weight_on_a_busy_fleet() -> None:
 
 
 def test_a_new_sessions_shared_prefix_is_not_its_history() -> None:
-    """The ledger knows the conversation is new: even most of the prompt matched is a shared
-    prefix (tools, system prompt), so the queue keeps its full weight."""
+    """A session the ledger has not seen: even most of the prompt matched is a shared prefix
+    (tools, system prompt), so the queue keeps its full weight."""
     fleet = backends(2)
     _queue(fleet[0], 11, 10_000 + 100_000)
     _queue(fleet[1], 10, 100_000)
     new = request(6000, {"http://b0": 4000}, Conversation("session:s", shared_tokens=4000))
+    new.session_key = "s"
     decision = policy().choose(new, fleet)
     assert (decision.backend, decision.reason) == ("http://b1", "least_cost")
     returning = request(6000, {"http://b0": 4000}, Conversation("session:t", backend="http://b0", turns=1))
