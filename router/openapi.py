@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from router import __version__
-from router.engines import ENDPOINTS, ENGINES, Endpoint
+from router.engines import ENDPOINTS, ENGINE_SETTINGS, ENGINES, Endpoint
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -144,6 +144,7 @@ def _admin_paths() -> dict[str, Any]:
                                     "api_key": {"type": "string"},
                                     "capacity_tokens": {"type": "integer", "minimum": 1},
                                     "kv_events_endpoint": {"type": "string"},
+                                    "engine": {"enum": list(ENGINE_SETTINGS)},
                                 },
                             }
                         }

@@ -114,3 +114,15 @@ def test_configured_engines_and_a_generic_server_teach_nothing(sim_engines: Any,
     assert scrape.value("kvroute_predicted_cached_tokens_total") == 0  # nor counted against it
     assert sim.metrics().value("vllm:prefix_cache_hits_total") > 0
     assert router.state.routing.feedback.observed == 0
+
+
+def test_a_backend_added_at_run_time_names_its_engine(sim_engines: Any, router_server: Any) -> None:
+    (sglang,) = start_sims(sim_engines, "sglang", 1)
+    router = router_server([], admin_token=TOKEN)
+    added = httpx.post(router.url + "/admin/backends", json={"url": sglang.url, "engine": "sglang"},
+                       headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert added.status_code == 201, added.text
+    assert (added.json()["engine"], added.json()["engine_source"]) == ("sglang", "configured")
+    backend = router.state.pool.get(sglang.url)
+    assert backend is not None and backend.engine_facts.page_size == 1  # read from /server_info
+    assert backend.engine_facts.cache_report is True

@@ -113,3 +113,9 @@ def test_engine_per_backend_from_a_flag_and_a_bad_name_fails_at_start() -> None:
     bad = build_parser().parse_args(["--backend", "http://a:8000", "--engine", "http://a:8000=tgi"])
     with pytest.raises(ConfigError, match="engine"):
         settings_from_args(bad)
+
+
+def test_the_admin_api_takes_an_engine_and_the_document_says_which() -> None:
+    schema = openapi_spec(admin=True, api_keys=False)["paths"]["/admin/backends"]["post"]["requestBody"]
+    engine = schema["content"]["application/json"]["schema"]["properties"]["engine"]
+    assert set(engine["enum"]) == {"auto", *ENGINES}
