@@ -6,12 +6,13 @@ sims run token-granular (``--page-size 1``, its default) with ``--enable-cache-r
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-from conftest import RouterServer, SimServer
+from conftest import RouterServer, SimServer, wait_until
 from engine_apis import APIS, series, sim_options
 
 pytestmark = pytest.mark.timeout(180)
@@ -126,3 +127,30 @@ def test_a_backend_added_at_run_time_names_its_engine(sim_engines: Any, router_s
     backend = router.state.pool.get(sglang.url)
     assert backend is not None and backend.engine_facts.page_size == 1  # read from /server_info
     assert backend.engine_facts.cache_report is True
+
+
+def test_precise_mode_follows_sglangs_per_token_events_exactly(sim_engines: Any, router_server: Any) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (sim,) = start_sims(sim_engines, "sglang", 1, kv_events_endpoint=f"tcp://*:{port}", kv_events_format="array")
+    router = router_server(
+        [{"url": sim.url, "kv_events_endpoint": f"tcp://127.0.0.1:{port}"}], policy="cache_aware", kv_events=True
+    )
+    prompt = np.random.default_rng(9).integers(10, 1000, size=203).tolist()
+
+    def generate() -> httpx.Response:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}}
+        response = httpx.post(router.url + "/generate", json=body, timeout=30)
+        assert response.status_code == 200
+        return response
+
+    def precise() -> bool:
+        generate()  # events flow once the subscription is up
+        return router.metrics().value("kvroute_kv_events_state", backend=sim.url) == 1
+
+    wait_until(precise, timeout=30)
+    answer = generate()
+    # The engine's per-token events set the router's block size to 1: the prediction is
+    # SGLang's own number, min(common prefix, input_len - 1).
+    assert int(answer.headers["x-kvroute-matched-tokens"]) == answer.json()["meta_info"]["cached_tokens"] == 202
