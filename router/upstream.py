@@ -99,10 +99,11 @@ class _Connection(asyncio.Protocol):
     """One keep-alive connection and the response being read on it.
 
     llhttp (``httptools``) decides the framing; this class adds the rules llhttp leaves to
-    its caller (one final ``chunked`` coding or none, HTTP/1.x, no unrequested upgrade, a
-    head size limit) and the proxy's rules for the connection: it is reused only after a
-    complete, well-framed, keep-alive response with nothing after it, and any byte that
-    arrives while no response is expected condemns it.
+    its caller (one ``chunked`` coding or none, HTTP/1.x, a status of at least 100, no
+    control characters in the reason phrase, no blank line before the status line, no
+    unrequested upgrade, a head size limit) and the proxy's rules for the connection: it
+    is reused only after a complete, well-framed, keep-alive response with nothing after
+    it, and any byte that arrives while no response is expected condemns it.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
