@@ -454,7 +454,8 @@ async def measure(targets: Sequence[Target], bodies: Sequence[bytes], concurrenc
 async def run_overhead(policies: Sequence[str], peers: Sequence[str],
                        concurrencies: Sequence[int], seconds: float, rounds: int,
                        body_bytes: int, *, workers: Sequence[int] = (1,), backends: int = 2,
-                       rate_fraction: float = 0.5, baseline: Path | None = None) -> list[OverheadRow]:
+                       rate_fraction: float = 0.5, baseline: Path | None = None,
+                       peer_policies: Sequence[str] = ("cache_aware",)) -> list[OverheadRow]:
     """Start the upstreams and every router, then measure them round by round.
 
     ``baseline``: another kvroute source tree (e.g. the commit before a change); each
@@ -475,7 +476,9 @@ async def run_overhead(policies: Sequence[str], peers: Sequence[str],
                     fronts[f"{name}@baseline"] = await fleets.start_router(
                         policy, urls, extra_args=extra, env={"PYTHONPATH": str(baseline.resolve())})
         for peer in peers:
-            fronts[f"peer:{peer}"] = await fleets.start_peer(peer, urls)
+            for peer_policy in peer_policies:
+                name = f"peer:{peer}" if peer_policy == "cache_aware" else f"peer:{peer}:{peer_policy}"
+                fronts[name] = await fleets.start_peer(peer, urls, peer_policy)
         targets = [Target(DIRECT, urls[0], None)]
         for name, front in fronts.items():
             process = front.process if isinstance(front, fleets.PeerRouter) else front
@@ -511,6 +514,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{', '.join(PEERS)}")
     parser.add_argument("--peer", action="append", choices=PEERS,
                         help="measure this peer router (repeatable; overrides --peers)")
+    parser.add_argument("--peer-policies", default="cache_aware",
+                        help="comma list of the peers' policies, each a target "
+                        "(e.g. cache_aware,round_robin)")
     parser.add_argument("--workers", default="1",
                         help="comma list of kvroute serve --workers counts, each a target")
     parser.add_argument("--backends", type=int, default=2, help="trivial upstreams")
@@ -562,7 +568,8 @@ def main(argv: list[str]) -> int:
     async def run() -> int:
         rows = await run_overhead(policies, peers, concurrencies, args.seconds, args.rounds,
                                   args.body_bytes, workers=workers, backends=args.backends,
-                                  rate_fraction=args.rate_fraction, baseline=args.baseline)
+                                  rate_fraction=args.rate_fraction, baseline=args.baseline,
+                                  peer_policies=_csv(args.peer_policies))
         print(format_rows(rows))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps([asdict(row) for row in rows], indent=2) + "\n")
