@@ -1,18 +1,24 @@
 """``kvroute bench --overhead``: what a router costs, direct vs each policy vs each peer.
 
-A fixed ~2 KB chat request is sent by a closed loop of C clients (C = 32 and 128) for a few
-seconds to: the upstream directly, a ``kvroute serve`` per policy, and each installed peer
-router (SGLang's, vLLM's; ``cache_aware``), all in front of the same fast upstream (a
-trivial aiohttp responder in its own process, so the engine costs nothing). Per target and
-concurrency: requests/s, latency p50/p99, the latency added over direct at the same
-concurrency, and the router's CPU time per request (user + system time of its process
-group from ``/proc``, divided by the requests it served).
+1,024 distinct ~2 KB chat requests (64 system prompts x 16 user turns) go to: one of the
+upstreams directly, a ``kvroute serve`` per policy (and per ``--workers`` count), each
+installed peer router (SGLang's, vLLM's) per ``--peer-policies``, and with ``--baseline
+DIR`` each policy served from another source tree, all in front of the same trivial
+upstreams (aiohttp processes with fixed answers, so the engine costs nothing). Every
+target gets each body once first, so routers that memoise are measured in their steady
+state. Then, in rounds that visit every target in turn (a shared machine drifts; every
+target sees the same drift):
 
-Targets are measured in rounds, each round visiting every target in turn, so "direct" and
-every router see the same machine conditions (on a shared 2-core machine they drift); the
-reported figure is the median over rounds. The client is Python, so on a small machine the
-absolute requests/s says as much about the client as about the router: compare the added
-latency and the CPU per request.
+* closed loops of C clients (``--concurrency``) for a few seconds: requests/s, latency
+  p50/p99, latency added over direct, and the router's CPU per request (user + system
+  time of its process group from ``/proc``, divided by the requests it served); the most
+  requests/s a target reached is its saturation throughput;
+* a fixed offered rate, ``--rate-fraction`` of the slowest router's saturation, as an open
+  loop: latency counted from each request's due time (at saturation latency only measures
+  queueing), and CPU per request at that rate.
+
+Figures are medians over rounds, with their spread (min, max). The client is Python and
+shares the machine: compare CPU per request and added latency, not absolute requests/s.
 """
 
 from __future__ import annotations
