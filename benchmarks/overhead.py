@@ -423,6 +423,12 @@ class Target:
     pgid: int | None
 
 
+def baseline_env(tree: Path) -> dict[str, str]:
+    """The environment that runs ``python -m router.cli`` from ``tree``: its path first, and
+    not the working directory's (``-m`` would put the current checkout before it)."""
+    return {"PYTHONPATH": str(tree.resolve()), "PYTHONSAFEPATH": "1"}
+
+
 def offered_rate(runs: dict[RunKey, list[LoadRun]], fraction: float) -> float:
     """``fraction`` of the slowest router's saturation throughput (of direct's without routers)."""
     saturation: dict[str, float] = {}
@@ -480,7 +486,7 @@ async def run_overhead(policies: Sequence[str], peers: Sequence[str],
                 fronts[name] = await fleets.start_router(policy, urls, extra_args=extra)
                 if baseline is not None:
                     fronts[f"{name}@baseline"] = await fleets.start_router(
-                        policy, urls, extra_args=extra, env={"PYTHONPATH": str(baseline.resolve())})
+                        policy, urls, extra_args=extra, env=baseline_env(baseline))
         for peer in peers:
             for peer_policy in peer_policies:
                 name = f"peer:{peer}" if peer_policy == "cache_aware" else f"peer:{peer}:{peer_policy}"
