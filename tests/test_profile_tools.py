@@ -69,3 +69,21 @@ def test_stage_timers_name_functions_that_exist() -> None:
         for part in path.split("."):
             owner = getattr(owner, part)
         assert callable(owner)
+
+
+def test_a_baseline_tree_is_what_python_m_runs(tmp_path) -> None:
+    """``python -m`` from the checkout puts the checkout first; the baseline env must not."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks.overhead import baseline_env
+
+    (tmp_path / "router").mkdir()
+    (tmp_path / "router" / "__init__.py").write_text("")
+    (tmp_path / "router" / "whoami.py").write_text("print(__file__)\n")
+    checkout = Path(__file__).resolve().parents[1]
+    ran = subprocess.run([sys.executable, "-m", "router.whoami"], cwd=checkout, capture_output=True,
+                         text=True, env={**os.environ, **baseline_env(tmp_path)}, check=True)
+    assert Path(ran.stdout.strip()).resolve() == (tmp_path / "router" / "whoami.py").resolve()
