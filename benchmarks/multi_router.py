@@ -19,7 +19,6 @@ import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import orjson
 
@@ -131,8 +130,8 @@ async def _main(args: argparse.Namespace) -> int:
         for workload in workloads:
             runs: dict[Arrangement, list[tuple[float, float]]] = {a: [] for a in arrangements(counts)}
             for _ in range(args.repeat):  # rounds: every arrangement once, then again
-                for arrangement in runs:
-                    runs[arrangement].append(await run_one(arrangement, workload, fleet, settings, args.tokenizer))
+                for arrangement, results in runs.items():
+                    results.append(await run_one(arrangement, workload, fleet, settings, args.tokenizer))
             rows += [Row(a.name, workload.name, [h for h, _ in r], [t for _, t in r]) for a, r in runs.items()]
     finally:
         fleet.stop()

@@ -164,7 +164,9 @@ class Settings(BaseSettings):
         description="engine port for --discovery k8s (default: the slice's port named http, else its first)",
     )
     k8s_api_url: str | None = Field(
-        default=None, description="Kubernetes API URL (default: in-cluster https://kubernetes.default.svc)"
+        default=None,
+        description="Kubernetes API URL, overriding the server of the in-cluster service account "
+        "or of the kubeconfig ($KUBECONFIG, ~/.kube/config) used outside a pod",
     )
 
     # --- routing ---------------------------------------------------------------------
