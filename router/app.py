@@ -22,7 +22,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
 import aiohttp
@@ -108,6 +108,9 @@ def build_app(
         settings=settings, pool=pool, routing=routing, metrics=metrics, admission=admission, gate=gate,
         precise=precise, exchange=_peer_exchange(settings, pool, routing),
     )
+    if state.exchange is not None:
+        exchange = state.exchange
+        metrics.watch_peer_exchange(lambda: asdict(exchange.stats))
 
     app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
     app[STATE] = state

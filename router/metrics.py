@@ -250,6 +250,23 @@ class _RuntimeCollector:
         yield from (tasks_family, active, queued, rejected, clients)
 
 
+class _PeerExchangeCollector:
+    """``kvroute_peer_placements_total{event}``: placements published to and received from peer routers."""
+
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "kvroute_peer_placements", "Placements exchanged with peer routers, by event "
+            "(published, received, dropped_budget: over --peer-max-bytes-per-s, malformed).",
+            labels=["event"],
+        )
+        for event, count in self._counts().items():
+            family.add_metric([event], count)
+        yield family
+
+
 class RouterMetrics:
     """Every metric of the router, in its own :class:`CollectorRegistry`."""
 
@@ -281,6 +298,10 @@ class RouterMetrics:
         ProcessCollector(namespace="kvroute", registry=self.registry)
         if runtime is not None:
             self.registry.register(_RuntimeCollector(runtime))
+
+    def watch_peer_exchange(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Export the placement exchange's counters (``--peer-bind`` / ``--peers``)."""
+        self.registry.register(_PeerExchangeCollector(counts))
 
     # --- hot path ----------------------------------------------------------------------
     def record_request(

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from conftest import RouterServer
@@ -119,3 +120,14 @@ def test_over_budget_placements_are_dropped_and_counted(sim_engines: Any, router
     first, _ = _pair(sim_engines, router_server, peer_max_bytes_per_s=64)
     _ask(first, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}])
     assert first.state.exchange.stats.dropped_budget == 1 and first.state.exchange.stats.published == 0
+
+
+def test_the_exchange_counts_on_metrics(sim_engines: Any, router_server: Any) -> None:
+    first, second = _pair(sim_engines, router_server)
+    _ask(first, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}])
+    _wait_for(lambda: second.state.exchange.stats.received >= 1)
+    published = httpx.get(first.url + "/metrics").text
+    received = httpx.get(second.url + "/metrics").text
+    assert 'kvroute_peer_placements_total{event="published"} 1.0' in published
+    assert 'kvroute_peer_placements_total{event="received"} 1.0' in received
+    assert 'kvroute_peer_placements_total{event="dropped_budget"} 0.0' in received
