@@ -179,16 +179,7 @@ def format_table(results: Sequence[TargetResult]) -> str:
     if swept:
         header = ("setting", *header)
         rows = [(result.setting, *row) for result, row in zip(results, rows)]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(header, widths))]
-    lines.append("  ".join("-" * width for width in widths))
-    group_columns = 2 if swept else 1
-    previous = None
-    for row in rows:
-        if previous is not None and row[:group_columns] != previous:
-            lines.append("")
-        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-        previous = row[:group_columns]
+    lines = _aligned(header, rows, group_columns=2 if swept else 1)
     notes = [f"  {r.workload} / {r.target}: {r.errors} errors, e.g. {r.error_sample}"
              for r in results if r.error_sample]
     if notes:
@@ -229,18 +220,22 @@ def format_repeats(results: Sequence[TargetResult]) -> str:
         cells = [_spread([getattr(run, attribute) for run in runs], spec)
                  for _, attribute, spec in _REPEAT_COLUMNS]
         rows.append((*((setting,) if swept else ()), workload, target, str(len(runs)), *cells))
+    return "\n".join(["median [min-max] over the runs", *_aligned(header, rows, group_columns=2 if swept else 1)])
+
+
+def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]], group_columns: int) -> list[str]:
+    """Left-aligned columns under a rule, with a blank line wherever the first
+    ``group_columns`` cells change (one group per workload, or per setting and workload)."""
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = ["median [min-max] over the runs",
-             "  ".join(cell.ljust(width) for cell, width in zip(header, widths)).rstrip(),
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(header, widths)).rstrip(),
              "  ".join("-" * width for width in widths)]
-    group_columns = 2 if swept else 1
     previous = None
     for row in rows:
-        if previous is not None and row[:group_columns] != previous:
+        if previous is not None and tuple(row[:group_columns]) != previous:
             lines.append("")
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-        previous = row[:group_columns]
-    return "\n".join(lines)
+        previous = tuple(row[:group_columns])
+    return lines
 
 
 #: What a plot shows of repeated runs: the median of each of these.
