@@ -27,7 +27,7 @@ COPY benchmarks/ benchmarks/
 # extra is the Kubernetes client that --discovery k8s (the Helm chart's default) needs.
 RUN pip install --no-cache-dir ./[k8s] \
     && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin kvroute \
-    && python -c "import tokenizer_index.kernels" \
+    && python -c "import kvroute.tokenizer_index.kernels" \
     && chown -R 10001:10001 /var/cache/kvroute
 
 USER 10001:10001

@@ -5,7 +5,7 @@ engines with empty caches: each ``--policies`` entry behind a fresh ``kvroute se
 installed ``--peer`` router, and ``bound``, the hit rate of one unbounded cache over the same
 request sequence (computed offline with the same tokenizer and block size). A progress bar
 goes to stderr, the table to stdout, and with ``--out DIR`` ``results.json`` and
-``summary.png`` (see :mod:`benchmarks.results`).
+``summary.png`` (see :mod:`kvroute.benchmarks.results`).
 
     kvroute bench --engine sim --replicas 4 --time-scale 10 \\
         --workload system-prompt --workload agent-sessions --sessions 4,8,16,32 \\
@@ -13,7 +13,7 @@ goes to stderr, the table to stdout, and with ``--out DIR`` ``results.json`` and
         --policies round_robin,sticky,cache_aware --peer sglang-router --out bench-out
 
 ``kvroute bench --overhead ...`` measures the router's own cost instead (see
-:mod:`benchmarks.overhead`).
+:mod:`kvroute.benchmarks.overhead`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import aiohttp
 
-from benchmarks import fleet as fleets
-from benchmarks import mooncake
-from benchmarks.bounds import Prompt, bounds
-from benchmarks.fleet import (
+from kvroute.benchmarks import fleet as fleets
+from kvroute.benchmarks import mooncake
+from kvroute.benchmarks.bounds import Prompt, bounds
+from kvroute.benchmarks.fleet import (
     PEERS,
     EngineCounters,
     ExternalFleet,
@@ -43,8 +43,8 @@ from benchmarks.fleet import (
     SimFleet,
     SimSpec,
 )
-from benchmarks.replay import Progress, ReplayResult, replay
-from benchmarks.results import (
+from kvroute.benchmarks.replay import Progress, ReplayResult, replay
+from kvroute.benchmarks.results import (
     BOUND_FLEET_TARGET,
     BOUND_TARGET,
     PEER_PREFIX,
@@ -58,15 +58,15 @@ from benchmarks.results import (
     shares,
     write_json,
 )
-from benchmarks.workloads import (
+from kvroute.benchmarks.workloads import (
     CHAT_ENDPOINT,
     WORKLOAD_KINDS,
     Workload,
     WorkloadOptions,
     make_workloads,
 )
-from router.config import POLICY_NAMES
-from router.policies import LOAD_ONLY_POLICIES
+from kvroute.router.config import POLICY_NAMES
+from kvroute.router.routing.policies import LOAD_ONLY_POLICIES
 
 #: Each sim engine's KV cache when ``--kv-capacity-tokens`` is not given.
 DEFAULT_SIM_CAPACITY_TOKENS = 65536
@@ -74,7 +74,7 @@ DEFAULT_SIM_CAPACITY_TOKENS = 65536
 
 def workload_prompts(workload: Workload, block_size: int, tokenizer_path: str | None) -> list[Prompt]:
     """Every request's prompt as block hashes, tokenized as the engines and routers do."""
-    from tokenizer_index import RequestTokenizer
+    from kvroute.tokenizer_index import RequestTokenizer
 
     tokenizer = (
         RequestTokenizer.from_pretrained(tokenizer_path) if tokenizer_path
@@ -310,7 +310,7 @@ async def _served_model(url: str) -> str:
 def _token_range(tokenizer_path: str | None) -> tuple[int, int]:
     """Token ids a Mooncake prompt may use: past the byte alphabet, below the special tokens
     (which the default and most Hugging Face tokenizers append at the end)."""
-    from tokenizer_index import RequestTokenizer
+    from kvroute.tokenizer_index import RequestTokenizer
 
     tokenizer = (
         RequestTokenizer.from_pretrained(tokenizer_path) if tokenizer_path
@@ -492,9 +492,9 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """``kvroute bench``; ``kvroute bench --overhead`` runs :mod:`benchmarks.overhead`."""
+    """``kvroute bench``; ``kvroute bench --overhead`` runs :mod:`kvroute.benchmarks.overhead`."""
     if "--overhead" in argv:
-        from benchmarks import overhead
+        from kvroute.benchmarks import overhead
 
         return overhead.main([arg for arg in argv if arg != "--overhead"])
     return fleets.run_stoppable(_main(build_parser().parse_args(argv)))

@@ -1,8 +1,8 @@
 """Block hashing and the prefix index: speed at 2K/32K/128K-token prompts, memory at 1M blocks.
 
-    python -m benchmarks.bench_index [--backends 16] [--blocks 1000000] [--out bench-out/index.json]
+    python -m kvroute.benchmarks.bench_index [--backends 16] [--blocks 1000000] [--out bench-out/index.json]
 
-1. **hashing**: :func:`~tokenizer_index.hashing.block_hashes` of int64 token arrays (what
+1. **hashing**: :func:`~kvroute.tokenizer_index.hashing.block_hashes` of int64 token arrays (what
    the router hashes once per request), and from a Python list (numpy's conversion cost).
 2. **fill**: ``--backends`` backends with ``--blocks / --backends`` blocks of capacity
    each, filled to capacity with conversations (1-8K-token turns) behind four system
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenizer_index import PrefixIndex
-from tokenizer_index.hashing import block_hashes
+from kvroute.tokenizer_index import PrefixIndex
+from kvroute.tokenizer_index.hashing import block_hashes
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = (2_048, 32_768, 131_072)
@@ -245,7 +245,7 @@ def format_report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_index", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.bench_index", description=__doc__.split("\n")[0])
     parser.add_argument("--backends", type=int, default=16)
     parser.add_argument("--blocks", type=int, default=1_000_000, help="backend-blocks in the filled index")
     parser.add_argument("--repeats", type=int, default=30, help="repetitions at 128K tokens (more when shorter)")

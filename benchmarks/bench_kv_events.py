@@ -1,6 +1,6 @@
 """How fast the router takes in KV events: decode, apply, and the whole ZeroMQ path.
 
-``python -m benchmarks.bench_kv_events [--out bench-out/kv_events.json] [--quick]``
+``python -m kvroute.benchmarks.bench_kv_events [--out bench-out/kv_events.json] [--quick]``
 
 Three measurements, each on vLLM-shaped traffic (a step = one message holding stores of
 new blocks, continuing earlier ones, and evictions of old ones, so the index stays at a
@@ -37,8 +37,8 @@ import msgspec
 import numpy as np
 import zmq
 
-from router.kv_events import KVEventDecoder, KVEventsState
-from router.precise_index import PreciseIndex
+from kvroute.router.routing.kv_events import KVEventDecoder, KVEventsState
+from kvroute.router.routing.precise_index import PreciseIndex
 
 ENCODE = msgspec.msgpack.Encoder().encode
 BACKEND = "http://127.0.0.1:1"

@@ -1,11 +1,11 @@
 """The proxy's own cost: throughput, added latency, router CPU per request, and stream TTFB.
 
-    python -m benchmarks.bench_proxy [--seconds 3] [--rounds 3] [--concurrency 32,128]
+    python -m kvroute.benchmarks.bench_proxy [--seconds 3] [--rounds 3] [--concurrency 32,128]
                                      [--policies round_robin] [--out bench-out/proxy.json]
 
 Two parts, each measured direct and through ``kvroute serve`` (a subprocess per policy):
 
-1. **Request overhead** (:mod:`benchmarks.overhead`, shared with ``kvroute bench
+1. **Request overhead** (:mod:`kvroute.benchmarks.overhead`, shared with ``kvroute bench
    --overhead``): a closed loop of C clients sending a fixed ~2 KB chat request to a
    trivial upstream; requests/s, latency p50/p99, latency added over direct, and the
    router's CPU time per request from ``/proc/<pid>/stat``.
@@ -36,10 +36,10 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from benchmarks import fleet as fleets
-from benchmarks.fleet import ManagedProcess, SimSpec, free_port
-from benchmarks.overhead import DIRECT, MODEL, format_rows, run_overhead
-from benchmarks.results import percentile
+from kvroute.benchmarks import fleet as fleets
+from kvroute.benchmarks.fleet import ManagedProcess, SimSpec, free_port
+from kvroute.benchmarks.overhead import DIRECT, MODEL, format_rows, run_overhead
+from kvroute.benchmarks.results import percentile
 
 STREAM_MAX_TOKENS = 16
 
@@ -177,7 +177,7 @@ def machine() -> dict[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_proxy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.bench_proxy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", default="round_robin", help="comma list of kvroute policies")
     parser.add_argument("--concurrency", default="32,128")
     parser.add_argument("--seconds", type=float, default=3.0, help="per overhead run")

@@ -17,7 +17,7 @@ list form pays before hashing. Each repetition measures the variants back to bac
 machine conditions); the tables show medians. Incremental ids and arrays are checked equal to
 full ids every time. Target: incremental <= 5 % of full at 100K::
 
-    python -m benchmarks.bench_tokenizer [--tokenizer DIR] [--repeats 7] [--out bench-out/tokenizer.json]
+    python -m kvroute.benchmarks.bench_tokenizer [--tokenizer DIR] [--repeats 7] [--out bench-out/tokenizer.json]
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.workloads import words
-from tokenizer_index import RequestTokenizer
+from kvroute.benchmarks.workloads import words
+from kvroute.tokenizer_index import RequestTokenizer
 
 HISTORY_TOKENS = (10_000, 50_000, 100_000)
 HISTORY_MESSAGES = 100

@@ -1,12 +1,12 @@
 """CPU per response of the upstream client's parser, this checkout against another one.
 
-    python3 -m benchmarks.bench_upstream_parse [--before /tmp/kv-before] [--rounds 7]
+    python3 -m kvroute.benchmarks.bench_upstream_parse [--before /tmp/kv-before] [--rounds 7]
 
-Feeds two typical engine answers to one kept-alive ``router.upstream._Connection`` over
-the stand-in transport of :mod:`benchmarks.upstream_cases`, reads them as the proxy does,
+Feeds two typical engine answers to one kept-alive ``kvroute.router.forwarding.upstream._Connection`` over
+the stand-in transport of :mod:`kvroute.benchmarks.upstream_cases`, reads them as the proxy does,
 and times process CPU: a JSON completion (uvicorn's head and a Content-Length body, one
 packet) and a streamed one (a chunked head, then 64 SSE events of 174 bytes, one packet
-each, as tokens arrive). With ``--before PATH`` the ``router/upstream.py`` of that checkout is timed in the
+each, as tokens arrive). With ``--before PATH`` the ``router/forwarding/upstream.py`` of that checkout is timed in the
 same rounds, alternating, and the medians of both are printed side by side. Process CPU is
 far steadier than a load test's on a shared machine, and it is the parser's own cost.
 """
@@ -22,8 +22,8 @@ from types import ModuleType
 
 import orjson
 
-import router.upstream
-from benchmarks.upstream_cases import STILL_LOOP, Wire, read_now
+from kvroute.router.forwarding import upstream as this_upstream
+from kvroute.benchmarks.upstream_cases import STILL_LOOP, Wire, read_now
 
 _REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: engine\r\nContent-Length: 2\r\n\r\n"
 _JSON_BODY = orjson.dumps({
@@ -55,8 +55,11 @@ ANSWERS: dict[str, list[bytes]] = {
 
 
 def load_upstream(tree: Path) -> ModuleType:
-    """``router/upstream.py`` of another checkout, as a module of its own."""
-    spec = importlib.util.spec_from_file_location("upstream_before", tree / "router" / "upstream.py")
+    """``router/forwarding/upstream.py`` of another checkout, as a module of its own."""
+    path = tree / "router" / "forwarding" / "upstream.py"
+    if not path.exists():  # checkouts before the rooms
+        path = tree / "router" / "upstream.py"
+    spec = importlib.util.spec_from_file_location("upstream_before", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=2000)
     args = parser.parse_args(argv)
-    modules = {"after" if args.before else "this": router.upstream}
+    modules = {"after" if args.before else "this": this_upstream}
     if args.before:
         modules = {"before": load_upstream(args.before), **modules}
     for name, packets in ANSWERS.items():

@@ -4,7 +4,7 @@ Precise mode in front of SGLang at page size 1 makes the router index every toke
 block size its KV events announce); this measures that price in process, cache_aware over
 4 backends, token-id prompts half shared (no tokenizer time)::
 
-    python -m benchmarks.block_size_cost
+    python -m kvroute.benchmarks.block_size_cost
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 
-from router.backends import Backend
-from router.config import Settings
-from router.routing import RoutingEngine
+from kvroute.router.fleet.backends import Backend
+from kvroute.router.config import Settings
+from kvroute.router.routing.routing_engine import RoutingEngine
 
 
 def run(block_size: int, prompt_len: int, requests: int = 200) -> float:

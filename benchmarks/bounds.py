@@ -13,7 +13,7 @@ is always computed.
     It bounds every router on that fleet, over that request order (proof below).
 ``pooled_lru``
     The same pooled cache evicted LRU, a sequence's tail before its head, exactly as one
-    sim engine (``tokenizer_index.PrefixIndex``) evicts: what one big replica would keep.
+    sim engine (``kvroute.tokenizer_index.PrefixIndex``) evicts: what one big replica would keep.
 
 Why ``bound_fleet`` bounds every router (and is exact for the pooled cache):
 
@@ -49,7 +49,7 @@ prefix and are in flight together), which a sequential replay does not credit. B
 generated output are not counted (the workloads' next turns carry the workload's own reply
 text, never the engine's output, so those blocks are never hit); a running request's
 blocks need not fit; a prompt longer than one replica's cache is allowed in the pool.
-``tests/test_bounds.py`` checks the rule against brute force over every keep/evict choice
+``tests/benchmarks/test_bounds.py`` checks the rule against brute force over every keep/evict choice
 and over every routing of tiny two-replica fleets.
 """
 
@@ -61,8 +61,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenizer_index import PrefixIndex
-from tokenizer_index.hashing import block_hashes
+from kvroute.tokenizer_index import PrefixIndex
+from kvroute.tokenizer_index.hashing import block_hashes
 
 #: "Never used again" as a next-use position.
 NEVER = float("inf")

@@ -9,24 +9,24 @@ the engines restarted (empty caches) between policies, the same requests for all
 
 The references are the hit rate of one unbounded cache over the same request sequence
 (``bound``) and of one cache of the fleet's total capacity evicted optimally
-(``bound_fleet``, see :mod:`benchmarks.bounds`). Hit rates are the engines' own counters (``vllm:prefix_cache_hits_total`` /
+(``bound_fleet``, see :mod:`kvroute.benchmarks.bounds`). Hit rates are the engines' own counters (``vllm:prefix_cache_hits_total`` /
 ``vllm:prefix_cache_queries_total`` summed over the replicas). The summary says, per
 workload, whether the fleet's total cache holds the working set (the tokens of every
 session's last prompt) and how close each policy gets to the bound; cache_aware should
 reach 90 % of it where the working set fits.
 
-    python -m benchmarks.compare_policies --out compare-out
+    python -m kvroute.benchmarks.compare_policies --out compare-out
 
 prints the full ``kvroute bench`` table and the summary, and writes ``compare.json``
 (summary rows plus every result). The measure here is the hit rate: the sims run 20x
 faster than real time, so on a small machine TTFT is largely the router's and the sims'
 own CPU time (tokenizing 20K-token prompts), which load-only policies do not spend. ``--quick`` runs a smaller sweep. Knobs of the policy
 can be varied through the environment of the routers it starts, e.g.
-``KVROUTE_LOAD_WEIGHT=0.5 python -m benchmarks.compare_policies``.
+``KVROUTE_LOAD_WEIGHT=0.5 python -m kvroute.benchmarks.compare_policies``.
 
 This is the small, self-contained comparison of the cache-aware issue; the general tool
 with more workloads, traces and peer routers is ``kvroute bench``
-(:mod:`benchmarks.bench`), whose fleet, replay and result code this reuses.
+(:mod:`kvroute.benchmarks.bench`), whose fleet, replay and result code this reuses.
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.bench import RunSettings, run_bench
-from benchmarks.fleet import SimFleet, SimSpec, run_stoppable
-from benchmarks.results import (
+from kvroute.benchmarks.bench import RunSettings, run_bench
+from kvroute.benchmarks.fleet import SimFleet, SimSpec, run_stoppable
+from kvroute.benchmarks.results import (
     BOUND_FLEET_TARGET,
     BOUND_TARGET,
     TargetResult,
     format_table,
 )
-from benchmarks.workloads import Workload, WorkloadOptions, make_workloads
+from kvroute.benchmarks.workloads import Workload, WorkloadOptions, make_workloads
 
 POLICIES = ("round_robin", "sticky", "cache_aware")
 #: cache_aware's target on workloads whose working set fits the fleet's caches.
@@ -71,7 +71,7 @@ class SummaryRow:
 
 def working_set_tokens(workload: Workload, tokenizer_path: str | None) -> int:
     """Tokens of every session's last prompt: what the fleet must hold to keep them all."""
-    from tokenizer_index import RequestTokenizer
+    from kvroute.tokenizer_index import RequestTokenizer
 
     tokenizer = (
         RequestTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else RequestTokenizer.default()
@@ -136,7 +136,7 @@ def format_summary(rows: list[SummaryRow], policies: tuple[str, ...]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.compare_policies",
+        prog="python -m kvroute.benchmarks.compare_policies",
         description="Engine-observed hit rate of round_robin, sticky and cache_aware on 4 sim "
         "engines with finite caches, next to one unbounded cache.",
     )

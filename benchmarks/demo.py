@@ -16,11 +16,11 @@ import asyncio
 import sys
 import time
 
-from benchmarks import fleet as fleets
-from benchmarks.bench import RunSettings, run_target, unbounded_hit_rate
-from benchmarks.fleet import SimFleet, SimSpec
-from benchmarks.results import TargetResult
-from benchmarks.workloads import WorkloadOptions, make_workloads
+from kvroute.benchmarks import fleet as fleets
+from kvroute.benchmarks.bench import RunSettings, run_target, unbounded_hit_rate
+from kvroute.benchmarks.fleet import SimFleet, SimSpec
+from kvroute.benchmarks.results import TargetResult
+from kvroute.benchmarks.workloads import WorkloadOptions, make_workloads
 
 POLICIES = ("round_robin", "cache_aware")
 

@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.engines import ENGINES
+from kvroute.router.engines import ENGINES
 
 
 class FleetError(RuntimeError):
@@ -159,7 +159,7 @@ def run_stoppable(main: Coroutine[Any, Any, int]) -> int:
 
 def _kvroute(*args: str) -> list[str]:
     """The ``kvroute`` command, run by this interpreter (works without the script on PATH)."""
-    return [sys.executable, "-m", "router.cli", *args]
+    return [sys.executable, "-m", "kvroute.router.cli", *args]
 
 
 def stop_all(processes: Iterable[ManagedProcess]) -> None:
@@ -251,7 +251,7 @@ class SimFleet:
         self.stop()
         # Compile the index kernels once here, so that the replicas (and the routers after
         # them) load numba's cache instead of all compiling them at once on a fresh machine.
-        importlib.import_module("tokenizer_index.kernels")
+        importlib.import_module("kvroute.tokenizer_index.kernels")
         self.processes = [
             ManagedProcess(f"sim-{number}", self.spec.argv(port), url)
             for number, (port, url) in enumerate(zip(self.ports, self.urls))

@@ -1,10 +1,10 @@
 """Fuzzing the router's HTTP surface: generated requests, zero router 5xx, zero crashes.
 
-``python -m benchmarks.fuzz --cases 100000`` starts two sim engines and ``kvroute serve``
+``python -m kvroute.benchmarks.fuzz --cases 100000`` starts two sim engines and ``kvroute serve``
 (subprocesses), sends that many generated requests (8 at a time), checks every answer,
 prints a table and writes ``fuzz.json``. The cases come from two sources:
 
-* a corpus drawn from the hypothesis strategies below (the same ones ``tests/test_fuzz.py``
+* a corpus drawn from the hypothesis strategies below (the same ones ``tests/router/http/test_fuzz.py``
   runs in CI): random bytes; JSON of every type at the top level; chat / completion bodies
   with wrong types in any field, huge numbers, odd unicode, lone surrogates (invalid
   UTF-8 on the wire); valid bodies with bytes flipped, cut or inserted; nesting 10^4
@@ -38,7 +38,7 @@ import hypothesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from router.request_info import ENDPOINTS
+from kvroute.router.routing.request_info import ENDPOINTS
 
 PROXIED_PATHS = [endpoint.path for endpoint in ENDPOINTS]
 OTHER_PATHS = ["/", "/v1", "/v1/models", "/health", "/metrics", "/openapi.json", "/admin/backends",
@@ -335,7 +335,7 @@ async def fuzz(base_url: str, cases: Any, stats: FuzzStats, concurrency: int = 8
 
 # --- the benchmark -----------------------------------------------------------------------
 async def _run(args: argparse.Namespace) -> tuple[FuzzStats, dict[str, Any]]:
-    from benchmarks.fleet import SimFleet, SimSpec, start_router
+    from kvroute.benchmarks.fleet import SimFleet, SimSpec, start_router
 
     print(f"drawing a corpus of {args.corpus} cases from the hypothesis strategies...", file=sys.stderr)
     seeds = corpus(args.corpus, args.seed)
@@ -361,7 +361,7 @@ async def _run(args: argparse.Namespace) -> tuple[FuzzStats, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.fuzz", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.fuzz", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=100_000)
     parser.add_argument("--corpus", type=int, default=1_000, help="cases drawn from hypothesis itself")
     parser.add_argument("--concurrency", type=int, default=8)

@@ -1,10 +1,10 @@
 """Differential fuzz run of kvroute's response parser against h11 (10^6 cases by default).
 
-    python3 -m benchmarks.fuzz_upstream --cases 1000000 --workers 2
+    python3 -m kvroute.benchmarks.fuzz_upstream --cases 1000000 --workers 2
 
-Each case comes from :func:`benchmarks.upstream_cases.draw_case` with its own seed (case
+Each case comes from :func:`kvroute.benchmarks.upstream_cases.draw_case` with its own seed (case
 ``i`` is seed ``start + i``: any reported seed replays alone with ``--start SEED --cases 1``)
-and is judged by :func:`benchmarks.upstream_cases.check`. Prints, and with ``--json`` writes,
+and is judged by :func:`kvroute.benchmarks.upstream_cases.check`. Prints, and with ``--json`` writes,
 the number of cases, kvroute's verdicts, how often each generated feature occurred, the
 cases per second, and every disagreement's seed and reason (exit status 1 if any).
 """
@@ -20,7 +20,7 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
-from benchmarks.upstream_cases import RandomDraw, draw_case, judge
+from kvroute.benchmarks.upstream_cases import RandomDraw, draw_case, judge
 
 _BATCH = 5_000
 

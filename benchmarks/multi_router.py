@@ -1,6 +1,6 @@
 """Several router replicas behind a client-side round robin: how much hit rate survives.
 
-``python -m benchmarks.multi_router --routers 1,2,4 [kvroute bench's workload and fleet flags]``
+``python -m kvroute.benchmarks.multi_router --routers 1,2,4 [kvroute bench's workload and fleet flags]``
 
 For each router count N it starts N ``kvroute serve --policy cache_aware`` replicas in
 front of the same simulated engines and sends the workload request by request to router
@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass
 
 import orjson
 
-from benchmarks import fleet as fleets
-from benchmarks.bench import RunSettings, _sim_fleet, _token_range, build_parser, default_block_size, summarize
-from benchmarks.fleet import SimFleet, free_port
-from benchmarks.replay import Progress, replay
-from benchmarks.workloads import Workload, WorkloadOptions, make_workloads
+from kvroute.benchmarks import fleet as fleets
+from kvroute.benchmarks.bench import RunSettings, _sim_fleet, _token_range, build_parser, default_block_size, summarize
+from kvroute.benchmarks.fleet import SimFleet, free_port
+from kvroute.benchmarks.replay import Progress, replay
+from kvroute.benchmarks.workloads import Workload, WorkloadOptions, make_workloads
 
 MODES = ("approximate", "exchange")
 
@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
     own.add_argument("--routers", default="1,2", help="router replica counts to compare (comma separated)")
     mine, rest = own.parse_known_args(argv)
     parser = build_parser()
-    parser.prog = "python -m benchmarks.multi_router"
+    parser.prog = "python -m kvroute.benchmarks.multi_router"
     args = parser.parse_args(rest)
     args.routers = mine.routers
     return fleets.run_stoppable(_main(args))

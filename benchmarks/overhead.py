@@ -39,12 +39,12 @@ from typing import Any
 import aiohttp
 import orjson
 
-from benchmarks import fleet as fleets
-from benchmarks.fleet import PEERS, ManagedProcess, free_port
-from benchmarks.replay import Progress
-from benchmarks.results import percentile
-from benchmarks.workloads import words
-from router.config import POLICY_NAMES
+from kvroute.benchmarks import fleet as fleets
+from kvroute.benchmarks.fleet import PEERS, ManagedProcess, free_port
+from kvroute.benchmarks.replay import Progress
+from kvroute.benchmarks.results import percentile
+from kvroute.benchmarks.workloads import words
+from kvroute.router.config import POLICY_NAMES
 
 DIRECT = "direct"
 MODEL = "overhead"
@@ -134,7 +134,7 @@ def serve_upstream(port: int) -> None:
 
 def start_upstream() -> ManagedProcess:
     port = free_port()
-    argv = [sys.executable, "-m", "router.cli", "bench", "--overhead", "--serve-upstream",
+    argv = [sys.executable, "-m", "kvroute.router.cli", "bench", "--overhead", "--serve-upstream",
             str(port)]
     return ManagedProcess("overhead-upstream", argv, f"http://127.0.0.1:{port}")
 
@@ -424,7 +424,7 @@ class Target:
 
 
 def baseline_env(tree: Path) -> dict[str, str]:
-    """The environment that runs ``python -m router.cli`` from ``tree``: its path first, and
+    """The environment that runs ``python -m kvroute.router.cli`` from ``tree``: its path first, and
     not the working directory's (``-m`` would put the current checkout before it)."""
     return {"PYTHONPATH": str(tree.resolve()), "PYTHONSAFEPATH": "1"}
 
@@ -508,7 +508,7 @@ def _csv(value: str) -> list[str]:
 
 
 def _serve_has_workers() -> bool:
-    from router.serve import build_parser as serve_parser
+    from kvroute.router.serve import build_parser as serve_parser
 
     return any("--workers" in action.option_strings for action in serve_parser()._actions)
 
@@ -548,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    """``kvroute bench --overhead`` (the flag itself is removed by :func:`benchmarks.bench.main`)."""
+    """``kvroute bench --overhead`` (the flag itself is removed by :func:`kvroute.benchmarks.bench.main`)."""
     args = build_parser().parse_args(argv)
     if args.serve_upstream is not None:
         serve_upstream(args.serve_upstream)

@@ -1,8 +1,8 @@
 """Where a router's CPU goes per request: py-spy samples of a loaded ``kvroute serve``, by stage.
 
-    python3 -m benchmarks.profile_request --policy cache_aware --seconds 20 --label before
+    python3 -m kvroute.benchmarks.profile_request --policy cache_aware --seconds 20 --label before
 
-Starts the trivial upstreams of :mod:`benchmarks.overhead` and a ``kvroute serve --policy
+Starts the trivial upstreams of :mod:`kvroute.benchmarks.overhead` and a ``kvroute serve --policy
 POLICY`` in front of them, loads it from closed-loop clients with the overhead benchmark's
 ~2 KB chat bodies (64 system prompts), and samples the router with ``py-spy record`` while
 the router's CPU time is read from ``/proc``. Each sample is charged to one stage: the
@@ -38,9 +38,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks import fleet as fleets
-from benchmarks.fleet import ManagedProcess, free_port
-from benchmarks.overhead import chat_bodies, closed_loop, start_upstream
+from kvroute.benchmarks import fleet as fleets
+from kvroute.benchmarks.fleet import ManagedProcess, free_port
+from kvroute.benchmarks.overhead import chat_bodies, closed_loop, start_upstream
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -53,15 +53,15 @@ STAGES: dict[str, tuple[str, ...]] = {
                  "tokenizer_index/hf_files.py"),
     "hash": ("tokenizer_index/hashing.py",),
     "index": ("tokenizer_index/prefix_index.py", "tokenizer_index/bucket_table.py",
-              "tokenizer_index/kernels.py", "router/precise_index.py", "router/cache_model.py"),
-    "policy": ("router/policies/", "router/routing.py", "router/decisions.py", "router/admission.py",
-               "router/backends.py", "router/breaker.py", "router/backend_access.py"),
-    "parse": ("router/request_info.py",),
-    "metrics": ("router/metrics.py", "/prometheus_client/"),
-    "upstream": ("router/upstream.py",),
-    "relay": ("router/proxy.py", "router/usage.py", "router/errors.py"),
-    "http server": ("/aiohttp/", "/multidict/", "/yarl/", "/asyncio/", "uvloop", "router/app.py",
-                    "router/security.py"),
+              "tokenizer_index/kernels.py", "router/routing/precise_index.py", "router/routing/cache_model.py"),
+    "policy": ("router/routing/policies/", "router/routing/routing_engine.py", "router/routing/decisions.py", "router/forwarding/admission.py",
+               "router/fleet/backends.py", "router/fleet/breaker.py", "router/fleet/backend_access.py"),
+    "parse": ("router/routing/request_info.py",),
+    "metrics": ("router/forwarding/metrics.py", "/prometheus_client/"),
+    "upstream": ("router/forwarding/upstream.py",),
+    "relay": ("router/forwarding/proxy.py", "router/engines/usage.py", "router/errors.py"),
+    "http server": ("/aiohttp/", "/multidict/", "/yarl/", "/asyncio/", "uvloop", "router/http/app.py",
+                    "router/http/security.py"),
 }
 
 
@@ -179,9 +179,9 @@ async def profile_router(policy: str, seconds: float, concurrency: int, rate: in
 
 async def _start_timed_router(policy: str, backends: Sequence[str], out: Path,
                               extra_args: Sequence[str]) -> ManagedProcess:
-    """``kvroute serve`` under :mod:`benchmarks.stage_timers`, all backends healthy."""
+    """``kvroute serve`` under :mod:`kvroute.benchmarks.stage_timers`, all backends healthy."""
     port = free_port()
-    argv = [sys.executable, "-m", "benchmarks.stage_timers", str(out), "serve", "--host",
+    argv = [sys.executable, "-m", "kvroute.benchmarks.stage_timers", str(out), "serve", "--host",
             "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warning",
             *(arg for url in backends for arg in ("--backend", url)), *extra_args]
     router = ManagedProcess(f"timed-{policy}", argv, f"http://127.0.0.1:{port}")
@@ -244,7 +244,7 @@ def format_timed(policy: str, requests: int, cpu_us: float, stages: Sequence[Tim
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m benchmarks.profile_request",
+    parser = argparse.ArgumentParser(prog="python3 -m kvroute.benchmarks.profile_request",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", default="cache_aware")
     parser.add_argument("--seconds", type=float, default=20.0)
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(use with a --per-prompt large enough for the run)")
     parser.add_argument("--timers", action="store_true",
                         help="instead of py-spy: thread CPU per routing stage, timed inside the "
-                        "router (benchmarks.stage_timers); writes profile-LABEL-timers.txt/.json")
+                        "router (kvroute.benchmarks.stage_timers); writes profile-LABEL-timers.txt/.json")
     parser.add_argument("--label", default="current")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("router_args", nargs="*", help="extra kvroute serve flags (after --)")
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             args.policy, args.seconds, args.concurrency, args.rate, stacks_path, args.router_args,
             per_prompt=args.per_prompt, warm=not args.cold)
         profile = summarize(args.label, args.policy, read_stacks(stacks_path), requests, seconds, cpu_s)
-        command = "python3 -m benchmarks.profile_request " + " ".join(argv or sys.argv[1:])
+        command = "python3 -m kvroute.benchmarks.profile_request " + " ".join(argv or sys.argv[1:])
         text = format_profile(profile, command)
         print(text, end="")
         base.with_suffix(".txt").write_text(text)
@@ -297,7 +297,7 @@ def _main_timers(args: argparse.Namespace, argv: list[str] | None) -> int:
             args.policy, args.seconds, args.concurrency, raw, args.router_args,
             per_prompt=args.per_prompt)
         raw.unlink(missing_ok=True)
-        command = "python3 -m benchmarks.profile_request " + " ".join(argv or sys.argv[1:])
+        command = "python3 -m kvroute.benchmarks.profile_request " + " ".join(argv or sys.argv[1:])
         text = format_timed(args.policy, requests, cpu_us, stages, command)
         print(text, end="")
         base.with_suffix(".txt").write_text(text)

@@ -1,6 +1,6 @@
 """The routing engine's CPU per request, stage by stage, in one process (no HTTP, no profiler).
 
-    python3 -m benchmarks.profile_routing [--passes 7] [--per-prompt 16] [--json FILE]
+    python3 -m kvroute.benchmarks.profile_routing [--passes 7] [--per-prompt 16] [--json FILE]
 
 The ~2 KB chat bodies of ``kvroute bench --overhead`` (64 system prompts) go through the
 stages ``kvroute serve --policy cache_aware`` runs for each request, each stage timed on
@@ -13,7 +13,7 @@ tokenize + hash as the engine runs them together (its sum check). Every body is 
 through once before timing (the steady state of a repeated set, as the overhead
 benchmark measures); each figure is the median over ``--passes``, with its spread.
 
-It complements :mod:`benchmarks.profile_request` (a loaded server sampled by py-spy,
+It complements :mod:`kvroute.benchmarks.profile_request` (a loaded server sampled by py-spy,
 whose wall-clock samples also charge waits for the CPU to the call that waited): this
 one is exact for the routing stages and blind to the HTTP server and the relay.
 """
@@ -32,13 +32,13 @@ from typing import Any
 
 import orjson
 
-from benchmarks.overhead import chat_bodies
-from router.backends import Backend
-from router.config import Settings
-from router.request_info import ENDPOINTS, parse_request
-from router.routing import RoutingEngine
-from tokenizer_index import RequestTokenizer
-from tokenizer_index.hashing import block_hashes, request_salt
+from kvroute.benchmarks.overhead import chat_bodies
+from kvroute.router.fleet.backends import Backend
+from kvroute.router.config import Settings
+from kvroute.router.routing.request_info import ENDPOINTS, parse_request
+from kvroute.router.routing.routing_engine import RoutingEngine
+from kvroute.tokenizer_index import RequestTokenizer
+from kvroute.tokenizer_index.hashing import block_hashes, request_salt
 
 CHAT = next(endpoint for endpoint in ENDPOINTS if endpoint.path == "/v1/chat/completions")
 BLOCK_SIZE = 16
@@ -127,7 +127,7 @@ def format_stages(rows: Sequence[StageTime]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m benchmarks.profile_routing",
+    parser = argparse.ArgumentParser(prog="python3 -m kvroute.benchmarks.profile_routing",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--passes", type=int, default=7)
     parser.add_argument("--per-prompt", type=int, default=16)

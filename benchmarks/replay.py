@@ -28,7 +28,7 @@ from typing import TextIO
 import aiohttp
 import orjson
 
-from benchmarks.workloads import WorkloadRequest
+from kvroute.benchmarks.workloads import WorkloadRequest
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 ``results.json`` is a list of :class:`TargetResult` objects (keys as the field names below).
 A *target* is a ``kvroute serve`` policy (``round_robin``, ``cache_aware``, ...), a peer
 router (``peer:sglang-router``, ``peer:vllm-router``) or one of three offline caches over the
-workload's requests in arrival order (:mod:`benchmarks.bounds`): ``bound``, one unbounded
+workload's requests in arrival order (:mod:`kvroute.benchmarks.bounds`): ``bound``, one unbounded
 cache, the ceiling no fleet of finite caches beats; ``bound_fleet``, one cache of the fleet's
 total capacity evicted optimally (Belady), the ceiling no router on this fleet beats; and
 ``pooled_lru``, that cache evicted LRU as an engine does. Every served target also carries

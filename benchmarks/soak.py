@@ -1,7 +1,7 @@
 """Soak: N minutes of steady load with streams and hang-ups; the router's resources must stay flat.
 
-``python -m benchmarks.soak --minutes 10`` starts sim engines and ``kvroute serve``
-(subprocesses, the cache_aware policy), runs :class:`~benchmarks.steady_load.SteadyLoad`
+``python -m kvroute.benchmarks.soak --minutes 10`` starts sim engines and ``kvroute serve``
+(subprocesses, the cache_aware policy), runs :class:`~kvroute.benchmarks.steady_load.SteadyLoad`
 against it (streaming and non-streaming chats drawn from ``--distinct-prompts`` user turns
 behind shared system prompts, a share of clients hanging up mid-stream), and every
 ``--interval-s`` reads from the router's ``/metrics``:
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import aiohttp
 
-from benchmarks.fleet import SimFleet, SimSpec, run_stoppable, scrape, start_router
-from benchmarks.steady_load import LoadMix, SteadyLoad, Tally
+from kvroute.benchmarks.fleet import SimFleet, SimSpec, run_stoppable, scrape, start_router
+from kvroute.benchmarks.steady_load import LoadMix, SteadyLoad, Tally
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +207,7 @@ async def _run(args: argparse.Namespace, router_url: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--interval-s", type=float, default=10.0, help="seconds between samples")
     parser.add_argument("--concurrency", type=int, default=16)

@@ -1,6 +1,6 @@
 """``kvroute serve`` with a thread-CPU timer around each routing stage (for profiling only).
 
-    python3 -m benchmarks.stage_timers OUT.json serve --policy cache_aware --backend ...
+    python3 -m kvroute.benchmarks.stage_timers OUT.json serve --policy cache_aware --backend ...
 
 Wraps the functions of the request path that do the routing work (parse, render,
 tokenize, hash, prepare, index match and insert, the policy's choice, route, observe,
@@ -26,17 +26,17 @@ from typing import Any
 
 #: (module, attribute path, stage): patched where the caller looks the function up.
 STAGES: tuple[tuple[str, str, str], ...] = (
-    ("router.proxy", "parse_request", "parse"),
-    ("tokenizer_index.tokenizer", "RequestTokenizer.render_chat", "render"),
-    ("tokenizer_index.tokenizer", "RequestTokenizer.encode_text_array", "tokenize"),
-    ("router.routing", "block_hashes", "hash"),
-    ("router.routing", "RoutingEngine.prepare", "prepare (render+tokenize+hash)"),
-    ("tokenizer_index.prefix_index", "PrefixIndex.match_hashes", "index match"),
-    ("tokenizer_index.prefix_index", "PrefixIndex.insert_hashes", "index insert"),
-    ("router.policies.cache_aware", "CacheAware.choose", "policy choice (cache_aware)"),
-    ("router.routing", "RoutingEngine.route", "route (match+policy+insert+ledgers)"),
-    ("router.routing", "RoutingEngine.observe", "observe"),
-    ("router.metrics", "RouterMetrics.record_request", "metrics"),
+    ("kvroute.router.forwarding.proxy", "parse_request", "parse"),
+    ("kvroute.tokenizer_index.tokenizer", "RequestTokenizer.render_chat", "render"),
+    ("kvroute.tokenizer_index.tokenizer", "RequestTokenizer.encode_text_array", "tokenize"),
+    ("kvroute.router.routing.routing_engine", "block_hashes", "hash"),
+    ("kvroute.router.routing.routing_engine", "RoutingEngine.prepare", "prepare (render+tokenize+hash)"),
+    ("kvroute.tokenizer_index.prefix_index", "PrefixIndex.match_hashes", "index match"),
+    ("kvroute.tokenizer_index.prefix_index", "PrefixIndex.insert_hashes", "index insert"),
+    ("kvroute.router.routing.policies.cache_aware", "CacheAware.choose", "policy choice (cache_aware)"),
+    ("kvroute.router.routing.routing_engine", "RoutingEngine.route", "route (match+policy+insert+ledgers)"),
+    ("kvroute.router.routing.routing_engine", "RoutingEngine.observe", "observe"),
+    ("kvroute.router.forwarding.metrics", "RouterMetrics.record_request", "metrics"),
 )
 
 _totals: dict[str, list[int]] = {}
@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGUSR1, lambda *_: reset())
     signal.signal(signal.SIGUSR2, write)
     atexit.register(write)
-    from router.cli import main as kvroute
+    from kvroute.router.cli import main as kvroute
 
     return kvroute(argv[1:])
 

@@ -1,11 +1,11 @@
 """Engine responses, well-formed and malformed, and a differential check of kvroute's parser.
 
-One generator serves the hypothesis test (``tests/test_upstream_differential.py``, 10^4
+One generator serves the hypothesis test (``tests/router/forwarding/test_upstream_differential.py``, 10^4
 cases) and the fuzz run (``benchmarks/fuzz_upstream.py``, 10^6): it draws through a
 :class:`Draw`, which hypothesis or a seeded ``random.Random`` implements.
 
 :func:`check` feeds a case's bytes, cut at its random boundaries, to the response side of
-``router.upstream._Connection`` (the parser is the subject: its ``data_received`` is driven
+``kvroute.router.forwarding.upstream._Connection`` (the parser is the subject: its ``data_received`` is driven
 directly, over a stand-in transport) and to h11, the reference, and compares the verdicts:
 accepted or rejected and, when accepted, the status, the headers, the body bytes delivered
 and whether the connection may carry the next request.
@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 import h11
 
-from router.upstream import MAX_HEAD_BYTES, UpstreamError, _Connection
+from kvroute.router.forwarding.upstream import MAX_HEAD_BYTES, UpstreamError, _Connection
 
 T = TypeVar("T")
 

@@ -48,7 +48,7 @@ Without either, the workloads are exactly as before (same requests, same arrival
 The message text never depends on the timing: a variant sends the same bodies in another
 order.
 ``mooncake:PATH``
-    A Mooncake production trace (see :mod:`benchmarks.mooncake`), sent as completions with a
+    A Mooncake production trace (see :mod:`kvroute.benchmarks.mooncake`), sent as completions with a
     token-id prompt.
 """
 
@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import mooncake
+from kvroute.benchmarks import mooncake
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"

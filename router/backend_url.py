@@ -7,12 +7,13 @@ with ``Authorization: Basic base64(user:pw)``. The backend's identity -- its key
 pool, its metrics label, the ``x-kvroute-backend`` header -- is :attr:`BackendURL.base`,
 which keeps the prefix and drops the credentials, so they never reach a client or a
 dashboard. One parser serves the configuration (validation), the lean upstream client
-(:class:`router.upstream.Origin`) and the probes.
+(:class:`Origin`) and the probes.
 """
 
 from __future__ import annotations
 
 import base64
+import ssl
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlsplit
 
@@ -89,3 +90,20 @@ def _shown(url: str) -> str:
         return url
     netloc, slash, path = rest.partition("/")
     return scheme + sep + netloc.rpartition("@")[2] + slash + path
+
+class Origin:
+    """Where one backend listens: address, TLS, the precomputed ``Host`` header (never with
+    the URL's userinfo) and the path prefix every request goes under (the URL as written)."""
+
+    __slots__ = ("key", "host", "port", "ssl", "ssl_context", "host_header", "prefix")
+
+    def __init__(self, url: str, ssl_context: ssl.SSLContext | None = None) -> None:
+        parsed = parse_backend_url(url)
+        self.key = parsed.base
+        self.host = parsed.host
+        self.ssl = parsed.tls
+        self.ssl_context = ssl_context
+        self.port = parsed.port
+        authority = parsed.authority
+        self.host_header = authority.encode("idna" if not authority.isascii() else "ascii")
+        self.prefix = parsed.prefix.encode("ascii")

@@ -10,10 +10,10 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("router.serve", "run the cache-aware reverse proxy"),
-    "sim-engine": ("benchmarks.sim_engine.cli", "run a simulated vLLM or SGLang replica"),
-    "demo": ("benchmarks.demo", "two sim engines, a router, round_robin vs cache_aware"),
-    "bench": ("benchmarks.bench", "replay workloads and traces against a fleet per policy"),
+    "serve": ("kvroute.router.serve", "run the cache-aware reverse proxy"),
+    "sim-engine": ("kvroute.benchmarks.sim_engine.cli", "run a simulated vLLM or SGLang replica"),
+    "demo": ("kvroute.benchmarks.demo", "two sim engines, a router, round_robin vs cache_aware"),
+    "bench": ("kvroute.benchmarks.bench", "replay workloads and traces against a fleet per policy"),
 }
 
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0 if args else 2
     if args[0] in ("-V", "--version"):
-        from router import __version__
+        from kvroute.router import __version__
 
         print(f"kvroute {__version__}")
         return 0

@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, Field, FilePath, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from router.backend_url import parse_backend_url
+from kvroute.router.backend_url import parse_backend_url
 
 PolicyName = Literal["round_robin", "least_load", "random", "power_of_two", "sticky", "cache_aware"]
 POLICY_NAMES: tuple[str, ...] = PolicyName.__args__  # type: ignore[attr-defined]
@@ -80,7 +80,7 @@ class BackendConfig(BaseModel):
     capacity_tokens: int | None = Field(default=None, gt=0, description="KV cache size in tokens")
     engine: Literal["auto", "vllm", "sglang", "generic"] = Field(
         default="auto",
-        description="the engine API it speaks (router.engines); auto: probe /server_info (SGLang), /metrics, /version",
+        description="the engine API it speaks (kvroute.router.engines); auto: probe /server_info (SGLang), /metrics, /version",
     )
 
     @model_validator(mode="before")
@@ -447,7 +447,7 @@ def load_settings(flags: dict[str, Any] | None = None, config_file: Path | None 
 
 
 def reference_markdown() -> str:
-    """The configuration reference as a Markdown table (``python -m router.config``).
+    """The configuration reference as a Markdown table (``python -m kvroute.router.config``).
 
     The README's table is this output, so flags, variables and defaults are documented
     from the one place they are defined.

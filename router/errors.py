@@ -180,7 +180,7 @@ class _JsonErrorRequestHandler(RequestHandler):
 
 
 class JsonErrorServer(web_server.Server):
-    """aiohttp's server with :class:`_JsonErrorRequestHandler` connections (see ``router.app``)."""
+    """aiohttp's server with :class:`_JsonErrorRequestHandler` connections (see ``kvroute.router.http.app``)."""
 
     def __call__(self) -> RequestHandler:
         # Server keeps the handler options in _kwargs and the loop in _loop (aiohttp 3.x).

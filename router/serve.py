@@ -1,4 +1,4 @@
-"""``kvroute serve``: command-line flags -> :class:`~router.config.Settings` -> the running router.
+"""``kvroute serve``: command-line flags -> :class:`~kvroute.router.config.Settings` -> the running router.
 
 Every user-tunable field of ``Settings`` has a flag, generated from the model itself so
 the two never drift apart: the field name in kebab case (``--health-interval-s``,
@@ -6,7 +6,7 @@ the two never drift apart: the field name in kebab case (``--health-interval-s``
 ``--backend URL`` (repeatable), ``--kv-events-endpoint`` and
 ``--kv-events-replay-endpoint BACKEND_URL=tcp://host:port``, ``--engine BACKEND_URL=sglang``
 (repeatable) and ``--config FILE`` (YAML). Only flags actually given reach
-:func:`~router.config.load_settings`, so precedence is flags > ``KVROUTE_*`` env > file >
+:func:`~kvroute.router.config.load_settings`, so precedence is flags > ``KVROUTE_*`` env > file >
 defaults. An invalid configuration exits with status 2 and a message naming the field.
 """
 
@@ -23,8 +23,8 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from router.config import BackendConfig, ConfigError, Settings, load_settings
-from router.security import SecretRedactor, install_redaction, settings_secrets
+from kvroute.router.config import BackendConfig, ConfigError, Settings, load_settings
+from kvroute.router.http.security import SecretRedactor, install_redaction, settings_secrets
 
 # Fields whose flag is written by hand below, or that only a config file can express.
 _CUSTOM_FLAGS = {"backends", "models"}
@@ -137,7 +137,7 @@ def main(argv: list[str]) -> int:
 
     from prometheus_client import disable_created_metrics
 
-    from router.app import build_app, run
+    from kvroute.router.http.app import build_app, run
 
     # *_created series double the exposition size and say nothing a dashboard uses.
     disable_created_metrics()

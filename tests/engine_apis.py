@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.engines import ENGINES
+from kvroute.router.engines import ENGINES
 
 #: The APIs the simulator speaks; a parametrized ``api`` fixture takes these.
 APIS = ("vllm", "sglang")

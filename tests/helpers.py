@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 if TYPE_CHECKING:
-    from conftest import RouterServer
+    from tests.servers import RouterServer
 
 GREETING = [{"role": "user", "content": "hi"}]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokenizer_index.prefix_index import PrefixIndex
-    from tokenizer_index.tokenizer import RequestTokenizer
+    from kvroute.tokenizer_index.prefix_index import PrefixIndex
+    from kvroute.tokenizer_index.tokenizer import RequestTokenizer
 
 __all__ = ["PrefixIndex", "RequestTokenizer"]
 
@@ -17,11 +17,11 @@ __all__ = ["PrefixIndex", "RequestTokenizer"]
 def __getattr__(name: str) -> Any:
     # Lazy so that importing the index does not load the tokenizer library, and vice versa.
     if name == "PrefixIndex":
-        from tokenizer_index.prefix_index import PrefixIndex
+        from kvroute.tokenizer_index.prefix_index import PrefixIndex
 
         return PrefixIndex
     if name == "RequestTokenizer":
-        from tokenizer_index.tokenizer import RequestTokenizer
+        from kvroute.tokenizer_index.tokenizer import RequestTokenizer
 
         return RequestTokenizer
     raise AttributeError(f"module 'tokenizer_index' has no attribute {name!r}")

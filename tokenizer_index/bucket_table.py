@@ -1,6 +1,6 @@
 """A set of integer keys with stable slot numbers: open addressing over 8-slot buckets.
 
-The prefix index's storage (:mod:`tokenizer_index.prefix_index`): one table names every
+The prefix index's storage (:mod:`kvroute.tokenizer_index.prefix_index`): one table names every
 held block by its hash, and each backend has a table of the block slots it holds. Callers
 keep per-slot data in arrays of length :attr:`BucketTable.slots`, so a key must keep its
 slot for as long as it is in the table: a key never moves once placed.
@@ -13,7 +13,7 @@ count is not zero. Deleting a key zeroes its slot and takes it off the counts it
 no tombstones, no cleanup. Key 0 marks an empty slot (so keys must be nonzero): adding a
 key reads the same cache line as looking it up.
 
-The loops over keys are compiled: :mod:`tokenizer_index.kernels`.
+The loops over keys are compiled: :mod:`kvroute.tokenizer_index.kernels`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import os
 
 import numpy as np
 
-from tokenizer_index import kernels
-from tokenizer_index.kernels import ABSENT, BUCKET, LOOK_UP
+from kvroute.tokenizer_index import kernels
+from kvroute.tokenizer_index.kernels import ABSENT, BUCKET, LOOK_UP
 
 __all__ = ["ABSENT", "BUCKET", "LOOK_UP", "BucketTable", "buckets_for", "spread", "spread_and_count_zeros"]
 

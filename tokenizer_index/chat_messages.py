@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from tokenizer_index.chat_template import ContentFormat
+from kvroute.tokenizer_index.chat_template import ContentFormat
 
 _TEXT_FIELDS = {  # part type -> the key holding its text
     "text": "text",

@@ -5,7 +5,7 @@ Block ``i`` of a sequence is keyed by a 64-bit hash that depends on every token 
 prefix, like vLLM's ``hash_block_tokens`` chain (``kv_cache_utils.py``). The index never
 needs the tokens again: a longest-prefix match is a walk over a request's block hashes.
 
-The construction (one compiled loop over the blocks, :func:`tokenizer_index.kernels.chain_hashes`):
+The construction (one compiled loop over the blocks, :func:`kvroute.tokenizer_index.kernels.chain_hashes`):
 
 * **content** of block ``j``: ``c_j = fmix(sum_k tok[j, k] * P_k)`` (mod 2^64), a
   polynomial over the block's columns with fixed odd 64-bit multipliers ``P_k``, then
@@ -19,7 +19,7 @@ The construction (one compiled loop over the blocks, :func:`tokenizer_index.kern
 This is a routing key, not a cryptographic hash: someone who reads this file can build two
 blocks with equal content sums. A collision only makes the router believe a prefix is
 cached where it is not (the engines key their caches with their own hashes), so speed wins.
-A 128K-token prompt hashes in tens of microseconds (``python -m benchmarks.bench_index``).
+A 128K-token prompt hashes in tens of microseconds (``python -m kvroute.benchmarks.bench_index``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tokenizer_index import kernels
+from kvroute.tokenizer_index import kernels
 
 __all__ = ["block_hashes", "chain_hash", "salt_seed"]
 
@@ -102,7 +102,7 @@ def _column_multipliers(block_size: int) -> np.ndarray:
 
 
 def _fmix(value: int) -> int:
-    """splitmix64's finalizer of one 64-bit integer (:func:`tokenizer_index.kernels.fmix` in Python)."""
+    """splitmix64's finalizer of one 64-bit integer (:func:`kvroute.tokenizer_index.kernels.fmix` in Python)."""
     value ^= value >> 30
     value = (value * _M1) & _MASK64
     value ^= value >> 27

@@ -4,8 +4,8 @@ tables and its walks.
 A 128K-token prompt is 8,192 blocks, and a numpy pass costs microseconds per call however
 short its input, so neither numpy nor Python loops could serve both a 40-block chat and an
 8,192-block agent transcript in microseconds: these loops do a few memory reads per block
-and touch no Python object. :mod:`tokenizer_index.hashing`,
-:mod:`tokenizer_index.bucket_table` and :mod:`tokenizer_index.prefix_index` own the arrays
+and touch no Python object. :mod:`kvroute.tokenizer_index.hashing`,
+:mod:`kvroute.tokenizer_index.bucket_table` and :mod:`kvroute.tokenizer_index.prefix_index` own the arrays
 and call them.
 
 Why everything compiled lives in this one file: numba's on-disk cache of a kernel is keyed
@@ -60,7 +60,7 @@ def compiled(signatures: Any) -> Callable[[Callable[..., Any]], Any]:
     return compile_
 
 
-# --- block hashing (the scheme is documented in tokenizer_index.hashing) --------------------
+# --- block hashing (the scheme is documented in kvroute.tokenizer_index.hashing) --------------------
 
 #: Chain multiplier (odd, so invertible mod 2^64): the 64-bit golden ratio.
 CHAIN_MULTIPLIER = 0x9E3779B97F4A7C15

@@ -1,7 +1,7 @@
 """Which backend probably holds which prefix: a bounded index of chained block hashes.
 
 Every backend holds a *set* of blocks, each named by its chained hash
-(:mod:`tokenizer_index.hashing`), so a block stands for its whole prefix. A request's
+(:mod:`kvroute.tokenizer_index.hashing`), so a block stands for its whole prefix. A request's
 longest cached prefix on a backend is the run of its leading blocks that backend holds.
 
 Semantics (``tests/reference_index.py`` is the executable specification):
@@ -23,7 +23,7 @@ Semantics (``tests/reference_index.py`` is the executable specification):
   does. They age out as the oldest entries, or become reachable again if the missing
   block is inserted again (an engine that keeps a child block behaves the same way).
 
-Layout (numpy arrays, no per-block Python objects; :mod:`tokenizer_index.bucket_table`
+Layout (numpy arrays, no per-block Python objects; :mod:`kvroute.tokenizer_index.bucket_table`
 holds the hash tables): one table of every held block, hash -> slot, with a bitmask of its
 holders (``8 + 8 * words`` bytes per slot, ``words = ceil(backends / 64)``), and per
 backend a table of block slot -> LRU tick (``4 + 4`` bytes per slot) plus an append-only
@@ -32,13 +32,13 @@ kept between 40 % and 60 % full, and each bucket of 8 slots adds a 4-byte spill 
 (0.5 bytes per slot). Per cached backend-block that is ``16.5 / 0.4 + 8.5 / 0.4 + 4..8 =
 66..70`` bytes at worst (no two backends share a block and both tables just grew) and
 50-60 on average; a block several backends hold costs its block-table slot once.
-``stats().bytes`` is the exact total; ``python -m benchmarks.bench_index`` measured about
+``stats().bytes`` is the exact total; ``python -m kvroute.benchmarks.bench_index`` measured about
 60 bytes per backend-block at 1M blocks over 16 backends. Memory is bounded by the
 capacities; removing a backend frees everything of it (its block table slots are reused;
 the table itself never shrinks).
 
 Per call, the work is a few compiled loops over the request's blocks
-(:mod:`tokenizer_index.kernels`), mostly random reads of the tables, and a few numpy
+(:mod:`kvroute.tokenizer_index.kernels`), mostly random reads of the tables, and a few numpy
 calls. The router hashes once and calls :meth:`PrefixIndex.match_hashes` and
 :meth:`PrefixIndex.insert_hashes` with the same array, and the insert reuses the match's
 lookups.
@@ -53,8 +53,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenizer_index import kernels
-from tokenizer_index.bucket_table import (
+from kvroute.tokenizer_index import kernels
+from kvroute.tokenizer_index.bucket_table import (
     ABSENT,
     LOOK_UP,
     PLACEMENT_MULTIPLIER,
@@ -64,7 +64,7 @@ from tokenizer_index.bucket_table import (
     spread,
     spread_and_count_zeros,
 )
-from tokenizer_index.hashing import block_hashes
+from kvroute.tokenizer_index.hashing import block_hashes
 
 __all__ = ["IndexStats", "PrefixIndex"]
 
@@ -358,7 +358,7 @@ class PrefixIndex:
         return self.match_hashes(block_hashes(tokens, self.block_size, salt))
 
     def match_hashes(self, hashes: Sequence[int] | np.ndarray) -> dict[str, int]:
-        """:meth:`match` on precomputed :func:`~tokenizer_index.hashing.block_hashes`."""
+        """:meth:`match` on precomputed :func:`~kvroute.tokenizer_index.hashing.block_hashes`."""
         keys, placement = _keyed(hashes)
         self._expire_all()
         if not len(keys) or not self._holders:

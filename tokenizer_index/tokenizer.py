@@ -1,7 +1,7 @@
 """RequestTokenizer: an OpenAI request -> the token ids the engine will prefill, fast.
 
 Exact: a chat is rendered with the model's own template the way vLLM renders it (see
-:mod:`tokenizer_index.chat_messages` and :mod:`tokenizer_index.chat_template`) and tokenized
+:mod:`kvroute.tokenizer_index.chat_messages` and :mod:`kvroute.tokenizer_index.chat_template`) and tokenized
 without adding special tokens, as vLLM does for chats; a completion prompt is tokenized with
 them, as vLLM does for completions.
 
@@ -9,10 +9,10 @@ Incremental: turn N+1 of a conversation re-renders all of turn N, but tokenizing
 the new text. The rendered text is cut right after every added token (``<|im_end|>``, ...):
 the tokenizer extracts added tokens before anything else and never merges across them, so
 each piece tokenizes on its own to exactly the ids it has inside the whole text. Pieces are
-memoised in a byte-bounded LRU (:class:`tokenizer_index.piece_cache.PieceCache`) as int64
+memoised in a byte-bounded LRU (:class:`kvroute.tokenizer_index.piece_cache.PieceCache`) as int64
 arrays, so the ``*_array`` encoders build a prompt with one ``np.concatenate`` and hand it to
 the block hasher as is: converting a long list of ids to an array costs more than the rest
-of a router's per-request work (``python -m benchmarks.bench_tokenizer``). The list encoders
+of a router's per-request work (``python -m kvroute.benchmarks.bench_tokenizer``). The list encoders
 share the cache and the cutting; they join list forms of the pieces kept beside the arrays.
 Whether cutting is exact for a given tokenizer is checked at construction on probe strings;
 some pipelines (SentencePiece's Metaspace with ``prepend_scheme="first"``) look at a piece's
@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from tokenizer_index import hf_files
-from tokenizer_index.chat_messages import conversation_from_request, tools_from_request
-from tokenizer_index.chat_template import ChatTemplate
-from tokenizer_index.piece_cache import PieceCache, PieceCacheStats, frozen_ids
+from kvroute.tokenizer_index import hf_files
+from kvroute.tokenizer_index.chat_messages import conversation_from_request, tools_from_request
+from kvroute.tokenizer_index.chat_template import ChatTemplate
+from kvroute.tokenizer_index.piece_cache import PieceCache, PieceCacheStats, frozen_ids
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A real server, not a mock: vLLM's OpenAI-compatible API (chat and text completio
 streaming with ``stream_options.include_usage``, ``usage.prompt_tokens_details.cached_tokens``,
 ``/v1/models``, ``/v1/embeddings``, ``/tokenize``, ``/detokenize``, ``/reset_prefix_cache``,
 ``/health``), vLLM's Prometheus metrics, and vLLM's ZeroMQ KV events. Prompts are tokenized
-by the router's own :class:`tokenizer_index.RequestTokenizer`, and a real prefix cache of
+by the router's own :class:`kvroute.tokenizer_index.RequestTokenizer`, and a real prefix cache of
 full blocks (LRU, tail first) decides what each request finds cached. One continuous-batching
 scheduler per replica shares a prefill/decode budget among requests, so load raises the
 time to first token and cache hits lower it, as on a GPU. ``/sim/fault`` and ``/sim/stats``
@@ -23,6 +23,6 @@ embeddings), :mod:`.metrics`, :mod:`.faults`; :mod:`.cli` runs it; :mod:`.bench`
 
 Programmatic use::
 
-    from benchmarks.sim_engine.server import SimEngineConfig, build_app
+    from kvroute.benchmarks.sim_engine.server import SimEngineConfig, build_app
     app = build_app(SimEngineConfig(port=0, time_scale=100.0))  # an aiohttp Application
 """

@@ -5,7 +5,7 @@ Starts ``kvroute sim-engine`` as a subprocess at a high ``--time-scale`` so mode
 compute is negligible, drives it at fixed concurrency with ~2 KB chat bodies (streaming
 with usage, and not), and reads the process's CPU time from ``/proc/<pid>/stat``::
 
-    python -m benchmarks.sim_engine.bench [--requests 2000] [--concurrency 32] [--out FILE]
+    python -m kvroute.benchmarks.sim_engine.bench [--requests 2000] [--concurrency 32] [--out FILE]
 
 Prints a table and writes JSON (default ``bench-out/sim_engine.json``).
 """
@@ -106,7 +106,7 @@ async def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
 
 async def run(requests: int, concurrency: int, max_tokens: int, time_scale: float) -> list[Result]:
     port = _free_port()
-    command = [sys.executable, "-m", "router.cli", "sim-engine", "--port", str(port),
+    command = [sys.executable, "-m", "kvroute.router.cli", "sim-engine", "--port", str(port),
                "--time-scale", str(time_scale), "--max-num-seqs", "1024"]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -129,7 +129,7 @@ async def run(requests: int, concurrency: int, max_tokens: int, time_scale: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.sim_engine.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.sim_engine.bench", description=__doc__)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)

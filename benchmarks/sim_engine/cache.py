@@ -1,6 +1,6 @@
 """The replica's prefix cache: real full blocks over real token ids, LRU, tail first.
 
-A single-backend :class:`tokenizer_index.PrefixIndex` owns the LRU order, the capacity
+A single-backend :class:`kvroute.tokenizer_index.PrefixIndex` owns the LRU order, the capacity
 and every eviction decision (it drops a sequence's last blocks before its first, and
 never a parent before its child). Beside it the cache keeps the set of block hashes it
 holds, updated from the index's ``on_evict``: membership is then an O(1) set lookup per
@@ -17,15 +17,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.sim_engine.kv_events import (
+from kvroute.benchmarks.sim_engine.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventPublisher,
 )
-from benchmarks.sim_engine.sglang_events import SGLangEventHashes
-from tokenizer_index import PrefixIndex
-from tokenizer_index.hashing import block_hashes
+from kvroute.benchmarks.sim_engine.sglang_events import SGLangEventHashes
+from kvroute.tokenizer_index import PrefixIndex
+from kvroute.tokenizer_index.hashing import block_hashes
 
 #: The one backend name of the single-replica index.
 SELF = "self"

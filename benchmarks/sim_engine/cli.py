@@ -11,8 +11,8 @@ import sys
 
 from aiohttp import web
 
-from benchmarks.sim_engine.config import SimEngineConfig
-from benchmarks.sim_engine.server import build_app
+from kvroute.benchmarks.sim_engine.config import SimEngineConfig
+from kvroute.benchmarks.sim_engine.server import build_app
 
 log = logging.getLogger("kvroute.sim_engine")
 

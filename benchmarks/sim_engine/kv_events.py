@@ -29,7 +29,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from benchmarks.sim_engine.config import KVEventsFormat
+from kvroute.benchmarks.sim_engine.config import KVEventsFormat
 
 log = logging.getLogger(__name__)
 

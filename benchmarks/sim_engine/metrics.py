@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from benchmarks.sim_engine.config import SimEngineConfig
+from kvroute.benchmarks.sim_engine.config import SimEngineConfig
 
 # vLLM's bucket boundaries for these two histograms.
 TTFT_BUCKETS = (

@@ -7,7 +7,7 @@ that serves agents: without those flags vLLM refuses every request with ``tools`
 ``tool_choice`` is ``"none"``). The test suite holds the simulator to every case; the same
 table checks a real vLLM again after an upgrade (``n`` choices and streams included)::
 
-    python -m benchmarks.sim_engine.parity --url http://127.0.0.1:8101 --model tiny [--out FILE]
+    python -m kvroute.benchmarks.sim_engine.parity --url http://127.0.0.1:8101 --model tiny [--out FILE]
 
 It prints one row per case whose answer differs, then a summary, and writes JSON (default
 ``bench-out/sim_parity.json``). The server must run with a 2048-token context and that
@@ -681,7 +681,7 @@ def run(url: str, model: str, cases: tuple[Case, ...] = CASES) -> Report:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.sim_engine.parity", description=__doc__.split("\n\n")[0]
+        prog="python -m kvroute.benchmarks.sim_engine.parity", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--url", required=True, help="base URL of the server (a vLLM replica or kvroute sim-engine)")
     parser.add_argument("--model", required=True, help="its served model name")

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchmarks.sim_engine.cache import CacheKey, PrefixCache
-from benchmarks.sim_engine.config import SimEngineConfig
-from benchmarks.sim_engine.kv_events import KVEventPublisher
-from benchmarks.sim_engine.metrics import EngineMetrics
+from kvroute.benchmarks.sim_engine.cache import CacheKey, PrefixCache
+from kvroute.benchmarks.sim_engine.config import SimEngineConfig
+from kvroute.benchmarks.sim_engine.kv_events import KVEventPublisher
+from kvroute.benchmarks.sim_engine.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
 

@@ -27,15 +27,15 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from benchmarks.sim_engine.cache import CacheKey, PrefixCache
-from benchmarks.sim_engine.config import SimEngineConfig
-from benchmarks.sim_engine.faults import FAULT_MODES, FaultInjector, FaultMode
-from benchmarks.sim_engine.generation import Embedder, OutputVocabulary
-from benchmarks.sim_engine.kv_events import KVEventPublisher
-from benchmarks.sim_engine.metrics import EngineMetrics
-from benchmarks.sim_engine.sglang_events import SGLangEventHashes
-from benchmarks.sim_engine.sglang_metrics import SGLangMetrics
-from benchmarks.sim_engine.protocol import (
+from kvroute.benchmarks.sim_engine.cache import CacheKey, PrefixCache
+from kvroute.benchmarks.sim_engine.config import SimEngineConfig
+from kvroute.benchmarks.sim_engine.faults import FAULT_MODES, FaultInjector, FaultMode
+from kvroute.benchmarks.sim_engine.generation import Embedder, OutputVocabulary
+from kvroute.benchmarks.sim_engine.kv_events import KVEventPublisher
+from kvroute.benchmarks.sim_engine.metrics import EngineMetrics
+from kvroute.benchmarks.sim_engine.sglang_events import SGLangEventHashes
+from kvroute.benchmarks.sim_engine.sglang_metrics import SGLangMetrics
+from kvroute.benchmarks.sim_engine.protocol import (
     DONE,
     APIError,
     Endpoint,
@@ -46,9 +46,9 @@ from benchmarks.sim_engine.protocol import (
     sglang_usage,
     usage,
 )
-from benchmarks.sim_engine.scheduler import Scheduler, SimRequest
-from benchmarks.sim_engine.tokens import SimTokenizer, TokenizationError
-from benchmarks.sim_engine.validation import (
+from kvroute.benchmarks.sim_engine.scheduler import Scheduler, SimRequest
+from kvroute.benchmarks.sim_engine.tokens import SimTokenizer, TokenizationError
+from kvroute.benchmarks.sim_engine.validation import (
     GenerationParams,
     check_requested_budget,
     check_suffix,
@@ -59,7 +59,7 @@ from benchmarks.sim_engine.validation import (
     parse_generation,
     parse_tokenize,
 )
-from tokenizer_index.hashing import request_salt
+from kvroute.tokenizer_index.hashing import request_salt
 
 __all__ = ["SIM_ENGINE", "SimEngine", "SimEngineConfig", "build_app"]
 
@@ -600,7 +600,7 @@ def build_app(config: SimEngineConfig, tokenizer: SimTokenizer | None = None) ->
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
     if config.api == "sglang":
-        from benchmarks.sim_engine.sglang_api import add_sglang_routes  # it builds on this module
+        from kvroute.benchmarks.sim_engine.sglang_api import add_sglang_routes  # it builds on this module
 
         add_sglang_routes(app, engine, handlers)
     else:

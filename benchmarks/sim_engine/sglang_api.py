@@ -34,17 +34,17 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from benchmarks.sim_engine.protocol import DONE, APIError, parse_json_object
-from benchmarks.sim_engine.scheduler import SimRequest
-from benchmarks.sim_engine.server import (
+from kvroute.benchmarks.sim_engine.protocol import DONE, APIError, parse_json_object
+from kvroute.benchmarks.sim_engine.scheduler import SimRequest
+from kvroute.benchmarks.sim_engine.server import (
     SHUTTING_DOWN,
     SSE_HEADERS,
     Generation,
     Handlers,
     SimEngine,
 )
-from benchmarks.sim_engine.tokens import TokenizationError
-from benchmarks.sim_engine.validation import GenerationParams, Sampling
+from kvroute.benchmarks.sim_engine.tokens import TokenizationError
+from kvroute.benchmarks.sim_engine.validation import GenerationParams, Sampling
 
 #: SGLang's ``SamplingParams.max_new_tokens`` default.
 DEFAULT_MAX_NEW_TOKENS = 128

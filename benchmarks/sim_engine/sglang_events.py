@@ -9,7 +9,7 @@ The framing and the positional event layout are vLLM's (:mod:`.kv_events`); what
   big-endian, signed int64; ``parent_block_hash`` is the previous page's (None for the first).
 
 A router cannot recompute these without SGLang's code, so it re-hashes ``token_ids`` and
-maps SGLang's hashes to its own, as it does for vLLM's (``router.precise_index``).
+maps SGLang's hashes to its own, as it does for vLLM's (``kvroute.router.routing.precise_index``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from benchmarks.sim_engine.kv_events import BlockRemoved, BlockStored
+from kvroute.benchmarks.sim_engine.kv_events import BlockRemoved, BlockStored
 
 
 def page_digest(parent: bytes | None, tokens: Sequence[int] | np.ndarray) -> bytes:

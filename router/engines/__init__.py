@@ -8,10 +8,10 @@ before its first probe) is treated as :data:`DEFAULT_ENGINE`.
 
 from __future__ import annotations
 
-from router.engines.base import Endpoint, EngineAPI, EngineFacts
-from router.engines.generic import GENERIC
-from router.engines.sglang import SGLANG
-from router.engines.vllm import VLLM
+from kvroute.router.engines.base import Endpoint, EngineAPI, EngineFacts
+from kvroute.router.engines.generic import GENERIC
+from kvroute.router.engines.sglang import SGLANG
+from kvroute.router.engines.vllm import VLLM
 
 ENGINES: dict[str, EngineAPI] = {engine.name: engine for engine in (VLLM, SGLANG, GENERIC)}
 #: What a backend configured ``auto`` counts as until it is detected.

@@ -1,7 +1,7 @@
 """What kvroute needs to know about one engine's API: the protocol each engine module fills.
 
-An engine module (:mod:`router.engines.vllm`, :mod:`router.engines.sglang`,
-:mod:`router.engines.generic`) is the one place where that engine's paths, body shapes,
+An engine module (:mod:`kvroute.router.engines.vllm`, :mod:`kvroute.router.engines.sglang`,
+:mod:`kvroute.router.engines.generic`) is the one place where that engine's paths, body shapes,
 usage report, metric names, cache granularity and cache-reset call are written down.
 The proxy, the routing engine, the usage tap, the metrics scraper and the OpenAPI
 document ask it instead of testing paths, so a new engine is one new module.
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from router.usage import Usage, UsageFormat
-from tokenizer_index import RequestTokenizer
+from kvroute.router.engines.usage import Usage, UsageFormat
+from kvroute.tokenizer_index import RequestTokenizer
 
 #: Token ids of a request's prompt as the engine will compute them (None: cannot tell).
 PromptReader = Callable[[RequestTokenizer, Mapping[str, Any]], "np.ndarray | None"]
@@ -75,7 +75,7 @@ class EngineAPI:
 
     name: str
     endpoints: tuple[Endpoint, ...]
-    #: Prometheus sample name -> :class:`router.engine_stats.EngineStats` field.
+    #: Prometheus sample name -> :class:`kvroute.router.fleet.engine_stats.EngineStats` field.
     series: Mapping[str, str]
     cache_info: CacheInfoMetric | None
     #: ``(method, path)`` that empties the prefix cache (benchmarks), None when there is none.

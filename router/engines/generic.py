@@ -8,9 +8,9 @@ module: the proxy, routing, scraper and OpenAPI document ask the engine, not the
 
 from __future__ import annotations
 
-from router.engines.base import EngineAPI, EngineFacts
-from router.engines.openai import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
-from router.usage import Usage
+from kvroute.router.engines.base import EngineAPI, EngineFacts
+from kvroute.router.engines.openai import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
+from kvroute.router.engines.usage import Usage
 
 
 def _no_feedback(usage: Usage | None, facts: EngineFacts) -> int | None:

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from router.engines.base import Endpoint
-from router.usage import OPENAI_USAGE
-from tokenizer_index import RequestTokenizer
+from kvroute.router.engines.base import Endpoint
+from kvroute.router.engines.usage import OPENAI_USAGE
+from kvroute.tokenizer_index import RequestTokenizer
 
 MESSAGE_SCHEMA: dict[str, Any] = {
     "type": "object",

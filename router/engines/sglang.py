@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from router.engines.base import CacheInfoMetric, Endpoint, EngineAPI, EngineFacts
-from router.engines.openai import CHAT, COMPLETIONS, EMBEDDINGS
-from router.usage import Usage, UsageFormat
-from tokenizer_index import RequestTokenizer
+from kvroute.router.engines.base import CacheInfoMetric, Endpoint, EngineAPI, EngineFacts
+from kvroute.router.engines.openai import CHAT, COMPLETIONS, EMBEDDINGS
+from kvroute.router.engines.usage import Usage, UsageFormat
+from kvroute.tokenizer_index import RequestTokenizer
 
 
 def _is_count(value: Any) -> bool:

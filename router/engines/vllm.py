@@ -16,14 +16,14 @@
 
 from __future__ import annotations
 
-from router.engines.base import (
+from kvroute.router.engines.base import (
     CacheInfoMetric,
     Endpoint,
     EngineAPI,
     cached_as_reported,
     whole_blocks,
 )
-from router.engines.openai import (
+from kvroute.router.engines.openai import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,

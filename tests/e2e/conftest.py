@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from e2e.fleet import REPORT, LaunchError, RouterProcess, VllmFleet, launch_fleet, launch_router
+from tests.e2e.fleet import REPORT, LaunchError, RouterProcess, VllmFleet, launch_fleet, launch_router
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

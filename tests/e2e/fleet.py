@@ -14,6 +14,7 @@ model; ``KVROUTE_E2E_START_TIMEOUT`` (default 1500 s) bounds install + start-up.
 
 from __future__ import annotations
 
+from tests.paths import REPO
 import asyncio
 import os
 import re
@@ -34,9 +35,9 @@ import openai
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.workloads import WorkloadRequest
+from kvroute.benchmarks.workloads import WorkloadRequest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 RUN_CPU = ROOT / "deploy" / "local" / "run_cpu.sh"
 CACHE = Path(os.environ.get("KVROUTE_E2E_CACHE", Path.home() / ".cache" / "kvroute"))
 START_TIMEOUT_S = float(os.environ.get("KVROUTE_E2E_START_TIMEOUT", "1500"))
@@ -274,7 +275,7 @@ def launch_router(fleet: VllmFleet, workdir: Path, policy: str, precise: bool = 
     log = workdir / f"{name}.log"
     with log.open("wb") as output:
         process = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--config", str(config_path)],
+            [sys.executable, "-m", "kvroute.router.cli", "serve", "--config", str(config_path)],
             cwd=ROOT, stdout=output, stderr=subprocess.STDOUT,
         )
     router = RouterProcess(f"http://127.0.0.1:{port}", process, log)

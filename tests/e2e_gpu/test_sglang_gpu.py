@@ -7,6 +7,7 @@ the reason, where there is no NVIDIA GPU or no ``sglang`` package.
 
 from __future__ import annotations
 
+from tests.paths import REPO
 import importlib.util
 import os
 import shutil
@@ -23,7 +24,6 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = os.environ.get("KVROUTE_GPU_MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
 PORTS = (8111, 8112)
 URLS = [f"http://127.0.0.1:{port}" for port in PORTS]
@@ -97,7 +97,7 @@ def _engines(name: str) -> float:
 
 def _router(policy: str, tmp: Path) -> tuple[str, subprocess.Popen[bytes]]:
     port = _free_port()
-    args = [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    args = [sys.executable, "-m", "kvroute.router.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--policy", policy, "--tokenizer", MODEL, "--admin-token", TOKEN, "--log-level", "info"]
     for url in URLS:
         args += ["--backend", url]

@@ -20,8 +20,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from benchmarks.fleet import ManagedProcess, SimSpec, free_port, scrape, start_router
-from benchmarks.steady_load import Tally, format_table
+from kvroute.benchmarks.fleet import ManagedProcess, SimSpec, free_port, scrape, start_router
+from kvroute.benchmarks.steady_load import Tally, format_table
 
 ADMIN_TOKEN = "fault-suite-admin-token"
 # Router settings that make faults show quickly (the defaults suit production, not CI).

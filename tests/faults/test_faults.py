@@ -1,6 +1,6 @@
 """Faults under steady load: every request is answered or fails with a clear error; none is lost.
 
-Each scenario runs :class:`~benchmarks.steady_load.SteadyLoad` (8 ``openai`` SDK clients:
+Each scenario runs :class:`~kvroute.benchmarks.steady_load.SteadyLoad` (8 ``openai`` SDK clients:
 streaming, non-streaming, and streams whose client hangs up) against the router while one
 fault happens, then requires:
 
@@ -24,8 +24,8 @@ from collections.abc import Awaitable, Callable
 import openai
 import pytest
 
-from benchmarks.steady_load import SteadyLoad, Tally
-from faults.conftest import RESULTS, Fleet
+from kvroute.benchmarks.steady_load import SteadyLoad, Tally
+from tests.faults.conftest import RESULTS, Fleet
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 

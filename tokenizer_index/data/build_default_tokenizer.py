@@ -10,7 +10,7 @@ script again with the same Python version reproduces the same files byte for byt
 The output is a valid Hugging Face tokenizer directory (``tokenizer.json`` plus a
 ``tokenizer_config.json`` holding the ChatML chat template from ``chatml.jinja``), loadable by
 ``transformers.AutoTokenizer.from_pretrained`` as a ``PreTrainedTokenizerFast`` and by
-:meth:`tokenizer_index.RequestTokenizer.from_pretrained`. ``--check`` also loads it with
+:meth:`kvroute.tokenizer_index.RequestTokenizer.from_pretrained`. ``--check`` also loads it with
 transformers (when installed) and compares a rendered chat with kvroute's own encoding.
 """
 
@@ -152,7 +152,7 @@ def build(out: Path) -> list[Path]:
 def check(out: Path) -> None:
     """Load the result with kvroute and, when available, with transformers; compare one chat."""
     sys.path.insert(0, str(HERE.parents[1]))
-    from tokenizer_index.tokenizer import RequestTokenizer
+    from kvroute.tokenizer_index.tokenizer import RequestTokenizer
 
     ours = RequestTokenizer.from_pretrained(str(out))
     messages = [

@@ -1,0 +1,358 @@
+"""The router's Prometheus metrics: one registry, never the process-global default.
+
+Per-request series (requests, latency and TTFT histograms, prompt / predicted / observed
+cached tokens, routing decisions) are plain Python counters updated by the proxy through
+:meth:`RouterMetrics.record_request` and :meth:`RouterMetrics.record_decision`, and turned
+into metric families only when ``/metrics`` is scraped. That keeps the hot path at a few
+dict lookups and integer additions per request (prometheus-client's own ``inc`` and
+``observe`` take a lock and validate their arguments each time, which cost more than the
+rest of the bookkeeping together). Everything runs on the event loop thread, scrapes
+included, so no locking is needed.
+
+Per-backend gauges (in-flight requests, health, the engine's queue and hit ratio) are
+read from the live :class:`~kvroute.router.fleet.backends.Backend` objects at scrape time: they cannot
+drift from the router's own counters and vanish with the backend.
+
+Gauges other parts of the router set directly (``index_blocks``, ``index_bytes``,
+``kv_events_state``) are plain ``Gauge`` objects. :meth:`RouterMetrics.forget_backend`
+drops every series of a removed backend, so removing backends leaks nothing.
+
+Process and runtime gauges show what a soak test watches for leaks: the process's memory,
+CPU and open file descriptors (``kvroute_process_*``), the event loop's task count
+(``kvroute_asyncio_tasks``), admission control's running and queued requests, and the
+requests turned away (``kvroute_rejected_requests_total{reason}``), all read at scrape time
+from a :class:`RuntimeStats` snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Gauge, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+from kvroute.router.fleet.backends import Backend
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _Histogram:
+    """Bucket counts of one label set (non-cumulative; the last slot is +Inf)."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        buckets = []
+        running = 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += count
+            buckets.append((floatToGoString(bound), running))
+        return buckets
+
+
+class _PairStats:
+    """What one (backend, policy) pair accumulates."""
+
+    __slots__ = ("duration", "ttft", "prompt_tokens", "predicted_cached", "observed_cached")
+
+    def __init__(self) -> None:
+        self.duration = _Histogram(DURATION_BUCKETS)
+        self.ttft = _Histogram(TTFT_BUCKETS)
+        self.prompt_tokens = 0
+        self.predicted_cached = 0
+        self.observed_cached = 0
+
+
+class _RequestCollector:
+    """Exports the per-request counters and histograms at scrape time."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families({}, {}, {})
+
+    def collect(self) -> Iterator[Metric]:
+        metrics = self._metrics
+        yield from self._families(metrics.requests, metrics.pairs, metrics.decisions)
+
+    @staticmethod
+    def _families(
+        requests: dict[tuple[str, str, str, str], int],
+        pairs: dict[tuple[str, str], _PairStats],
+        decisions: dict[tuple[str, str], int],
+    ) -> Iterator[Metric]:
+        pair_labels = ["backend", "policy"]
+        requests_family = CounterMetricFamily(
+            "kvroute_requests", "Proxied requests by backend, policy, endpoint and final status "
+            "(499: the client went away; 502: no answer, or a stream broken after its headers were sent).",
+            labels=["backend", "policy", "endpoint", "status"],
+        )
+        duration = HistogramMetricFamily(
+            "kvroute_request_duration_seconds", "Time from receiving a request to its last byte relayed.",
+            labels=pair_labels,
+        )
+        ttft = HistogramMetricFamily(
+            "kvroute_time_to_first_token_seconds", "Time from receiving a streamed request to its first chunk.",
+            labels=pair_labels,
+        )
+        prompt = CounterMetricFamily(
+            "kvroute_prompt_tokens", "Prompt tokens the engines reported (usage.prompt_tokens).", labels=pair_labels
+        )
+        predicted = CounterMetricFamily(
+            "kvroute_predicted_cached_tokens",
+            "Prompt tokens the router predicted to be cached where it sent them.", labels=pair_labels,
+        )
+        observed = CounterMetricFamily(
+            "kvroute_observed_cached_tokens",
+            "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens).",
+            labels=pair_labels,
+        )
+        decisions_family = CounterMetricFamily(
+            "kvroute_routing_decisions", "Routing decisions by policy and reason.", labels=["policy", "reason"]
+        )
+        for key, count in requests.items():
+            requests_family.add_metric(key, count)
+        for key, stats in pairs.items():
+            duration.add_metric(key, stats.duration.cumulative(), stats.duration.total)
+            if any(stats.ttft.counts):
+                ttft.add_metric(key, stats.ttft.cumulative(), stats.ttft.total)
+            prompt.add_metric(key, stats.prompt_tokens)
+            predicted.add_metric(key, stats.predicted_cached)
+            observed.add_metric(key, stats.observed_cached)
+        for key, count in decisions.items():
+            decisions_family.add_metric(key, count)
+        yield from (requests_family, duration, ttft, prompt, predicted, observed, decisions_family)
+
+
+class _BackendStateCollector:
+    """Exports gauges straight from the backends' own fields at scrape time."""
+
+    def __init__(self, backends: Callable[[], Iterable[Backend]]) -> None:
+        self._backends = backends
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families(())
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self._backends())
+
+    @staticmethod
+    def _families(backends: Iterable[Backend]) -> Iterator[Metric]:
+        in_flight = GaugeMetricFamily(
+            "kvroute_backend_in_flight_requests", "Requests this router has in flight per backend.",
+            labels=["backend"],
+        )
+        healthy = GaugeMetricFamily(
+            "kvroute_backend_healthy", "1 when the backend passes health checks, else 0.", labels=["backend"]
+        )
+        waiting = GaugeMetricFamily(
+            "kvroute_engine_requests_waiting", "The engine's own waiting queue, scraped from its /metrics.",
+            labels=["backend"],
+        )
+        hit_ratio = GaugeMetricFamily(
+            "kvroute_engine_prefix_cache_hit_ratio",
+            "The engine's prefix cache hit ratio (hits / queries in tokens) since the previous scrape.",
+            labels=["backend"],
+        )
+        breaker = GaugeMetricFamily(
+            "kvroute_backend_breaker_state",
+            "The backend's circuit breaker (0 closed, 1 open: ejected, 2 half-open: one probe request).",
+            labels=["backend"],
+        )
+        trips = CounterMetricFamily(
+            "kvroute_backend_breaker_trips", "Times the backend's circuit breaker opened.", labels=["backend"]
+        )
+        engine = GaugeMetricFamily(
+            "kvroute_backend_engine", "1 per backend, labelled with its engine API (vllm, sglang, generic)"
+            " and how it is known (configured, detected, auto: not yet detected).",
+            labels=["backend", "engine", "source"],
+        )
+        for backend in backends:
+            engine.add_metric([backend.url, backend.engine.name, backend.engine_source], 1.0)
+            in_flight.add_metric([backend.url], backend.in_flight)
+            healthy.add_metric([backend.url], 1.0 if backend.healthy else 0.0)
+            breaker.add_metric([backend.url], int(backend.breaker.state))
+            trips.add_metric([backend.url], backend.breaker.trips)
+            if backend.engine_waiting is not None:
+                waiting.add_metric([backend.url], backend.engine_waiting)
+            if backend.engine_prefix_cache_hit_ratio is not None:
+                hit_ratio.add_metric([backend.url], backend.engine_prefix_cache_hit_ratio)
+        yield from (in_flight, healthy, waiting, hit_ratio, breaker, trips, engine)
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeStats:
+    """What admission control and the client gate report at scrape time."""
+
+    #: Requests holding a global concurrency slot (0 without a global limit).
+    active_requests: int
+    queued_requests: int
+    #: Requests turned away, by reason (queue_full, queue_timeout, unauthorized, rate_limited).
+    rejected: Mapping[str, int]
+    #: Clients with a rate-limit bucket.
+    rate_limited_clients: int
+
+
+class _RuntimeCollector:
+    """The event loop's task count and the admission/gate numbers, read at scrape time."""
+
+    def __init__(self, runtime: Callable[[], RuntimeStats]) -> None:
+        self._runtime = runtime
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families(None, 0)
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:  # scraped outside the event loop (a test rendering directly)
+            tasks = 0
+        yield from self._families(self._runtime(), tasks)
+
+    @staticmethod
+    def _families(stats: RuntimeStats | None, tasks: int) -> Iterator[Metric]:
+        tasks_family = GaugeMetricFamily("kvroute_asyncio_tasks", "Tasks alive on the router's event loop.")
+        active = GaugeMetricFamily(
+            "kvroute_admission_active_requests", "Requests holding a slot of the global concurrency limit."
+        )
+        queued = GaugeMetricFamily(
+            "kvroute_admission_queued_requests", "Requests waiting for a turn in the admission queue."
+        )
+        rejected = CounterMetricFamily(
+            "kvroute_rejected_requests", "Requests turned away before reaching a backend, by reason.",
+            labels=["reason"],
+        )
+        clients = GaugeMetricFamily("kvroute_rate_limit_clients", "Clients with a rate-limit bucket.")
+        if stats is not None:
+            tasks_family.add_metric([], tasks)
+            active.add_metric([], stats.active_requests)
+            queued.add_metric([], stats.queued_requests)
+            for reason, count in stats.rejected.items():
+                rejected.add_metric([reason], count)
+            clients.add_metric([], stats.rate_limited_clients)
+        yield from (tasks_family, active, queued, rejected, clients)
+
+
+class _PeerExchangeCollector:
+    """``kvroute_peer_placements_total{event}``: placements published to and received from peer routers."""
+
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "kvroute_peer_placements", "Placements exchanged with peer routers, by event "
+            "(published, received, dropped_budget: over --peer-max-bytes-per-s, malformed).",
+            labels=["event"],
+        )
+        for event, count in self._counts().items():
+            family.add_metric([event], count)
+        yield family
+
+
+class RouterMetrics:
+    """Every metric of the router, in its own :class:`CollectorRegistry`."""
+
+    def __init__(
+        self, backends: Callable[[], Iterable[Backend]], runtime: Callable[[], RuntimeStats] | None = None
+    ) -> None:
+        self.registry = CollectorRegistry()
+        #: (backend, policy, endpoint, status) -> requests.
+        self.requests: dict[tuple[str, str, str, str], int] = {}
+        #: (backend, policy) -> latency histograms and token counters.
+        self.pairs: dict[tuple[str, str], _PairStats] = {}
+        #: (policy, reason) -> decisions.
+        self.decisions: dict[tuple[str, str], int] = {}
+        self.index_blocks = Gauge(
+            "kvroute_index_blocks", "Blocks the router's prefix index holds per backend.",
+            ["backend"], registry=self.registry,
+        )
+        self.index_bytes = Gauge(
+            "kvroute_index_bytes", "Memory of the router's prefix index in bytes.", registry=self.registry
+        )
+        self.kv_events_state = Gauge(
+            "kvroute_kv_events_state", "KV event subscription per backend "
+            "(0 approximate, 1 precise, 2 recovering a gap, 3 partial: history before joining lost).",
+            ["backend"], registry=self.registry,
+        )
+        self.registry.register(_RequestCollector(self))
+        self.registry.register(_BackendStateCollector(backends))
+        # kvroute_process_resident_memory_bytes, _open_fds, _cpu_seconds_total, ... (Linux).
+        ProcessCollector(namespace="kvroute", registry=self.registry)
+        if runtime is not None:
+            self.registry.register(_RuntimeCollector(runtime))
+
+    def watch_peer_exchange(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Export the placement exchange's counters (``--peer-bind`` / ``--peers``)."""
+        self.registry.register(_PeerExchangeCollector(counts))
+
+    # --- hot path ----------------------------------------------------------------------
+    def record_request(
+        self,
+        backend: str,
+        policy: str,
+        endpoint: str,
+        status: str,
+        duration_s: float,
+        ttft_s: float | None,
+        prompt_tokens: int | None,
+        predicted_cached_tokens: int,
+        observed_cached_tokens: int | None,
+    ) -> None:
+        """Count one finished attempt. Token counters move only when the engine reported usage,
+        so predicted and observed hit rates are ratios over the same requests."""
+        key = (backend, policy, endpoint, status)
+        requests = self.requests
+        requests[key] = requests.get(key, 0) + 1
+        pair_key = (backend, policy)
+        pair = self.pairs.get(pair_key)
+        if pair is None:
+            pair = self.pairs[pair_key] = _PairStats()
+        pair.duration.observe(duration_s)
+        if ttft_s is not None:
+            pair.ttft.observe(ttft_s)
+        if prompt_tokens is not None:
+            pair.prompt_tokens += prompt_tokens
+            pair.predicted_cached += min(predicted_cached_tokens, prompt_tokens)
+            if observed_cached_tokens:
+                pair.observed_cached += observed_cached_tokens
+
+    def record_decision(self, policy: str, reason: str) -> None:
+        """Count one routing decision."""
+        key = (policy, reason)
+        decisions = self.decisions
+        decisions[key] = decisions.get(key, 0) + 1
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def forget_backend(self, url: str) -> None:
+        """Drop every series labelled with this backend."""
+        for key in [key for key in self.requests if key[0] == url]:
+            del self.requests[key]
+        for key in [key for key in self.pairs if key[0] == url]:
+            del self.pairs[key]
+        for gauge in (self.index_blocks, self.kv_events_state):
+            try:
+                gauge.remove(url)
+            except KeyError:
+                pass  # never set for this backend
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)

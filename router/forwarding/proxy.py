@@ -1,0 +1,546 @@
+"""Forwarding one request to a backend and relaying its answer: the router's hot path.
+
+Per request: read the body (size-limited), parse it once (``request_info``), ask the
+``RoutingEngine`` for a backend among the eligible ones, send the body byte for byte over
+the lean keep-alive client of ``kvroute.router.forwarding.upstream``, and relay the answer:
+
+* non-streaming answers are read whole (they are small) and sent with the routing headers;
+* SSE streams are written to the client chunk by chunk as they arrive, never buffered.
+
+Before any request is parsed, the client passes the HTTP room's gate (``check_client``: API key,
+rate limit) and admission control (``kvroute.router.forwarding.admission``: concurrency limits, a bounded
+wait queue, else 429); the body must arrive within ``request_read_timeout_s`` (408) and
+within ``max_body_bytes`` (413).
+
+Until the first byte reaches the client, a failure is retried once on another healthy
+backend: connection refused/reset, timeouts, 500/502/503/504 answers, a non-streaming
+answer broken off mid-body, a stream that breaks before its first chunk. (A stream's
+headers are sent to the client together with its first chunk, so the whole prefill is
+inside that window.) After that nothing is retried: a stream broken by its engine ends
+with an SSE error event and ``[DONE]``. Every attempt's outcome feeds the backend's
+circuit breaker (``kvroute.router.fleet.breaker``). Every attempt holds the backend's in-flight
+counters in a ``try/finally``, so a client hanging up (the handler is cancelled, the
+upstream connection is closed at once so the engine aborts) or any error returns them
+to zero.
+
+The engine's ``usage`` (prompt and cached tokens) is read from every answer and fed to
+``RoutingEngine.observe`` and the metrics; streams get ``include_usage`` injected when the
+client did not ask for it, and the extra usage chunk is removed again (``kvroute.router.engines.usage``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+from kvroute.router.forwarding.admission import AdmissionControl
+from kvroute.router.fleet.backends import Backend, BackendPool
+from kvroute.router.fleet.breaker import BreakerState
+from kvroute.router.config import Settings
+from kvroute.router.routing.decisions import Outcome
+from kvroute.router.errors import RouterError, sse_error_event
+from kvroute.router.forwarding.metrics import RouterMetrics
+from kvroute.router.routing.policies.base import Decision, RouteRequest
+from kvroute.router.routing.request_info import Endpoint, ParsedRequest, body_with_usage_requested, parse_request
+from kvroute.router.routing.routing_engine import PreparedPrompt, RoutePlan, RoutingEngine
+from kvroute.router.forwarding.upstream import (
+    UpstreamClient,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+from kvroute.router.engines.usage import OPENAI_USAGE, StreamTap, Usage, usage_from_body
+
+log = logging.getLogger("kvroute.proxy")
+
+#: Request bodies at least this large are tokenized in a worker thread (~25K tokens of text):
+#: below it, tokenizing inline costs less than the thread hand-off.
+THREAD_PREPARE_BYTES = 100_000
+
+# RFC 9110 7.6.1 hop-by-hop headers (lower-case bytes, as compared with raw header names).
+HOP_BY_HOP = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
+        b"te", b"trailer", b"transfer-encoding", b"upgrade",
+    }
+)
+# Recomputed for each hop, or set by the router itself.
+_REQUEST_SKIP = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-request-id"}
+_RESPONSE_SKIP = HOP_BY_HOP | {b"content-length", b"x-request-id"}
+# The request headers not forwarded, by (the backend's credential goes instead of the client's,
+# the router reads the stream and asks for it unencoded): the router sends its own
+# Authorization / Accept-Encoding.
+_REQUEST_SKIPS = {
+    (own_key, identity): _REQUEST_SKIP
+    | ({b"authorization"} if own_key else frozenset())
+    | ({b"accept-encoding"} if identity else frozenset())
+    for own_key in (False, True)
+    for identity in (False, True)
+}
+# Answers that mean "this replica failed or cannot take it now": nothing reached the
+# client yet and generation has no side effects, so another replica may answer instead.
+_RETRYABLE_STATUSES = frozenset({500, 502, 503, 504})
+_STATUS_LABELS = {code: str(code) for code in range(100, 600)}
+
+
+@dataclass(slots=True)
+class _Call:
+    """One client request on its way through the proxy: what every attempt at it reads.
+
+    Built once per request, after the body is parsed and tokenized, so the functions below
+    take the call instead of a long tail of loose parameters; a retry reuses all of it.
+    """
+
+    request: web.Request
+    endpoint: Endpoint
+    parsed: ParsedRequest
+    request_id: str
+    #: ``time.monotonic()`` when the request arrived: durations and TTFT count from here.
+    started: float
+    #: The prompt tokenized and hashed once per request (None when no policy reads prefixes).
+    prepared: PreparedPrompt | None
+    #: What goes upstream: the client's bytes, or the body re-serialised with
+    #: ``include_usage`` set (decided once, not per attempt).
+    body: bytes
+    #: The router asked for the stream's usage chunk and removes it again.
+    usage_injected: bool
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One try of a call on one backend, and what it ended with (metrics, feedback)."""
+
+    call: _Call
+    plan: RoutePlan
+    backend: Backend
+    #: Another backend may still take over when this one fails before the client sees a byte.
+    can_retry: bool
+    status: str = "500"  # until known: an escaping exception becomes a 500
+    ttft_s: float | None = None
+    usage: Usage | None = None
+
+
+class _Retry(Exception):
+    """This attempt failed before anything reached the client; try another backend."""
+
+    def __init__(self, error: RouterError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def _forwarded(
+    raw_headers: Sequence[tuple[bytes, bytes]], skip: frozenset[bytes], drop_prefix: bytes | None = None
+) -> list[tuple[bytes, bytes]]:
+    """The headers that go on to the next hop: not in ``skip`` (lower-case names), not
+    starting with ``drop_prefix``, and not listed by a ``Connection`` header (RFC 9110 7.6.1).
+
+    One pass that lower-cases each name once; ``Connection`` is in every ``skip`` set, and
+    only when it lists more than ``keep-alive``/``close`` (rare) is the result filtered again.
+    """
+    kept: list[tuple[bytes, bytes]] = []
+    connection: list[bytes] = []
+    for name, value in raw_headers:
+        lower = name.lower()
+        if lower in skip or (drop_prefix is not None and lower.startswith(drop_prefix)):
+            if lower == b"connection":
+                connection.append(value)
+            continue
+        kept.append((name, value))
+    if connection:
+        listed = {token.strip().lower() for value in connection for token in value.split(b",")} - skip
+        if listed:
+            kept = [(name, value) for name, value in kept if name.lower() not in listed]
+    return kept
+
+
+def _outgoing_body(endpoint: Endpoint, parsed: ParsedRequest, raw: bytes) -> tuple[bytes, bool]:
+    """The body to send upstream, and whether it asks for the usage chunk the client did not.
+
+    The router needs a stream's final usage (the engine's cached tokens) to learn from it.
+    """
+    if not (parsed.stream and endpoint.accepts_stream_options and not parsed.include_usage):
+        return raw, False
+    try:
+        return body_with_usage_requested(parsed.body), True
+    except orjson.JSONEncodeError:
+        # Nested deeper than orjson writes (it reads deeper): forward it as sent.
+        return raw, False
+
+
+class Proxy:
+    """Forwards requests of the proxied endpoints; one instance per application."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: BackendPool,
+        routing: RoutingEngine,
+        metrics: RouterMetrics,
+        upstream: UpstreamClient,
+        *,
+        admission: AdmissionControl[Backend] | None = None,
+        check_client: Callable[[web.Request], None] | None = None,
+    ) -> None:
+        self._pool = pool
+        self._routing = routing
+        self._metrics = metrics
+        self._upstream = upstream
+        self._admission: AdmissionControl[Backend] = admission or AdmissionControl(
+            max_concurrency=None, max_backend_concurrency=None, queue_size=0, queue_timeout_s=1.0
+        )
+        # The HTTP room's client gate (API keys, rate limits): raises RouterError to refuse.
+        self._check_client = check_client
+        self._max_body_bytes = settings.max_body_bytes
+        self._read_timeout = settings.request_read_timeout_s
+        # The first-byte timeout covers the wait for the answer's head and a stream's first
+        # chunk (engines send SSE headers before the prefill); the idle timeout the rest.
+        self._first_byte_timeout = settings.first_byte_timeout_s
+        self._idle_timeout = settings.idle_timeout_s
+        self._session_header = settings.session_header
+        self._strip_kvroute_headers = not settings.allow_policy_header
+
+    # --- entry -----------------------------------------------------------------------
+    async def forward(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        """Handle one request to a proxied endpoint."""
+        started = time.monotonic()
+        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
+        try:
+            if self._check_client is not None:
+                self._check_client(request)
+            raw = await self._read_body(request)
+            parsed = parse_request(raw, endpoint, request.headers, self._session_header)
+            prepared = await self._prepare(endpoint, parsed, len(raw))
+            body, usage_injected = _outgoing_body(endpoint, parsed, raw)
+            call = _Call(request, endpoint, parsed, request_id, started, prepared, body, usage_injected)
+            return await self._route(call)
+        except RouterError as exc:
+            response = exc.to_response()
+            response.headers["x-request-id"] = request_id
+            return response
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        length = request.content_length
+        if length is not None and length > self._max_body_bytes:
+            # Refused before reading it; the connection closes rather than swallow the rest.
+            raise RouterError(
+                413, f"request body of {length} bytes is over the limit of {self._max_body_bytes}",
+                code="request_too_large", close=True,
+            )
+        content = request.content
+        if content.is_eof():
+            # The whole body came with the head (nearly always): take it as is, no timer.
+            raw = content.read_nowait()
+            if len(raw) > self._max_body_bytes:
+                raise RouterError(
+                    413, f"request body is over the limit of {self._max_body_bytes} bytes",
+                    code="request_too_large", close=True,
+                )
+            return raw
+        try:
+            async with asyncio.timeout(self._read_timeout):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise RouterError(
+                413, f"request body is over the limit of {self._max_body_bytes} bytes",
+                code="request_too_large", close=True,
+            ) from None
+        except TimeoutError:
+            raise RouterError(
+                408, f"the request body did not arrive within {self._read_timeout:g} s",
+                code="request_timeout", close=True,
+            ) from None
+
+    # --- choosing backends -----------------------------------------------------------
+    async def _route(self, call: _Call) -> web.StreamResponse:
+        """Try the call on a backend; once more elsewhere if that fails before the first byte."""
+        pool = self._pool
+        model = call.parsed.model
+        admission = self._admission
+        failed: list[Backend] = []
+        holds_slot = False
+        last_error: RouterError | None = None
+
+        path = call.endpoint.path
+
+        def eligible() -> list[Backend]:
+            candidates = pool.candidates(model)
+            if any(path not in backend.engine.paths for backend in candidates):
+                # A mixed fleet: e.g. SGLang's /generate goes to SGLang replicas (if any is up).
+                candidates = [backend for backend in candidates if path in backend.engine.paths] or candidates
+            if not failed:
+                return candidates
+            others = [backend for backend in candidates if backend not in failed]
+            # The retry is the client's last chance: not on a backend still on probation.
+            proven = [backend for backend in others if backend.breaker.state is BreakerState.CLOSED]
+            return proven or others
+
+        try:
+            for attempt in range(2):
+                if admission.limited:
+                    # May wait for a turn (or raise 429); only backends with room come back.
+                    candidates = list(await admission.admit(eligible, holds_slot=holds_slot))
+                    holds_slot = True
+                    alternatives = len(eligible())
+                else:
+                    candidates = eligible()
+                    alternatives = len(candidates)
+                if not candidates:
+                    raise last_error or self._no_backend(model)
+                plan = self._plan(call, candidates)
+                backend = pool.get(plan.backend)
+                if backend is None:
+                    log.error("policy %s chose %s, which is not in the pool", plan.policy, plan.backend)
+                    raise RouterError(500, "routing chose an unknown backend", code="internal_error")
+                can_retry = attempt == 0 and alternatives > 1
+                try:
+                    return await self._attempt(_Attempt(call, plan, backend, can_retry))
+                except _Retry as retry:
+                    failed.append(backend)
+                    last_error = retry.error
+                    log.debug("retrying %s elsewhere after %s failed: %s", call.request_id, backend.url, retry)
+            raise last_error or RouterError(502, "no backend could take the request", code="backend_unavailable")
+        finally:
+            if holds_slot:
+                admission.leave()
+
+    async def _prepare(self, endpoint: Endpoint, parsed: ParsedRequest, size: int) -> PreparedPrompt | None:
+        """Tokenize and hash the prompt once per request, not per attempt.
+
+        Long prompts are tokenized in a worker thread (the tokenizer releases the GIL), so
+        a 100K-token first turn does not stall every other request's relay.
+        """
+        if not self._routing.tracks_prefixes:
+            return None
+        if size >= THREAD_PREPARE_BYTES:
+            return await asyncio.to_thread(self._routing.prepare, endpoint.path, parsed.body)
+        return self._routing.prepare(endpoint.path, parsed.body)
+
+    def _plan(self, call: _Call, candidates: list[Backend]) -> RoutePlan:
+        parsed = call.parsed
+        try:
+            return self._routing.route(
+                call.endpoint.path, parsed.body, call.request.headers, candidates, prepared=call.prepared, parsed=parsed
+            )
+        except Exception:  # noqa: BLE001 - a routing bug must not cost the request
+            log.exception("routing failed; falling back to the least loaded backend")
+            backend = min(candidates, key=lambda b: (b.in_flight, b.in_flight_tokens))
+            return RoutePlan(
+                decision=Decision(backend.url, "routing_error"),
+                policy="fallback",
+                request=RouteRequest(endpoint=call.endpoint.path, model=parsed.model),
+            )
+
+    def _no_backend(self, model: str | None) -> RouterError:
+        if model is not None and self._pool.healthy_count() and not self._pool.any_serves(model):
+            return RouterError(404, f"The model `{model}` does not exist.", code="model_not_found")
+        which = f" serving model `{model}`" if model is not None else ""
+        return RouterError(503, f"no healthy backend{which}", code="no_healthy_backend")
+
+    # --- one attempt on one backend ----------------------------------------------------
+    async def _attempt(self, attempt: _Attempt) -> web.StreamResponse:
+        """One exchange with one backend, its in-flight counters held until it ends, however it ends."""
+        backend = attempt.backend
+        tokens = (attempt.plan.request.prompt_tokens or 0) + attempt.call.parsed.expected_output_tokens
+        self._pool.acquire(backend, tokens)
+        try:
+            return await self._exchange(attempt)
+        except asyncio.CancelledError:
+            attempt.status = "499"  # the client hung up (or the drain timeout ran out)
+            self._pool.request_abandoned(backend)
+            raise
+        finally:
+            self._pool.release(backend, tokens)
+            if self._admission.limited:
+                self._admission.wake()  # a backend slot freed
+            self._finish(attempt)
+
+    async def _exchange(self, attempt: _Attempt) -> web.StreamResponse:
+        call = attempt.call
+        backend = attempt.backend
+        try:
+            upstream = await self._upstream.post(
+                backend.access.origin, call.request.raw_path.encode(), self._upstream_headers(attempt), call.body,
+                first_byte_timeout=self._first_byte_timeout,
+            )
+        except UpstreamError as exc:
+            unreachable = isinstance(exc, (UpstreamConnectError, UpstreamDisconnected))
+            self._pool.request_failed(backend, unreachable=unreachable)
+            raise self._failed_before_first_byte(attempt, exc) from None
+
+        completed = False
+        try:
+            status = upstream.status
+            if status >= 500:
+                self._pool.request_failed(backend)
+            else:
+                self._pool.request_succeeded(backend)
+            if attempt.can_retry and status in _RETRYABLE_STATUSES:
+                attempt.status = _STATUS_LABELS[status]
+                raise _Retry(RouterError(502, f"backend {backend.url} answered {status}", code="bad_gateway"))
+            attempt.status = _STATUS_LABELS.get(status) or str(status)
+            if upstream.is_event_stream:
+                response = await self._relay_stream(attempt, upstream)
+            else:
+                response = await self._relay_body(attempt, upstream)
+            completed = True
+            return response
+        finally:
+            if completed:
+                upstream.release()
+            else:
+                upstream.close()  # closes the connection: the engine sees the abort at once
+
+    async def _relay_body(self, attempt: _Attempt, upstream: UpstreamResponse) -> web.StreamResponse:
+        try:
+            data = await upstream.read()
+        except UpstreamError as exc:
+            # Read whole before anything is sent: the client has seen nothing yet.
+            self._pool.request_failed(attempt.backend)
+            raise self._failed_before_first_byte(attempt, exc) from None
+        usage_format = attempt.call.endpoint.usage
+        if usage_format is not None and upstream.status == 200:
+            attempt.usage = usage_from_body(data, usage_format)
+        response = web.Response(status=upstream.status, body=data)
+        self._add_response_headers(response, upstream, attempt)
+        return response
+
+    async def _relay_stream(self, attempt: _Attempt, upstream: UpstreamResponse) -> web.StreamResponse:
+        backend = attempt.backend
+        read = upstream.read_available
+        # The client gets the headers together with the first chunk: until then (engines
+        # send SSE headers before the prefill) the request may still go elsewhere.
+        try:
+            chunk = await read()
+            if not chunk:
+                raise UpstreamProtocolError("the stream ended before its first event")
+        except UpstreamError as exc:
+            self._pool.request_failed(backend)
+            raise self._failed_before_first_byte(attempt, exc) from None
+        attempt.ttft_s = time.monotonic() - attempt.call.started
+        # From the first chunk on, a stream may pause at most idle_timeout_s.
+        upstream.set_timeout(self._idle_timeout)
+        response = web.StreamResponse(status=upstream.status)
+        self._add_response_headers(response, upstream, attempt)
+        usage_format = attempt.call.endpoint.usage or OPENAI_USAGE
+        tap = StreamTap(strip_usage_chunk=attempt.call.usage_injected, usage_format=usage_format)
+        write = response.write
+        try:
+            await response.prepare(attempt.call.request)
+            while True:
+                forward = tap.feed(chunk)
+                if forward:
+                    await write(forward)
+                try:
+                    chunk = await read()
+                except UpstreamError as exc:
+                    self._pool.request_failed(backend)
+                    attempt.status = "502"
+                    log.warning("stream from %s broke off: %s", backend.url, exc)
+                    await write(sse_error_event(f"the backend's stream broke off: {exc}"))
+                    break
+                if not chunk:
+                    rest = tap.finish()
+                    if rest:
+                        await write(rest)
+                    break
+            attempt.usage = tap.usage
+            await response.write_eof()
+        except ConnectionResetError:
+            # The client hung up and a write noticed first: abort the engine's work now.
+            attempt.status = "499"
+            self._pool.request_abandoned(backend)
+            upstream.close()
+        return response
+
+    @staticmethod
+    def _failed_before_first_byte(attempt: _Attempt, exc: UpstreamError) -> Exception:
+        """The error for an attempt that failed before the client saw anything: retry it
+        elsewhere when there is an alternative, else a 504 (timeout) or 502."""
+        url = attempt.backend.url
+        if isinstance(exc, UpstreamTimeout):
+            attempt.status = "504"
+            error = RouterError(504, f"backend {url} did not answer in time: {exc}", code="upstream_timeout")
+        elif isinstance(exc, (UpstreamConnectError, UpstreamDisconnected)):
+            attempt.status = "502"
+            error = RouterError(502, f"backend {url} failed before answering: {exc}", code="backend_unreachable")
+        else:
+            attempt.status = "502"
+            error = RouterError(502, f"backend {url} broke off its answer: {exc}", code="bad_gateway")
+        return _Retry(error) if attempt.can_retry else error
+
+    # --- headers -----------------------------------------------------------------------
+    def _upstream_headers(self, attempt: _Attempt) -> list[tuple[bytes, bytes]]:
+        """The client's end-to-end headers, with the router's request id and the backend's
+        own extra headers and credential (see :mod:`kvroute.router.fleet.backend_access`)."""
+        call = attempt.call
+        access = attempt.backend.access
+        own_credential = access.proxy_credential(call.request.headers)
+        skip = _REQUEST_SKIPS[own_credential, call.usage_injected]
+        if access.header_names:
+            skip = skip | access.header_names
+        drop_prefix = b"x-kvroute-" if self._strip_kvroute_headers else None
+        headers = [(b"x-request-id", call.request_id.encode())]
+        headers += _forwarded(call.request.raw_headers, skip, drop_prefix)
+        headers += access.proxy_headers(own_credential)
+        if call.usage_injected:
+            # The router must read the stream to remove the usage chunk it asked for.
+            headers.append((b"Accept-Encoding", b"identity"))
+        return headers
+
+    @staticmethod
+    def _add_response_headers(response: web.StreamResponse, upstream: UpstreamResponse, attempt: _Attempt) -> None:
+        """The engine's end-to-end headers and the routing headers, straight into the
+        response's own header map (a map passed to the constructor would be copied)."""
+        headers = response.headers
+        add = headers.add
+        for name, value in _forwarded(upstream.raw_headers, _RESPONSE_SKIP):
+            add(name.decode("latin-1"), value.decode("latin-1"))
+        plan = attempt.plan
+        headers["x-kvroute-backend"] = plan.backend
+        headers["x-kvroute-policy"] = plan.policy
+        headers["x-kvroute-reason"] = plan.reason
+        prompt_tokens = plan.request.prompt_tokens
+        if prompt_tokens is not None:
+            headers["x-kvroute-prompt-tokens"] = str(prompt_tokens)
+            headers["x-kvroute-matched-tokens"] = str(plan.predicted_cached_tokens)
+        headers["x-request-id"] = attempt.call.request_id
+
+    # --- bookkeeping -------------------------------------------------------------------
+    def _finish(self, attempt: _Attempt) -> None:
+        """Metrics, routing feedback and the decision log for one finished attempt."""
+        plan = attempt.plan
+        usage = attempt.usage
+        prompt_tokens = usage.prompt_tokens if usage is not None else None
+        # What the engine's report means is its engine module's to say (SGLang: null = 0
+        # with --enable-cache-report; a generic server: nothing to learn from).
+        backend = attempt.backend
+        cached_tokens = backend.engine.observed(usage, backend.engine_facts)
+        duration = time.monotonic() - attempt.call.started
+        endpoint = attempt.call.endpoint.name
+        self._metrics.record_request(
+            plan.backend, plan.policy, endpoint, attempt.status, duration, attempt.ttft_s,
+            # Predicted and observed count over the same requests: those with a cache report.
+            prompt_tokens if cached_tokens is not None else None, plan.predicted_cached_tokens, cached_tokens,
+        )
+        self._metrics.record_decision(plan.policy, plan.reason)
+        try:
+            self._routing.observe(plan, cached_tokens)
+        except Exception:  # noqa: BLE001 - feedback must never fail a request
+            log.exception("routing feedback failed")
+        decisions = self._routing.decisions
+        if decisions.active:
+            decisions.record(plan, Outcome(
+                attempt.call.request_id, endpoint, attempt.status,
+                prompt_tokens, cached_tokens, attempt.ttft_s, duration,
+            ))
+

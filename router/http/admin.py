@@ -1,0 +1,184 @@
+"""The admin API: list, add, remove and drain backends at run time.
+
+Enabled only when ``admin_token`` is set (without it the paths do not exist: 404).
+Every call needs ``Authorization: Bearer <admin_token>``, compared in constant time.
+
+* ``GET    /admin/backends``         -> ``{"backends": [BackendState, ...]}``
+* ``POST   /admin/backends``         ``{"url", "api_key"?, "capacity_tokens"?, "kv_events_endpoint"?}``
+  (or any other per-backend setting of the config file: ``headers``, ``ca_file``, ``verify``, ...)
+  -> 201 with the new backend's state (probed once first; 409 if already there)
+* ``DELETE /admin/backends``         ``{"url"}`` (or ``?url=``) -> 200, removed at once
+* ``POST   /admin/backends/drain``   ``{"url"}`` -> 202; no new requests go there and it
+  leaves the pool when its in-flight requests reach zero
+* ``GET    /admin/decisions?last=N`` -> ``{"decisions": [...]}``: the last N (default 100)
+  routing decisions, oldest first, each with every candidate's cost terms
+  (:mod:`kvroute.router.routing.decisions`)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+from aiohttp import web
+from pydantic import ValidationError
+
+from kvroute.router.backend_url import parse_backend_url
+from kvroute.router.fleet.backends import BackendPool
+from kvroute.router.config import BackendConfig, Settings
+from kvroute.router.routing.decisions import DecisionRecorder
+from kvroute.router.errors import RouterError, json_response
+from kvroute.router.fleet.health import HealthChecker
+
+AdminHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class AdminAPI:
+    """Handlers of the admin routes; ``health`` is read lazily (it exists once the app started)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: BackendPool,
+        health: Callable[[], HealthChecker],
+        *,
+        on_secret: Callable[[str], None] | None = None,
+        decisions: DecisionRecorder | None = None,
+    ) -> None:
+        """``on_secret`` hears of every engine API key added at run time (log redaction);
+        ``decisions`` holds the recent routing decisions ``GET /admin/decisions`` returns."""
+        if not settings.admin_token:
+            raise ValueError("the admin API needs an admin token")
+        self._token = settings.admin_token.encode()
+        self._pool = pool
+        self._health = health
+        self._on_secret = on_secret
+        self._decisions = decisions
+        self._allowed_networks = [ipaddress.ip_network(net, strict=False) for net in settings.admin_allowed_networks]
+
+    def add_routes(self, app: web.Application) -> None:
+        """Register the admin routes on ``app``."""
+        app.router.add_get("/admin/backends", self._guard(self.list_backends))
+        app.router.add_post("/admin/backends", self._guard(self.add_backend))
+        app.router.add_delete("/admin/backends", self._guard(self.remove_backend))
+        app.router.add_post("/admin/backends/drain", self._guard(self.drain_backend))
+        app.router.add_get("/admin/decisions", self._guard(self.list_decisions))
+
+    def _guard(self, handler: AdminHandler) -> AdminHandler:
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            self._authorize(request)
+            return await handler(request)
+
+        return guarded
+
+    def _authorize(self, request: web.Request) -> None:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        # compare_digest always runs, so a wrong scheme and a wrong token take equal time.
+        valid = hmac.compare_digest(token.strip().encode(), self._token)
+        if scheme.lower() != "bearer" or not valid:
+            raise RouterError(
+                401, "admin API: missing or wrong bearer token", code="invalid_admin_token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    # --- handlers --------------------------------------------------------------------
+    async def list_backends(self, request: web.Request) -> web.Response:
+        """All backends with their state."""
+        return json_response({"backends": [backend.state() for backend in self._pool]})
+
+    async def list_decisions(self, request: web.Request) -> web.Response:
+        """The last ``?last=N`` routing decisions, oldest first."""
+        raw = request.query.get("last", "100")
+        if not raw.isdigit():
+            raise RouterError(400, "'last' must be a non-negative integer", code="invalid_last")
+        decisions = self._decisions
+        return json_response({"decisions": decisions.last(int(raw)) if decisions is not None else []})
+
+    async def add_backend(self, request: web.Request) -> web.Response:
+        """Probe and add a backend."""
+        payload = await _json_object(request)
+        try:
+            config = BackendConfig.model_validate(payload)
+        except ValidationError as exc:
+            raise RouterError(400, _validation_message(exc), code="invalid_backend") from None
+        if self._on_secret is not None:
+            for secret in config.secrets():
+                self._on_secret(secret)
+        if config.url in self._pool:
+            raise RouterError(409, f"backend {config.url} is already in the pool", code="backend_exists")
+        await self._check_network(config.url)
+        try:
+            backend = await self._health().admit(config)
+        except ValueError as exc:  # added concurrently while we probed
+            raise RouterError(409, str(exc), code="backend_exists") from None
+        return json_response(backend.state(), status=201)
+
+    async def remove_backend(self, request: web.Request) -> web.Response:
+        """Remove a backend now (requests already running there finish)."""
+        url = await self._target_url(request)
+        backend = self._pool.remove(url)
+        if backend is None:
+            raise RouterError(404, f"no backend {url}", code="backend_not_found")
+        return json_response(backend.state())
+
+    async def drain_backend(self, request: web.Request) -> web.Response:
+        """Stop routing to a backend; it leaves once idle."""
+        url = await self._target_url(request)
+        backend = self._pool.drain(url)
+        if backend is None:
+            raise RouterError(404, f"no backend {url}", code="backend_not_found")
+        return json_response(backend.state(), status=202)
+
+    # --- helpers ---------------------------------------------------------------------
+    async def _target_url(self, request: web.Request) -> str:
+        url = request.query.get("url")
+        if url is None:
+            url = (await _json_object(request)).get("url")
+        if not isinstance(url, str) or not url:
+            raise RouterError(400, "'url' is required", code="missing_url")
+        try:
+            return parse_backend_url(url).base  # as the pool names it: credentials left out
+        except ValueError:
+            return url.rstrip("/")  # not a backend URL: answered "no backend" below
+
+    async def _check_network(self, url: str) -> None:
+        """Refuse backends outside ``admin_allowed_networks`` (when that list is set)."""
+        if not self._allowed_networks:
+            return
+        host = urlsplit(url).hostname or ""
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise RouterError(400, f"cannot resolve backend host {host!r}: {exc}", code="invalid_backend") from None
+        addresses = {ipaddress.ip_address(info[4][0]) for info in infos}
+        outside = [str(a) for a in addresses if not any(a in net for net in self._allowed_networks)]
+        if outside or not addresses:
+            raise RouterError(
+                403, f"backend {url} resolves outside the allowed networks ({', '.join(outside)})",
+                code="backend_not_allowed",
+            )
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw:
+        return {}
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RouterError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise RouterError(400, "body must be a JSON object", code="invalid_json")
+    return payload
+
+
+def _validation_message(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(part) for part in error['loc']) or 'body'}: {error['msg']}" for error in exc.errors()
+    )

@@ -1,0 +1,350 @@
+"""The aiohttp application: routes, lifecycle, and running it on uvloop with a graceful drain.
+
+:func:`build_app` wires the parts (backend pool, routing engine, metrics, proxy, health
+checker, admin API) into one ``web.Application``; its cleanup context opens the HTTP
+clients (``kvroute.router.forwarding.upstream`` for proxied requests, an aiohttp session for health checks
+and scrapes), probes the configured backends once, starts the background loops (health
+checks, the engines' ``/metrics`` scraper, and with ``--discovery file|k8s`` the backend
+source the pool follows), and closes everything again. :func:`serve` runs it until
+SIGTERM/SIGINT, then stops accepting connections, lets in-flight requests and streams
+finish for up to ``drain_timeout_s`` and returns; :func:`run` does that on uvloop.
+
+Around the proxy: the client gate and admission control (``kvroute.router.http.security``,
+``kvroute.router.forwarding.admission``), the router's own OpenAPI document at ``/openapi.json``, and a
+server whose connections answer unparsable requests (431, 400) in OpenAI's JSON form and
+close connections that take longer than ``request_read_timeout_s`` to send a request head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import TypeVar
+
+import aiohttp
+from aiohttp import web, web_server
+
+from kvroute.router.http.admin import AdminAPI
+from kvroute.router.forwarding.admission import AdmissionControl
+from kvroute.router.fleet.backends import Backend, BackendPool
+from kvroute.router.config import Settings
+from kvroute.router.fleet.discovery import build_discovery, check_discovery
+from kvroute.router.fleet.engine_stats import EngineScraper, scrape_loop
+from kvroute.router.errors import JSON_CONTENT_TYPE, JsonErrorServer, error_middleware, error_response, json_response
+from kvroute.router.fleet.health import HealthChecker
+from kvroute.router.forwarding.metrics import CONTENT_TYPE, RouterMetrics, RuntimeStats
+from kvroute.router.http.openapi import openapi_document
+from kvroute.router.routing.peer_exchange import PeerExchange, Placement
+from kvroute.router.routing.precise_index import PreciseIndex
+from kvroute.router.forwarding.proxy import Proxy
+from kvroute.router.routing.request_info import ENDPOINTS, Endpoint
+from kvroute.router.routing.routing_engine import RoutingEngine
+from kvroute.router.http.security import ClientGate, SecretRedactor
+from kvroute.router.forwarding.upstream import KEEPALIVE_S, UpstreamClient
+
+log = logging.getLogger("kvroute")
+_T = TypeVar("_T")
+
+
+@dataclass(slots=True)
+class RouterState:
+    """The parts of one running router; ``app[STATE]``."""
+
+    settings: Settings
+    pool: BackendPool
+    routing: RoutingEngine
+    metrics: RouterMetrics
+    admission: AdmissionControl[Backend]
+    gate: ClientGate
+    # Created on startup, inside the event loop:
+    session: aiohttp.ClientSession | None = None  # health checks and probes
+    upstream: UpstreamClient | None = None  # proxied requests
+    proxy: Proxy | None = None
+    health: HealthChecker | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    #: Precise mode (``--kv-events``): the index kept from the engines' KV events.
+    precise: PreciseIndex | None = None
+    #: Placements shared with the other router replicas (``--peer-bind`` / ``--peers``).
+    exchange: PeerExchange | None = None
+
+
+STATE = web.AppKey("kvroute_state", RouterState)
+
+
+def build_app(
+    settings: Settings, routing: RoutingEngine | None = None, *, redactor: SecretRedactor | None = None
+) -> web.Application:
+    """The router as an aiohttp application (not yet started).
+
+    ``redactor``: the log filter of ``kvroute serve``; engine API keys given to the admin
+    API at run time are added to it.
+    """
+    check_discovery(settings)  # e.g. --discovery k8s without kvroute[k8s]: an error now, not a dead task later
+    pool = BackendPool(
+        unhealthy_after=settings.unhealthy_after,
+        healthy_after=settings.healthy_after,
+        breaker_failures=settings.breaker_failures,
+        breaker_cooldown_s=settings.breaker_cooldown_s,
+    )
+    admission: AdmissionControl[Backend] = AdmissionControl(
+        max_concurrency=settings.max_concurrency,
+        max_backend_concurrency=settings.max_backend_concurrency,
+        queue_size=settings.queue_size,
+        queue_timeout_s=settings.queue_timeout_s,
+    )
+    gate = ClientGate(settings)
+    metrics = RouterMetrics(lambda: pool, lambda: _runtime_stats(admission, gate))
+    precise = _precise_index(settings, pool, metrics) if settings.kv_events else None
+    routing = routing or RoutingEngine(settings, precise=precise)
+    pool.on_removed(lambda backend: routing.forget_backend(backend.url))
+    pool.on_removed(lambda backend: metrics.forget_backend(backend.url))
+    if admission.limited:
+        pool.on_changed(admission.wake)  # a backend joined or recovered: a waiter may run
+    state = RouterState(
+        settings=settings, pool=pool, routing=routing, metrics=metrics, admission=admission, gate=gate,
+        precise=precise, exchange=_peer_exchange(settings, pool, routing),
+    )
+    if state.exchange is not None:
+        exchange = state.exchange
+        metrics.watch_peer_exchange(lambda: asdict(exchange.stats))
+
+    app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
+    app[STATE] = state
+    for endpoint in ENDPOINTS:
+        app.router.add_post(endpoint.path, _proxy_handler(state, endpoint))
+    app.router.add_get("/v1/models", _models_handler(state))
+    app.router.add_get("/health", _health_handler(state))
+    app.router.add_get("/livez", _livez)
+    app.router.add_get("/metrics", _metrics_handler(state))
+    app.router.add_get("/openapi.json", _openapi_handler(settings))
+    if settings.admin_token:
+        on_secret = redactor.add if redactor is not None else None
+        AdminAPI(
+            settings, pool, lambda: _started(state.health), on_secret=on_secret, decisions=routing.decisions
+        ).add_routes(app)
+    app.cleanup_ctx.append(_lifecycle)
+    return app
+
+
+def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine) -> PeerExchange | None:
+    """The placement exchange with the other routers, wired to the routing engine, if configured."""
+    if settings.peer_bind is None and not settings.peers:
+        return None
+
+    def apply(placement: Placement) -> None:
+        if placement.backend in pool:  # a peer's backend that is not ours stays out of our index
+            routing.apply_placement(placement)
+
+    exchange = PeerExchange(
+        bind=settings.peer_bind, peers=settings.peers, apply=apply, max_bytes_per_s=settings.peer_max_bytes_per_s
+    )
+    routing.on_placement(exchange.publish)
+    return exchange
+
+
+def _precise_index(settings: Settings, pool: BackendPool, metrics: RouterMetrics) -> PreciseIndex:
+    """The KV-event index, following the pool and exporting each stream's state."""
+    gauge = metrics.kv_events_state
+    precise = PreciseIndex.from_settings(settings, on_state=lambda url, kv_state: gauge.labels(url).set(int(kv_state)))
+    pool.on_added(lambda backend: precise.add_backend(backend.url, backend.kv_events_endpoint))
+    pool.on_removed(lambda backend: precise.remove_backend(backend.url))
+    return precise
+
+
+def _runtime_stats(admission: AdmissionControl[Backend], gate: ClientGate) -> RuntimeStats:
+    return RuntimeStats(
+        active_requests=admission.active,
+        queued_requests=admission.queued,
+        rejected={**admission.rejected, **gate.rejected},
+        rate_limited_clients=gate.tracked_clients,
+    )
+
+
+def _started(part: _T | None) -> _T:
+    if part is None:
+        raise RuntimeError("the router application has not started")
+    return part
+
+
+# --- handlers --------------------------------------------------------------------------
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _proxy_handler(state: RouterState, endpoint: Endpoint) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await _started(state.proxy).forward(request, endpoint)
+
+    return handle
+
+
+def _models_handler(state: RouterState) -> Handler:
+    async def models(request: web.Request) -> web.StreamResponse:
+        if state.gate.active:
+            state.gate.check(request)
+        return json_response({"object": "list", "data": state.pool.model_cards()})
+
+    return models
+
+
+def _health_handler(state: RouterState) -> Handler:
+    async def health(request: web.Request) -> web.StreamResponse:
+        healthy = state.pool.healthy_count()
+        if not healthy:
+            return error_response(503, "no healthy backend", code="no_healthy_backend")
+        return json_response({"status": "ok", "healthy_backends": healthy, "backends": len(state.pool)})
+
+    return health
+
+
+async def _livez(request: web.Request) -> web.StreamResponse:
+    """Liveness: the process serves requests, whatever its backends' health (a liveness
+    probe on ``/health`` would restart every router during an engine outage)."""
+    return json_response({"status": "alive"})
+
+
+def _metrics_handler(state: RouterState) -> Handler:
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        index = state.routing.index_stats()
+        for url, blocks in index.blocks.items():
+            state.metrics.index_blocks.labels(url).set(blocks)
+        state.metrics.index_bytes.set(index.bytes)
+        return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    return metrics
+
+
+def _openapi_handler(settings: Settings) -> Handler:
+    document = openapi_document(admin=bool(settings.admin_token), api_keys=bool(settings.api_keys))
+
+    async def openapi(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=document, content_type=JSON_CONTENT_TYPE)
+
+    return openapi
+
+
+# --- lifecycle -------------------------------------------------------------------------
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    settings = state.settings
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        timeout=aiohttp.ClientTimeout(total=None),
+    )
+    upstream = UpstreamClient(connect_timeout=settings.connect_timeout_s)
+    state.session = session
+    state.upstream = upstream
+    state.health = HealthChecker(settings, state.pool, session)
+    state.proxy = Proxy(
+        settings, state.pool, state.routing, state.metrics, upstream, admission=state.admission,
+        check_client=state.gate.check if state.gate.active else None,
+    )
+    state.pool.on_removed(lambda backend: upstream.forget(backend.url))
+    scraper = EngineScraper(session, timeout_s=settings.health_timeout_s, listeners=[state.routing.update_engine_stats])
+    state.pool.on_removed(lambda backend: scraper.forget_backend(backend.url))
+    try:
+        await _admit_configured_backends(state.health, settings)
+        state.tasks.append(asyncio.create_task(state.health.run(), name="kvroute-health"))
+        state.tasks.append(
+            asyncio.create_task(
+                scrape_loop(
+                    lambda: state.pool, session, interval_s=settings.engine_scrape_interval_s,
+                    timeout_s=settings.health_timeout_s, scraper=scraper,
+                ),
+                name="kvroute-engine-stats",
+            )
+        )
+        if settings.discovery != "static":
+            # Backends come and go with the source; the pool follows (new ones probed, gone ones drained).
+            source = build_discovery(settings)
+            state.tasks.append(asyncio.create_task(source.run(state.health.sync), name="kvroute-discovery"))
+        if state.precise is not None:
+            await state.precise.start()
+        if state.exchange is not None:
+            await state.exchange.start()
+        yield
+    finally:
+        if state.exchange is not None:
+            await state.exchange.stop()
+        if state.precise is not None:
+            await state.precise.stop()
+        for task in state.tasks:
+            task.cancel()
+        for task in state.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        state.tasks.clear()
+        upstream.close()
+        await session.close()
+
+
+async def _admit_configured_backends(health: HealthChecker, settings: Settings) -> None:
+    results = await asyncio.gather(*(health.admit(config) for config in settings.backends), return_exceptions=True)
+    for config, result in zip(settings.backends, results, strict=True):
+        if isinstance(result, BaseException):
+            log.warning("backend %s not added: %s", config.url, result)
+        elif not result.healthy:
+            log.warning("backend %s is not healthy yet; health checks continue", config.url)
+
+
+# --- running ---------------------------------------------------------------------------
+class _RouterRunner(web.AppRunner):
+    """aiohttp's runner, serving with :class:`~kvroute.router.errors.JsonErrorServer` connections."""
+
+    async def _make_server(self) -> web_server.Server:
+        server = await super()._make_server()
+        # Same server, same options; only its connections answer parse errors as JSON.
+        server.__class__ = JsonErrorServer
+        return server
+
+
+def make_runner(app: web.Application, settings: Settings) -> web.AppRunner:
+    """The runner the router is served with (also used by tests that run it in-process)."""
+    return _RouterRunner(
+        app,
+        handle_signals=False,
+        handler_cancellation=True,  # a client hanging up cancels its handler: upstream closed at once
+        access_log=None,  # nothing per request at INFO: it costs more than the proxying
+        shutdown_timeout=settings.drain_timeout_s,
+        max_line_size=settings.max_header_bytes,
+        max_field_size=settings.max_header_bytes,
+        # Closes idle keep-alive connections and those whose request head never completes
+        # (slowloris); aiohttp's default would keep them for an hour.
+        keepalive_timeout=settings.request_read_timeout_s,
+    )
+
+
+async def serve(settings: Settings, app: web.Application | None = None) -> None:
+    """Run the router until SIGTERM/SIGINT, then drain in-flight work and return."""
+    runner = make_runner(app or build_app(settings), settings)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port, backlog=2048)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        log.info("kvroute listening on http://%s:%d (policy %s)", host, port, settings.policy)
+        await stop.wait()
+        log.info("shutting down: draining in-flight requests for up to %.1f s", settings.drain_timeout_s)
+    finally:
+        await runner.cleanup()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+    log.info("kvroute stopped")
+
+
+def run(settings: Settings, app: web.Application | None = None) -> None:
+    """Run :func:`serve` on uvloop (when installed)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        asyncio.run(serve(settings, app))
+    else:
+        uvloop.run(serve(settings, app))

@@ -1,0 +1,105 @@
+"""Explained decisions: one record per finished attempt, to the decision log and a ring.
+
+A record says which request (``request_id``), which conversation (its session key, or the
+key the conversation ledger follows it by), where it went and why, every candidate's
+cost terms as the policy priced them (prefill, queue, capacity; see
+:class:`kvroute.router.routing.policies.base.CandidateCost`), and what came back (the engine's cached
+tokens, TTFT, status). So a loss can be read request by request: ``--decision-log``
+writes each record as one JSON line (logger ``kvroute.decisions``), and with the admin
+API on, ``GET /admin/decisions?last=N`` returns the last ones from a bounded ring.
+
+Cost: the policy builds the candidate terms only when a sink is on (``Policy.explain``),
+and the record is built after the response, off the request's path to the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+if TYPE_CHECKING:
+    from kvroute.router.routing.routing_engine import RoutePlan
+
+decision_log = logging.getLogger("kvroute.decisions")
+
+#: Decisions the ring keeps when the admin API is on (a few KB each with 4-8 candidates).
+RING_SIZE = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one attempt's response said, next to its decision."""
+
+    request_id: str
+    endpoint: str
+    status: str
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    ttft_s: float | None
+    duration_s: float
+
+
+class DecisionRecorder:
+    """Builds decision records for the log and keeps the last :data:`RING_SIZE` of them."""
+
+    def __init__(self, *, log: bool, ring_size: int) -> None:
+        self._log = log
+        self._ring: deque[dict[str, Any]] | None = deque(maxlen=ring_size) if ring_size > 0 else None
+
+    @property
+    def active(self) -> bool:
+        """Whether anyone reads records (the policies explain their decisions only then)."""
+        return self._log or self._ring is not None
+
+    @property
+    def ring_enabled(self) -> bool:
+        return self._ring is not None
+
+    def record(self, plan: RoutePlan, outcome: Outcome) -> None:
+        """One finished attempt of ``plan``."""
+        if not self.active:
+            return
+        entry = build_record(plan, outcome)
+        if self._ring is not None:
+            self._ring.append(entry)
+        if self._log:
+            decision_log.info(orjson.dumps(entry).decode())
+
+    def last(self, count: int) -> list[dict[str, Any]]:
+        """The last ``count`` records, oldest first (none when the ring is off)."""
+        if self._ring is None or count <= 0:
+            return []
+        ring = self._ring
+        return list(ring)[-count:]
+
+
+def build_record(plan: RoutePlan, outcome: Outcome) -> dict[str, Any]:
+    """The JSON-ready record of one decision and its outcome."""
+    request = plan.request
+    decision = plan.decision
+    conversation = getattr(request, "conversation", None)
+    record: dict[str, Any] = {
+        "request_id": outcome.request_id,
+        "session_key": request.session_key,
+        "conversation": conversation.key if conversation is not None else None,
+        "backend": plan.backend,
+        "policy": plan.policy,
+        "reason": plan.reason,
+        "endpoint": outcome.endpoint,
+        "status": outcome.status,
+        "prompt_tokens": request.prompt_tokens if outcome.prompt_tokens is None else outcome.prompt_tokens,
+        "predicted_cached_tokens": plan.predicted_cached_tokens,
+        "observed_cached_tokens": outcome.cached_tokens,
+        "ttft_s": outcome.ttft_s,
+        "duration_s": round(outcome.duration_s, 6),
+    }
+    explanation = decision.explanation
+    if explanation is not None:
+        record["home"] = explanation.home
+        record["load_weight"] = round(explanation.load_weight, 4)
+        record["candidates"] = [asdict(candidate) for candidate in explanation.candidates]
+    return record

@@ -1,0 +1,72 @@
+"""Load-only policies: round robin, random, least load and power of two choices."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+
+from kvroute.router.routing.policies.base import BackendView, Decision, Policy, RouteRequest
+
+
+class RoundRobin(Policy):
+    """Each request to the next backend in turn."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendView]) -> Decision:
+        backend = candidates[next(self._counter) % len(candidates)]
+        return Decision(backend.url, "round_robin", request.matched_tokens.get(backend.url, 0))
+
+
+class Random(Policy):
+    """A uniformly random backend."""
+
+    name = "random"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendView]) -> Decision:
+        backend = self._rng.choice(candidates)
+        return Decision(backend.url, "random", request.matched_tokens.get(backend.url, 0))
+
+
+def load_of(backend: BackendView) -> tuple[int, int]:
+    """Sort key for "least loaded": in-flight requests, then in-flight tokens."""
+    return (backend.in_flight, backend.in_flight_tokens)
+
+
+class LeastLoad(Policy):
+    """The backend with the fewest in-flight requests; ties broken by rotation, not index 0."""
+
+    name = "least_load"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendView]) -> Decision:
+        start = next(self._counter) % len(candidates)
+        rotated = [*candidates[start:], *candidates[:start]]
+        backend = min(rotated, key=load_of)
+        return Decision(backend.url, "least_load", request.matched_tokens.get(backend.url, 0))
+
+
+class PowerOfTwo(Policy):
+    """The less loaded of two random backends."""
+
+    name = "power_of_two"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendView]) -> Decision:
+        if len(candidates) == 1:
+            backend = candidates[0]
+        else:
+            first, second = self._rng.sample(list(candidates), 2)
+            backend = min((first, second), key=load_of)
+        return Decision(backend.url, "power_of_two", request.matched_tokens.get(backend.url, 0))

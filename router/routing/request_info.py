@@ -1,0 +1,113 @@
+"""The one parse of a request body that routing needs (the endpoints: :mod:`kvroute.router.engines`).
+
+The body is forwarded byte for byte; it is parsed once (orjson) only to learn what the
+router needs: the model, whether the client streams and asked for usage, the expected
+output length and a session key. Everything else is the engine's to validate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from kvroute.router.engines import ENDPOINTS, Endpoint
+from kvroute.router.errors import RouterError
+
+# The proxied endpoints are the engine modules' (kvroute.router.engines); re-exported here, where
+# the one parse of a body reads them.
+__all__ = ["ENDPOINTS", "Endpoint", "ParsedRequest", "body_with_usage_requested", "parse_request"]
+
+# An absurd max_tokens must not make one request look like the whole fleet's load.
+MAX_EXPECTED_OUTPUT_TOKENS = 32_768
+# Expected decode length when the client gives no max_tokens (vLLM's own default is
+# "up to the context length", which would overstate load by orders of magnitude).
+DEFAULT_EXPECTED_OUTPUT_TOKENS = 256
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """What the router learned from one request body."""
+
+    body: dict[str, Any]
+    model: str | None
+    stream: bool
+    #: The client itself asked for ``stream_options.include_usage``.
+    include_usage: bool
+    expected_output_tokens: int
+    session_key: str | None
+
+
+def parse_request(
+    raw: bytes, endpoint: Endpoint, headers: Mapping[str, str], session_header: str
+) -> ParsedRequest:
+    """Parse a request body; raises :class:`RouterError` (400) when routing cannot use it."""
+    if not raw:
+        raise RouterError(400, "request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RouterError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise RouterError(400, "request body must be a JSON object", code="invalid_json")
+
+    model = body.get("model")
+    if model is None:
+        if endpoint.requires_model:
+            raise RouterError(400, "'model' is required", code="missing_model")
+    elif not isinstance(model, str) or not model:
+        raise RouterError(400, "'model' must be a non-empty string", code="invalid_model")
+
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    elif not isinstance(stream, bool):
+        raise RouterError(400, "'stream' must be a boolean", code="invalid_stream")
+
+    return ParsedRequest(
+        body=body,
+        model=model,
+        stream=stream,
+        include_usage=_asked_for_usage(body),
+        expected_output_tokens=expected_output_tokens_of(body),
+        session_key=session_key_of(body, headers, session_header),
+    )
+
+
+def _asked_for_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def expected_output_tokens_of(body: dict[str, Any]) -> int:
+    value = body.get("max_completion_tokens")
+    if value is None:
+        value = body.get("max_tokens")
+    if value is None:
+        value = body.get("max_output_tokens")  # /v1/responses
+    # bool is an int subclass; neither it nor a negative number is a length.
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return min(value, MAX_EXPECTED_OUTPUT_TOKENS)
+    return DEFAULT_EXPECTED_OUTPUT_TOKENS
+
+
+def session_key_of(body: dict[str, Any], headers: Mapping[str, str], session_header: str) -> str | None:
+    key = headers.get(session_header)
+    if key:
+        return key
+    user = body.get("user")
+    return user if isinstance(user, str) and user else None
+
+
+def body_with_usage_requested(body: dict[str, Any]) -> bytes:
+    """The body re-serialised with ``stream_options.include_usage`` set.
+
+    The one case where the router rewrites a body: it needs the engine's usage chunk to
+    learn the cached tokens, and strips that chunk again before the client sees it.
+    """
+    options = body.get("stream_options")
+    merged = dict(options) if isinstance(options, dict) else {}
+    merged["include_usage"] = True
+    return orjson.dumps({**body, "stream_options": merged})

