@@ -76,10 +76,7 @@ def workload_prompts(workload: Workload, block_size: int, tokenizer_path: str | 
     """Every request's prompt as block hashes, tokenized as the engines and routers do."""
     from kvroute.tokenizer_index import RequestTokenizer
 
-    tokenizer = (
-        RequestTokenizer.from_pretrained(tokenizer_path) if tokenizer_path
-        else RequestTokenizer.default()
-    )
+    tokenizer = RequestTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else RequestTokenizer.default()
     prompts = []
     for request in workload.requests:
         body = request.body
@@ -117,8 +114,11 @@ class RunSettings:
 
 
 def summarize(
-    target: str, workload: Workload, run: ReplayResult,
-    engines: dict[str, EngineCounters], router: RouterCounters | None,
+    target: str,
+    workload: Workload,
+    run: ReplayResult,
+    engines: dict[str, EngineCounters],
+    router: RouterCounters | None,
 ) -> TargetResult:
     """A TargetResult from one replay and the counter deltas around it."""
     ok = [record for record in run.records if record.ok]
@@ -127,9 +127,7 @@ def summarize(
     reported_prompt = sum(record.prompt_tokens or 0 for record in ok)
     reported_cached = sum(record.cached_tokens or 0 for record in ok)
     observed = ratio(hits, queried) if queried > 0 else ratio(reported_cached, reported_prompt)
-    predicted = (
-        ratio(router.predicted_cached_tokens, router.prompt_tokens) if router is not None else None
-    )
+    predicted = ratio(router.predicted_cached_tokens, router.prompt_tokens) if router is not None else None
     engine_requests = {url: counters.requests for url, counters in engines.items()}
     engine_tokens = {url: counters.prompt_tokens for url, counters in engines.items()}
     if sum(engine_requests.values()) <= 0:  # engines without request counters: use headers
@@ -141,21 +139,34 @@ def summarize(
     ttfts = [record.ttft_s for record in ok if record.ttft_s is not None]
     latencies = [record.latency_s for record in ok if record.latency_s is not None]
     return TargetResult(
-        target=target, workload=workload.name, requests=len(run.records), errors=run.errors,
-        hit_rate_observed=observed, hit_rate_predicted=predicted,
-        ttft_p50_s=percentile(ttfts, 50), ttft_p90_s=percentile(ttfts, 90),
-        ttft_p99_s=percentile(ttfts, 99), latency_p50_s=percentile(latencies, 50),
+        target=target,
+        workload=workload.name,
+        requests=len(run.records),
+        errors=run.errors,
+        hit_rate_observed=observed,
+        hit_rate_predicted=predicted,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p90_s=percentile(ttfts, 90),
+        ttft_p99_s=percentile(ttfts, 99),
+        latency_p50_s=percentile(latencies, 50),
         latency_p99_s=percentile(latencies, 99),
-        throughput_rps=ratio(len(ok), run.duration_s), duration_s=run.duration_s,
-        backend_share=shares(engine_requests, engine_tokens), prompt_tokens=reported_prompt,
-        cached_tokens_reported=reported_cached, sessions=workload.sessions,
+        throughput_rps=ratio(len(ok), run.duration_s),
+        duration_s=run.duration_s,
+        backend_share=shares(engine_requests, engine_tokens),
+        prompt_tokens=reported_prompt,
+        cached_tokens_reported=reported_cached,
+        sessions=workload.sessions,
         error_sample=next((record.error for record in run.records if record.error), None),
     )
 
 
 async def run_target(
-    target: str, workload: Workload, fleet: Fleet, settings: RunSettings,
-    tokenizer: str | None, on_ready: Callable[[str], None] | None = None,
+    target: str,
+    workload: Workload,
+    fleet: Fleet,
+    settings: RunSettings,
+    tokenizer: str | None,
+    on_ready: Callable[[str], None] | None = None,
     prompts: Sequence[Prompt] | None = None,
 ) -> TargetResult:
     """One target x workload: fresh engines, a fresh router, the replay, the counters.
@@ -172,8 +183,11 @@ async def run_target(
         front = await fleets.start_peer(target.removeprefix(PEER_PREFIX), fleet.urls)
     else:
         front = await fleets.start_router(
-            target, fleet.urls, block_size=fleets.router_block_size(fleet.api, fleet.block_size),
-            capacity_tokens=fleet.capacity_tokens, tokenizer=tokenizer,
+            target,
+            fleet.urls,
+            block_size=fleets.router_block_size(fleet.api, fleet.block_size),
+            capacity_tokens=fleet.capacity_tokens,
+            tokenizer=tokenizer,
         )
     try:
         if on_ready is not None:
@@ -181,13 +195,15 @@ async def run_target(
         engines_before = await fleets.engine_counters(fleet.urls)
         router_before = await fleets.router_counters(front.url) if predicts else None
         progress = Progress(len(workload.requests), f"{workload.name} / {target}")
-        run = await replay(front.url, workload.requests, speedup=settings.speedup,
-                           max_in_flight=settings.max_in_flight, progress=progress)
-        engines_after = await fleets.engine_counters(fleet.urls)
-        router_delta = (
-            None if router_before is None
-            else await fleets.router_counters(front.url) - router_before
+        run = await replay(
+            front.url,
+            workload.requests,
+            speedup=settings.speedup,
+            max_in_flight=settings.max_in_flight,
+            progress=progress,
         )
+        engines_after = await fleets.engine_counters(fleet.urls)
+        router_delta = None if router_before is None else await fleets.router_counters(front.url) - router_before
     finally:
         front.stop()
     deltas = {url: engines_after[url] - engines_before[url] for url in fleet.urls}
@@ -221,15 +237,24 @@ def offline_rows(
 ) -> list[TargetResult]:
     """The ``bound``, ``bound_fleet`` and ``pooled_lru`` rows over the arrival order."""
     found = bounds(prompts, capacity)
-    rates = {BOUND_TARGET: found.bound, BOUND_FLEET_TARGET: found.bound_fleet,
-             POOLED_LRU_TARGET: found.pooled_lru}
+    rates = {BOUND_TARGET: found.bound, BOUND_FLEET_TARGET: found.bound_fleet, POOLED_LRU_TARGET: found.pooled_lru}
     rows = []
     for target, rate in rates.items():
         if rate is None:
             continue
         row = TargetResult(
-            target, workload.name, len(prompts), 0, rate, None, None, None, None,
-            prompt_tokens=found.prompt_tokens, sessions=workload.sessions, setting=setting,
+            target,
+            workload.name,
+            len(prompts),
+            0,
+            rate,
+            None,
+            None,
+            None,
+            None,
+            prompt_tokens=found.prompt_tokens,
+            sessions=workload.sessions,
+            setting=setting,
         )
         attach_bounds(row, prompts, capacity)
         rows.append(row)
@@ -241,57 +266,63 @@ def _targets(policies: Sequence[str], peers: Sequence[str]) -> list[str]:
 
 
 def _not_run(target: str, workload: Workload, status: str, setting: str = "") -> TargetResult:
-    return TargetResult(target, workload.name, 0, 0, None, None, None, None, None,
-                        sessions=workload.sessions, status=status, setting=setting)
+    return TargetResult(
+        target,
+        workload.name,
+        0,
+        0,
+        None,
+        None,
+        None,
+        None,
+        None,
+        sessions=workload.sessions,
+        status=status,
+        setting=setting,
+    )
 
 
 async def run_bench(
-    workloads: Sequence[Workload], fleet: Fleet, targets: Sequence[str], settings: RunSettings,
-    *, tokenizer: str | None = None, bound: bool = True, repeats: int = 1,
+    workloads: Sequence[Workload],
+    fleet: Fleet,
+    targets: Sequence[str],
+    settings: RunSettings,
+    *,
+    tokenizer: str | None = None,
+    bound: bool = True,
+    repeats: int = 1,
 ) -> list[TargetResult]:
     """Every target on every workload, ``repeats`` rounds of every target in turn (so drift
     of a shared machine spreads over all targets alike); the fleet is stopped at the end,
     also on errors."""
     missing = {
-        target for target in targets
-        if target.startswith(PEER_PREFIX)
-        and not fleets.peer_installed(target.removeprefix(PEER_PREFIX))
+        target
+        for target in targets
+        if target.startswith(PEER_PREFIX) and not fleets.peer_installed(target.removeprefix(PEER_PREFIX))
     }
     for target in sorted(missing):
         peer = target.removeprefix(PEER_PREFIX)
-        print(f"kvroute bench: {peer} is not installed (pip install {peer}); skipped",
-              file=sys.stderr)
+        print(f"kvroute bench: {peer} is not installed (pip install {peer}); skipped", file=sys.stderr)
     results: list[TargetResult] = []
     capacity = fleet_capacity_blocks(fleet)
     try:
         for workload in workloads:
             prompts = None
             if bound:
-                prompts = await asyncio.to_thread(
-                    workload_prompts, workload, fleet.block_size, tokenizer
-                )
-                results += await asyncio.to_thread(
-                    offline_rows, workload, prompts, capacity, settings.setting
-                )
+                prompts = await asyncio.to_thread(workload_prompts, workload, fleet.block_size, tokenizer)
+                results += await asyncio.to_thread(offline_rows, workload, prompts, capacity, settings.setting)
             for repeat, target in itertools.product(range(repeats), targets):
                 if target in missing:
                     if repeat == 0:
-                        results.append(
-                            _not_run(target, workload, "not installed", settings.setting)
-                        )
+                        results.append(_not_run(target, workload, "not installed", settings.setting))
                     continue
                 try:
-                    result = await run_target(
-                        target, workload, fleet, settings, tokenizer, prompts=prompts
-                    )
+                    result = await run_target(target, workload, fleet, settings, tokenizer, prompts=prompts)
                     result.repeat = repeat
                     results.append(result)
                 except FleetError as exc:
-                    print(f"kvroute bench: {target} on {workload.name} failed: {exc}",
-                          file=sys.stderr)
-                    results.append(
-                        _not_run(target, workload, "failed to start", settings.setting)
-                    )
+                    print(f"kvroute bench: {target} on {workload.name} failed: {exc}", file=sys.stderr)
+                    results.append(_not_run(target, workload, "failed to start", settings.setting))
     finally:
         fleet.stop()
     return results
@@ -300,8 +331,7 @@ async def run_bench(
 async def _served_model(url: str) -> str:
     """The first model an external engine serves (its ``/v1/models``)."""
     timeout = aiohttp.ClientTimeout(total=10)
-    async with aiohttp.ClientSession(timeout=timeout) as client, \
-            client.get(url + "/v1/models") as response:
+    async with aiohttp.ClientSession(timeout=timeout) as client, client.get(url + "/v1/models") as response:
         response.raise_for_status()
         data = await response.json()
     return str(data["data"][0]["id"])
@@ -312,10 +342,7 @@ def _token_range(tokenizer_path: str | None) -> tuple[int, int]:
     (which the default and most Hugging Face tokenizers append at the end)."""
     from kvroute.tokenizer_index import RequestTokenizer
 
-    tokenizer = (
-        RequestTokenizer.from_pretrained(tokenizer_path) if tokenizer_path
-        else RequestTokenizer.default()
-    )
+    tokenizer = RequestTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else RequestTokenizer.default()
     first = mooncake.DEFAULT_FIRST_TOKEN_ID
     added = [i for i in tokenizer.backend.get_added_tokens_decoder() if i > first]
     return first, min(added) if added else tokenizer.vocab_size
@@ -333,72 +360,118 @@ def build_parser() -> argparse.ArgumentParser:
         "measures the router's own cost instead.",
     )
     what = parser.add_argument_group("workloads")
-    what.add_argument("--workload", action="append", metavar="NAME",
-                      help=f"one of {', '.join(WORKLOAD_KINDS)} (repeatable; default "
-                      "system-prompt and agent-sessions)")
+    what.add_argument(
+        "--workload",
+        action="append",
+        metavar="NAME",
+        help=f"one of {', '.join(WORKLOAD_KINDS)} (repeatable; default system-prompt and agent-sessions)",
+    )
     what.add_argument("--limit", type=int, help="at most N requests per workload")
-    what.add_argument("--max-output-tokens", type=int,
-                      help="cap every request's max_tokens (the trace's output lengths too)")
-    what.add_argument("--speedup", type=float,
-                      help="divide arrival times by this (default: --time-scale for sim "
-                      "engines, so the load matches real time; 1 for external engines)")
+    what.add_argument(
+        "--max-output-tokens", type=int, help="cap every request's max_tokens (the trace's output lengths too)"
+    )
+    what.add_argument(
+        "--speedup",
+        type=float,
+        help="divide arrival times by this (default: --time-scale for sim "
+        "engines, so the load matches real time; 1 for external engines)",
+    )
     what.add_argument("--seed", type=int, default=0)
     what.add_argument("--users", type=int, default=8, help="system-prompt: users")
     what.add_argument("--turns", type=int, default=4, help="system-prompt, multi-turn: turns")
-    what.add_argument("--system-tokens", type=int, default=4000,
-                      help="system-prompt: system prompt length")
+    what.add_argument("--system-tokens", type=int, default=4000, help="system-prompt: system prompt length")
     what.add_argument("--conversations", type=int, default=16, help="multi-turn: conversations")
-    what.add_argument("--sessions", default="4,8,16,32",
-                      help="agent-sessions: session counts to sweep")
+    what.add_argument("--sessions", default="4,8,16,32", help="agent-sessions: session counts to sweep")
     what.add_argument("--agent-turns", type=int, default=8, help="agent-sessions: turns")
-    what.add_argument("--agent-scale", type=float, default=0.25,
-                      help="agent-sessions: fraction of a production turn (88K in, 400 out)")
-    what.add_argument("--think-time", type=float, metavar="MEAN",
-                      help="agent-sessions, multi-turn: exponential think time of this mean "
-                      "(seconds, seeded) between an answer and the session's next turn; "
-                      "scaled by --speedup like arrival times (default: none, lockstep)")
-    what.add_argument("--arrival-rate", type=float, metavar="R",
-                      help="agent-sessions, multi-turn: sessions start by a Poisson process "
-                      "of R per second (seeded) instead of together")
+    what.add_argument(
+        "--agent-scale",
+        type=float,
+        default=0.25,
+        help="agent-sessions: fraction of a production turn (88K in, 400 out)",
+    )
+    what.add_argument(
+        "--think-time",
+        type=float,
+        metavar="MEAN",
+        help="agent-sessions, multi-turn: exponential think time of this mean "
+        "(seconds, seeded) between an answer and the session's next turn; "
+        "scaled by --speedup like arrival times (default: none, lockstep)",
+    )
+    what.add_argument(
+        "--arrival-rate",
+        type=float,
+        metavar="R",
+        help="agent-sessions, multi-turn: sessions start by a Poisson process "
+        "of R per second (seeded) instead of together",
+    )
     where = parser.add_argument_group("fleet")
-    where.add_argument("--engine", default="sim",
-                       help="'sim' to start simulated replicas, or URL,URL,... of running engines")
+    where.add_argument(
+        "--engine", default="sim", help="'sim' to start simulated replicas, or URL,URL,... of running engines"
+    )
     where.add_argument("--replicas", type=int, default=4)
-    where.add_argument("--kv-capacity-tokens", type=int,
-                       help="KV cache of each engine in tokens (sims: default "
-                       f"{DEFAULT_SIM_CAPACITY_TOKENS}; external engines: their real size, "
-                       "for bound_fleet and the routers' capacity model; unknown if not given)")
+    where.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        help="KV cache of each engine in tokens (sims: default "
+        f"{DEFAULT_SIM_CAPACITY_TOKENS}; external engines: their real size, "
+        "for bound_fleet and the routers' capacity model; unknown if not given)",
+    )
     where.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
     where.add_argument("--decode-tokens-per-s", type=float, default=50.0)
-    where.add_argument("--time-scale", type=float, default=1.0,
-                       help="sim engines run this many times faster than real time")
-    where.add_argument("--sweep-time-scale", metavar="LIST",
-                       help="sims only: run everything at each of these time scales "
-                       "(e.g. 1,10), to see whether the comparison depends on them")
-    where.add_argument("--sweep-prefill", metavar="LIST",
-                       help="sims only: ... and at each of these prefill rates (tokens/s)")
-    where.add_argument("--api", choices=("vllm", "sglang"), default="vllm",
-                       help="the engines' API: sims speak it, caches are emptied its way "
-                       "(vLLM /reset_prefix_cache, SGLang /flush_cache)")
-    where.add_argument("--block-size", type=int,
-                       help="engine block size, SGLang's page size (sims use it; give the real "
-                       "one for engines; default 16, --api sglang 1)")
-    where.add_argument("--model", help="model name to request (default: sim, or the "
-                       "first model the external engines serve)")
+    where.add_argument(
+        "--time-scale", type=float, default=1.0, help="sim engines run this many times faster than real time"
+    )
+    where.add_argument(
+        "--sweep-time-scale",
+        metavar="LIST",
+        help="sims only: run everything at each of these time scales "
+        "(e.g. 1,10), to see whether the comparison depends on them",
+    )
+    where.add_argument(
+        "--sweep-prefill", metavar="LIST", help="sims only: ... and at each of these prefill rates (tokens/s)"
+    )
+    where.add_argument(
+        "--api",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="the engines' API: sims speak it, caches are emptied its way "
+        "(vLLM /reset_prefix_cache, SGLang /flush_cache)",
+    )
+    where.add_argument(
+        "--block-size",
+        type=int,
+        help="engine block size, SGLang's page size (sims use it; give the real "
+        "one for engines; default 16, --api sglang 1)",
+    )
+    where.add_argument(
+        "--model", help="model name to request (default: sim, or the first model the external engines serve)"
+    )
     where.add_argument("--tokenizer", help="tokenizer directory for sims, routers and bound")
     who = parser.add_argument_group("targets")
-    who.add_argument("--policies", default="round_robin,sticky,cache_aware",
-                     help=f"kvroute policies, comma separated ({', '.join(POLICY_NAMES)})")
-    who.add_argument("--peer", action="append", default=[], choices=[*PEERS, "all"],
-                     help="also run a peer router (repeatable; needs its package)")
+    who.add_argument(
+        "--policies",
+        default="round_robin,sticky,cache_aware",
+        help=f"kvroute policies, comma separated ({', '.join(POLICY_NAMES)})",
+    )
+    who.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        choices=[*PEERS, "all"],
+        help="also run a peer router (repeatable; needs its package)",
+    )
     who.add_argument("--no-bound", action="store_true", help="skip the unbounded-cache bound")
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, help="directory for results.json and summary.png")
-    out.add_argument("--repeat", type=int, default=1, metavar="N",
-                     help="run every target N times per workload, in rounds (every target "
-                     "once, then again), and print medians and spread")
-    out.add_argument("--max-in-flight", type=int, default=256,
-                     help="client concurrency limit")
+    out.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every target N times per workload, in rounds (every target "
+        "once, then again), and print medians and spread",
+    )
+    out.add_argument("--max-in-flight", type=int, default=256, help="client concurrency limit")
     return parser
 
 
@@ -408,12 +481,19 @@ def default_block_size(api: str) -> int:
 
 
 def _sim_fleet(args: argparse.Namespace, time_scale: float, prefill: float) -> SimFleet:
-    return SimFleet(SimSpec(
-        replicas=args.replicas, model=args.model or "sim", block_size=args.block_size,
-        kv_capacity_tokens=args.kv_capacity_tokens or DEFAULT_SIM_CAPACITY_TOKENS,
-        prefill_tokens_per_s=prefill, decode_tokens_per_s=args.decode_tokens_per_s,
-        time_scale=time_scale, tokenizer=args.tokenizer, api=args.api,
-    ))
+    return SimFleet(
+        SimSpec(
+            replicas=args.replicas,
+            model=args.model or "sim",
+            block_size=args.block_size,
+            kv_capacity_tokens=args.kv_capacity_tokens or DEFAULT_SIM_CAPACITY_TOKENS,
+            prefill_tokens_per_s=prefill,
+            decode_tokens_per_s=args.decode_tokens_per_s,
+            time_scale=time_scale,
+            tokenizer=args.tokenizer,
+            api=args.api,
+        )
+    )
 
 
 def _sweep_points(args: argparse.Namespace) -> list[tuple[float, float]]:
@@ -427,8 +507,7 @@ async def _main(args: argparse.Namespace) -> int:
     policies = _csv(args.policies)
     unknown = [policy for policy in policies if policy not in POLICY_NAMES]
     if unknown:
-        print(f"kvroute bench: unknown policies {unknown}; known: {', '.join(POLICY_NAMES)}",
-              file=sys.stderr)
+        print(f"kvroute bench: unknown policies {unknown}; known: {', '.join(POLICY_NAMES)}", file=sys.stderr)
         return 2
     peers = list(PEERS) if "all" in args.peer else list(dict.fromkeys(args.peer))
     sim = args.engine == "sim"
@@ -442,22 +521,32 @@ async def _main(args: argparse.Namespace) -> int:
     if sim:
         model = args.model or "sim"
     else:
-        external = ExternalFleet(_csv(args.engine), block_size=args.block_size,
-                                 capacity_tokens=args.kv_capacity_tokens, api=args.api)
+        external = ExternalFleet(
+            _csv(args.engine), block_size=args.block_size, capacity_tokens=args.kv_capacity_tokens, api=args.api
+        )
         model = args.model or await _served_model(external.urls[0])
     first_token, end_token = _token_range(args.tokenizer)
     options = WorkloadOptions(
-        vocab_size=end_token, first_token_id=first_token, model=model, seed=args.seed,
-        users=args.users, turns=args.turns, system_tokens=args.system_tokens,
+        vocab_size=end_token,
+        first_token_id=first_token,
+        model=model,
+        seed=args.seed,
+        users=args.users,
+        turns=args.turns,
+        system_tokens=args.system_tokens,
         conversations=args.conversations,
         sessions=tuple(int(count) for count in _csv(args.sessions)),
-        agent_turns=args.agent_turns, agent_scale=args.agent_scale, limit=args.limit,
-        max_output_tokens=args.max_output_tokens, think_time=args.think_time,
+        agent_turns=args.agent_turns,
+        agent_scale=args.agent_scale,
+        limit=args.limit,
+        max_output_tokens=args.max_output_tokens,
+        think_time=args.think_time,
         arrival_rate=args.arrival_rate,
     )
     try:
-        workloads = [w for spec in args.workload or ["system-prompt", "agent-sessions"]
-                     for w in make_workloads(spec, options)]
+        workloads = [
+            w for spec in args.workload or ["system-prompt", "agent-sessions"] for w in make_workloads(spec, options)
+        ]
     except (ValueError, OSError) as exc:
         print(f"kvroute bench: {exc}", file=sys.stderr)
         return 2
@@ -468,21 +557,31 @@ async def _main(args: argparse.Namespace) -> int:
         fleet = _sim_fleet(args, time_scale, prefill) if sim else external
         speedup = args.speedup or (time_scale if sim else 1.0)
         setting = f"time-scale={time_scale:g} prefill={prefill:g}" if swept else ""
-        print(f"kvroute bench: {len(workloads)} workload(s) x {len(targets)} target(s) x "
-              f"{args.repeat} run(s) on {len(fleet.urls)} engine(s); arrivals sped up "
-              f"{speedup:g}x" + (f"; {setting}" if setting else ""), file=sys.stderr)
-        settings = RunSettings(speedup=speedup, max_in_flight=args.max_in_flight,
-                               time_scale=time_scale if sim else 1.0, setting=setting)
-        results += await run_bench(workloads, fleet, targets, settings, tokenizer=args.tokenizer,
-                                   bound=not args.no_bound, repeats=args.repeat)
+        print(
+            f"kvroute bench: {len(workloads)} workload(s) x {len(targets)} target(s) x "
+            f"{args.repeat} run(s) on {len(fleet.urls)} engine(s); arrivals sped up "
+            f"{speedup:g}x" + (f"; {setting}" if setting else ""),
+            file=sys.stderr,
+        )
+        settings = RunSettings(
+            speedup=speedup, max_in_flight=args.max_in_flight, time_scale=time_scale if sim else 1.0, setting=setting
+        )
+        results += await run_bench(
+            workloads, fleet, targets, settings, tokenizer=args.tokenizer, bound=not args.no_bound, repeats=args.repeat
+        )
     print(format_table(results))
     if args.repeat > 1:
         print()
         print(format_repeats(results))
     scales = {point[0] for point in points} if sim else {1.0}
-    print(f"\n({time.monotonic() - started:.0f} s; TTFT and latency in wall seconds"
-          + (" of sims running " + "/".join(f"{scale:g}" for scale in sorted(scales))
-             + "x real time)" if scales != {1.0} else ")"))
+    print(
+        f"\n({time.monotonic() - started:.0f} s; TTFT and latency in wall seconds"
+        + (
+            " of sims running " + "/".join(f"{scale:g}" for scale in sorted(scales)) + "x real time)"
+            if scales != {1.0}
+            else ")"
+        )
+    )
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         write_json(results, args.out / "results.json")

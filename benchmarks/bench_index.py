@@ -100,8 +100,10 @@ def bench_hashing(rng: np.random.Generator, repeats: int) -> list[HashResult]:
         results.append(
             HashResult(
                 tokens=tokens,
-                array_us=median_us(lambda: block_hashes(ids, BLOCK_SIZE, "model"), repeats),
-                list_us=median_us(lambda: block_hashes(as_list, BLOCK_SIZE, "model"), max(3, repeats // 10)),
+                array_us=median_us(lambda ids=ids: block_hashes(ids, BLOCK_SIZE, "model"), repeats),
+                list_us=median_us(
+                    lambda as_list=as_list: block_hashes(as_list, BLOCK_SIZE, "model"), max(3, repeats // 10)
+                ),
             )
         )
     return results
@@ -202,7 +204,9 @@ def bench_small_prompts(
 
 def format_speed(rows: list[MatchInsertResult]) -> list[str]:
     """Table rows of match + insert results."""
-    lines = [f"{'prompt':>7} {'tokens':>8} {'match':>9} {'insert':>9} {'total':>9} {'cpu':>9} {'cpu best':>9} {'matched':>8}"]
+    lines = [
+        f"{'prompt':>7} {'tokens':>8} {'match':>9} {'insert':>9} {'total':>9} {'cpu':>9} {'cpu best':>9} {'matched':>8}"
+    ]
     for row in rows:
         lines.append(
             f"{row.kind:>7} {row.tokens:>8} {row.match_us:>7.0f}us {row.insert_us:>7.0f}us "
@@ -240,16 +244,24 @@ def format_report(
         f"(target <= {TARGET_MS_AT_128K} ms; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus)"
     )
     if small:
-        lines += ["", f"small prompts: {small[0].tokens} tokens on a {small_blocks:,}-block index", *format_speed(small)]
+        lines += [
+            "",
+            f"small prompts: {small[0].tokens} tokens on a {small_blocks:,}-block index",
+            *format_speed(small),
+        ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.bench_index", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvroute.benchmarks.bench_index", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--backends", type=int, default=16)
     parser.add_argument("--blocks", type=int, default=1_000_000, help="backend-blocks in the filled index")
     parser.add_argument("--repeats", type=int, default=30, help="repetitions at 128K tokens (more when shorter)")
-    parser.add_argument("--small-blocks", type=int, default=SMALL_INDEX_BLOCKS, help="backend-blocks, small-prompt rows")
+    parser.add_argument(
+        "--small-blocks", type=int, default=SMALL_INDEX_BLOCKS, help="backend-blocks, small-prompt rows"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench-out/index.json"))
     args = parser.parse_args(argv)

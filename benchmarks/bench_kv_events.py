@@ -93,7 +93,11 @@ class StepSource:
     def _evict(self) -> Any:
         sequence = self._sequences.pop(0)
         gone = sequence[::-1]  # tail first, as the engine frees them
-        return ["BlockRemoved", gone, "GPU"] if self.array else {"type": "BlockRemoved", "block_hashes": gone, "medium": "GPU"}
+        return (
+            ["BlockRemoved", gone, "GPU"]
+            if self.array
+            else {"type": "BlockRemoved", "block_hashes": gone, "medium": "GPU"}
+        )
 
     def step(self) -> tuple[bytes, int]:
         """(payload, blocks mentioned) of one step."""
@@ -122,11 +126,26 @@ def make_steps(block_size: int, events_per_step: int, form: str, steps: int) -> 
     return payloads, steps * events_per_step, blocks
 
 
-def _result(stage: str, form: str, block_size: int, per_step: int, payloads: list[bytes], events: int, blocks: int, seconds: float) -> Result:
+def _result(
+    stage: str,
+    form: str,
+    block_size: int,
+    per_step: int,
+    payloads: list[bytes],
+    events: int,
+    blocks: int,
+    seconds: float,
+) -> Result:
     size = sum(len(payload) for payload in payloads)
     return Result(
-        stage, form, block_size, per_step, len(payloads),
-        events / seconds, blocks / seconds, size / seconds / 1e6,
+        stage,
+        form,
+        block_size,
+        per_step,
+        len(payloads),
+        events / seconds,
+        blocks / seconds,
+        size / seconds / 1e6,
     )
 
 

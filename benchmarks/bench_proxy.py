@@ -93,7 +93,7 @@ async def stream_ttfbs(url: str, concurrency: int, per_client: int) -> tuple[lis
                         errors += 1
                         continue
                     ttfbs.append(ttfb)
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     errors += 1
 
         await asyncio.gather(*(worker(index) for index in range(concurrency)))
@@ -158,8 +158,16 @@ def format_ttfb(rows: Sequence[TTFBRow]) -> str:
 
     header = ("target", "conc", "streams", "TTFB p50 ms", "TTFB p99 ms", "+p50 ms", "+p99 ms", "errors")
     table = [header] + [
-        (row.target, str(row.concurrency), str(row.streams), cell(row.ttfb_p50_ms), cell(row.ttfb_p99_ms),
-         cell(row.added_p50_ms), cell(row.added_p99_ms), str(row.errors))
+        (
+            row.target,
+            str(row.concurrency),
+            str(row.streams),
+            cell(row.ttfb_p50_ms),
+            cell(row.ttfb_p99_ms),
+            cell(row.added_p50_ms),
+            cell(row.added_p99_ms),
+            str(row.errors),
+        )
         for row in sorted(rows, key=lambda row: (row.concurrency, row.target != DIRECT, row.target))
     ]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
@@ -177,7 +185,9 @@ def machine() -> dict[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.bench_proxy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvroute.benchmarks.bench_proxy", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--policies", default="round_robin", help="comma list of kvroute policies")
     parser.add_argument("--concurrency", default="32,128")
     parser.add_argument("--seconds", type=float, default=3.0, help="per overhead run")
@@ -196,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> int:
         overhead = await run_overhead(policies, [], concurrencies, args.seconds, args.rounds, args.body_bytes)
-        print("Request overhead (~%d B chat body, trivial upstream):" % args.body_bytes)
+        print(f"Request overhead (~{args.body_bytes} B chat body, trivial upstream):")
         print(format_rows(overhead))
         ttfb: list[TTFBRow] = []
         if not args.skip_streams:

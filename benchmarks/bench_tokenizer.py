@@ -147,8 +147,10 @@ def measure(tokenizer_path: Path, history_tokens: int, repeats: int, hf_tokenize
         incremental.encode_chat(history, add_generation_prompt=False)  # as the router saw it
         arrays.encode_chat_array(history, add_generation_prompt=False)
     full_ms, incremental_ms = clock.median("full"), clock.median("incremental")
-    array_cpu_ms, list_asarray_cpu_ms = clock.median("array", cpu=True), \
-        clock.median("incremental", cpu=True) + clock.median("asarray", cpu=True)
+    array_cpu_ms, list_asarray_cpu_ms = (
+        clock.median("array", cpu=True),
+        clock.median("incremental", cpu=True) + clock.median("asarray", cpu=True),
+    )
     return Row(
         history_tokens=tokens,
         messages=len(request),
@@ -177,8 +179,10 @@ def _load_transformers(path: Path) -> Any | None:
 
 
 def format_table(rows: list[Row]) -> str:
-    header = f"{'history tokens':>14} {'messages':>8} {'full ms':>9} {'incremental ms':>14} {'incr/full':>9} " \
-             f"{'render ms':>9} {'transformers ms':>15} {'cache MB':>8}"
+    header = (
+        f"{'history tokens':>14} {'messages':>8} {'full ms':>9} {'incremental ms':>14} {'incr/full':>9} "
+        f"{'render ms':>9} {'transformers ms':>15} {'cache MB':>8}"
+    )
     lines = [header, "-" * len(header)]
     for row in rows:
         hf = f"{row.transformers_ms:>15.2f}" if row.transformers_ms is not None else f"{'-':>15}"
@@ -190,10 +194,11 @@ def format_table(rows: list[Row]) -> str:
 
 
 def format_array_table(rows: list[Row]) -> str:
-    header = f"{'history tokens':>14} {'list':>7} {'asarray':>7} {'list+asarray':>12} {'array':>7} " \
-             f"{'array/(list+asarray)':>20} {'wall: list+asarray':>18} {'array':>7} {'array cache MB':>14}"
-    lines = ["int64 arrays for the block hasher, next turn (CPU ms, then wall ms; medians):", header,
-             "-" * len(header)]
+    header = (
+        f"{'history tokens':>14} {'list':>7} {'asarray':>7} {'list+asarray':>12} {'array':>7} "
+        f"{'array/(list+asarray)':>20} {'wall: list+asarray':>18} {'array':>7} {'array cache MB':>14}"
+    )
+    lines = ["int64 arrays for the block hasher, next turn (CPU ms, then wall ms; medians):", header, "-" * len(header)]
     for row in rows:
         list_asarray_cpu = row.incremental_cpu_ms + row.asarray_cpu_ms
         lines.append(
@@ -206,10 +211,15 @@ def format_array_table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokenizer", type=Path, default=RequestTokenizer.default_path(),
-                        help="tokenizer directory (default: kvroute's shipped one)")
-    parser.add_argument("--sizes", default=",".join(map(str, HISTORY_TOKENS)),
-                        help="history sizes in tokens, comma-separated")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=RequestTokenizer.default_path(),
+        help="tokenizer directory (default: kvroute's shipped one)",
+    )
+    parser.add_argument(
+        "--sizes", default=",".join(map(str, HISTORY_TOKENS)), help="history sizes in tokens, comma-separated"
+    )
     parser.add_argument("--repeats", type=int, default=7, help="repetitions per size (median reported)")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers reference")
     parser.add_argument("--out", type=Path, default=Path("bench-out/tokenizer.json"))
@@ -221,9 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     print(format_array_table(rows))
     largest = max(rows, key=lambda row: row.history_tokens)
     met = largest.incremental_vs_full <= TARGET_RATIO_AT_LARGEST
-    print(f"\ntarget: incremental <= {TARGET_RATIO_AT_LARGEST:.0%} of full at {largest.history_tokens:,} tokens: "
-          f"{'met' if met else 'NOT met'} ({largest.incremental_vs_full:.1%}); "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
+    print(
+        f"\ntarget: incremental <= {TARGET_RATIO_AT_LARGEST:.0%} of full at {largest.history_tokens:,} tokens: "
+        f"{'met' if met else 'NOT met'} ({largest.incremental_vs_full:.1%}); "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus"
+    )
     report = {
         "benchmark": "tokenizer",
         "tokenizer": str(args.tokenizer),

@@ -22,23 +22,37 @@ from types import ModuleType
 
 import orjson
 
-from kvroute.router.forwarding import upstream as this_upstream
 from kvroute.benchmarks.upstream_cases import STILL_LOOP, Wire, read_now
+from kvroute.router.forwarding import upstream as this_upstream
 
 _REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: engine\r\nContent-Length: 2\r\n\r\n"
-_JSON_BODY = orjson.dumps({
-    "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Paris."}, "finish_reason": "stop"}],
-    "usage": {"prompt_tokens": 512, "completion_tokens": 3, "total_tokens": 515},
-})
+_JSON_BODY = orjson.dumps(
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Paris."}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 512, "completion_tokens": 3, "total_tokens": 515},
+    }
+)
 _UVICORN_HEAD = (
     b"HTTP/1.1 200 OK\r\ndate: Tue, 01 Dec 2026 23:00:00 GMT\r\nserver: uvicorn\r\n"
     b"content-length: %d\r\ncontent-type: application/json\r\n\r\n"
 )
-_EVENT = b"data: " + orjson.dumps({
-    "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
-    "choices": [{"index": 0, "delta": {"content": " token"}, "logprobs": None, "finish_reason": None}],
-}) + b"\n\n"
+_EVENT = (
+    b"data: "
+    + orjson.dumps(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "delta": {"content": " token"}, "logprobs": None, "finish_reason": None}],
+        }
+    )
+    + b"\n\n"
+)
 
 #: Each answer as the packets that carry it.
 ANSWERS: dict[str, list[bytes]] = {

@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from kvroute.router.fleet.backends import Backend
 from kvroute.router.config import Settings
+from kvroute.router.fleet.backends import Backend
 from kvroute.router.routing.routing_engine import RoutingEngine
 
 
@@ -28,7 +28,7 @@ def run(block_size: int, prompt_len: int, requests: int = 200) -> float:
     rng = np.random.default_rng(0)
     system = rng.integers(10, 8000, size=prompt_len // 2).tolist()
     times = []
-    for i in range(requests):
+    for _ in range(requests):
         tail = rng.integers(10, 8000, size=prompt_len // 2).tolist()
         body = {"model": "sim", "prompt": system + tail, "max_tokens": 4}
         start = time.perf_counter()
@@ -37,11 +37,17 @@ def run(block_size: int, prompt_len: int, requests: int = 200) -> float:
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e6
 
+
 def main() -> None:
     for prompt_len in (2000, 8000):
         rows = [(run(16, prompt_len), run(1, prompt_len)) for _ in range(3)]
-        print(f"{prompt_len} tokens, median us per request over 3 rounds:",
-              "block 16", [round(a) for a, _ in rows], "block 1", [round(b) for _, b in rows])
+        print(
+            f"{prompt_len} tokens, median us per request over 3 rounds:",
+            "block 16",
+            [round(a) for a, _ in rows],
+            "block 1",
+            [round(b) for _, b in rows],
+        )
 
 
 if __name__ == "__main__":

@@ -73,9 +73,7 @@ def working_set_tokens(workload: Workload, tokenizer_path: str | None) -> int:
     """Tokens of every session's last prompt: what the fleet must hold to keep them all."""
     from kvroute.tokenizer_index import RequestTokenizer
 
-    tokenizer = (
-        RequestTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else RequestTokenizer.default()
-    )
+    tokenizer = RequestTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else RequestTokenizer.default()
     last: dict[str, dict] = {}
     for request in workload.requests:
         last[request.session_id or str(id(request))] = request.body
@@ -89,7 +87,10 @@ def working_set_tokens(workload: Workload, tokenizer_path: str | None) -> int:
 
 
 def summarize(
-    results: list[TargetResult], workloads: list[Workload], sizes: dict[str, int], fleet_tokens: int,
+    results: list[TargetResult],
+    workloads: list[Workload],
+    sizes: dict[str, int],
+    fleet_tokens: int,
     policies: tuple[str, ...],
 ) -> list[SummaryRow]:
     rows = []
@@ -97,24 +98,43 @@ def summarize(
         mine = {r.target: r for r in results if r.workload == workload.name}
         bound = mine[BOUND_TARGET].hit_rate_observed if BOUND_TARGET in mine else None
         hit_rate = {p: mine[p].hit_rate_observed if p in mine else None for p in policies}
-        of_bound = {
-            p: (rate / bound if rate is not None and bound else None) for p, rate in hit_rate.items()
-        }
+        of_bound = {p: (rate / bound if rate is not None and bound else None) for p, rate in hit_rate.items()}
         size = sizes[workload.name]
         fleet_bound = mine[BOUND_FLEET_TARGET].hit_rate_observed if BOUND_FLEET_TARGET in mine else None
         of_fleet = {p: mine[p].of_bound_fleet if p in mine else None for p in policies}
-        rows.append(SummaryRow(workload.name, size, fleet_tokens, size <= fleet_tokens, bound, hit_rate,
-                               of_bound, fleet_bound, of_fleet))
+        rows.append(
+            SummaryRow(
+                workload.name,
+                size,
+                fleet_tokens,
+                size <= fleet_tokens,
+                bound,
+                hit_rate,
+                of_bound,
+                fleet_bound,
+                of_fleet,
+            )
+        )
     return rows
 
 
 def format_summary(rows: list[SummaryRow], policies: tuple[str, ...]) -> str:
-    header = ["workload", "working set", "fits fleet", "bound", "bound_fleet", *policies,
-              "cache_aware/bound", "cache_aware/bound_fleet"]
+    header = [
+        "workload",
+        "working set",
+        "fits fleet",
+        "bound",
+        "bound_fleet",
+        *policies,
+        "cache_aware/bound",
+        "cache_aware/bound_fleet",
+    ]
     lines = []
     for row in rows:
         cells = [
-            row.workload, f"{row.working_set_tokens:,}", "yes" if row.fits else "no",
+            row.workload,
+            f"{row.working_set_tokens:,}",
+            "yes" if row.fits else "no",
             "-" if row.bound is None else f"{row.bound:.3f}",
             "-" if row.bound_fleet is None else f"{row.bound_fleet:.3f}",
             *("-" if row.hit_rate[p] is None else f"{row.hit_rate[p]:.3f}" for p in policies),
@@ -141,18 +161,23 @@ def build_parser() -> argparse.ArgumentParser:
         "engines with finite caches, next to one unbounded cache.",
     )
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--kv-capacity-tokens", type=int, default=49152,
-                        help="cache size of each replica (default 48K: the fleet holds 192K)")
-    parser.add_argument("--time-scale", type=float, default=20.0,
-                        help="sim engines run this many times faster than real time")
+    parser.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        default=49152,
+        help="cache size of each replica (default 48K: the fleet holds 192K)",
+    )
+    parser.add_argument(
+        "--time-scale", type=float, default=20.0, help="sim engines run this many times faster than real time"
+    )
     parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6, help="system-prompt turns per user")
     parser.add_argument("--system-tokens", type=int, default=4000)
-    parser.add_argument("--sessions", default="4,8,12,16,24",
-                        help="agent-sessions: session counts to sweep")
+    parser.add_argument("--sessions", default="4,8,12,16,24", help="agent-sessions: session counts to sweep")
     parser.add_argument("--agent-turns", type=int, default=8)
-    parser.add_argument("--agent-scale", type=float, default=0.25,
-                        help="last agent prompt ~ scale x 88K tokens (0.25: ~22K)")
+    parser.add_argument(
+        "--agent-scale", type=float, default=0.25, help="last agent prompt ~ scale x 88K tokens (0.25: ~22K)"
+    )
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--quick", action="store_true", help="sessions 8,16 and 4 turns")
     parser.add_argument("--seed", type=int, default=0)
@@ -165,8 +190,12 @@ async def _main(args: argparse.Namespace) -> int:
     sessions = "8,16" if args.quick else args.sessions
     turns = 4 if args.quick else args.turns
     options = WorkloadOptions(
-        seed=args.seed, users=args.users, turns=turns, system_tokens=args.system_tokens,
-        sessions=tuple(int(s) for s in sessions.split(",")), agent_turns=args.agent_turns,
+        seed=args.seed,
+        users=args.users,
+        turns=turns,
+        system_tokens=args.system_tokens,
+        sessions=tuple(int(s) for s in sessions.split(",")),
+        agent_turns=args.agent_turns,
         agent_scale=args.agent_scale,
     )
     workloads = make_workloads("system-prompt", options) + make_workloads("agent-sessions", options)
@@ -174,8 +203,11 @@ async def _main(args: argparse.Namespace) -> int:
     fleet = SimFleet(spec)
     fleet_tokens = args.replicas * args.kv_capacity_tokens
     sizes = {w.name: await asyncio.to_thread(working_set_tokens, w, None) for w in workloads}
-    print(f"compare_policies: {len(workloads)} workloads x {len(policies)} policies on {args.replicas} "
-          f"sim engines of {args.kv_capacity_tokens:,} tokens ({fleet_tokens:,} in all)", file=sys.stderr)
+    print(
+        f"compare_policies: {len(workloads)} workloads x {len(policies)} policies on {args.replicas} "
+        f"sim engines of {args.kv_capacity_tokens:,} tokens ({fleet_tokens:,} in all)",
+        file=sys.stderr,
+    )
     started = time.monotonic()
     settings = RunSettings(speedup=args.time_scale, max_in_flight=256, time_scale=args.time_scale)
     results = await run_bench(workloads, fleet, list(policies), settings)
@@ -187,9 +219,10 @@ async def _main(args: argparse.Namespace) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "compare.json"
-        path.write_text(json.dumps(
-            {"summary": [asdict(row) for row in rows], "results": [r.to_json() for r in results]}, indent=2
-        ) + "\n")
+        path.write_text(
+            json.dumps({"summary": [asdict(row) for row in rows], "results": [r.to_json() for r in results]}, indent=2)
+            + "\n"
+        )
         print(f"wrote {path}")
     return 0
 

@@ -33,18 +33,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--users", type=int, default=5, help="users sharing the system prompt")
     parser.add_argument("--turns", type=int, default=4, help="turns per user")
-    parser.add_argument("--system-tokens", type=int, default=1500,
-                        help="length of the shared system prompt")
-    parser.add_argument("--user-tokens", type=int, default=500,
-                        help="length of each user message (each reply is 60 %% of it)")
-    parser.add_argument("--kv-capacity-tokens", type=int, default=32768,
-                        help="KV cache of each sim engine")
-    parser.add_argument("--time-scale", type=float, default=4.0,
-                        help="sim engines run this many times faster than a real GPU")
+    parser.add_argument("--system-tokens", type=int, default=1500, help="length of the shared system prompt")
+    parser.add_argument(
+        "--user-tokens", type=int, default=500, help="length of each user message (each reply is 60 %% of it)"
+    )
+    parser.add_argument("--kv-capacity-tokens", type=int, default=32768, help="KV cache of each sim engine")
+    parser.add_argument(
+        "--time-scale", type=float, default=4.0, help="sim engines run this many times faster than a real GPU"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--keep-running", action="store_true",
-                        help="afterwards keep a cache_aware router and the engines up until "
-                        "Ctrl-C, to look at /metrics")
+    parser.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="afterwards keep a cache_aware router and the engines up until Ctrl-C, to look at /metrics",
+    )
     return parser
 
 
@@ -65,20 +67,19 @@ def side_by_side(results: list[TargetResult]) -> str:
         ("router-predicted hit rate", *(_percent(r.hit_rate_predicted) for r in results)),
         ("TTFT p50 (GPU time)", *(_ms(r.ttft_p50_s, r.time_scale) for r in results)),
         ("TTFT p99 (GPU time)", *(_ms(r.ttft_p99_s, r.time_scale) for r in results)),
-        ("prompt tokens per engine", *(
-            " / ".join(f"{share.prompt_tokens:.0%}" for share in r.backend_share.values())
-            for r in results
-        )),
+        (
+            "prompt tokens per engine",
+            *(" / ".join(f"{share.prompt_tokens:.0%}" for share in r.backend_share.values()) for r in results),
+        ),
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows
-    )
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
 
 async def _keep_running(fleet: SimFleet) -> None:
-    router = await fleets.start_router("cache_aware", fleet.urls, block_size=fleet.block_size,
-                                       capacity_tokens=fleet.capacity_tokens)
+    router = await fleets.start_router(
+        "cache_aware", fleet.urls, block_size=fleet.block_size, capacity_tokens=fleet.capacity_tokens
+    )
     try:
         print(f"\ncache_aware router: {router.url}  (metrics: {router.url}/metrics)")
         for url in fleet.urls:
@@ -92,20 +93,23 @@ async def _keep_running(fleet: SimFleet) -> None:
 
 async def _main(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    spec = SimSpec(replicas=2, kv_capacity_tokens=args.kv_capacity_tokens,
-                   time_scale=args.time_scale)
+    spec = SimSpec(replicas=2, kv_capacity_tokens=args.kv_capacity_tokens, time_scale=args.time_scale)
     options = WorkloadOptions(
-        users=args.users, turns=args.turns, system_tokens=args.system_tokens,
-        user_tokens=args.user_tokens, reply_tokens=args.user_tokens * 3 // 5, seed=args.seed,
+        users=args.users,
+        turns=args.turns,
+        system_tokens=args.system_tokens,
+        user_tokens=args.user_tokens,
+        reply_tokens=args.user_tokens * 3 // 5,
+        seed=args.seed,
     )
     (workload,) = make_workloads("system-prompt", options)
     settings = RunSettings(speedup=args.time_scale, max_in_flight=64, time_scale=args.time_scale)
-    print(f"kvroute demo: 2 sim engines, {workload.description}, "
-          f"{len(workload.requests)} requests per policy")
+    print(f"kvroute demo: 2 sim engines, {workload.description}, {len(workload.requests)} requests per policy")
     fleet = SimFleet(spec)
     results: list[TargetResult] = []
     try:
         for policy in POLICIES:
+
             def ready(url: str, policy: str = policy) -> None:
                 print(f"{policy}: router at {url}, its metrics at {url}/metrics", flush=True)
 
@@ -114,10 +118,12 @@ async def _main(args: argparse.Namespace) -> int:
         print()
         print(side_by_side(results))
         print(f"(one unbounded cache over the same requests would hit {bound:.0%})")
-        print(f"\n({time.monotonic() - started:.0f} s. Engines: {' '.join(fleet.urls)}, "
-              "each with vLLM's metrics at /metrics. TTFT is the measured wall time times the "
-              f"sims' time scale ({args.time_scale:g}). Run 'kvroute demo --keep-running' to "
-              "keep a router up and browse its /metrics.)")
+        print(
+            f"\n({time.monotonic() - started:.0f} s. Engines: {' '.join(fleet.urls)}, "
+            "each with vLLM's metrics at /metrics. TTFT is the measured wall time times the "
+            f"sims' time scale ({args.time_scale:g}). Run 'kvroute demo --keep-running' to "
+            "keep a router up and browse its /metrics.)"
+        )
         if args.keep_running:
             await _keep_running(fleet)
     finally:

@@ -76,19 +76,22 @@ def _die_with_parent() -> None:
 class ManagedProcess:
     """A child process in its own process group, its output kept in a log file."""
 
-    def __init__(self, name: str, argv: Sequence[str], url: str,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, argv: Sequence[str], url: str, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.url = url
         self.argv = list(argv)
-        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the child
+        self._log = tempfile.NamedTemporaryFile(
             prefix=f"kvroute-{name.replace(':', '-')}-", suffix=".log", delete=False
         )
         self.process = subprocess.Popen(
-            self.argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True, env={**os.environ, **(env or {})},
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
             # Safe with threads here: the hook only makes one system call, no allocation.
-            preexec_fn=_die_with_parent if _LIBC is not None else None,  # noqa: PLW1509
+            preexec_fn=_die_with_parent if _LIBC is not None else None,
         )
 
     @property
@@ -108,8 +111,7 @@ class ManagedProcess:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as client:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
-                    raise FleetError(f"{self.name} exited with {self.process.returncode}:\n"
-                                     f"{self.log_tail()}")
+                    raise FleetError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
                 try:
                     async with client.get(self.url + path) as response:
                         if response.status == 200:
@@ -117,8 +119,7 @@ class ManagedProcess:
                 except (TimeoutError, aiohttp.ClientError):
                     pass
                 await asyncio.sleep(0.1)
-        raise FleetError(f"{self.name} not ready at {self.url}{path} after {timeout_s:.0f} s:\n"
-                         f"{self.log_tail()}")
+        raise FleetError(f"{self.name} not ready at {self.url}{path} after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL it if it is still there after ``timeout_s``."""
@@ -185,12 +186,23 @@ class SimSpec:
 
     def argv(self, port: int) -> list[str]:
         args = [
-            "sim-engine", "--host", "127.0.0.1", "--port", str(port), "--model", self.model,
-            "--block-size", str(self.block_size),
-            "--kv-capacity-tokens", str(self.kv_capacity_tokens),
-            "--prefill-tokens-per-s", str(self.prefill_tokens_per_s),
-            "--decode-tokens-per-s", str(self.decode_tokens_per_s),
-            "--time-scale", str(self.time_scale),
+            "sim-engine",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--model",
+            self.model,
+            "--block-size",
+            str(self.block_size),
+            "--kv-capacity-tokens",
+            str(self.kv_capacity_tokens),
+            "--prefill-tokens-per-s",
+            str(self.prefill_tokens_per_s),
+            "--decode-tokens-per-s",
+            str(self.decode_tokens_per_s),
+            "--time-scale",
+            str(self.time_scale),
         ]
         if self.tokenizer:
             args += ["--tokenizer", self.tokenizer]
@@ -266,8 +278,9 @@ class SimFleet:
 class ExternalFleet:
     """Engines already running; :meth:`fresh` empties their prefix caches."""
 
-    def __init__(self, urls: Sequence[str], block_size: int = 16,
-                 capacity_tokens: int | None = None, api: str = "vllm") -> None:
+    def __init__(
+        self, urls: Sequence[str], block_size: int = 16, capacity_tokens: int | None = None, api: str = "vllm"
+    ) -> None:
         self._urls = [url.rstrip("/") for url in urls]
         self.block_size = block_size
         self.capacity_tokens = capacity_tokens
@@ -288,15 +301,19 @@ Fleet = SimFleet | ExternalFleet
 
 
 async def start_router(
-    policy: str, backends: Sequence[str], *, block_size: int | None = None,
-    capacity_tokens: int | None = None, tokenizer: str | None = None,
-    extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
+    policy: str,
+    backends: Sequence[str],
+    *,
+    block_size: int | None = None,
+    capacity_tokens: int | None = None,
+    tokenizer: str | None = None,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> ManagedProcess:
     """A fresh ``kvroute serve --policy POLICY`` in front of ``backends``, all of them healthy
     (``env``: extra environment, e.g. ``PYTHONPATH`` of another checkout to compare with)."""
     port = free_port()
-    args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-            "--log-level", "warning"]
+    args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warning"]
     for backend in backends:
         args += ["--backend", backend]
     if block_size is not None:
@@ -305,8 +322,7 @@ async def start_router(
         args += ["--default-capacity-tokens", str(capacity_tokens)]
     if tokenizer:
         args += ["--tokenizer", tokenizer]
-    router = ManagedProcess(f"kvroute-{policy}", _kvroute(*args, *extra_args),
-                            f"http://127.0.0.1:{port}", env=env)
+    router = ManagedProcess(f"kvroute-{policy}", _kvroute(*args, *extra_args), f"http://127.0.0.1:{port}", env=env)
     try:
         await router.wait_ready("/health")
         await _wait_all_healthy(router, len(backends))
@@ -360,9 +376,20 @@ async def start_peer(name: str, backends: Sequence[str], policy: str = "cache_aw
     if not peer_installed(name):
         raise FleetError(f"{name} is not installed (pip install {name})")
     port, metrics_port = free_port(), free_port()
-    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *backends,
-              "--policy", policy, "--prometheus-host", "127.0.0.1",
-              "--prometheus-port", str(metrics_port)]
+    common = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *backends,
+        "--policy",
+        policy,
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
+    ]
     if name == "sglang-router":
         argv = [sys.executable, "-m", "sglang_router.launch_router", *common, "--log-level", "warn"]
     else:
@@ -408,17 +435,22 @@ class EngineCounters:
     def from_samples(cls, samples: dict[str, float]) -> EngineCounters:
         return cls(
             hit_tokens=_first(samples, "vllm:prefix_cache_hits_total", "sglang:cached_tokens_total"),
-            queried_tokens=_first(samples, "vllm:prefix_cache_queries_total",
-                                  "sglang:prompt_tokens_total"),
-            requests=_first(samples, "vllm:request_success_total",
-                            "vllm:e2e_request_latency_seconds_count", "sglang:num_requests_total"),
+            queried_tokens=_first(samples, "vllm:prefix_cache_queries_total", "sglang:prompt_tokens_total"),
+            requests=_first(
+                samples,
+                "vllm:request_success_total",
+                "vllm:e2e_request_latency_seconds_count",
+                "sglang:num_requests_total",
+            ),
             prompt_tokens=_first(samples, "vllm:prompt_tokens_total", "sglang:prompt_tokens_total"),
         )
 
     def __sub__(self, earlier: EngineCounters) -> EngineCounters:
         return EngineCounters(
-            self.hit_tokens - earlier.hit_tokens, self.queried_tokens - earlier.queried_tokens,
-            self.requests - earlier.requests, self.prompt_tokens - earlier.prompt_tokens,
+            self.hit_tokens - earlier.hit_tokens,
+            self.queried_tokens - earlier.queried_tokens,
+            self.requests - earlier.requests,
+            self.prompt_tokens - earlier.prompt_tokens,
         )
 
 
@@ -437,12 +469,14 @@ class RouterCounters:
     predicted_cached_tokens: float = 0.0
 
     def __sub__(self, earlier: RouterCounters) -> RouterCounters:
-        return RouterCounters(self.prompt_tokens - earlier.prompt_tokens,
-                              self.predicted_cached_tokens - earlier.predicted_cached_tokens)
+        return RouterCounters(
+            self.prompt_tokens - earlier.prompt_tokens, self.predicted_cached_tokens - earlier.predicted_cached_tokens
+        )
 
 
 async def router_counters(url: str) -> RouterCounters:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
         samples = await scrape(client, url + "/metrics")
-    return RouterCounters(samples.get("kvroute_prompt_tokens_total", 0.0),
-                          samples.get("kvroute_predicted_cached_tokens_total", 0.0))
+    return RouterCounters(
+        samples.get("kvroute_prompt_tokens_total", 0.0), samples.get("kvroute_predicted_cached_tokens_total", 0.0)
+    )

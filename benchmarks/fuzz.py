@@ -41,8 +41,19 @@ from hypothesis import strategies as st
 from kvroute.router.routing.request_info import ENDPOINTS
 
 PROXIED_PATHS = [endpoint.path for endpoint in ENDPOINTS]
-OTHER_PATHS = ["/", "/v1", "/v1/models", "/health", "/metrics", "/openapi.json", "/admin/backends",
-               "/v1/chat/completions/", "/v1/../metrics", "/%00", "/v2/chat/completions"]
+OTHER_PATHS = [
+    "/",
+    "/v1",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/openapi.json",
+    "/admin/backends",
+    "/v1/chat/completions/",
+    "/v1/../metrics",
+    "/%00",
+    "/v2/chat/completions",
+]
 UPSTREAM_STATUSES = frozenset({502, 503, 504})
 MODEL = "sim"
 
@@ -218,15 +229,22 @@ class FuzzStats:
 
     @property
     def router_5xx(self) -> int:
-        return sum(count for status, count in self.statuses.items() if status >= 500 and status not in UPSTREAM_STATUSES)
+        return sum(
+            count for status, count in self.statuses.items() if status >= 500 and status not in UPSTREAM_STATUSES
+        )
 
 
 def corpus(size: int, seed: int) -> list[FuzzCase]:
     """``size`` cases drawn from :func:`fuzz_cases` (seeded: the same corpus every run)."""
     cases: list[FuzzCase] = []
 
-    @settings(max_examples=size, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=size,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=fuzz_cases())
     def collect(case: FuzzCase) -> None:
         cases.append(case)
@@ -296,12 +314,12 @@ class Mutator:
             if action < 0.35 and data:
                 data[position] ^= rng.randint(1, 255)
             elif action < 0.55:
-                del data[position:position + rng.randint(1, 16)]
+                del data[position : position + rng.randint(1, 16)]
             elif action < 0.75:
-                data[position:position] = data[position:position + rng.randint(1, 32)]
+                data[position:position] = data[position : position + rng.randint(1, 32)]
             else:
                 other = rng.choice(self._cases).body
-                data = data[:position] + other[rng.randint(0, len(other)):]
+                data = data[:position] + other[rng.randint(0, len(other)) :]
         return bytes(data)
 
 
@@ -310,8 +328,7 @@ async def send(client: httpx.AsyncClient, base_url: str, case: FuzzCase) -> http
     return await client.request(case.method, base_url + case.path, content=case.body or None, headers=headers)
 
 
-async def fuzz(base_url: str, cases: Any, stats: FuzzStats, concurrency: int = 8,
-               progress_every: int = 0) -> None:
+async def fuzz(base_url: str, cases: Any, stats: FuzzStats, concurrency: int = 8, progress_every: int = 0) -> None:
     """Send every case of the iterable ``cases`` (``concurrency`` at a time) and judge the answers."""
     iterator = iter(cases)
     started = time.monotonic()

@@ -59,10 +59,14 @@ def load_trace(path: Path, *, limit: int | None = None) -> list[MooncakeRecord]:
                 continue
             try:
                 raw = orjson.loads(line)
-                records.append(MooncakeRecord(
-                    int(raw["timestamp"]), int(raw["input_length"]),
-                    int(raw["output_length"]), tuple(int(i) for i in raw["hash_ids"]),
-                ))
+                records.append(
+                    MooncakeRecord(
+                        int(raw["timestamp"]),
+                        int(raw["input_length"]),
+                        int(raw["output_length"]),
+                        tuple(int(i) for i in raw["hash_ids"]),
+                    )
+                )
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{number}: not a Mooncake trace record: {exc}") from exc
     return records
@@ -87,8 +91,11 @@ class BlockMapping:
     __slots__ = ("_rank", "_successors", "block_tokens", "first_token_id", "vocab_size")
 
     def __init__(
-        self, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
-        first_token_id: int = DEFAULT_FIRST_TOKEN_ID, block_tokens: int = TRACE_BLOCK_TOKENS,
+        self,
+        *,
+        vocab_size: int = DEFAULT_VOCAB_SIZE,
+        first_token_id: int = DEFAULT_FIRST_TOKEN_ID,
+        block_tokens: int = TRACE_BLOCK_TOKENS,
     ) -> None:
         if vocab_size - first_token_id < 2:
             raise ValueError("vocab_size must exceed first_token_id by at least 2")

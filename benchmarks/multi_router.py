@@ -59,7 +59,9 @@ def arrangements(counts: Sequence[int]) -> list[Arrangement]:
     return [Arrangement(n, mode) for n in counts for mode in (MODES if n > 1 else MODES[:1])]
 
 
-async def start_routers(arrangement: Arrangement, fleet: SimFleet, tokenizer: str | None) -> list[fleets.ManagedProcess]:
+async def start_routers(
+    arrangement: Arrangement, fleet: SimFleet, tokenizer: str | None
+) -> list[fleets.ManagedProcess]:
     endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(arrangement.routers)]
     routers = []
     try:
@@ -68,10 +70,16 @@ async def start_routers(arrangement: Arrangement, fleet: SimFleet, tokenizer: st
             if arrangement.mode == "exchange" and arrangement.routers > 1:
                 peers = [other for other in endpoints if other != endpoint]
                 extra = ["--peer-bind", endpoint, "--peers", ",".join(peers)]
-            routers.append(await fleets.start_router(
-                "cache_aware", fleet.urls, block_size=fleets.router_block_size(fleet.api, fleet.block_size),
-                capacity_tokens=fleet.capacity_tokens, tokenizer=tokenizer, extra_args=extra,
-            ))
+            routers.append(
+                await fleets.start_router(
+                    "cache_aware",
+                    fleet.urls,
+                    block_size=fleets.router_block_size(fleet.api, fleet.block_size),
+                    capacity_tokens=fleet.capacity_tokens,
+                    tokenizer=tokenizer,
+                    extra_args=extra,
+                )
+            )
         await asyncio.sleep(0.5)  # ZMQ subscriptions reach their publishers
     except BaseException:
         fleets.stop_all(routers)
@@ -79,16 +87,22 @@ async def start_routers(arrangement: Arrangement, fleet: SimFleet, tokenizer: st
     return routers
 
 
-async def run_one(arrangement: Arrangement, workload: Workload, fleet: SimFleet, settings: RunSettings,
-                  tokenizer: str | None) -> tuple[float, float]:
+async def run_one(
+    arrangement: Arrangement, workload: Workload, fleet: SimFleet, settings: RunSettings, tokenizer: str | None
+) -> tuple[float, float]:
     """(engine-observed hit rate, TTFT p99 in seconds) of one run."""
     await fleet.fresh()
     routers = await start_routers(arrangement, fleet, tokenizer)
     try:
         before = await fleets.engine_counters(fleet.urls)
         progress = Progress(len(workload.requests), f"{workload.name} / {arrangement.name}")
-        run = await replay([router.url for router in routers], workload.requests, speedup=settings.speedup,
-                           max_in_flight=settings.max_in_flight, progress=progress)
+        run = await replay(
+            [router.url for router in routers],
+            workload.requests,
+            speedup=settings.speedup,
+            max_in_flight=settings.max_in_flight,
+            progress=progress,
+        )
         after = await fleets.engine_counters(fleet.urls)
     finally:
         fleets.stop_all(routers)
@@ -98,8 +112,10 @@ async def run_one(arrangement: Arrangement, workload: Workload, fleet: SimFleet,
 
 def format_rows(rows: Sequence[Row]) -> str:
     baseline = {row.workload: row.hit_rate for row in rows if row.arrangement == "one router"}
-    lines = ["| workload | routers | hit rate (median) | spread | of one router | TTFT p99 (median) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| workload | routers | hit rate (median) | spread | of one router | TTFT p99 (median) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for row in rows:
         base = baseline.get(row.workload)
         share = f"{row.hit_rate / base:.3f}" if base else "—"
@@ -113,18 +129,29 @@ async def _main(args: argparse.Namespace) -> int:
     counts = [int(value) for value in args.routers.split(",")]
     first_token, end_token = _token_range(args.tokenizer)
     options = WorkloadOptions(
-        vocab_size=end_token, first_token_id=first_token, model=args.model or "sim", seed=args.seed, users=args.users, turns=args.turns,
-        system_tokens=args.system_tokens, conversations=args.conversations,
-        sessions=tuple(int(count) for count in args.sessions.split(",")), agent_turns=args.agent_turns,
-        agent_scale=args.agent_scale, limit=args.limit, max_output_tokens=args.max_output_tokens,
-        think_time=args.think_time, arrival_rate=args.arrival_rate,
+        vocab_size=end_token,
+        first_token_id=first_token,
+        model=args.model or "sim",
+        seed=args.seed,
+        users=args.users,
+        turns=args.turns,
+        system_tokens=args.system_tokens,
+        conversations=args.conversations,
+        sessions=tuple(int(count) for count in args.sessions.split(",")),
+        agent_turns=args.agent_turns,
+        agent_scale=args.agent_scale,
+        limit=args.limit,
+        max_output_tokens=args.max_output_tokens,
+        think_time=args.think_time,
+        arrival_rate=args.arrival_rate,
     )
     workloads = [w for spec in args.workload or ["agent-sessions"] for w in make_workloads(spec, options)]
     if args.block_size is None:
         args.block_size = default_block_size(args.api)
     fleet = _sim_fleet(args, args.time_scale, args.prefill_tokens_per_s)
-    settings = RunSettings(speedup=args.speedup or args.time_scale, max_in_flight=args.max_in_flight,
-                           time_scale=args.time_scale)
+    settings = RunSettings(
+        speedup=args.speedup or args.time_scale, max_in_flight=args.max_in_flight, time_scale=args.time_scale
+    )
     rows = []
     try:
         for workload in workloads:

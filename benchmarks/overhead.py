@@ -50,16 +50,15 @@ DIRECT = "direct"
 MODEL = "overhead"
 
 
-def chat_body(size_bytes: int = 2048, system: str = "You are a helpful assistant.",
-              seed: int = 42) -> bytes:
+def chat_body(size_bytes: int = 2048, system: str = "You are a helpful assistant.", seed: int = 42) -> bytes:
     """A chat request of about ``size_bytes`` bytes: ``system``, then a random user turn."""
     import numpy as np
 
     text = words(np.random.default_rng(seed), size_bytes // 5)
     body = {
-        "model": MODEL, "max_tokens": 8,
-        "messages": [{"role": "system", "content": system},
-                     {"role": "user", "content": text}],
+        "model": MODEL,
+        "max_tokens": 8,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": text}],
     }
     encoded = orjson.dumps(body)
     while len(encoded) > size_bytes:
@@ -89,20 +88,28 @@ def chat_bodies(size_bytes: int = 2048, system_prompts: int = 64, per_prompt: in
 
 # --- the fast upstream ---------------------------------------------------------------------
 
-_COMPLETION = orjson.dumps({
-    "id": "chatcmpl-overhead", "object": "chat.completion", "created": 0, "model": MODEL,
-    "choices": [{"index": 0, "finish_reason": "stop",
-                 "message": {"role": "assistant", "content": "ok"}}],
-    # No prompt_tokens_details: this upstream does not tokenize, so any cached_tokens it
-    # made up would contradict the router's (correct) prediction for the repeated body and
-    # put drift trimming, which a real engine rarely triggers, on every request.
-    "usage": {"prompt_tokens": 400, "completion_tokens": 1, "total_tokens": 401},
-})
-_MODELS = orjson.dumps({"object": "list", "data": [
-    {"id": MODEL, "object": "model", "owned_by": "kvroute-overhead", "max_model_len": 32768}
-]})
-_SERVER_INFO = orjson.dumps({"model_path": MODEL, "served_model_name": MODEL,
-                             "max_total_num_tokens": 32768, "is_generation": True})
+_COMPLETION = orjson.dumps(
+    {
+        "id": "chatcmpl-overhead",
+        "object": "chat.completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}],
+        # No prompt_tokens_details: this upstream does not tokenize, so any cached_tokens it
+        # made up would contradict the router's (correct) prediction for the repeated body and
+        # put drift trimming, which a real engine rarely triggers, on every request.
+        "usage": {"prompt_tokens": 400, "completion_tokens": 1, "total_tokens": 401},
+    }
+)
+_MODELS = orjson.dumps(
+    {
+        "object": "list",
+        "data": [{"id": MODEL, "object": "model", "owned_by": "kvroute-overhead", "max_model_len": 32768}],
+    }
+)
+_SERVER_INFO = orjson.dumps(
+    {"model_path": MODEL, "served_model_name": MODEL, "max_total_num_tokens": 32768, "is_generation": True}
+)
 
 
 def serve_upstream(port: int) -> None:
@@ -134,8 +141,7 @@ def serve_upstream(port: int) -> None:
 
 def start_upstream() -> ManagedProcess:
     port = free_port()
-    argv = [sys.executable, "-m", "kvroute.router.cli", "bench", "--overhead", "--serve-upstream",
-            str(port)]
+    argv = [sys.executable, "-m", "kvroute.router.cli", "bench", "--overhead", "--serve-upstream", str(port)]
     return ManagedProcess("overhead-upstream", argv, f"http://127.0.0.1:{port}")
 
 
@@ -179,14 +185,15 @@ class _Client:
         self._url = url + "/v1/chat/completions"
         self._next_body = itertools.cycle(bodies).__next__
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=connections),
-            timeout=aiohttp.ClientTimeout(total=30))
+            connector=aiohttp.TCPConnector(limit=connections), timeout=aiohttp.ClientTimeout(total=30)
+        )
         self.latencies: list[float] = []
         self.errors = 0
 
     async def one(self) -> bool:
-        async with self._session.post(self._url, data=self._next_body(),
-                                      headers={"content-type": "application/json"}) as response:
+        async with self._session.post(
+            self._url, data=self._next_body(), headers={"content-type": "application/json"}
+        ) as response:
             await response.read()
             return response.status == 200
 
@@ -211,12 +218,18 @@ async def _measured(client: _Client, load: Coroutine[Any, Any, None], pgid: int 
     await load
     elapsed = time.perf_counter() - started
     cpu = group_cpu_seconds(pgid) - cpu_before if pgid and cpu_before is not None else None
-    return LoadRun(len(client.latencies) + client.errors, client.errors, elapsed,
-                   client.latencies, cpu)
+    return LoadRun(len(client.latencies) + client.errors, client.errors, elapsed, client.latencies, cpu)
 
 
-async def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, seconds: float,
-                      pgid: int | None, *, requests: int | None = None) -> LoadRun:
+async def closed_loop(
+    url: str,
+    bodies: Sequence[bytes],
+    concurrency: int,
+    seconds: float,
+    pgid: int | None,
+    *,
+    requests: int | None = None,
+) -> LoadRun:
     """``concurrency`` clients sending ``bodies`` in turn, back to back, for ``seconds``
     (or, given ``requests``, until that many were sent)."""
     client = _Client(url, bodies, concurrency)
@@ -238,8 +251,9 @@ async def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, secon
         await client.close()
 
 
-async def fixed_rate(url: str, bodies: Sequence[bytes], rate_per_s: float, seconds: float,
-                     pgid: int | None, connections: int = 256) -> LoadRun:
+async def fixed_rate(
+    url: str, bodies: Sequence[bytes], rate_per_s: float, seconds: float, pgid: int | None, connections: int = 256
+) -> LoadRun:
     """Requests sent at a fixed ``rate_per_s`` for ``seconds`` whatever the answers do (an
     open loop); each latency counts from the request's due time, so a client or router that
     falls behind shows as latency instead of silently lowering the rate."""
@@ -317,22 +331,22 @@ def _spread(values: Sequence[float | None]) -> tuple[float, float] | None:
     return (min(present), max(present)) if present else None
 
 
-def _row(target: str, mode: str, load: float, measured: list[LoadRun],
-         direct: list[LoadRun]) -> OverheadRow:
+def _row(target: str, mode: str, load: float, measured: list[LoadRun], direct: list[LoadRun]) -> OverheadRow:
     p50 = _median([percentile(run.latencies_s, 50) for run in measured]) or 0.0
     p99 = _median([percentile(run.latencies_s, 99) for run in measured]) or 0.0
     direct_p50 = _median([percentile(run.latencies_s, 50) for run in direct])
     direct_p99 = _median([percentile(run.latencies_s, 99) for run in direct])
     is_router = target != DIRECT
     rates = [run.requests / run.seconds for run in measured]
-    cpus = [run.cpu_s / run.requests * 1e6 if run.cpu_s is not None and run.requests else None
-            for run in measured]
+    cpus = [run.cpu_s / run.requests * 1e6 if run.cpu_s is not None and run.requests else None for run in measured]
     return OverheadRow(
-        target=target, mode=mode,
+        target=target,
+        mode=mode,
         concurrency=int(load) if mode == "closed" else None,
         offered_per_s=float(load) if mode == "rate" else None,
         requests_per_s=_median(rates) or 0.0,
-        latency_p50_ms=p50 * 1000, latency_p99_ms=p99 * 1000,
+        latency_p50_ms=p50 * 1000,
+        latency_p99_ms=p99 * 1000,
         added_p50_ms=(p50 - direct_p50) * 1000 if is_router and direct_p50 is not None else None,
         added_p99_ms=(p99 - direct_p99) * 1000 if is_router and direct_p99 is not None else None,
         router_cpu_us_per_request=_median(cpus),
@@ -359,16 +373,20 @@ def target_summaries(rows: Sequence[OverheadRow]) -> list[TargetSummary]:
             continue
         closed = [other for other in rows if other.target == row.target and other.mode == "closed"]
         busiest = max(closed, key=lambda other: other.requests_per_s, default=None)
-        summaries.append(TargetSummary(
-            target=row.target,
-            saturation_per_s=busiest.requests_per_s if busiest else 0.0,
-            saturated_cpu_us_per_request=busiest.router_cpu_us_per_request if busiest else None,
-            router_cpu_us_per_request=row.router_cpu_us_per_request,
-            offered_per_s=row.offered_per_s or 0.0,
-            rate_p50_ms=row.latency_p50_ms, rate_p99_ms=row.latency_p99_ms, errors=row.errors,
-            saturated_cpu_range=busiest.cpu_us_per_request_range if busiest else None,
-            rate_cpu_range=row.cpu_us_per_request_range,
-        ))
+        summaries.append(
+            TargetSummary(
+                target=row.target,
+                saturation_per_s=busiest.requests_per_s if busiest else 0.0,
+                saturated_cpu_us_per_request=busiest.router_cpu_us_per_request if busiest else None,
+                router_cpu_us_per_request=row.router_cpu_us_per_request,
+                offered_per_s=row.offered_per_s or 0.0,
+                rate_p50_ms=row.latency_p50_ms,
+                rate_p99_ms=row.latency_p99_ms,
+                errors=row.errors,
+                saturated_cpu_range=busiest.cpu_us_per_request_range if busiest else None,
+                rate_cpu_range=row.cpu_us_per_request_range,
+            )
+        )
     return summaries
 
 
@@ -395,24 +413,53 @@ def format_rows(rows: Sequence[OverheadRow]) -> str:
     parts = []
     if summaries:
         rate = summaries[0].offered_per_s
-        parts.append(_table(
-            ("target", "saturation req/s", "CPU us/req saturated", f"CPU us/req @{rate:.0f}/s",
-             f"p50 ms @{rate:.0f}/s", f"p99 ms @{rate:.0f}/s", "errors"),
-            [(s.target, f"{s.saturation_per_s:.0f}",
-              _spread_cell(s.saturated_cpu_us_per_request, s.saturated_cpu_range),
-              _spread_cell(s.router_cpu_us_per_request, s.rate_cpu_range), f"{s.rate_p50_ms:.2f}",
-              f"{s.rate_p99_ms:.2f}", str(s.errors)) for s in summaries],
-        ))
-    closed = sorted((row for row in rows if row.mode == "closed"),
-                    key=lambda row: (row.concurrency or 0, row.target != DIRECT))
-    parts.append(_table(
-        ("target", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms",
-         "router CPU us/req", "errors"),
-        [(row.target, str(row.concurrency), f"{row.requests_per_s:.0f}",
-          f"{row.latency_p50_ms:.2f}", f"{row.latency_p99_ms:.2f}",
-          _cell(row.added_p50_ms, ".2f"), _cell(row.added_p99_ms, ".2f"),
-          _cell(row.router_cpu_us_per_request, ".0f"), str(row.errors)) for row in closed],
-    ))
+        parts.append(
+            _table(
+                (
+                    "target",
+                    "saturation req/s",
+                    "CPU us/req saturated",
+                    f"CPU us/req @{rate:.0f}/s",
+                    f"p50 ms @{rate:.0f}/s",
+                    f"p99 ms @{rate:.0f}/s",
+                    "errors",
+                ),
+                [
+                    (
+                        s.target,
+                        f"{s.saturation_per_s:.0f}",
+                        _spread_cell(s.saturated_cpu_us_per_request, s.saturated_cpu_range),
+                        _spread_cell(s.router_cpu_us_per_request, s.rate_cpu_range),
+                        f"{s.rate_p50_ms:.2f}",
+                        f"{s.rate_p99_ms:.2f}",
+                        str(s.errors),
+                    )
+                    for s in summaries
+                ],
+            )
+        )
+    closed = sorted(
+        (row for row in rows if row.mode == "closed"), key=lambda row: (row.concurrency or 0, row.target != DIRECT)
+    )
+    parts.append(
+        _table(
+            ("target", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "router CPU us/req", "errors"),
+            [
+                (
+                    row.target,
+                    str(row.concurrency),
+                    f"{row.requests_per_s:.0f}",
+                    f"{row.latency_p50_ms:.2f}",
+                    f"{row.latency_p99_ms:.2f}",
+                    _cell(row.added_p50_ms, ".2f"),
+                    _cell(row.added_p99_ms, ".2f"),
+                    _cell(row.router_cpu_us_per_request, ".0f"),
+                    str(row.errors),
+                )
+                for row in closed
+            ],
+        )
+    )
     return "\n\n".join(parts)
 
 
@@ -440,8 +487,14 @@ def offered_rate(runs: dict[RunKey, list[LoadRun]], fraction: float) -> float:
     return max(1.0, fraction * min(routers or saturation.values()))
 
 
-async def measure(targets: Sequence[Target], bodies: Sequence[bytes], concurrencies: Sequence[int],
-                  seconds: float, rounds: int, rate_fraction: float) -> list[OverheadRow]:
+async def measure(
+    targets: Sequence[Target],
+    bodies: Sequence[bytes],
+    concurrencies: Sequence[int],
+    seconds: float,
+    rounds: int,
+    rate_fraction: float,
+) -> list[OverheadRow]:
     """Closed loops at each concurrency, then the fixed rate, every target in each round."""
     runs: dict[RunKey, list[LoadRun]] = {}
     for target in targets:  # every body once: measured from then on is the routers' steady state
@@ -463,11 +516,20 @@ async def measure(targets: Sequence[Target], bodies: Sequence[bytes], concurrenc
     return summarize(runs)
 
 
-async def run_overhead(policies: Sequence[str], peers: Sequence[str],
-                       concurrencies: Sequence[int], seconds: float, rounds: int,
-                       body_bytes: int, *, workers: Sequence[int] = (1,), backends: int = 2,
-                       rate_fraction: float = 0.5, baseline: Path | None = None,
-                       peer_policies: Sequence[str] = ("cache_aware",)) -> list[OverheadRow]:
+async def run_overhead(
+    policies: Sequence[str],
+    peers: Sequence[str],
+    concurrencies: Sequence[int],
+    seconds: float,
+    rounds: int,
+    body_bytes: int,
+    *,
+    workers: Sequence[int] = (1,),
+    backends: int = 2,
+    rate_fraction: float = 0.5,
+    baseline: Path | None = None,
+    peer_policies: Sequence[str] = ("cache_aware",),
+) -> list[OverheadRow]:
     """Start the upstreams and every router, then measure them round by round.
 
     ``baseline``: another kvroute source tree (e.g. the commit before a change); each
@@ -486,7 +548,8 @@ async def run_overhead(policies: Sequence[str], peers: Sequence[str],
                 fronts[name] = await fleets.start_router(policy, urls, extra_args=extra)
                 if baseline is not None:
                     fronts[f"{name}@baseline"] = await fleets.start_router(
-                        policy, urls, extra_args=extra, env=baseline_env(baseline))
+                        policy, urls, extra_args=extra, env=baseline_env(baseline)
+                    )
         for peer in peers:
             for peer_policy in peer_policies:
                 name = f"peer:{peer}" if peer_policy == "cache_aware" else f"peer:{peer}:{peer_policy}"
@@ -521,23 +584,32 @@ def build_parser() -> argparse.ArgumentParser:
         "request, saturation throughput, latency at a fixed offered rate.",
     )
     parser.add_argument("--policies", default=",".join(POLICY_NAMES))
-    parser.add_argument("--peers", default="installed",
-                        help="'installed' (default), 'none', or a comma list of "
-                        f"{', '.join(PEERS)}")
-    parser.add_argument("--peer", action="append", choices=PEERS,
-                        help="measure this peer router (repeatable; overrides --peers)")
-    parser.add_argument("--peer-policies", default="cache_aware",
-                        help="comma list of the peers' policies, each a target "
-                        "(e.g. cache_aware,round_robin)")
-    parser.add_argument("--workers", default="1",
-                        help="comma list of kvroute serve --workers counts, each a target")
+    parser.add_argument(
+        "--peers", default="installed", help=f"'installed' (default), 'none', or a comma list of {', '.join(PEERS)}"
+    )
+    parser.add_argument(
+        "--peer", action="append", choices=PEERS, help="measure this peer router (repeatable; overrides --peers)"
+    )
+    parser.add_argument(
+        "--peer-policies",
+        default="cache_aware",
+        help="comma list of the peers' policies, each a target (e.g. cache_aware,round_robin)",
+    )
+    parser.add_argument("--workers", default="1", help="comma list of kvroute serve --workers counts, each a target")
     parser.add_argument("--backends", type=int, default=2, help="trivial upstreams")
-    parser.add_argument("--baseline", type=Path, metavar="DIR",
-                        help="also serve each policy from this kvroute source tree (e.g. "
-                        "'git worktree add DIR HEAD~1'), as POLICY@baseline in the same rounds")
-    parser.add_argument("--rate-fraction", type=float, default=0.5,
-                        help="the fixed offered rate, as a fraction of the slowest router's "
-                        "saturation throughput")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="DIR",
+        help="also serve each policy from this kvroute source tree (e.g. "
+        "'git worktree add DIR HEAD~1'), as POLICY@baseline in the same rounds",
+    )
+    parser.add_argument(
+        "--rate-fraction",
+        type=float,
+        default=0.5,
+        help="the fixed offered rate, as a fraction of the slowest router's saturation throughput",
+    )
     parser.add_argument("--concurrency", default="32,128")
     parser.add_argument("--seconds", type=float, default=3.0, help="per run")
     parser.add_argument("--rounds", type=int, default=3)
@@ -572,16 +644,24 @@ def main(argv: list[str]) -> int:
         peers = _csv(args.peers)
     for peer in PEERS:
         if not fleets.peer_installed(peer):
-            print(f"kvroute bench --overhead: {peer} not installed (pip install {peer})",
-                  file=sys.stderr)
+            print(f"kvroute bench --overhead: {peer} not installed (pip install {peer})", file=sys.stderr)
     peers = [peer for peer in peers if fleets.peer_installed(peer)]
     concurrencies = [int(value) for value in _csv(args.concurrency)]
 
     async def run() -> int:
-        rows = await run_overhead(policies, peers, concurrencies, args.seconds, args.rounds,
-                                  args.body_bytes, workers=workers, backends=args.backends,
-                                  rate_fraction=args.rate_fraction, baseline=args.baseline,
-                                  peer_policies=_csv(args.peer_policies))
+        rows = await run_overhead(
+            policies,
+            peers,
+            concurrencies,
+            args.seconds,
+            args.rounds,
+            args.body_bytes,
+            workers=workers,
+            backends=args.backends,
+            rate_fraction=args.rate_fraction,
+            baseline=args.baseline,
+            peer_policies=_csv(args.peer_policies),
+        )
         print(format_rows(rows))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps([asdict(row) for row in rows], indent=2) + "\n")

@@ -47,28 +47,50 @@ RESULTS = Path(__file__).parent / "results"
 #: Stage -> path fragments of the modules whose frames belong to it. Checked from the
 #: innermost frame outwards; the first frame that matches any stage decides.
 STAGES: dict[str, tuple[str, ...]] = {
-    "render": ("tokenizer_index/chat_template.py", "tokenizer_index/chat_messages.py", "/jinja2/",
-               "<template>"),
-    "tokenize": ("tokenizer_index/tokenizer.py", "tokenizer_index/piece_cache.py", "/tokenizers/",
-                 "tokenizer_index/hf_files.py"),
+    "render": ("tokenizer_index/chat_template.py", "tokenizer_index/chat_messages.py", "/jinja2/", "<template>"),
+    "tokenize": (
+        "tokenizer_index/tokenizer.py",
+        "tokenizer_index/piece_cache.py",
+        "/tokenizers/",
+        "tokenizer_index/hf_files.py",
+    ),
     "hash": ("tokenizer_index/hashing.py",),
-    "index": ("tokenizer_index/prefix_index.py", "tokenizer_index/bucket_table.py",
-              "tokenizer_index/kernels.py", "router/routing/precise_index.py", "router/routing/cache_model.py"),
-    "policy": ("router/routing/policies/", "router/routing/routing_engine.py", "router/routing/decisions.py", "router/forwarding/admission.py",
-               "router/fleet/backends.py", "router/fleet/breaker.py", "router/fleet/backend_access.py"),
+    "index": (
+        "tokenizer_index/prefix_index.py",
+        "tokenizer_index/bucket_table.py",
+        "tokenizer_index/kernels.py",
+        "router/routing/precise_index.py",
+        "router/routing/cache_model.py",
+    ),
+    "policy": (
+        "router/routing/policies/",
+        "router/routing/routing_engine.py",
+        "router/routing/decisions.py",
+        "router/forwarding/admission.py",
+        "router/fleet/backends.py",
+        "router/fleet/breaker.py",
+        "router/fleet/backend_access.py",
+    ),
     "parse": ("router/routing/request_info.py",),
     "metrics": ("router/forwarding/metrics.py", "/prometheus_client/"),
     "upstream": ("router/forwarding/upstream.py",),
     "relay": ("router/forwarding/proxy.py", "router/engines/usage.py", "router/errors.py"),
-    "http server": ("/aiohttp/", "/multidict/", "/yarl/", "/asyncio/", "uvloop", "router/http/app.py",
-                    "router/http/security.py"),
+    "http server": (
+        "/aiohttp/",
+        "/multidict/",
+        "/yarl/",
+        "/asyncio/",
+        "uvloop",
+        "router/http/app.py",
+        "router/http/security.py",
+    ),
 }
 
 
 def frame_path(frame: str) -> str:
     """``'func (path:line)'`` -> ``'path'``."""
     start = frame.rfind(" (")
-    return frame[start + 2: frame.rfind(":")] if start >= 0 else frame
+    return frame[start + 2 : frame.rfind(":")] if start >= 0 else frame
 
 
 def stage_of(stack: Sequence[str]) -> str:
@@ -111,8 +133,9 @@ def read_stacks(path: Path) -> list[tuple[list[str], int]]:
     return stacks
 
 
-def summarize(label: str, policy: str, stacks: list[tuple[list[str], int]], requests: int,
-              seconds: float, cpu_s: float) -> Profile:
+def summarize(
+    label: str, policy: str, stacks: list[tuple[list[str], int]], requests: int, seconds: float, cpu_s: float
+) -> Profile:
     by_stage: Counter[str] = Counter()
     own: Counter[str] = Counter()
     for stack, count in stacks:
@@ -120,48 +143,70 @@ def summarize(label: str, policy: str, stacks: list[tuple[list[str], int]], requ
         own[stack[-1]] += count
     total = sum(by_stage.values()) or 1
     per_request_us = cpu_s / max(1, requests) * 1e6
-    rows = [StageRow(stage, samples, samples / total, samples / total * per_request_us)
-            for stage, samples in by_stage.most_common()]
-    return Profile(label, policy, requests, requests / seconds, per_request_us, total, rows,
-                   own.most_common(30))
+    rows = [
+        StageRow(stage, samples, samples / total, samples / total * per_request_us)
+        for stage, samples in by_stage.most_common()
+    ]
+    return Profile(label, policy, requests, requests / seconds, per_request_us, total, rows, own.most_common(30))
 
 
 def format_profile(profile: Profile, command: str) -> str:
     lines = [
         f"# {command}",
-        (f"policy {profile.policy}: {profile.requests} requests, {profile.requests_per_s:.0f} req/s, "
-         f"router CPU {profile.cpu_us_per_request:.0f} us/request, {profile.samples} samples"),
+        (
+            f"policy {profile.policy}: {profile.requests} requests, {profile.requests_per_s:.0f} req/s, "
+            f"router CPU {profile.cpu_us_per_request:.0f} us/request, {profile.samples} samples"
+        ),
         "",
         f"{'stage':<12} {'samples':>8} {'share':>7} {'us/request':>11}",
     ]
-    lines += [f"{row.stage:<12} {row.samples:>8} {row.share:>7.1%} {row.cpu_us_per_request:>11.0f}"
-              for row in profile.stages]
+    lines += [
+        f"{row.stage:<12} {row.samples:>8} {row.share:>7.1%} {row.cpu_us_per_request:>11.0f}" for row in profile.stages
+    ]
     lines += ["", "hottest functions (own time):"]
     lines += [f"{count:>7}  {frame}" for frame, count in profile.hottest]
     return "\n".join(lines) + "\n"
 
 
-async def profile_router(policy: str, seconds: float, concurrency: int, rate: int,
-                         stacks_path: Path, extra_args: Sequence[str], *, per_prompt: int = 16,
-                         warm: bool = True) -> tuple[int, float, float]:
+async def profile_router(
+    policy: str,
+    seconds: float,
+    concurrency: int,
+    rate: int,
+    stacks_path: Path,
+    extra_args: Sequence[str],
+    *,
+    per_prompt: int = 16,
+    warm: bool = True,
+) -> tuple[int, float, float]:
     """Load a fresh router while py-spy samples it; (requests, seconds, router CPU seconds)."""
     upstreams = [start_upstream() for _ in range(2)]
     router = None
     try:
         await asyncio.gather(*(upstream.wait_ready() for upstream in upstreams))
-        router = await fleets.start_router(policy, [upstream.url for upstream in upstreams],
-                                           extra_args=extra_args)
+        router = await fleets.start_router(policy, [upstream.url for upstream in upstreams], extra_args=extra_args)
         bodies = chat_bodies(per_prompt=per_prompt)
         if warm:  # every body once: the profile is then the steady state of a repeated set
             await closed_loop(router.url, bodies, concurrency, 0.0, None, requests=len(bodies))
         else:  # only the connections and the compiled kernels: every user turn is new text
-            await closed_loop(router.url, bodies[-concurrency:], concurrency, 0.0, None,
-                              requests=concurrency)
+            await closed_loop(router.url, bodies[-concurrency:], concurrency, 0.0, None, requests=concurrency)
         spy = await asyncio.create_subprocess_exec(
-            shutil.which("py-spy") or "py-spy", "record", "--pid", str(router.pid), "--rate",
-            str(rate), "--duration", str(int(seconds) + 1), "--format", "raw", "--nonblocking",
-            "--full-filenames", "--output", str(stacks_path),
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            shutil.which("py-spy") or "py-spy",
+            "record",
+            "--pid",
+            str(router.pid),
+            "--rate",
+            str(rate),
+            "--duration",
+            str(int(seconds) + 1),
+            "--format",
+            "raw",
+            "--nonblocking",
+            "--full-filenames",
+            "--output",
+            str(stacks_path),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         await asyncio.sleep(0.5)  # py-spy attached
         run = await closed_loop(router.url, bodies, concurrency, seconds, router.pid)
@@ -177,13 +222,28 @@ async def profile_router(policy: str, seconds: float, concurrency: int, rate: in
             upstream.stop()
 
 
-async def _start_timed_router(policy: str, backends: Sequence[str], out: Path,
-                              extra_args: Sequence[str]) -> ManagedProcess:
+async def _start_timed_router(
+    policy: str, backends: Sequence[str], out: Path, extra_args: Sequence[str]
+) -> ManagedProcess:
     """``kvroute serve`` under :mod:`kvroute.benchmarks.stage_timers`, all backends healthy."""
     port = free_port()
-    argv = [sys.executable, "-m", "kvroute.benchmarks.stage_timers", str(out), "serve", "--host",
-            "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warning",
-            *(arg for url in backends for arg in ("--backend", url)), *extra_args]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvroute.benchmarks.stage_timers",
+        str(out),
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--log-level",
+        "warning",
+        *(arg for url in backends for arg in ("--backend", url)),
+        *extra_args,
+    ]
     router = ManagedProcess(f"timed-{policy}", argv, f"http://127.0.0.1:{port}")
     try:
         await router.wait_ready("/health")
@@ -202,15 +262,15 @@ class TimedStage:
     us_per_request: float
 
 
-async def time_stages(policy: str, seconds: float, concurrency: int, out: Path,
-                      extra_args: Sequence[str], *, per_prompt: int = 16) -> tuple[int, float, list[TimedStage]]:
+async def time_stages(
+    policy: str, seconds: float, concurrency: int, out: Path, extra_args: Sequence[str], *, per_prompt: int = 16
+) -> tuple[int, float, list[TimedStage]]:
     """Thread CPU per routing stage inside a loaded router; (requests, CPU us/request, stages)."""
     upstreams = [start_upstream() for _ in range(2)]
     router = None
     try:
         await asyncio.gather(*(upstream.wait_ready() for upstream in upstreams))
-        router = await _start_timed_router(policy, [upstream.url for upstream in upstreams], out,
-                                           extra_args)
+        router = await _start_timed_router(policy, [upstream.url for upstream in upstreams], out, extra_args)
         bodies = chat_bodies(per_prompt=per_prompt)
         await closed_loop(router.url, bodies, concurrency, 0.0, None, requests=len(bodies))
         router.process.send_signal(signal.SIGUSR1)
@@ -225,39 +285,57 @@ async def time_stages(policy: str, seconds: float, concurrency: int, out: Path,
         for upstream in upstreams:
             upstream.stop()
     requests = run.requests
-    stages = [TimedStage(stage, value["calls"] / requests, value["us_per_call"],
-                         value["us_per_call"] * value["calls"] / requests)
-              for stage, value in timers.items() if value["calls"]]
+    stages = [
+        TimedStage(
+            stage, value["calls"] / requests, value["us_per_call"], value["us_per_call"] * value["calls"] / requests
+        )
+        for stage, value in timers.items()
+        if value["calls"]
+    ]
     assert run.cpu_s is not None
     return requests, run.cpu_s / requests * 1e6, stages
 
 
-def format_timed(policy: str, requests: int, cpu_us: float, stages: Sequence[TimedStage],
-                 command: str) -> str:
-    lines = [f"# {command}",
-             (f"policy {policy}: {requests} requests, router CPU {cpu_us:.0f} us/request "
-              "(thread CPU per stage; stages nest)"), "",
-             f"{'stage':<38} {'calls/req':>9} {'us/call':>8} {'us/request':>11}"]
-    lines += [f"{row.stage:<38} {row.calls_per_request:>9.2f} {row.us_per_call:>8.1f} "
-              f"{row.us_per_request:>11.1f}" for row in stages]
+def format_timed(policy: str, requests: int, cpu_us: float, stages: Sequence[TimedStage], command: str) -> str:
+    lines = [
+        f"# {command}",
+        (
+            f"policy {policy}: {requests} requests, router CPU {cpu_us:.0f} us/request "
+            "(thread CPU per stage; stages nest)"
+        ),
+        "",
+        f"{'stage':<38} {'calls/req':>9} {'us/call':>8} {'us/request':>11}",
+    ]
+    lines += [
+        f"{row.stage:<38} {row.calls_per_request:>9.2f} {row.us_per_call:>8.1f} {row.us_per_request:>11.1f}"
+        for row in stages
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m kvroute.benchmarks.profile_request",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python3 -m kvroute.benchmarks.profile_request", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--policy", default="cache_aware")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
-    parser.add_argument("--per-prompt", type=int, default=16,
-                        help="distinct user turns per system prompt (64 system prompts)")
-    parser.add_argument("--cold", action="store_true",
-                        help="do not send every body once first: user turns are new text "
-                        "(use with a --per-prompt large enough for the run)")
-    parser.add_argument("--timers", action="store_true",
-                        help="instead of py-spy: thread CPU per routing stage, timed inside the "
-                        "router (kvroute.benchmarks.stage_timers); writes profile-LABEL-timers.txt/.json")
+    parser.add_argument(
+        "--per-prompt", type=int, default=16, help="distinct user turns per system prompt (64 system prompts)"
+    )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="do not send every body once first: user turns are new text "
+        "(use with a --per-prompt large enough for the run)",
+    )
+    parser.add_argument(
+        "--timers",
+        action="store_true",
+        help="instead of py-spy: thread CPU per routing stage, timed inside the "
+        "router (kvroute.benchmarks.stage_timers); writes profile-LABEL-timers.txt/.json",
+    )
     parser.add_argument("--label", default="current")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("router_args", nargs="*", help="extra kvroute serve flags (after --)")
@@ -273,8 +351,15 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> int:
         requests, seconds, cpu_s = await profile_router(
-            args.policy, args.seconds, args.concurrency, args.rate, stacks_path, args.router_args,
-            per_prompt=args.per_prompt, warm=not args.cold)
+            args.policy,
+            args.seconds,
+            args.concurrency,
+            args.rate,
+            stacks_path,
+            args.router_args,
+            per_prompt=args.per_prompt,
+            warm=not args.cold,
+        )
         profile = summarize(args.label, args.policy, read_stacks(stacks_path), requests, seconds, cpu_s)
         command = "python3 -m kvroute.benchmarks.profile_request " + " ".join(argv or sys.argv[1:])
         text = format_profile(profile, command)
@@ -294,16 +379,25 @@ def _main_timers(args: argparse.Namespace, argv: list[str] | None) -> int:
 
     async def run() -> int:
         requests, cpu_us, stages = await time_stages(
-            args.policy, args.seconds, args.concurrency, raw, args.router_args,
-            per_prompt=args.per_prompt)
+            args.policy, args.seconds, args.concurrency, raw, args.router_args, per_prompt=args.per_prompt
+        )
         raw.unlink(missing_ok=True)
         command = "python3 -m kvroute.benchmarks.profile_request " + " ".join(argv or sys.argv[1:])
         text = format_timed(args.policy, requests, cpu_us, stages, command)
         print(text, end="")
         base.with_suffix(".txt").write_text(text)
-        base.with_suffix(".json").write_text(json.dumps(
-            {"policy": args.policy, "requests": requests, "cpu_us_per_request": cpu_us,
-             "stages": [asdict(stage) for stage in stages]}, indent=2) + "\n")
+        base.with_suffix(".json").write_text(
+            json.dumps(
+                {
+                    "policy": args.policy,
+                    "requests": requests,
+                    "cpu_us_per_request": cpu_us,
+                    "stages": [asdict(stage) for stage in stages],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         print(f"wrote {base}.txt, .json")
         return 0
 

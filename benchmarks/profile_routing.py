@@ -33,8 +33,8 @@ from typing import Any
 import orjson
 
 from kvroute.benchmarks.overhead import chat_bodies
-from kvroute.router.fleet.backends import Backend
 from kvroute.router.config import Settings
+from kvroute.router.fleet.backends import Backend
 from kvroute.router.routing.request_info import ENDPOINTS, parse_request
 from kvroute.router.routing.routing_engine import RoutingEngine
 from kvroute.tokenizer_index import RequestTokenizer
@@ -109,26 +109,27 @@ def profile_stages(passes: int = 7, per_prompt: int = 16) -> list[StageTime]:
         }
         for stage, value in measured.items():
             stages.setdefault(stage, []).append(value)
-    rows = [StageTime(stage, statistics.median(values), min(values), max(values))
-            for stage, values in stages.items()]
-    end_to_end = [sum(stages[stage][number] for stage in ("parse", "prepare (render+tokenize+hash)",
-                                                          "route", "observe"))
-                  for number in range(passes)]
-    rows.append(StageTime("parse+prepare+route+observe", statistics.median(end_to_end),
-                          min(end_to_end), max(end_to_end)))
+    rows = [StageTime(stage, statistics.median(values), min(values), max(values)) for stage, values in stages.items()]
+    end_to_end = [
+        sum(stages[stage][number] for stage in ("parse", "prepare (render+tokenize+hash)", "route", "observe"))
+        for number in range(passes)
+    ]
+    rows.append(
+        StageTime("parse+prepare+route+observe", statistics.median(end_to_end), min(end_to_end), max(end_to_end))
+    )
     return rows
 
 
 def format_stages(rows: Sequence[StageTime]) -> str:
     lines = [f"{'stage':<32} {'median us':>10} {'min':>8} {'max':>8}"]
-    lines += [f"{row.stage:<32} {row.median_us:>10.1f} {row.min_us:>8.1f} {row.max_us:>8.1f}"
-              for row in rows]
+    lines += [f"{row.stage:<32} {row.median_us:>10.1f} {row.min_us:>8.1f} {row.max_us:>8.1f}" for row in rows]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m kvroute.benchmarks.profile_routing",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python3 -m kvroute.benchmarks.profile_routing", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--passes", type=int, default=7)
     parser.add_argument("--per-prompt", type=int, default=16)
     parser.add_argument("--json", type=Path)

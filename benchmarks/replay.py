@@ -123,14 +123,18 @@ def _has_text(chunk: dict) -> bool:
     """True when a streamed chunk carries generated text (chat delta or completion text)."""
     for choice in chunk.get("choices") or ():
         delta = choice.get("delta")
-        if (delta.get("content") if isinstance(delta, dict) else choice.get("text")):
+        if delta.get("content") if isinstance(delta, dict) else choice.get("text"):
             return True
     return False
 
 
 async def send_one(
-    session: aiohttp.ClientSession, url: str, request: WorkloadRequest, record: RequestRecord,
-    started: float, due: float,
+    session: aiohttp.ClientSession,
+    url: str,
+    request: WorkloadRequest,
+    record: RequestRecord,
+    started: float,
+    due: float,
 ) -> None:
     """Send one request (streaming) and fill ``record`` with what came back.
 
@@ -145,14 +149,13 @@ async def send_one(
     record.sent_s = due - started
     try:
         async with session.post(
-            url + request.endpoint, data=orjson.dumps(body),
+            url + request.endpoint,
+            data=orjson.dumps(body),
             headers=_headers(request),
         ) as response:
             record.status = response.status
             record.backend = response.headers.get("x-kvroute-backend")
-            record.predicted_cached_tokens = _header_int(
-                response.headers, "x-kvroute-matched-tokens"
-            )
+            record.predicted_cached_tokens = _header_int(response.headers, "x-kvroute-matched-tokens")
             if response.status != 200:
                 text = await response.text()
                 record.error = f"HTTP {response.status}: {text[:200]}"
@@ -163,8 +166,7 @@ async def send_one(
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
                     break
-                if record.ttft_s is not None and b'"usage"' not in payload \
-                        and b'"error"' not in payload:
+                if record.ttft_s is not None and b'"usage"' not in payload and b'"error"' not in payload:
                     continue  # a text chunk after the first: nothing more to learn
                 chunk = orjson.loads(payload)
                 if "error" in chunk:
@@ -197,8 +199,13 @@ def _sessions(requests: Sequence[WorkloadRequest]) -> list[list[int]]:
 
 
 async def replay(
-    base_url: str | Sequence[str], requests: Sequence[WorkloadRequest], *, speedup: float = 1.0,
-    max_in_flight: int = 256, timeout_s: float = 900.0, progress: Progress | None = None,
+    base_url: str | Sequence[str],
+    requests: Sequence[WorkloadRequest],
+    *,
+    speedup: float = 1.0,
+    max_in_flight: int = 256,
+    timeout_s: float = 900.0,
+    progress: Progress | None = None,
 ) -> ReplayResult:
     """Send ``requests`` to ``base_url`` (e.g. ``http://127.0.0.1:8000``) and measure them.
 
@@ -218,8 +225,7 @@ async def replay(
         answered = started  # when this session's previous answer arrived
         for index in indices:
             request = requests[index]
-            not_before = max(started + request.arrival_s / speedup,
-                             answered + request.think_s / speedup)
+            not_before = max(started + request.arrival_s / speedup, answered + request.think_s / speedup)
             delay = not_before - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)

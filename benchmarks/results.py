@@ -82,9 +82,7 @@ class TargetResult:
     def from_json(cls, data: dict[str, Any]) -> TargetResult:
         known = {f.name for f in fields(cls)}
         values = {key: value for key, value in data.items() if key in known}
-        values["backend_share"] = {
-            url: BackendShare(**share) for url, share in data.get("backend_share", {}).items()
-        }
+        values["backend_share"] = {url: BackendShare(**share) for url, share in data.get("backend_share", {}).items()}
         return cls(**values)
 
 
@@ -130,9 +128,7 @@ def _fmt(value: float | None, spec: str) -> str:
 def _bound_of(results: Sequence[TargetResult], result: TargetResult) -> float | None:
     """The unbounded cache's hit rate on ``result``'s workload and setting."""
     for other in results:
-        if (other.workload, other.setting, other.target) == (
-            result.workload, result.setting, BOUND_TARGET
-        ):
+        if (other.workload, other.setting, other.target) == (result.workload, result.setting, BOUND_TARGET):
             return other.hit_rate_observed
     return None
 
@@ -153,12 +149,20 @@ def _row(results: Sequence[TargetResult], result: TargetResult, width: int) -> t
         else None
     )
     return (
-        result.workload, result.target, str(result.requests), str(result.errors),
-        _fmt(result.hit_rate_observed, ".3f"), _fmt(result.hit_rate_predicted, ".3f"),
-        _fmt(of_bound, ".0%"), _fmt(result.bound_fleet, ".3f"),
-        _fmt(result.of_bound_fleet, ".0%"), _fmt(result.ttft_p50_s, ".3f"),
-        _fmt(result.ttft_p90_s, ".3f"), _fmt(result.ttft_p99_s, ".3f"),
-        _fmt(result.latency_p50_s, ".3f"), _fmt(result.throughput_rps, ".1f"),
+        result.workload,
+        result.target,
+        str(result.requests),
+        str(result.errors),
+        _fmt(result.hit_rate_observed, ".3f"),
+        _fmt(result.hit_rate_predicted, ".3f"),
+        _fmt(of_bound, ".0%"),
+        _fmt(result.bound_fleet, ".3f"),
+        _fmt(result.of_bound_fleet, ".0%"),
+        _fmt(result.ttft_p50_s, ".3f"),
+        _fmt(result.ttft_p90_s, ".3f"),
+        _fmt(result.ttft_p99_s, ".3f"),
+        _fmt(result.latency_p50_s, ".3f"),
+        _fmt(result.throughput_rps, ".1f"),
         _balance(result.backend_share),
     )
 
@@ -171,8 +175,21 @@ def format_table(results: Sequence[TargetResult]) -> str:
     the row's hit rate over it. A ``setting`` column leads when a settings sweep ran.
     """
     header: tuple[str, ...] = (
-        "workload", "target", "reqs", "err", "hit obs", "hit pred", "of bound", "bnd fleet",
-        "of bound_fleet", "TTFT p50", "p90", "p99", "e2e p50", "req/s", "tokens % per backend",
+        "workload",
+        "target",
+        "reqs",
+        "err",
+        "hit obs",
+        "hit pred",
+        "of bound",
+        "bnd fleet",
+        "of bound_fleet",
+        "TTFT p50",
+        "p90",
+        "p99",
+        "e2e p50",
+        "req/s",
+        "tokens % per backend",
     )
     swept = any(result.setting for result in results)
     rows = [_row(results, result, len(header)) for result in results]
@@ -180,8 +197,9 @@ def format_table(results: Sequence[TargetResult]) -> str:
         header = ("setting", *header)
         rows = [(result.setting, *row) for result, row in zip(results, rows)]
     lines = _aligned(header, rows, group_columns=2 if swept else 1)
-    notes = [f"  {r.workload} / {r.target}: {r.errors} errors, e.g. {r.error_sample}"
-             for r in results if r.error_sample]
+    notes = [
+        f"  {r.workload} / {r.target}: {r.errors} errors, e.g. {r.error_sample}" for r in results if r.error_sample
+    ]
     if notes:
         lines += ["", "errors:", *notes]
     return "\n".join(lines)
@@ -200,9 +218,12 @@ def _spread(values: Sequence[float | None], spec: str) -> str:
 
 #: Columns of the repeats table: (header, attribute, format).
 _REPEAT_COLUMNS = (
-    ("hit obs", "hit_rate_observed", ".3f"), ("bnd fleet", "bound_fleet", ".3f"),
-    ("of bound_fleet", "of_bound_fleet", ".0%"), ("TTFT p50", "ttft_p50_s", ".3f"),
-    ("TTFT p99", "ttft_p99_s", ".3f"), ("req/s", "throughput_rps", ".1f"),
+    ("hit obs", "hit_rate_observed", ".3f"),
+    ("bnd fleet", "bound_fleet", ".3f"),
+    ("of bound_fleet", "of_bound_fleet", ".0%"),
+    ("TTFT p50", "ttft_p50_s", ".3f"),
+    ("TTFT p99", "ttft_p99_s", ".3f"),
+    ("req/s", "throughput_rps", ".1f"),
 )
 
 
@@ -213,12 +234,10 @@ def format_repeats(results: Sequence[TargetResult]) -> str:
         if result.status == "ok":
             groups.setdefault((result.setting, result.workload, result.target), []).append(result)
     swept = any(setting for setting, _, _ in groups)
-    header = (*(("setting",) if swept else ()), "workload", "target", "runs",
-              *(name for name, _, _ in _REPEAT_COLUMNS))
+    header = (*(("setting",) if swept else ()), "workload", "target", "runs", *(name for name, _, _ in _REPEAT_COLUMNS))
     rows = []
     for (setting, workload, target), runs in groups.items():
-        cells = [_spread([getattr(run, attribute) for run in runs], spec)
-                 for _, attribute, spec in _REPEAT_COLUMNS]
+        cells = [_spread([getattr(run, attribute) for run in runs], spec) for _, attribute, spec in _REPEAT_COLUMNS]
         rows.append((*((setting,) if swept else ()), workload, target, str(len(runs)), *cells))
     return "\n".join(["median [min-max] over the runs", *_aligned(header, rows, group_columns=2 if swept else 1)])
 
@@ -227,8 +246,10 @@ def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]], group_columns
     """Left-aligned columns under a rule, with a blank line wherever the first
     ``group_columns`` cells change (one group per workload, or per setting and workload)."""
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(header, widths)).rstrip(),
-             "  ".join("-" * width for width in widths)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(header, widths)).rstrip(),
+        "  ".join("-" * width for width in widths),
+    ]
     previous = None
     for row in rows:
         if previous is not None and tuple(row[:group_columns]) != previous:
@@ -262,8 +283,15 @@ def _label(result: TargetResult) -> str:
     return f"{result.workload}\n{result.setting}" if result.setting else result.workload
 
 
-def _bars(axis, results: Sequence[TargetResult], targets: list[str], colors: dict[str, str],
-          attribute: str, tick_attribute: str | None = None, of_fleet: bool = False) -> None:
+def _bars(
+    axis,
+    results: Sequence[TargetResult],
+    targets: list[str],
+    colors: dict[str, str],
+    attribute: str,
+    tick_attribute: str | None = None,
+    of_fleet: bool = False,
+) -> None:
     """Grouped bars: one group per workload, one bar per target (and a tick for p99).
 
     ``of_fleet`` writes each bar's ``of_bound_fleet`` above it.
@@ -283,39 +311,49 @@ def _bars(axis, results: Sequence[TargetResult], targets: list[str], colors: dic
         heights = [value(target, w, attribute) for w in workloads]
         axis.bar(where, heights, width, label=target, color=colors[target])
         if tick_attribute:
-            axis.scatter(where, [value(target, w, tick_attribute) for w in workloads],
-                         marker="_", s=250, color=colors[target])
+            axis.scatter(
+                where, [value(target, w, tick_attribute) for w in workloads], marker="_", s=250, color=colors[target]
+            )
         if of_fleet:
             for x, height, w in zip(where, heights, workloads):
                 share = value(target, w, "of_bound_fleet")
                 if not math.isnan(share) and not math.isnan(height):
-                    axis.text(x, height + 0.01, f"{share:.0%}", ha="center", va="bottom",
-                              rotation=90, fontsize=6)
-    axis.set_xticks(positions + width * (len(targets) - 1) / 2,
-                    [name.replace("+", "\n+", 1) for name in workloads], fontsize=7)
+                    axis.text(x, height + 0.01, f"{share:.0%}", ha="center", va="bottom", rotation=90, fontsize=6)
+    axis.set_xticks(
+        positions + width * (len(targets) - 1) / 2, [name.replace("+", "\n+", 1) for name in workloads], fontsize=7
+    )
     axis.legend(fontsize=8)
 
 
-def _sweep(axis, results: Sequence[TargetResult], colors: dict[str, str], attribute: str,
-           of_fleet: bool = False) -> None:
+def _sweep(
+    axis, results: Sequence[TargetResult], colors: dict[str, str], attribute: str, of_fleet: bool = False
+) -> None:
     """One line per target over the agent-sessions sweep (points labelled with their
     ``of_bound_fleet`` when ``of_fleet``)."""
     axis.set_xscale("log", base=2)
     counts: set[int] = set()
     for target in dict.fromkeys(result.target for result in results):
         points = sorted(
-            (r.sessions, getattr(r, attribute), r.of_bound_fleet) for r in results
+            (r.sessions, getattr(r, attribute), r.of_bound_fleet)
+            for r in results
             if r.target == target and getattr(r, attribute) is not None
         )
         if points:
             xs, ys, shares = zip(*points)
             counts.update(xs)
-            axis.plot(xs, ys, "--" if target in OFFLINE_TARGETS else "-", marker="o",
-                      label=target, color=colors[target])
+            axis.plot(
+                xs, ys, "--" if target in OFFLINE_TARGETS else "-", marker="o", label=target, color=colors[target]
+            )
             for x, y, share in zip(xs, ys, shares):
                 if of_fleet and share is not None:
-                    axis.annotate(f"{share:.0%}", (x, y), textcoords="offset points",
-                                  xytext=(4, 2), fontsize=6, color=colors[target])
+                    axis.annotate(
+                        f"{share:.0%}",
+                        (x, y),
+                        textcoords="offset points",
+                        xytext=(4, 2),
+                        fontsize=6,
+                        color=colors[target],
+                    )
     axis.set_xticks(sorted(counts), [str(count) for count in sorted(counts)])
     axis.set_xticks([], minor=True)
     axis.set_xlabel("agent sessions taking turns in lockstep")
@@ -349,9 +387,7 @@ def plot_summary(results: Sequence[TargetResult], path: Path) -> None:
     rows = [group for group in (flat, sweep) if group]
     if not rows:
         return
-    figure, axes = plt.subplots(
-        len(rows), 2, figsize=(13 if len(flat) < 40 else 20, 4.8 * len(rows)), squeeze=False
-    )
+    figure, axes = plt.subplots(len(rows), 2, figsize=(13 if len(flat) < 40 else 20, 4.8 * len(rows)), squeeze=False)
     for row, group in zip(axes, rows):
         hit_axis, ttft_axis = row
         live = [r for r in group if r.target not in OFFLINE_TARGETS]

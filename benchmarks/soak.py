@@ -81,8 +81,9 @@ async def _sample(client: aiohttp.ClientSession, router_url: str, started: float
     )
 
 
-def judge(samples: list[Sample], tally: Tally, *, warmup_fraction: float, max_rss_growth: float,
-          concurrency: int) -> Verdict:
+def judge(
+    samples: list[Sample], tally: Tally, *, warmup_fraction: float, max_rss_growth: float, concurrency: int
+) -> Verdict:
     """Flat after warm-up: see the module docstring."""
     split = max(1, int(len(samples) * warmup_fraction))
     warm, steady = samples[:split], samples[split:] or samples[-1:]
@@ -90,7 +91,7 @@ def judge(samples: list[Sample], tally: Tally, *, warmup_fraction: float, max_rs
     fds_over = max(s.open_fds for s in steady) - max(s.open_fds for s in warm)
     tasks_over = max(s.asyncio_tasks for s in steady) - max(s.asyncio_tasks for s in warm)
     third = max(1, len(samples) // 3)
-    middle = samples[third:2 * third] or samples
+    middle = samples[third : 2 * third] or samples
     last = samples[-third:]
     index_growth = _mean([s.index_bytes for s in last]) / max(_mean([s.index_bytes for s in middle]), 1.0) - 1.0
     # Requests in flight hold sockets and tasks: samples differ by up to the load's concurrency.
@@ -137,7 +138,9 @@ def plot(samples: list[Sample], path: Path, title: str) -> None:
 
 async def soak(args: argparse.Namespace) -> int:
     spec = SimSpec(
-        replicas=args.replicas, time_scale=args.time_scale, decode_tokens_per_s=50.0,
+        replicas=args.replicas,
+        time_scale=args.time_scale,
+        decode_tokens_per_s=50.0,
         kv_capacity_tokens=args.kv_capacity_tokens,
     )
     fleet = SimFleet(spec)
@@ -154,7 +157,11 @@ async def soak(args: argparse.Namespace) -> int:
 
 async def _run(args: argparse.Namespace, router_url: str) -> int:
     mix = LoadMix(
-        stream_share=0.6, disconnect_share=0.25, min_tokens=8, max_tokens=64, prompt_words=60,
+        stream_share=0.6,
+        disconnect_share=0.25,
+        min_tokens=8,
+        max_tokens=64,
+        prompt_words=60,
         distinct_prompts=args.distinct_prompts or None,
     )
     load = SteadyLoad(router_url, concurrency=args.concurrency, mix=mix, seed=args.seed, request_timeout_s=60.0)
@@ -167,9 +174,12 @@ async def _run(args: argparse.Namespace, router_url: str) -> int:
             while True:
                 samples.append(await _sample(client, router_url, started, load))
                 last = samples[-1]
-                print(f"{last.t_s:7.0f} s  rss {last.rss_bytes / 2**20:7.1f} MiB  fds {last.open_fds:4.0f}  "
-                      f"tasks {last.asyncio_tasks:4.0f}  index {last.index_bytes / 2**20:6.2f} MiB  "
-                      f"requests {last.requests_sent}", file=sys.stderr)
+                print(
+                    f"{last.t_s:7.0f} s  rss {last.rss_bytes / 2**20:7.1f} MiB  fds {last.open_fds:4.0f}  "
+                    f"tasks {last.asyncio_tasks:4.0f}  index {last.index_bytes / 2**20:6.2f} MiB  "
+                    f"requests {last.requests_sent}",
+                    file=sys.stderr,
+                )
                 if time.monotonic() - started >= duration_s:
                     break
                 await asyncio.sleep(min(args.interval_s, max(0.0, duration_s - (time.monotonic() - started))))
@@ -177,8 +187,13 @@ async def _run(args: argparse.Namespace, router_url: str) -> int:
         await load.stop()
         await load.close()
     tally = load.tally()
-    verdict = judge(samples, tally, warmup_fraction=args.warmup_fraction, max_rss_growth=args.max_rss_growth,
-                    concurrency=args.concurrency)
+    verdict = judge(
+        samples,
+        tally,
+        warmup_fraction=args.warmup_fraction,
+        max_rss_growth=args.max_rss_growth,
+        concurrency=args.concurrency,
+    )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     result = {
         "minutes": args.minutes,
@@ -189,19 +204,26 @@ async def _run(args: argparse.Namespace, router_url: str) -> int:
         "samples": [asdict(s) for s in samples],
     }
     (args.out_dir / "soak.json").write_text(json.dumps(result, indent=2))
-    plot(samples, args.out_dir / "soak.png",
-         f"kvroute soak: {args.minutes:g} min, {tally.sent} requests, {tally.lost} lost")
+    plot(
+        samples,
+        args.out_dir / "soak.png",
+        f"kvroute soak: {args.minutes:g} min, {tally.sent} requests, {tally.lost} lost",
+    )
     first, last = samples[min(len(samples) - 1, max(1, int(len(samples) * args.warmup_fraction)) - 1)], samples[-1]
     print(f"\n{'':<24}{'after warm-up':>16}{'end':>16}")
     print(f"{'resident memory (MiB)':<24}{first.rss_bytes / 2**20:>16.1f}{last.rss_bytes / 2**20:>16.1f}")
     print(f"{'open file descriptors':<24}{first.open_fds:>16.0f}{last.open_fds:>16.0f}")
     print(f"{'asyncio tasks':<24}{first.asyncio_tasks:>16.0f}{last.asyncio_tasks:>16.0f}")
     print(f"{'prefix index (MiB)':<24}{first.index_bytes / 2**20:>16.2f}{last.index_bytes / 2**20:>16.2f}")
-    print(f"\nrequests: {tally.sent} sent, {tally.completed} completed, {tally.failed} failed with an error, "
-          f"{tally.disconnected} hung up by the client, {tally.lost} lost")
-    print(f"verdict: {'flat' if verdict.flat else 'NOT flat'} (rss growth {verdict.rss_growth:+.1%}, "
-          f"fds +{verdict.fds_over_warmup:.0f}, tasks +{verdict.tasks_over_warmup:.0f}, "
-          f"index {verdict.index_growth:+.1%})")
+    print(
+        f"\nrequests: {tally.sent} sent, {tally.completed} completed, {tally.failed} failed with an error, "
+        f"{tally.disconnected} hung up by the client, {tally.lost} lost"
+    )
+    print(
+        f"verdict: {'flat' if verdict.flat else 'NOT flat'} (rss growth {verdict.rss_growth:+.1%}, "
+        f"fds +{verdict.fds_over_warmup:.0f}, tasks +{verdict.tasks_over_warmup:.0f}, "
+        f"index {verdict.index_growth:+.1%})"
+    )
     print(f"written: {args.out_dir / 'soak.json'}, {args.out_dir / 'soak.png'}")
     return 0 if verdict.flat else 1
 
@@ -213,12 +235,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--time-scale", type=float, default=10.0, help="sim engines run this much faster")
-    parser.add_argument("--kv-capacity-tokens", type=int, default=65536,
-                        help="per engine; small enough that caches (and the router's index) fill and evict")
+    parser.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        default=65536,
+        help="per engine; small enough that caches (and the router's index) fill and evict",
+    )
     parser.add_argument("--warmup-fraction", type=float, default=0.2)
     parser.add_argument("--max-rss-growth", type=float, default=0.10, help="allowed after warm-up (0.10: 10%%)")
     parser.add_argument(
-        "--distinct-prompts", type=int, default=2000,
+        "--distinct-prompts",
+        type=int,
+        default=2000,
         help="user turns drawn from this many texts; 0: a new one every request (then the tokenizer's piece "
         "cache and the conversation ledger grow until their bounds, 64 MiB and 10 min, longer than 10 minutes)",
     )

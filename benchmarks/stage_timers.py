@@ -73,8 +73,10 @@ def reset() -> None:
 
 
 def snapshot() -> dict[str, dict[str, float]]:
-    return {stage: {"calls": calls, "us_per_call": nanos / calls / 1000 if calls else 0.0}
-            for stage, (nanos, calls) in _totals.items()}
+    return {
+        stage: {"calls": calls, "us_per_call": nanos / calls / 1000 if calls else 0.0}
+        for stage, (nanos, calls) in _totals.items()
+    }
 
 
 def main(argv: list[str]) -> int:

@@ -35,9 +35,32 @@ import httpx
 import openai
 
 WORDS = (
-    "river", "mountain", "cache", "token", "prefix", "engine", "router", "stream", "batch", "memory", "block",
-    "queue", "latency", "graph", "vector", "kernel", "tensor", "shard", "replica", "fleet", "policy", "budget",
-    "answer", "question", "story", "ocean",
+    "river",
+    "mountain",
+    "cache",
+    "token",
+    "prefix",
+    "engine",
+    "router",
+    "stream",
+    "batch",
+    "memory",
+    "block",
+    "queue",
+    "latency",
+    "graph",
+    "vector",
+    "kernel",
+    "tensor",
+    "shard",
+    "replica",
+    "fleet",
+    "policy",
+    "budget",
+    "answer",
+    "question",
+    "story",
+    "ocean",
 )
 SYSTEM_PROMPTS = (
     "You are a terse assistant. Answer in one sentence.",
@@ -272,7 +295,7 @@ class SteadyLoad:
             if isinstance(exc.body, dict) and isinstance(exc.body.get("message"), str):
                 return record(Outcome.FAILED, f"stream error {exc.body.get('code')}")
             return record(Outcome.LOST, f"stream error without an error object: {exc}"[:160])
-        except Exception as exc:  # noqa: BLE001 - anything else is, by definition, lost
+        except Exception as exc:
             return record(Outcome.LOST, f"{type(exc).__name__}: {exc}"[:160])
 
 
@@ -281,7 +304,13 @@ def format_table(rows: Sequence[tuple[str, Tally]]) -> str:
     header = ("scenario", "sent", "completed", "failed (error)", "before 1st byte", "client hung up", "lost")
     lines = [f"{header[0]:<24}" + "".join(f"{title:>16}" for title in header[1:])]
     for name, tally in rows:
-        values = (tally.sent, tally.completed, tally.failed, tally.failed_before_first_byte, tally.disconnected,
-                  tally.lost)
+        values = (
+            tally.sent,
+            tally.completed,
+            tally.failed,
+            tally.failed_before_first_byte,
+            tally.disconnected,
+            tally.lost,
+        )
         lines.append(f"{name:<24}" + "".join(f"{value:>16}" for value in values))
     return "\n".join(lines)

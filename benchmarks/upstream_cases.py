@@ -302,6 +302,7 @@ def _after(b: _Builder) -> bytes:
 
 # --- the two parsers ---------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Verdict:
     accepted: bool
@@ -391,7 +392,7 @@ def kvroute_verdict(case: Case) -> Verdict:
             if wire.closed:
                 break  # the loop delivers nothing more to a closed transport
             connection.data_received(piece)
-            while (data := read_now(connection)):
+            while data := read_now(connection):
                 body += data
             if data == b"":
                 ended = True
@@ -415,7 +416,9 @@ def kvroute_verdict(case: Case) -> Verdict:
 
 def h11_verdict(case: Case) -> Verdict:
     client = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
-    client.send(h11.Request(method="POST", target="/v1/chat/completions", headers=[("Host", "engine"), ("Content-Length", "2")]))
+    client.send(
+        h11.Request(method="POST", target="/v1/chat/completions", headers=[("Host", "engine"), ("Content-Length", "2")])
+    )
     client.send(h11.Data(data=b"{}"))
     client.send(h11.EndOfMessage())
     response: h11.Response | None = None
@@ -442,7 +445,8 @@ def h11_verdict(case: Case) -> Verdict:
         return Verdict(False, reason="incomplete")
     # h11 lower-cases the Transfer-Encoding value it checked; kvroute relays it as sent.
     headers = tuple(
-        (name, value.lower() if name.lower() == b"transfer-encoding" else value) for name, value in response.headers.raw_items()
+        (name, value.lower() if name.lower() == b"transfer-encoding" else value)
+        for name, value in response.headers.raw_items()
     )
     return Verdict(True, response.status_code, headers, bytes(body), reusable)
 

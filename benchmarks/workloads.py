@@ -137,7 +137,7 @@ _VOCABULARY: tuple[str, ...] = tuple(
     division sheet substance favor connect post spend chord fat glad original share station
     dad bread charge proper bar offer segment slave duck instant market degree populate chick
     dear enemy reply drink occur support speech nature range steam motion path liquid log
-    meant quotient teeth shell neck""".split()  # noqa: SIM905 - a word list reads best as text
+    meant quotient teeth shell neck""".split()
 )
 
 #: Tokens per vocabulary word with a space before it, measured with the project's default
@@ -211,8 +211,13 @@ def words(rng: np.random.Generator, tokens: int) -> str:
 
 
 def _chat(
-    arrival_s: float, model: str, messages: list[dict[str, str]], max_tokens: int,
-    session_id: str, turn: int, think_s: float = 0.0,
+    arrival_s: float,
+    model: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    session_id: str,
+    turn: int,
+    think_s: float = 0.0,
 ) -> WorkloadRequest:
     body = {"model": model, "messages": list(messages), "max_tokens": max_tokens}
     return WorkloadRequest(arrival_s, CHAT_ENDPOINT, body, session_id, turn, think_s)
@@ -249,9 +254,17 @@ def poisson_starts(rate: float, count: int, seed: int, stream: int) -> np.ndarra
 
 
 def system_prompt(
-    *, users: int = 8, turns: int = 4, system_tokens: int = 4000, user_tokens: int = 120,
-    reply_tokens: int = 80, max_tokens: int = 32, stagger_s: float = 0.4,
-    think_s: float = 2.0, model: str = "sim", seed: int = 0,
+    *,
+    users: int = 8,
+    turns: int = 4,
+    system_tokens: int = 4000,
+    user_tokens: int = 120,
+    reply_tokens: int = 80,
+    max_tokens: int = 32,
+    stagger_s: float = 0.4,
+    think_s: float = 2.0,
+    model: str = "sim",
+    seed: int = 0,
 ) -> Iterator[WorkloadRequest]:
     """N users sharing one long system prompt, several turns each, users interleaved."""
     system = {"role": "system", "content": words(_rng(seed, 1), system_tokens)}
@@ -267,9 +280,18 @@ def system_prompt(
 
 
 def multi_turn(
-    *, conversations: int = 16, turns: int = 6, user_tokens: int = 250, reply_tokens: int = 200,
-    max_tokens: int = 64, mean_gap_s: float = 0.5, think_s: float = 3.0, model: str = "sim",
-    seed: int = 0, think_time: float | None = None, arrival_rate: float | None = None,
+    *,
+    conversations: int = 16,
+    turns: int = 6,
+    user_tokens: int = 250,
+    reply_tokens: int = 200,
+    max_tokens: int = 64,
+    mean_gap_s: float = 0.5,
+    think_s: float = 3.0,
+    model: str = "sim",
+    seed: int = 0,
+    think_time: float | None = None,
+    arrival_rate: float | None = None,
 ) -> Iterator[WorkloadRequest]:
     """Independent conversations whose histories grow turn by turn (Poisson starts).
 
@@ -287,9 +309,7 @@ def multi_turn(
         times = timing.turns(conv, float(starts[conv]), turns, think_s)
         for turn, (arrival, think) in enumerate(times):
             history.append({"role": "user", "content": words(rng, user_tokens)})
-            pending.append(
-                _chat(arrival, model, history, max_tokens, f"conv-{conv}", turn, think)
-            )
+            pending.append(_chat(arrival, model, history, max_tokens, f"conv-{conv}", turn, think))
             history.append({"role": "assistant", "content": words(rng, reply_tokens)})
     yield from sorted(pending, key=lambda request: request.arrival_s)
 
@@ -326,14 +346,22 @@ def _tool_call(rng: np.random.Generator, call_id: str) -> dict[str, Any]:
     argument = function["parameters"]["required"][0]
     value = "/".join(words(rng, 6).split()[:3])
     return {
-        "id": call_id, "type": "function",
+        "id": call_id,
+        "type": "function",
         "function": {"name": function["name"], "arguments": json.dumps({argument: value})},
     }
 
 
 def agent_sessions(
-    *, sessions: int = 8, turns: int = 8, scale: float = 0.25, system_tokens: int = 2000,
-    gap_s: float = 0.25, model: str = "sim", seed: int = 0, think_time: float | None = None,
+    *,
+    sessions: int = 8,
+    turns: int = 8,
+    scale: float = 0.25,
+    system_tokens: int = 2000,
+    gap_s: float = 0.25,
+    model: str = "sim",
+    seed: int = 0,
+    think_time: float | None = None,
     arrival_rate: float | None = None,
 ) -> Iterator[WorkloadRequest]:
     """S agent sessions in round-robin lockstep; each turn appends a tool call and its result.
@@ -347,8 +375,7 @@ def agent_sessions(
     average after its previous answer when given (see the module's timing variants).
     """
     starts = (
-        poisson_starts(arrival_rate, sessions, seed, 9) if arrival_rate is not None
-        else np.arange(sessions) * gap_s
+        poisson_starts(arrival_rate, sessions, seed, 9) if arrival_rate is not None else np.arange(sessions) * gap_s
     )
     timing = Timing(think_time, seed, 7)
     times = [timing.turns(s, float(starts[s]), turns, sessions * gap_s) for s in range(sessions)]
@@ -366,18 +393,18 @@ def agent_sessions(
             history, rng = histories[session], rngs[session]
             if turn > 0:
                 call = _tool_call(rng, f"call-{session}-{turn}")
-                history.append({"role": "assistant", "content": words(rng, max_tokens - 20),
-                                "tool_calls": [call]})
-                history.append({"role": "tool", "tool_call_id": call["id"],
-                                "content": words(rng, tool_tokens)})
+                history.append({"role": "assistant", "content": words(rng, max_tokens - 20), "tool_calls": [call]})
+                history.append({"role": "tool", "tool_call_id": call["id"], "content": words(rng, tool_tokens)})
             arrival, think = times[session][turn]
-            body = {"model": model, "messages": list(history), "tools": list(AGENT_TOOLS),
-                    "max_tokens": max_tokens}
+            body = {"model": model, "messages": list(history), "tools": list(AGENT_TOOLS), "max_tokens": max_tokens}
             yield WorkloadRequest(arrival, CHAT_ENDPOINT, body, f"agent-{session}", turn, think)
 
 
 def mooncake_trace(
-    path: Path, *, limit: int | None = None, model: str = "sim",
+    path: Path,
+    *,
+    limit: int | None = None,
+    model: str = "sim",
     vocab_size: int = mooncake.DEFAULT_VOCAB_SIZE,
     first_token_id: int = mooncake.DEFAULT_FIRST_TOKEN_ID,
 ) -> Iterator[WorkloadRequest]:
@@ -402,13 +429,16 @@ def _finish(requests: Iterator[WorkloadRequest], options: WorkloadOptions) -> li
         return ordered
     return [
         replace(request, body={**request.body, "max_tokens": min(request.max_tokens, cap)})
-        if request.max_tokens > cap else request
+        if request.max_tokens > cap
+        else request
         for request in ordered
     ]
 
 
 WORKLOAD_KINDS = (
-    "system-prompt", "multi-turn[+think=S][+rate=R]", "agent-sessions[:S][+think=S][+rate=R]",
+    "system-prompt",
+    "multi-turn[+think=S][+rate=R]",
+    "agent-sessions[:S][+think=S][+rate=R]",
     "mooncake:PATH",
 )
 #: Workloads that take the timing variants.
@@ -422,14 +452,16 @@ def _timing(spec: str, options: WorkloadOptions) -> tuple[str, WorkloadOptions]:
     for variant in variants:
         key, _, value = variant.partition("=")
         if key not in ("think", "rate"):
-            raise ValueError(f"unknown workload variant {variant!r} in {spec!r}; "
-                             "known: think=SECONDS, rate=SESSIONS_PER_S")
+            raise ValueError(
+                f"unknown workload variant {variant!r} in {spec!r}; known: think=SECONDS, rate=SESSIONS_PER_S"
+            )
         try:
             values[key] = float(value)
         except ValueError:
             raise ValueError(f"{key} needs a number in {spec!r}") from None
     return base, replace(
-        options, think_time=values.get("think", options.think_time),
+        options,
+        think_time=values.get("think", options.think_time),
         arrival_rate=values.get("rate", options.arrival_rate),
     )
 
@@ -443,11 +475,21 @@ def _variant_name(name: str, options: WorkloadOptions) -> str:
     return name
 
 
-def _timed(name: str, kind: str, requests: Iterator[WorkloadRequest], options: WorkloadOptions,
-           description: str, sessions: int | None = None) -> Workload:
+def _timed(
+    name: str,
+    kind: str,
+    requests: Iterator[WorkloadRequest],
+    options: WorkloadOptions,
+    description: str,
+    sessions: int | None = None,
+) -> Workload:
     return Workload(
-        _variant_name(name, options), kind, _finish(requests, options), sessions=sessions,
-        description=description, think_time=options.think_time,
+        _variant_name(name, options),
+        kind,
+        _finish(requests, options),
+        sessions=sessions,
+        description=description,
+        think_time=options.think_time,
         arrival_rate=options.arrival_rate,
     )
 
@@ -465,21 +507,29 @@ def make_workloads(spec: str, options: WorkloadOptions) -> list[Workload]:
     seed, model, limit = options.seed, options.model, options.limit
     timing = {"think_time": options.think_time, "arrival_rate": options.arrival_rate}
     sizes = {
-        name: value for name, value in
-        (("user_tokens", options.user_tokens), ("reply_tokens", options.reply_tokens))
+        name: value
+        for name, value in (("user_tokens", options.user_tokens), ("reply_tokens", options.reply_tokens))
         if value is not None
     }
     if kind == "system-prompt":
         requests = system_prompt(
-            users=options.users, turns=options.turns, system_tokens=options.system_tokens,
-            model=model, seed=seed, **sizes,
+            users=options.users,
+            turns=options.turns,
+            system_tokens=options.system_tokens,
+            model=model,
+            seed=seed,
+            **sizes,
         )
         description = f"{options.users} users x {options.turns} turns, one system prompt"
         return [Workload(kind, kind, _finish(requests, options), description=description)]
     if kind == "multi-turn":
         requests = multi_turn(
-            conversations=options.conversations, turns=options.turns, model=model, seed=seed,
-            **sizes, **timing,
+            conversations=options.conversations,
+            turns=options.turns,
+            model=model,
+            seed=seed,
+            **sizes,
+            **timing,
         )
         description = f"{options.conversations} conversations x {options.turns} turns"
         return [_timed(kind, kind, requests, options, description)]
@@ -487,10 +537,15 @@ def make_workloads(spec: str, options: WorkloadOptions) -> list[Workload]:
         counts = [int(argument)] if argument else list(options.sessions)
         return [
             _timed(
-                f"agent-sessions:{count}", kind,
+                f"agent-sessions:{count}",
+                kind,
                 agent_sessions(
-                    sessions=count, turns=options.agent_turns, scale=options.agent_scale,
-                    model=model, seed=seed, **timing,
+                    sessions=count,
+                    turns=options.agent_turns,
+                    scale=options.agent_scale,
+                    model=model,
+                    seed=seed,
+                    **timing,
                 ),
                 options,
                 f"{count} sessions x {options.agent_turns} turns, "
@@ -504,7 +559,10 @@ def make_workloads(spec: str, options: WorkloadOptions) -> list[Workload]:
             raise ValueError("mooncake needs a trace path: --workload mooncake:PATH")
         path = Path(argument)
         requests = mooncake_trace(
-            path, limit=limit, model=model, vocab_size=options.vocab_size,
+            path,
+            limit=limit,
+            model=model,
+            vocab_size=options.vocab_size,
             first_token_id=options.first_token_id,
         )
         name = f"mooncake:{path.stem.removeprefix('mooncake_').removesuffix('_trace')}"

@@ -91,11 +91,12 @@ def _shown(url: str) -> str:
     netloc, slash, path = rest.partition("/")
     return scheme + sep + netloc.rpartition("@")[2] + slash + path
 
+
 class Origin:
     """Where one backend listens: address, TLS, the precomputed ``Host`` header (never with
     the URL's userinfo) and the path prefix every request goes under (the URL as written)."""
 
-    __slots__ = ("key", "host", "port", "ssl", "ssl_context", "host_header", "prefix")
+    __slots__ = ("host", "host_header", "key", "port", "prefix", "ssl", "ssl_context")
 
     def __init__(self, url: str, ssl_context: ssl.SSLContext | None = None) -> None:
         parsed = parse_backend_url(url)

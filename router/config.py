@@ -38,8 +38,19 @@ ProxyCredential = Literal["if_absent", "always", "never"]
 # Request headers an operator may not set per backend: the router frames each hop itself,
 # and a credential belongs in api_key or the URL (one place, redacted from logs).
 _RESERVED_HEADERS = frozenset(
-    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer", "upgrade",
-     "proxy-connection", "expect", "authorization"}
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-connection",
+        "expect",
+        "authorization",
+    }
 )
 
 
@@ -63,7 +74,8 @@ class BackendConfig(BaseModel):
         " default if_absent; always for URL credentials, with --api-keys, or for --backend-api-key",
     )
     headers: dict[str, str] = Field(
-        default_factory=dict, description="extra request headers on every call to this engine (the client's"
+        default_factory=dict,
+        description="extra request headers on every call to this engine (the client's"
         " header of the same name is replaced)",
     )
     ca_file: FilePath | None = Field(
@@ -219,9 +231,7 @@ class Settings(BaseSettings):
         gt=0,
         description="forget index entries not touched for this long (default: never; capacity bounds memory)",
     )
-    decision_log: bool = Field(
-        default=False, description="log one JSON line per request with the routing decision"
-    )
+    decision_log: bool = Field(default=False, description="log one JSON line per request with the routing decision")
 
     # --- precise mode ----------------------------------------------------------------
     kv_events: bool = Field(
@@ -239,9 +249,7 @@ class Settings(BaseSettings):
         le=65535,
         description="precise mode: replay port on each backend's host, for gap recovery",
     )
-    kv_events_topic: str = Field(
-        default="kv-events", description="precise mode: ZMQ topic of the engines' events"
-    )
+    kv_events_topic: str = Field(default="kv-events", description="precise mode: ZMQ topic of the engines' events")
     kv_events_silence_s: float = Field(
         default=30.0,
         gt=0,
@@ -255,7 +263,9 @@ class Settings(BaseSettings):
 
     # --- health and timeouts ---------------------------------------------------------
     health_interval_s: float = Field(
-        default=5.0, gt=0, description="seconds between active /health checks of a healthy backend "
+        default=5.0,
+        gt=0,
+        description="seconds between active /health checks of a healthy backend "
         "(an unhealthy one is retried after 0.25 s, doubling up to this)",
     )
     health_timeout_s: float = Field(default=2.0, gt=0, description="timeout of one active health check")
@@ -272,17 +282,13 @@ class Settings(BaseSettings):
     idle_timeout_s: float = Field(
         default=300.0, gt=0, description="longest silence between two chunks of a streamed response"
     )
-    drain_timeout_s: float = Field(
-        default=30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish"
-    )
+    drain_timeout_s: float = Field(default=30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     engine_scrape_interval_s: float = Field(
         default=5.0, gt=0, description="seconds between scrapes of each engine's /metrics"
     )
 
     # --- limits and admission --------------------------------------------------------
-    max_body_bytes: int = Field(
-        default=32 * 1024 * 1024, gt=0, description="largest request body accepted (413 above)"
-    )
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="largest request body accepted (413 above)")
     max_header_bytes: int = Field(
         default=16 * 1024, gt=0, description="largest request header field accepted (431 above)"
     )
@@ -300,9 +306,7 @@ class Settings(BaseSettings):
         gt=0,
         description="requests in flight per backend at once (queued above; default: unlimited)",
     )
-    queue_size: int = Field(
-        default=1024, ge=0, description="requests that may wait for a free slot (429 above)"
-    )
+    queue_size: int = Field(default=1024, ge=0, description="requests that may wait for a free slot (429 above)")
     queue_timeout_s: float = Field(
         default=30.0, gt=0, description="longest wait for a free slot (429 with Retry-After after)"
     )
@@ -328,7 +332,9 @@ class Settings(BaseSettings):
         description="comma-separated ZMQ endpoints of the other routers' --peer-bind; their placements enter this index",
     )
     peer_max_bytes_per_s: int = Field(
-        default=16 * 1024 * 1024, gt=0, description="bandwidth budget of published placements (bytes/s; over it they drop)"
+        default=16 * 1024 * 1024,
+        gt=0,
+        description="bandwidth budget of published placements (bytes/s; over it they drop)",
     )
 
     # --- security --------------------------------------------------------------------

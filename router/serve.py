@@ -31,8 +31,11 @@ _CUSTOM_FLAGS = {"backends", "models"}
 
 # Per-backend endpoints given as ``--flag BACKEND_URL=ENDPOINT`` (field -> example endpoint).
 _PER_BACKEND_ENDPOINTS = {
-    "kv_events_endpoint": "tcp://h:5557", "kv_events_replay_endpoint": "tcp://h:5558", "engine": "sglang",
+    "kv_events_endpoint": "tcp://h:5557",
+    "kv_events_replay_endpoint": "tcp://h:5558",
+    "engine": "sglang",
 }
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvroute serve`` argument parser (one flag per tunable Settings field)."""
@@ -44,12 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", type=Path, help="YAML file with settings (field names as keys)")
     parser.add_argument(
-        "--backend", dest="backends", action="append", metavar="URL",
+        "--backend",
+        dest="backends",
+        action="append",
+        metavar="URL",
         help="an engine's base URL, e.g. http://10.0.0.5:8000 (repeatable)",
     )
     for field, example in _PER_BACKEND_ENDPOINTS.items():
         parser.add_argument(
-            "--" + field.replace("_", "-"), dest=field + "s", action="append",
+            "--" + field.replace("_", "-"),
+            dest=field + "s",
+            action="append",
             metavar="BACKEND_URL=" + field.rsplit("_", 1)[-1].upper(),
             help=f"{BackendConfig.model_fields[field].description}, for one backend: "
             f"e.g. http://h:8000={example} (repeatable)",
@@ -106,7 +114,8 @@ def _with_backend_field(settings: Settings, field: str, pairs: list[str]) -> Set
     try:  # validated again: e.g. --engine http://h:8000=sglang must name a known engine
         backends: list[BackendConfig] = [
             BackendConfig.model_validate({**backend.model_dump(), field: by_url[backend.url]})
-            if backend.url in by_url else backend
+            if backend.url in by_url
+            else backend
             for backend in settings.backends
         ]
     except ValidationError as exc:

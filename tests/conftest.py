@@ -92,8 +92,9 @@ def sim_engines(server_loop: ServerLoop, sim_tokenizer: SimTokenizer) -> Iterato
 @pytest.fixture
 def router_server(server_loop: ServerLoop) -> Iterator[Callable[..., RouterServer]]:
     """Factory: ``router_server(backends, **Settings fields) -> RouterServer``."""
-    from kvroute.router.http.app import build_app as build_router_app, make_runner
     from kvroute.router.config import Settings
+    from kvroute.router.http.app import build_app as build_router_app
+    from kvroute.router.http.app import make_runner
 
     started: list[RouterServer] = []
 

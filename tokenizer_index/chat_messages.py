@@ -126,6 +126,7 @@ def _parse_content(content: Any, content_format: ContentFormat) -> str | list[di
                 raise ValueError(f"unsupported chat content part type: {kind!r}")
         else:
             raise ValueError(f"content parts must be objects or strings, not {type(part).__name__}")
+        assert text is not None  # every branch above that leaves it None continues
         if as_parts:
             parts_out.append({"type": "text", "text": text})
         else:

@@ -44,7 +44,7 @@ class _GenerationTag(jinja2.ext.Extension):
     bookkeeping gives it meaning, which routing does not need.
     """
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 (jinja2.ext.Extension declares it a set attribute)
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -91,9 +91,7 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = _ChatSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
+    env = _ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -163,7 +161,11 @@ def detect_content_format(source: str) -> ContentFormat:
         grew = False
         for assign in tree.find_all(jinja2.nodes.Assign):
             target = assign.target
-            if isinstance(target, jinja2.nodes.Name) and target.name not in lists and _reads_variable(assign.node, lists):
+            if (
+                isinstance(target, jinja2.nodes.Name)
+                and target.name not in lists
+                and _reads_variable(assign.node, lists)
+            ):
                 lists.add(target.name)
                 grew = True
     loops = list(tree.find_all(jinja2.nodes.For))

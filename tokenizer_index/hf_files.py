@@ -164,7 +164,9 @@ def load_with_transformers(name_or_path: str) -> TokenizerFiles:
     if not isinstance(backend, Tokenizer):
         raise ValueError(f"{name_or_path!r} has no fast (Rust) tokenizer; kvroute needs one")
     template = hf_tokenizer.chat_template
-    special_tokens = {key: str(value) for key, value in hf_tokenizer.special_tokens_map.items() if isinstance(value, str)}
+    special_tokens = {
+        key: str(value) for key, value in hf_tokenizer.special_tokens_map.items() if isinstance(value, str)
+    }
     return TokenizerFiles(
         tokenizer=backend,
         chat_templates=_templates_from_entry(template),

@@ -130,7 +130,7 @@ def prefetch(typingctx, array, index):  # type: ignore[no-untyped-def]
 @njit(inline="always")
 def home_bucket(placement: np.uint64, buckets: int) -> int:
     """Range reduction of a 32-bit placement value to ``0..buckets-1``."""
-    return np.int64((placement * np.uint64(buckets)) >> _SHIFT32)
+    return np.int64((placement * np.uint64(buckets)) >> _SHIFT32)  # type: ignore[return-value]  # numba int64
 
 
 @njit(inline="always")

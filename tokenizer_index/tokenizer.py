@@ -159,6 +159,8 @@ class RequestTokenizer:
             self._incremental = self._piecewise_is_exact()
             if not self._incremental:
                 log.info("tokenizer %s: piecewise tokenization is not exact; tokenizing whole texts", name)
+        self._prompt_prefix: np.ndarray | None
+        self._prompt_suffix: np.ndarray | None
         self._prompt_prefix, self._prompt_suffix = self._special_token_wrapping()
 
     # --- construction --------------------------------------------------------------------
@@ -169,7 +171,7 @@ class RequestTokenizer:
 
         ``options`` are passed to the constructor (``cache_bytes``, ``incremental``).
         """
-        files = hf_files.load(name_or_path)
+        files = hf_files.load(os.fspath(name_or_path))
         return cls(
             files.tokenizer,
             chat_templates=files.chat_templates,
@@ -416,9 +418,7 @@ class RequestTokenizer:
             return self.encode_text(first, add_special_tokens=True)
         return _token_id_array(first).tolist()
 
-    def encode_prompt_array(
-        self, prompt: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
-    ) -> np.ndarray:
+    def encode_prompt_array(self, prompt: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]) -> np.ndarray:
         """:meth:`encode_prompt` as a new contiguous int64 array (token ids converted once)."""
         first = _first_prompt(prompt)
         if isinstance(first, str):
@@ -452,6 +452,7 @@ class RequestTokenizer:
             parts = [self._encode_whole(text, add_special_tokens=False, array=arrays)]
         if add_special_tokens:
             prefix, suffix = self._prompt_prefix, self._prompt_suffix
+            assert prefix is not None and suffix is not None  # else encoded whole above
             if not arrays:
                 prefix, suffix = prefix.tolist(), suffix.tolist()
             parts = [prefix, *parts, suffix]

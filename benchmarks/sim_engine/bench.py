@@ -119,8 +119,15 @@ async def run(requests: int, concurrency: int, max_tokens: int, time_scale: floa
             seconds = await _drive(url, requests, concurrency, stream, max_tokens)
             cpu = _cpu_seconds(process.pid) - before
             results.append(
-                Result(scenario, requests, concurrency, max_tokens, round(seconds, 3),
-                       round(requests / seconds, 1), round(cpu / requests * 1e6, 1))  # fmt: skip
+                Result(
+                    scenario,
+                    requests,
+                    concurrency,
+                    max_tokens,
+                    round(seconds, 3),
+                    round(requests / seconds, 1),
+                    round(cpu / requests * 1e6, 1),
+                )
             )
     finally:
         process.terminate()

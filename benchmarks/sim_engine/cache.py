@@ -45,7 +45,10 @@ class PrefixCache:
     """Full-block prefix cache of one replica, publishing KV events when configured."""
 
     def __init__(
-        self, block_size: int, num_blocks: int, publisher: KVEventPublisher | None = None,
+        self,
+        block_size: int,
+        num_blocks: int,
+        publisher: KVEventPublisher | None = None,
         sglang_events: SGLangEventHashes | None = None,
     ) -> None:
         self.block_size = block_size
@@ -53,9 +56,7 @@ class PrefixCache:
         self._publisher = publisher
         # SGLang's event style (a page per event, its own hashes) instead of vLLM's.
         self._sglang = sglang_events
-        self._index = PrefixIndex(
-            block_size=block_size, capacity_blocks=num_blocks, on_evict=self._on_evict
-        )
+        self._index = PrefixIndex(block_size=block_size, capacity_blocks=num_blocks, on_evict=self._on_evict)
         self._held: set[int] = set()
         # Runs of blocks stored since the last flush, oldest first, not yet touched.
         self._untouched: list[np.ndarray] = []

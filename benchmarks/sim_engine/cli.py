@@ -38,14 +38,17 @@ def parser() -> argparse.ArgumentParser:
         help="served model name (repeatable or comma list; models after the first act as LoRA adapters)",
     )
     p.add_argument(
-        "--api", choices=("vllm", "sglang"), default="vllm",
+        "--api",
+        choices=("vllm", "sglang"),
+        default="vllm",
         help="the engine API to speak: vLLM's, or SGLang's (/generate, /server_info, /get_load, /flush_cache,"
         " sglang:* metrics)",
     )
     p.add_argument("--block-size", type=int, default=None, help="KV block size (default 16; --api sglang: --page-size)")
     p.add_argument("--page-size", type=int, default=None, help="SGLang's --page-size (default 1: token-granular)")
     p.add_argument(
-        "--enable-cache-report", action="store_true",
+        "--enable-cache-report",
+        action="store_true",
         help="as SGLang's: OpenAI answers carry usage.prompt_tokens_details.cached_tokens (when > 0)",
     )
     p.add_argument("--kv-capacity-tokens", type=int, default=65536)
@@ -62,7 +65,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-topic", default="kv-events")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--api-key", default=os.environ.get("VLLM_API_KEY"),
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY"),
         help="as vLLM's: /v1/* needs 'Authorization: Bearer KEY' (default: $VLLM_API_KEY; unset: open)",
     )
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))

@@ -37,9 +37,7 @@ class OutputVocabulary:
         self._seed = seed
         self._piece: dict[int, str] = dict(zip(self._ids.tolist(), pieces, strict=True))
         # JSON string literals (quotes included) so stream chunks are built by concatenation.
-        self._piece_json: dict[int, bytes] = {
-            token: orjson.dumps(text) for token, text in self._piece.items()
-        }
+        self._piece_json: dict[int, bytes] = {token: orjson.dumps(text) for token, text in self._piece.items()}
 
     @classmethod
     def from_decoder(

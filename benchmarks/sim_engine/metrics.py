@@ -40,24 +40,17 @@ class EngineMetrics:
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1.")
-        self.prefix_queries = counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-        )
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
-        self.prompt_tokens_cached = counter(
-            "vllm:prompt_tokens_cached", "Prompt tokens served from the prefix cache."
-        )
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached", "Prompt tokens served from the prefix cache.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
-        self.request_success = (
-            Counter(
-                "vllm:request_success",
-                "Requests that finished.",
-                (*labels, "finished_reason"),
-                registry=registry,
-            )
-            .labels(*values, "length")
-        )
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Requests that finished.",
+            (*labels, "finished_reason"),
+            registry=registry,
+        ).labels(*values, "length")
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token.",

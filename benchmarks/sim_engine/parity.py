@@ -58,8 +58,8 @@ class Expected:
     error_type: Checked = None
     param: Checked = None
     message: Checked = None
-    choices: int | None | EllipsisType = None
-    completion_tokens: int | None | EllipsisType = None
+    choices: int | EllipsisType | None = None
+    completion_tokens: int | EllipsisType | None = None
     usage_chunk: bool | None = None  # streams: was there an include_usage chunk
 
 

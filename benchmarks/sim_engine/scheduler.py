@@ -234,9 +234,7 @@ class Scheduler:
                 await asyncio.sleep(delay)
             self._deliver(produced, finished, loop.time())
 
-    def _step(
-        self, produced: dict[SimRequest, None], finished: list[SimRequest], decode_steps: int = 1
-    ) -> float:
+    def _step(self, produced: dict[SimRequest, None], finished: list[SimRequest], decode_steps: int = 1) -> float:
         """One engine iteration; returns its cost in engine seconds (0: nothing to do).
 
         When every running request is decoding, up to ``decode_steps`` iterations are taken
@@ -260,9 +258,7 @@ class Scheduler:
                 budget -= chunk
                 prefilled += chunk
                 request.computed += chunk
-                self._cache.store(
-                    request.hashes, request.prompt, request.computed // self._block_size, request.key
-                )
+                self._cache.store(request.hashes, request.prompt, request.computed // self._block_size, request.key)
                 if request.computed < request.prompt_len:
                     continue
                 self._prefilling -= 1
@@ -284,9 +280,7 @@ class Scheduler:
             step_s += self._decode_step_s
         return step_s
 
-    def _decode_only(
-        self, produced: dict[SimRequest, None], finished: list[SimRequest], max_steps: int
-    ) -> float:
+    def _decode_only(self, produced: dict[SimRequest, None], finished: list[SimRequest], max_steps: int) -> float:
         active = [request for request in self._running if not request.paused]
         if not active:
             return 0.0

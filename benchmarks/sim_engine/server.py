@@ -33,8 +33,6 @@ from kvroute.benchmarks.sim_engine.faults import FAULT_MODES, FaultInjector, Fau
 from kvroute.benchmarks.sim_engine.generation import Embedder, OutputVocabulary
 from kvroute.benchmarks.sim_engine.kv_events import KVEventPublisher
 from kvroute.benchmarks.sim_engine.metrics import EngineMetrics
-from kvroute.benchmarks.sim_engine.sglang_events import SGLangEventHashes
-from kvroute.benchmarks.sim_engine.sglang_metrics import SGLangMetrics
 from kvroute.benchmarks.sim_engine.protocol import (
     DONE,
     APIError,
@@ -47,6 +45,8 @@ from kvroute.benchmarks.sim_engine.protocol import (
     usage,
 )
 from kvroute.benchmarks.sim_engine.scheduler import Scheduler, SimRequest
+from kvroute.benchmarks.sim_engine.sglang_events import SGLangEventHashes
+from kvroute.benchmarks.sim_engine.sglang_metrics import SGLangMetrics
 from kvroute.benchmarks.sim_engine.tokens import SimTokenizer, TokenizationError
 from kvroute.benchmarks.sim_engine.validation import (
     GenerationParams,

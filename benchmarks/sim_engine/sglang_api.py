@@ -116,13 +116,33 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
 def _params(request: GenerateRequest) -> GenerationParams:
     """The request as the shared engine core takes it (greedy defaults: SGLang validates sampling itself)."""
     sampling = Sampling(
-        n=1, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, temperature=1.0,
-        top_p=1.0, top_k=0, min_p=0.0, min_tokens=0, stop=(), logprobs=None, prompt_logprobs=None, logit_bias=(),
+        n=1,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        min_tokens=0,
+        stop=(),
+        logprobs=None,
+        prompt_logprobs=None,
+        logit_bias=(),
     )
     return GenerationParams(
-        endpoint="completion", model=None, stream=request.stream, include_usage=False,
-        max_tokens=request.max_new_tokens, max_tokens_param="max_new_tokens", cache_salt=None,
-        sampling=sampling, prompts=request.prompts, add_generation_prompt=True, echo=False, suffix=None,
+        endpoint="completion",
+        model=None,
+        stream=request.stream,
+        include_usage=False,
+        max_tokens=request.max_new_tokens,
+        max_tokens_param="max_new_tokens",
+        cache_salt=None,
+        sampling=sampling,
+        prompts=request.prompts,
+        add_generation_prompt=True,
+        echo=False,
+        suffix=None,
     )
 
 
@@ -155,8 +175,9 @@ class SGLangHandlers:
                     if sequence.aborted:
                         return _error(SHUTTING_DOWN.status, SHUTTING_DOWN.message)
                 answers = [self._answer(parsed, sequence, index) for index, sequence in enumerate(sequences)]
-                return web.Response(body=orjson.dumps(answers if parsed.batch else answers[0]),
-                                    content_type="application/json")
+                return web.Response(
+                    body=orjson.dumps(answers if parsed.batch else answers[0]), content_type="application/json"
+                )
             finally:
                 for sequence in sequences:
                     scheduler.abort(sequence)
@@ -190,7 +211,9 @@ class SGLangHandlers:
             answer["index"] = index
         return answer
 
-    async def _stream(self, request: web.Request, parsed: GenerateRequest, generation: Generation) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, parsed: GenerateRequest, generation: Generation
+    ) -> web.StreamResponse:
         sequences = generation.sequences
         await sequences[0].wait_for_tokens(0)
         if sequences[0].aborted:
@@ -208,9 +231,7 @@ class SGLangHandlers:
                 await response.write(b"".join(events))
             if any(sequence.aborted for sequence in sequences):
                 raise asyncio.CancelledError  # cut without [DONE], as a dying server would
-            waiting = next(
-                (i for i, s in enumerate(sequences) if not s.finished or sent[i] < s.delivered), None
-            )
+            waiting = next((i for i, s in enumerate(sequences) if not s.finished or sent[i] < s.delivered), None)
             if waiting is None:
                 break
             await sequences[waiting].wait_for_tokens(sent[waiting])
@@ -221,42 +242,57 @@ class SGLangHandlers:
     async def server_info(self, request: web.Request) -> web.Response:
         config = self.engine.config
         model = config.models[0]
-        return web.json_response({
-            "model_path": model,
-            "tokenizer_path": config.tokenizer or model,
-            "served_model_name": model,
-            "page_size": config.block_size,
-            "chat_template": None,
-            "dp_size": 1,
-            "tp_size": 1,
-            "enable_cache_report": config.enable_cache_report,
-            "enable_metrics": True,
-            "kv_events_config": orjson.dumps({
-                "publisher": "zmq", "endpoint": config.kv_events_endpoint,
-                "replay_endpoint": config.kv_events_replay_endpoint, "topic": config.kv_events_topic,
-            }).decode() if config.kv_events_endpoint else None,
-            "max_total_num_tokens": config.num_blocks * config.block_size,
-            "max_req_input_len": config.context_len - 1,
-            "version": SIM_VERSION,
-        })
+        return web.json_response(
+            {
+                "model_path": model,
+                "tokenizer_path": config.tokenizer or model,
+                "served_model_name": model,
+                "page_size": config.block_size,
+                "chat_template": None,
+                "dp_size": 1,
+                "tp_size": 1,
+                "enable_cache_report": config.enable_cache_report,
+                "enable_metrics": True,
+                "kv_events_config": orjson.dumps(
+                    {
+                        "publisher": "zmq",
+                        "endpoint": config.kv_events_endpoint,
+                        "replay_endpoint": config.kv_events_replay_endpoint,
+                        "topic": config.kv_events_topic,
+                    }
+                ).decode()
+                if config.kv_events_endpoint
+                else None,
+                "max_total_num_tokens": config.num_blocks * config.block_size,
+                "max_req_input_len": config.context_len - 1,
+                "version": SIM_VERSION,
+            }
+        )
 
     async def model_info(self, request: web.Request) -> web.Response:
         config = self.engine.config
-        return web.json_response({
-            "model_path": config.models[0], "tokenizer_path": config.tokenizer or config.models[0],
-            "is_generation": True,
-        })
+        return web.json_response(
+            {
+                "model_path": config.models[0],
+                "tokenizer_path": config.tokenizer or config.models[0],
+                "is_generation": True,
+            }
+        )
 
     async def get_load(self, request: web.Request) -> web.Response:
         scheduler = self.engine.scheduler
         assert scheduler is not None
         used = int(scheduler.kv_usage * self.engine.config.num_blocks * self.engine.config.block_size)
-        return web.json_response([{
-            "dp_rank": 0,
-            "num_reqs": scheduler.num_running + scheduler.num_waiting,
-            "num_waiting_reqs": scheduler.num_waiting,
-            "num_tokens": used,
-        }])
+        return web.json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": scheduler.num_running + scheduler.num_waiting,
+                    "num_waiting_reqs": scheduler.num_waiting,
+                    "num_tokens": used,
+                }
+            ]
+        )
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         scheduler = self.engine.scheduler

@@ -39,7 +39,12 @@ class SGLangEventHashes:
         self._digests: dict[int, bytes] = {}
 
     def stored(
-        self, hashes: np.ndarray, tokens: Sequence[int] | np.ndarray, first: int, end: int, page_size: int,
+        self,
+        hashes: np.ndarray,
+        tokens: Sequence[int] | np.ndarray,
+        first: int,
+        end: int,
+        page_size: int,
         lora_id: int | None,
     ) -> list[BlockStored]:
         """One ``BlockStored`` per page ``first..end-1`` of this sequence."""
@@ -50,13 +55,15 @@ class SGLangEventHashes:
             page_tokens = np.asarray(tokens[page * page_size : (page + 1) * page_size]).tolist()
             digest = page_digest(parent, page_tokens)
             self._digests[keys[page]] = digest
-            events.append(BlockStored(
-                block_hashes=[published_hash(digest)],
-                parent_block_hash=published_hash(parent) if parent is not None else None,
-                token_ids=page_tokens,
-                block_size=page_size,
-                lora_id=lora_id,
-            ))
+            events.append(
+                BlockStored(
+                    block_hashes=[published_hash(digest)],
+                    parent_block_hash=published_hash(parent) if parent is not None else None,
+                    token_ids=page_tokens,
+                    block_size=page_size,
+                    lora_id=lora_id,
+                )
+            )
             parent = digest
         return events
 

@@ -54,17 +54,27 @@ class SGLangMetrics:
         self.generation_tokens = counter("sglang:generation_tokens", "Number of generation tokens processed.")
         self.request_success = counter("sglang:num_requests", "Number of requests processed.")
         self.ttft = Histogram(
-            "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            labels, buckets=TTFT_BUCKETS, registry=registry,
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=registry,
         ).labels(*values)
         self.e2e = Histogram(
-            "sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
-            labels, buckets=E2E_BUCKETS, registry=registry,
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=registry,
         ).labels(*values)
         gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache.").set(
             config.num_blocks * config.block_size
         )
-        info = {"model_name": config.models[0], "page_size": str(config.block_size), "num_pages": str(config.num_blocks)}
+        info = {
+            "model_name": config.models[0],
+            "page_size": str(config.block_size),
+            "num_pages": str(config.num_blocks),
+        }
         Gauge("sglang:cache_config_info", "Cache configuration.", tuple(info), registry=registry).labels(**info).set(1)
 
     def exposition(self) -> bytes:

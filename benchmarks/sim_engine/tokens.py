@@ -31,9 +31,7 @@ class SimTokenizer:
         self._encoder = encoder
         self.vocab_size: int = encoder.vocab_size
         self.special_ids = frozenset(
-            token_id
-            for token_id, added in encoder.backend.get_added_tokens_decoder().items()
-            if added.special
+            token_id for token_id, added in encoder.backend.get_added_tokens_decoder().items() if added.special
         )
 
     @classmethod

@@ -136,8 +136,12 @@ def build(out: Path, tokenizer_dir: Path, force: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="model directory to create")
-    parser.add_argument("--tokenizer", type=Path, required=True,
-                        help="tokenizer directory: kvroute's RequestTokenizer.default_path() for the exact routing key")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        required=True,
+        help="tokenizer directory: kvroute's RequestTokenizer.default_path() for the exact routing key",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
     args = parser.parse_args(argv)
     tokenizer_dir: Path = args.tokenizer

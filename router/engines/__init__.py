@@ -42,6 +42,13 @@ def engine_named(name: str) -> EngineAPI:
 
 
 __all__ = [
-    "DEFAULT_ENGINE", "ENDPOINTS", "ENGINES", "ENGINE_SETTINGS", "Endpoint", "EngineAPI", "EngineFacts",
-    "endpoint_for", "engine_named",
+    "DEFAULT_ENGINE",
+    "ENDPOINTS",
+    "ENGINES",
+    "ENGINE_SETTINGS",
+    "Endpoint",
+    "EngineAPI",
+    "EngineFacts",
+    "endpoint_for",
+    "engine_named",
 ]

@@ -65,28 +65,48 @@ def completion_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> n
 
 
 CHAT = Endpoint(
-    "/v1/chat/completions", "chat", True, OPENAI_USAGE, True, chat_prompt,
+    "/v1/chat/completions",
+    "chat",
+    True,
+    OPENAI_USAGE,
+    True,
+    chat_prompt,
     {
         "required": ["model", "messages"],
         "properties": {"messages": {"type": "array", "items": MESSAGE_SCHEMA}, **_STREAM_FIELDS, **_GENERATION_FIELDS},
     },
 )
 COMPLETIONS = Endpoint(
-    "/v1/completions", "completions", True, OPENAI_USAGE, True, completion_prompt,
+    "/v1/completions",
+    "completions",
+    True,
+    OPENAI_USAGE,
+    True,
+    completion_prompt,
     {
         "required": ["model", "prompt"],
         "properties": {"prompt": {"type": ["string", "array"]}, **_STREAM_FIELDS, **_GENERATION_FIELDS},
     },
 )
 EMBEDDINGS = Endpoint(
-    "/v1/embeddings", "embeddings", True, OPENAI_USAGE, False, None,
+    "/v1/embeddings",
+    "embeddings",
+    True,
+    OPENAI_USAGE,
+    False,
+    None,
     {
         "required": ["model", "input"],
         "properties": {"input": {"type": ["string", "array"]}, "encoding_format": {"type": "string"}},
     },
 )
 RESPONSES = Endpoint(
-    "/v1/responses", "responses", True, OPENAI_USAGE, False, None,
+    "/v1/responses",
+    "responses",
+    True,
+    OPENAI_USAGE,
+    False,
+    None,
     {
         "required": ["model", "input"],
         "properties": {

@@ -33,7 +33,7 @@ paths below are in sgl-project/sglang, ``python/sglang/srt/``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -43,7 +43,7 @@ from kvroute.router.engines.usage import Usage, UsageFormat
 from kvroute.tokenizer_index import RequestTokenizer
 
 
-def _is_count(value: Any) -> bool:
+def _is_count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -72,7 +72,12 @@ def generate_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> np.
 
 
 GENERATE = Endpoint(
-    "/generate", "generate", False, META_INFO, False, generate_prompt,
+    "/generate",
+    "generate",
+    False,
+    META_INFO,
+    False,
+    generate_prompt,
     {
         "properties": {
             "text": {"type": ["string", "array"]},

@@ -127,7 +127,7 @@ class StreamTap:
     native streams repeat ``meta_info`` in every event: the last one counts).
     """
 
-    __slots__ = ("_strip", "_format", "_key", "_pending", "_tail", "_tail_bytes", "usage")
+    __slots__ = ("_format", "_key", "_pending", "_strip", "_tail", "_tail_bytes", "usage")
 
     def __init__(self, *, strip_usage_chunk: bool, usage_format: UsageFormat = OPENAI_USAGE) -> None:
         self._strip = strip_usage_chunk

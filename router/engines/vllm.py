@@ -32,11 +32,21 @@ from kvroute.router.engines.openai import (
 )
 
 TOKENIZE = Endpoint(
-    "/tokenize", "tokenize", False, None, False, None,
+    "/tokenize",
+    "tokenize",
+    False,
+    None,
+    False,
+    None,
     {"properties": {"prompt": {"type": "string"}, "messages": {"type": "array", "items": MESSAGE_SCHEMA}}},
 )
 DETOKENIZE = Endpoint(
-    "/detokenize", "detokenize", False, None, False, None,
+    "/detokenize",
+    "detokenize",
+    False,
+    None,
+    False,
+    None,
     {"required": ["tokens"], "properties": {"tokens": {"type": "array", "items": {"type": "integer"}}}},
 )
 

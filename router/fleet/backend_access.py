@@ -81,8 +81,10 @@ class BackendAccess:
             # A gateway's own credentials (user:password), a client's key that was the
             # router's, or the router-wide key "instead of the client's": the client's
             # Authorization cannot be meant for this hop.
-            replaces = client_keys_checked or config.username is not None or (
-                api_key is not None and api_key != config.api_key
+            replaces = (
+                client_keys_checked
+                or config.username is not None
+                or (api_key is not None and api_key != config.api_key)
             )
             mode = "always" if replaces else "if_absent"
         context = None
@@ -91,7 +93,8 @@ class BackendAccess:
             if not config.verify:
                 log.warning(
                     "backend %s: TLS certificate verification is OFF (verify: false); anyone on the path "
-                    "can read and alter this engine's traffic, credentials included", parsed.base,
+                    "can read and alter this engine's traffic, credentials included",
+                    parsed.base,
                 )
         extra = tuple((name.encode("latin-1"), value.encode("latin-1")) for name, value in config.headers.items())
         credential = ((b"Authorization", authorization.encode("latin-1")),) if authorization else ()

@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvroute.router.engines import DEFAULT_ENGINE, ENGINES, EngineAPI, EngineFacts
 from kvroute.router.fleet.backend_access import BackendAccess
 from kvroute.router.fleet.breaker import BreakerState, CircuitBreaker
-from kvroute.router.engines import DEFAULT_ENGINE, ENGINES, EngineAPI, EngineFacts
 
 log = logging.getLogger("kvroute.backends")
 
@@ -65,29 +65,29 @@ class Backend:
     """One engine replica; see the module docstring. Mutated only by the pool and the proxy."""
 
     __slots__ = (
-        "url",
+        "_configured_capacity",
+        "_default_capacity",
+        "_scraped_capacity",
         "access",
-        "kv_events_endpoint",
-        "healthy",
+        "breaker",
+        "consecutive_failures",
+        "consecutive_successes",
         "draining",
-        "models",
-        "model_cards",
+        "engine",
+        "engine_facts",
+        "engine_kv_usage",
+        "engine_prefix_cache_hit_ratio",
+        "engine_running",
+        "engine_setting",
+        "engine_waiting",
+        "healthy",
         "in_flight",
         "in_flight_tokens",
         "index_tokens",
-        "engine_running",
-        "engine_waiting",
-        "engine_kv_usage",
-        "engine_prefix_cache_hit_ratio",
-        "consecutive_failures",
-        "consecutive_successes",
-        "breaker",
-        "engine",
-        "engine_setting",
-        "engine_facts",
-        "_configured_capacity",
-        "_scraped_capacity",
-        "_default_capacity",
+        "kv_events_endpoint",
+        "model_cards",
+        "models",
+        "url",
     )
 
     def __init__(
@@ -360,7 +360,9 @@ class BackendPool:
             reopens_at = breaker.reopens_at
             assert reopens_at is not None
             log.warning(
-                "backend %s ejected for %.1f s: %s", backend.url, reopens_at - time.monotonic(),
+                "backend %s ejected for %.1f s: %s",
+                backend.url,
+                reopens_at - time.monotonic(),
                 "its probe request failed" if was_probe else "consecutive requests failed",
             )
             if self._breaker_deadline is None or reopens_at < self._breaker_deadline:

@@ -41,7 +41,16 @@ MAX_COOLDOWN_FACTOR = 16
 class CircuitBreaker:
     """The breaker of one backend. Not thread-safe: used on the event loop only."""
 
-    __slots__ = ("_base_cooldown_s", "_cooldown_s", "_reopens_at", "_threshold", "failures", "probing", "state", "trips")
+    __slots__ = (
+        "_base_cooldown_s",
+        "_cooldown_s",
+        "_reopens_at",
+        "_threshold",
+        "failures",
+        "probing",
+        "state",
+        "trips",
+    )
 
     def __init__(self, threshold: int, cooldown_s: float) -> None:
         if threshold < 1 or cooldown_s <= 0:

@@ -192,11 +192,11 @@ def build_discovery(settings: Settings) -> BackendSource:
 
 
 __all__ = [
+    "K8S_EXTRA_MISSING",
     "BackendSource",
     "BackendsFileError",
     "ChangeReporter",
     "FileDiscovery",
-    "K8S_EXTRA_MISSING",
     "OnChange",
     "StaticDiscovery",
     "build_discovery",

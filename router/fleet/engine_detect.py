@@ -22,11 +22,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from kvroute.router.fleet.backends import Backend
 from kvroute.router.engines import ENGINES, EngineAPI, EngineFacts
 from kvroute.router.engines.generic import GENERIC
 from kvroute.router.engines.sglang import SGLANG, facts_from_server_info
 from kvroute.router.engines.vllm import VLLM
+from kvroute.router.fleet.backends import Backend
 
 log = logging.getLogger("kvroute.engines")
 
@@ -50,8 +50,13 @@ async def learn_engine(session: aiohttp.ClientSession, backend: Backend, timeout
     backend.set_engine(engine, facts)
     log.info(
         "backend %s: engine %s (%s by %s; page size %s, KV capacity %s tokens, cache report %s)",
-        backend.url, engine.name, backend.engine_source, facts.detected_by,
-        facts.page_size, facts.capacity_tokens, facts.cache_report,
+        backend.url,
+        engine.name,
+        backend.engine_source,
+        facts.detected_by,
+        facts.page_size,
+        facts.capacity_tokens,
+        facts.cache_report,
     )
 
 
@@ -63,7 +68,9 @@ async def detect(
     async def get(path: str) -> bytes | None:
         try:
             async with session.get(
-                backend.url + path, headers=backend.access.probe_headers, ssl=backend.access.aiohttp_ssl,
+                backend.url + path,
+                headers=backend.access.probe_headers,
+                ssl=backend.access.aiohttp_ssl,
                 timeout=timeout,
             ) as response:
                 return await response.read() if response.status == 200 else None

@@ -47,8 +47,8 @@ from ssl import SSLContext
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.router.fleet.backends import Backend
 from kvroute.router.engines import ENGINES, EngineAPI
+from kvroute.router.fleet.backends import Backend
 
 log = logging.getLogger("kvroute.engine_stats")
 
@@ -233,7 +233,10 @@ class EngineScraper:
         results = await asyncio.gather(
             *(
                 scrape(
-                    self._session, b.url, timeout_s=self._timeout_s, headers=b.access.probe_headers,
+                    self._session,
+                    b.url,
+                    timeout_s=self._timeout_s,
+                    headers=b.access.probe_headers,
                     ssl=b.access.aiohttp_ssl,
                 )
                 for b in targets

@@ -24,9 +24,9 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kvroute.router.config import BackendConfig, Settings
 from kvroute.router.fleet.backend_access import BackendAccess
 from kvroute.router.fleet.backends import Backend, BackendPool
-from kvroute.router.config import BackendConfig, Settings
 from kvroute.router.fleet.engine_detect import learn_engine, needs_probe
 from kvroute.router.fleet.probe_schedule import ProbeSchedule
 
@@ -95,13 +95,15 @@ class HealthChecker:
         """One health check (and, when it passes, a model list refresh). Never raises."""
         try:
             async with self._session.get(
-                backend.url + "/health", headers=backend.access.probe_headers, ssl=backend.access.aiohttp_ssl,
+                backend.url + "/health",
+                headers=backend.access.probe_headers,
+                ssl=backend.access.aiohttp_ssl,
                 timeout=self._timeout,
             ) as response:
                 await response.read()
                 if response.status != 200:
                     return False
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
         cards = await self._model_cards(backend)
         if cards is not None:
@@ -167,7 +169,7 @@ class HealthChecker:
         passed = False
         try:
             passed = await self.check(backend)
-        except Exception:  # noqa: BLE001 - the schedule must outlive any one bad answer
+        except Exception:
             log.exception("health check of %s failed", backend.url)
         finally:
             self._probes.pop(backend.url, None)
@@ -178,13 +180,15 @@ class HealthChecker:
         """The engine's /v1/models cards, or None when it could not tell."""
         try:
             async with self._session.get(
-                backend.url + "/v1/models", headers=backend.access.probe_headers, ssl=backend.access.aiohttp_ssl,
+                backend.url + "/v1/models",
+                headers=backend.access.probe_headers,
+                ssl=backend.access.aiohttp_ssl,
                 timeout=self._timeout,
             ) as response:
                 if response.status != 200:
                     return None
                 payload = orjson.loads(await response.read())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, orjson.JSONDecodeError):
+        except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError):
             return None
         data = payload.get("data") if isinstance(payload, dict) else None
         if not isinstance(data, list):

@@ -83,8 +83,10 @@ class KubernetesAccess:
             ).load_and_set(configuration)
         elif self._has_kubeconfig() or self.api_url is None:
             await load_kube_config(
-                config_file=self.kubeconfig_paths, context=self.context,
-                client_configuration=configuration, persist_config=False,
+                config_file=self.kubeconfig_paths,
+                context=self.context,
+                client_configuration=configuration,
+                persist_config=False,
             )
         if self.api_url is not None:
             configuration.host = self.api_url.rstrip("/")
@@ -117,12 +119,16 @@ def _is_ready(endpoint: Any) -> bool:
     return endpoint.conditions is None or endpoint.conditions.ready is not False
 
 
-def slice_backend_urls(endpoint_slice: V1EndpointSlice, port_override: int | None, scheme: str = "http") -> frozenset[str]:
+def slice_backend_urls(
+    endpoint_slice: V1EndpointSlice, port_override: int | None, scheme: str = "http"
+) -> frozenset[str]:
     """Backend URLs of one EndpointSlice's ready endpoints."""
     port = _slice_port(endpoint_slice, port_override)
     if port is None:
         if endpoint_slice.endpoints:
-            log.warning("EndpointSlice %s has no TCP port and --k8s-port is not set; ignored", endpoint_slice.metadata.name)
+            log.warning(
+                "EndpointSlice %s has no TCP port and --k8s-port is not set; ignored", endpoint_slice.metadata.name
+            )
         return frozenset()
     urls = set()
     for endpoint in endpoint_slice.endpoints or []:
@@ -179,7 +185,7 @@ class KubernetesDiscovery:
                     while True:
                         await self._sync(api, reporter)
                         delay = self._retry_initial_s
-            except (ApiException, ConfigException, aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as exc:
+            except (TimeoutError, ApiException, ConfigException, aiohttp.ClientError, ValueError, OSError) as exc:
                 log.warning("EndpointSlice discovery failed, retrying in %.1f s: %s", delay, _describe(exc))
             except Exception:
                 # Discovery must outlive a surprise (a library change, an odd object): a dead
@@ -208,7 +214,10 @@ class KubernetesDiscovery:
         token: str | None = None
         while True:
             page = await api.list_namespaced_endpoint_slice(
-                self._namespace, label_selector=self._selector, limit=self._page_size, _continue=token,
+                self._namespace,
+                label_selector=self._selector,
+                limit=self._page_size,
+                _continue=token,  # type: ignore[arg-type]  # the generated client's default is None
                 _request_timeout=LIST_TIMEOUT_S,
             )
             for endpoint_slice in page.items:
@@ -218,15 +227,20 @@ class KubernetesDiscovery:
                 break
         self._slices = slices
         self._resource_version = page.metadata.resource_version
-        log.info("listed %d EndpointSlices (%s) at resourceVersion %s", len(slices), self._selector, self._resource_version)
+        log.info(
+            "listed %d EndpointSlices (%s) at resourceVersion %s", len(slices), self._selector, self._resource_version
+        )
 
     async def _watch(self, api: DiscoveryV1Api, reporter: ChangeReporter) -> None:
         """Follow changes from the held version until the server ends the stream."""
         async with Watch() as watch:
             stream = watch.stream(
-                api.list_namespaced_endpoint_slice, self._namespace,
-                label_selector=self._selector, resource_version=self._resource_version,
-                allow_watch_bookmarks=True, timeout_seconds=self._watch_timeout_s,
+                api.list_namespaced_endpoint_slice,
+                self._namespace,
+                label_selector=self._selector,
+                resource_version=self._resource_version,
+                allow_watch_bookmarks=True,
+                timeout_seconds=self._watch_timeout_s,
                 # The server ends the stream at timeoutSeconds; one still open well past that
                 # is dead.
                 _request_timeout=self._watch_timeout_s + 30,

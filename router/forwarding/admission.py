@@ -166,7 +166,9 @@ class AdmissionControl(Generic[B]):
         except TimeoutError:
             self._give_up(waiter)
             self.rejected["queue_timeout"] += 1
-            raise self._too_many(f"the router is at its concurrency limit; no turn within {self._timeout_s:g} s") from None
+            raise self._too_many(
+                f"the router is at its concurrency limit; no turn within {self._timeout_s:g} s"
+            ) from None
         except asyncio.CancelledError:
             self._give_up(waiter)  # the client went away while waiting
             raise
@@ -182,9 +184,7 @@ class AdmissionControl(Generic[B]):
         self.wake()
 
     def _too_many(self, message: str) -> RouterError:
-        return RouterError(
-            429, message, code="too_many_requests", headers={"Retry-After": str(self.retry_after_s())}
-        )
+        return RouterError(429, message, code="too_many_requests", headers={"Retry-After": str(self.retry_after_s())})
 
     def retry_after_s(self) -> int:
         """Seconds a turned-away client should wait: about one queue timeout, at least 1."""

@@ -58,7 +58,7 @@ class _Histogram:
         self.total += value
 
     def cumulative(self) -> list[tuple[str, float]]:
-        buckets = []
+        buckets: list[tuple[str, float]] = []
         running = 0
         for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             running += count
@@ -69,7 +69,7 @@ class _Histogram:
 class _PairStats:
     """What one (backend, policy) pair accumulates."""
 
-    __slots__ = ("duration", "ttft", "prompt_tokens", "predicted_cached", "observed_cached")
+    __slots__ = ("duration", "observed_cached", "predicted_cached", "prompt_tokens", "ttft")
 
     def __init__(self) -> None:
         self.duration = _Histogram(DURATION_BUCKETS)
@@ -100,16 +100,19 @@ class _RequestCollector:
     ) -> Iterator[Metric]:
         pair_labels = ["backend", "policy"]
         requests_family = CounterMetricFamily(
-            "kvroute_requests", "Proxied requests by backend, policy, endpoint and final status "
+            "kvroute_requests",
+            "Proxied requests by backend, policy, endpoint and final status "
             "(499: the client went away; 502: no answer, or a stream broken after its headers were sent).",
             labels=["backend", "policy", "endpoint", "status"],
         )
         duration = HistogramMetricFamily(
-            "kvroute_request_duration_seconds", "Time from receiving a request to its last byte relayed.",
+            "kvroute_request_duration_seconds",
+            "Time from receiving a request to its last byte relayed.",
             labels=pair_labels,
         )
         ttft = HistogramMetricFamily(
-            "kvroute_time_to_first_token_seconds", "Time from receiving a streamed request to its first chunk.",
+            "kvroute_time_to_first_token_seconds",
+            "Time from receiving a streamed request to its first chunk.",
             labels=pair_labels,
         )
         prompt = CounterMetricFamily(
@@ -117,7 +120,8 @@ class _RequestCollector:
         )
         predicted = CounterMetricFamily(
             "kvroute_predicted_cached_tokens",
-            "Prompt tokens the router predicted to be cached where it sent them.", labels=pair_labels,
+            "Prompt tokens the router predicted to be cached where it sent them.",
+            labels=pair_labels,
         )
         observed = CounterMetricFamily(
             "kvroute_observed_cached_tokens",
@@ -127,17 +131,17 @@ class _RequestCollector:
         decisions_family = CounterMetricFamily(
             "kvroute_routing_decisions", "Routing decisions by policy and reason.", labels=["policy", "reason"]
         )
-        for key, count in requests.items():
-            requests_family.add_metric(key, count)
-        for key, stats in pairs.items():
-            duration.add_metric(key, stats.duration.cumulative(), stats.duration.total)
+        for request_key, count in requests.items():
+            requests_family.add_metric(request_key, count)
+        for pair, stats in pairs.items():
+            duration.add_metric(pair, stats.duration.cumulative(), stats.duration.total)
             if any(stats.ttft.counts):
-                ttft.add_metric(key, stats.ttft.cumulative(), stats.ttft.total)
-            prompt.add_metric(key, stats.prompt_tokens)
-            predicted.add_metric(key, stats.predicted_cached)
-            observed.add_metric(key, stats.observed_cached)
-        for key, count in decisions.items():
-            decisions_family.add_metric(key, count)
+                ttft.add_metric(pair, stats.ttft.cumulative(), stats.ttft.total)
+            prompt.add_metric(pair, stats.prompt_tokens)
+            predicted.add_metric(pair, stats.predicted_cached)
+            observed.add_metric(pair, stats.observed_cached)
+        for decision, count in decisions.items():
+            decisions_family.add_metric(decision, count)
         yield from (requests_family, duration, ttft, prompt, predicted, observed, decisions_family)
 
 
@@ -156,14 +160,16 @@ class _BackendStateCollector:
     @staticmethod
     def _families(backends: Iterable[Backend]) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily(
-            "kvroute_backend_in_flight_requests", "Requests this router has in flight per backend.",
+            "kvroute_backend_in_flight_requests",
+            "Requests this router has in flight per backend.",
             labels=["backend"],
         )
         healthy = GaugeMetricFamily(
             "kvroute_backend_healthy", "1 when the backend passes health checks, else 0.", labels=["backend"]
         )
         waiting = GaugeMetricFamily(
-            "kvroute_engine_requests_waiting", "The engine's own waiting queue, scraped from its /metrics.",
+            "kvroute_engine_requests_waiting",
+            "The engine's own waiting queue, scraped from its /metrics.",
             labels=["backend"],
         )
         hit_ratio = GaugeMetricFamily(
@@ -180,7 +186,8 @@ class _BackendStateCollector:
             "kvroute_backend_breaker_trips", "Times the backend's circuit breaker opened.", labels=["backend"]
         )
         engine = GaugeMetricFamily(
-            "kvroute_backend_engine", "1 per backend, labelled with its engine API (vllm, sglang, generic)"
+            "kvroute_backend_engine",
+            "1 per backend, labelled with its engine API (vllm, sglang, generic)"
             " and how it is known (configured, detected, auto: not yet detected).",
             labels=["backend", "engine", "source"],
         )
@@ -236,7 +243,8 @@ class _RuntimeCollector:
             "kvroute_admission_queued_requests", "Requests waiting for a turn in the admission queue."
         )
         rejected = CounterMetricFamily(
-            "kvroute_rejected_requests", "Requests turned away before reaching a backend, by reason.",
+            "kvroute_rejected_requests",
+            "Requests turned away before reaching a backend, by reason.",
             labels=["reason"],
         )
         clients = GaugeMetricFamily("kvroute_rate_limit_clients", "Clients with a rate-limit bucket.")
@@ -258,7 +266,8 @@ class _PeerExchangeCollector:
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(
-            "kvroute_peer_placements", "Placements exchanged with peer routers, by event "
+            "kvroute_peer_placements",
+            "Placements exchanged with peer routers, by event "
             "(published, received, dropped_budget: over --peer-max-bytes-per-s, malformed).",
             labels=["event"],
         )
@@ -281,16 +290,20 @@ class RouterMetrics:
         #: (policy, reason) -> decisions.
         self.decisions: dict[tuple[str, str], int] = {}
         self.index_blocks = Gauge(
-            "kvroute_index_blocks", "Blocks the router's prefix index holds per backend.",
-            ["backend"], registry=self.registry,
+            "kvroute_index_blocks",
+            "Blocks the router's prefix index holds per backend.",
+            ["backend"],
+            registry=self.registry,
         )
         self.index_bytes = Gauge(
             "kvroute_index_bytes", "Memory of the router's prefix index in bytes.", registry=self.registry
         )
         self.kv_events_state = Gauge(
-            "kvroute_kv_events_state", "KV event subscription per backend "
+            "kvroute_kv_events_state",
+            "KV event subscription per backend "
             "(0 approximate, 1 precise, 2 recovering a gap, 3 partial: history before joining lost).",
-            ["backend"], registry=self.registry,
+            ["backend"],
+            registry=self.registry,
         )
         self.registry.register(_RequestCollector(self))
         self.registry.register(_BackendStateCollector(backends))
@@ -343,10 +356,10 @@ class RouterMetrics:
     # --- lifecycle ---------------------------------------------------------------------
     def forget_backend(self, url: str) -> None:
         """Drop every series labelled with this backend."""
-        for key in [key for key in self.requests if key[0] == url]:
-            del self.requests[key]
-        for key in [key for key in self.pairs if key[0] == url]:
-            del self.pairs[key]
+        for request_key in [key for key in self.requests if key[0] == url]:
+            del self.requests[request_key]
+        for pair in [key for key in self.pairs if key[0] == url]:
+            del self.pairs[pair]
         for gauge in (self.index_blocks, self.kv_events_state):
             try:
                 gauge.remove(url)

@@ -40,16 +40,13 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
-from kvroute.router.forwarding.admission import AdmissionControl
+from kvroute.router.config import Settings
+from kvroute.router.engines.usage import OPENAI_USAGE, StreamTap, Usage, usage_from_body
+from kvroute.router.errors import RouterError, sse_error_event
 from kvroute.router.fleet.backends import Backend, BackendPool
 from kvroute.router.fleet.breaker import BreakerState
-from kvroute.router.config import Settings
-from kvroute.router.routing.decisions import Outcome
-from kvroute.router.errors import RouterError, sse_error_event
+from kvroute.router.forwarding.admission import AdmissionControl
 from kvroute.router.forwarding.metrics import RouterMetrics
-from kvroute.router.routing.policies.base import Decision, RouteRequest
-from kvroute.router.routing.request_info import Endpoint, ParsedRequest, body_with_usage_requested, parse_request
-from kvroute.router.routing.routing_engine import PreparedPrompt, RoutePlan, RoutingEngine
 from kvroute.router.forwarding.upstream import (
     UpstreamClient,
     UpstreamConnectError,
@@ -59,7 +56,10 @@ from kvroute.router.forwarding.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from kvroute.router.engines.usage import OPENAI_USAGE, StreamTap, Usage, usage_from_body
+from kvroute.router.routing.decisions import Outcome
+from kvroute.router.routing.policies.base import Decision, RouteRequest
+from kvroute.router.routing.request_info import Endpoint, ParsedRequest, body_with_usage_requested, parse_request
+from kvroute.router.routing.routing_engine import PreparedPrompt, RoutePlan, RoutingEngine
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -70,8 +70,15 @@ THREAD_PREPARE_BYTES = 100_000
 # RFC 9110 7.6.1 hop-by-hop headers (lower-case bytes, as compared with raw header names).
 HOP_BY_HOP = frozenset(
     {
-        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
-        b"te", b"trailer", b"transfer-encoding", b"upgrade",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
     }
 )
 # Recomputed for each hop, or set by the router itself.
@@ -233,8 +240,10 @@ class Proxy:
         if length is not None and length > self._max_body_bytes:
             # Refused before reading it; the connection closes rather than swallow the rest.
             raise RouterError(
-                413, f"request body of {length} bytes is over the limit of {self._max_body_bytes}",
-                code="request_too_large", close=True,
+                413,
+                f"request body of {length} bytes is over the limit of {self._max_body_bytes}",
+                code="request_too_large",
+                close=True,
             )
         content = request.content
         if content.is_eof():
@@ -242,8 +251,10 @@ class Proxy:
             raw = content.read_nowait()
             if len(raw) > self._max_body_bytes:
                 raise RouterError(
-                    413, f"request body is over the limit of {self._max_body_bytes} bytes",
-                    code="request_too_large", close=True,
+                    413,
+                    f"request body is over the limit of {self._max_body_bytes} bytes",
+                    code="request_too_large",
+                    close=True,
                 )
             return raw
         try:
@@ -251,13 +262,17 @@ class Proxy:
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise RouterError(
-                413, f"request body is over the limit of {self._max_body_bytes} bytes",
-                code="request_too_large", close=True,
+                413,
+                f"request body is over the limit of {self._max_body_bytes} bytes",
+                code="request_too_large",
+                close=True,
             ) from None
         except TimeoutError:
             raise RouterError(
-                408, f"the request body did not arrive within {self._read_timeout:g} s",
-                code="request_timeout", close=True,
+                408,
+                f"the request body did not arrive within {self._read_timeout:g} s",
+                code="request_timeout",
+                close=True,
             ) from None
 
     # --- choosing backends -----------------------------------------------------------
@@ -331,7 +346,7 @@ class Proxy:
             return self._routing.route(
                 call.endpoint.path, parsed.body, call.request.headers, candidates, prepared=call.prepared, parsed=parsed
             )
-        except Exception:  # noqa: BLE001 - a routing bug must not cost the request
+        except Exception:
             log.exception("routing failed; falling back to the least loaded backend")
             backend = min(candidates, key=lambda b: (b.in_flight, b.in_flight_tokens))
             return RoutePlan(
@@ -369,7 +384,10 @@ class Proxy:
         backend = attempt.backend
         try:
             upstream = await self._upstream.post(
-                backend.access.origin, call.request.raw_path.encode(), self._upstream_headers(attempt), call.body,
+                backend.access.origin,
+                call.request.raw_path.encode(),
+                self._upstream_headers(attempt),
+                call.body,
                 first_byte_timeout=self._first_byte_timeout,
             )
         except UpstreamError as exc:
@@ -528,19 +546,33 @@ class Proxy:
         duration = time.monotonic() - attempt.call.started
         endpoint = attempt.call.endpoint.name
         self._metrics.record_request(
-            plan.backend, plan.policy, endpoint, attempt.status, duration, attempt.ttft_s,
+            plan.backend,
+            plan.policy,
+            endpoint,
+            attempt.status,
+            duration,
+            attempt.ttft_s,
             # Predicted and observed count over the same requests: those with a cache report.
-            prompt_tokens if cached_tokens is not None else None, plan.predicted_cached_tokens, cached_tokens,
+            prompt_tokens if cached_tokens is not None else None,
+            plan.predicted_cached_tokens,
+            cached_tokens,
         )
         self._metrics.record_decision(plan.policy, plan.reason)
         try:
             self._routing.observe(plan, cached_tokens)
-        except Exception:  # noqa: BLE001 - feedback must never fail a request
+        except Exception:
             log.exception("routing feedback failed")
         decisions = self._routing.decisions
         if decisions.active:
-            decisions.record(plan, Outcome(
-                attempt.call.request_id, endpoint, attempt.status,
-                prompt_tokens, cached_tokens, attempt.ttft_s, duration,
-            ))
-
+            decisions.record(
+                plan,
+                Outcome(
+                    attempt.call.request_id,
+                    endpoint,
+                    attempt.status,
+                    prompt_tokens,
+                    cached_tokens,
+                    attempt.ttft_s,
+                    duration,
+                ),
+            )

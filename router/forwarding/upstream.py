@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import httptools
 
-from kvroute.router.backend_url import Origin, parse_backend_url
+from kvroute.router.backend_url import Origin
 
 #: Idle keep-alive connections older than this are closed instead of reused.
 KEEPALIVE_S = 4.0
@@ -66,7 +66,6 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamProtocolError(UpstreamError):
     """A malformed response, or the connection closed in the middle of the body."""
-
 
 
 _LINE_ENDS = (ord("\r"), ord("\n"))
@@ -357,7 +356,7 @@ class _Connection(asyncio.Protocol):
 class UpstreamResponse:
     """The head of an engine's answer, and its body as it arrives."""
 
-    __slots__ = ("status", "raw_headers", "_connection", "_pool")
+    __slots__ = ("_connection", "_pool", "raw_headers", "status")
 
     def __init__(self, connection: _Connection, pool: _OriginPool) -> None:
         self.status = connection.status
@@ -383,7 +382,7 @@ class UpstreamResponse:
 
     async def read(self) -> bytes:
         """The whole body."""
-        parts = []
+        parts: list[bytes] = []
         while True:
             data = await self._connection.read_available()
             if not data:
@@ -429,8 +428,11 @@ class _OriginPool:
         try:
             async with asyncio.timeout(timeout):
                 _, connection = await loop.create_connection(
-                    lambda: _Connection(loop), origin.host, origin.port,
-                    ssl=self._ssl, server_hostname=origin.host if self._ssl else None,
+                    lambda: _Connection(loop),
+                    origin.host,
+                    origin.port,
+                    ssl=self._ssl,
+                    server_hostname=origin.host if self._ssl else None,
                 )
         except TimeoutError:
             raise UpstreamConnectError(f"connect timeout after {timeout:g} s") from None

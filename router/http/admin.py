@@ -30,11 +30,11 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from kvroute.router.backend_url import parse_backend_url
-from kvroute.router.fleet.backends import BackendPool
 from kvroute.router.config import BackendConfig, Settings
-from kvroute.router.routing.decisions import DecisionRecorder
 from kvroute.router.errors import RouterError, json_response
+from kvroute.router.fleet.backends import BackendPool
 from kvroute.router.fleet.health import HealthChecker
+from kvroute.router.routing.decisions import DecisionRecorder
 
 AdminHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -83,7 +83,9 @@ class AdminAPI:
         valid = hmac.compare_digest(token.strip().encode(), self._token)
         if scheme.lower() != "bearer" or not valid:
             raise RouterError(
-                401, "admin API: missing or wrong bearer token", code="invalid_admin_token",
+                401,
+                "admin API: missing or wrong bearer token",
+                code="invalid_admin_token",
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
@@ -160,7 +162,8 @@ class AdminAPI:
         outside = [str(a) for a in addresses if not any(a in net for net in self._allowed_networks)]
         if outside or not addresses:
             raise RouterError(
-                403, f"backend {url} resolves outside the allowed networks ({', '.join(outside)})",
+                403,
+                f"backend {url} resolves outside the allowed networks ({', '.join(outside)})",
                 code="backend_not_allowed",
             )
 

@@ -28,23 +28,23 @@ from typing import TypeVar
 import aiohttp
 from aiohttp import web, web_server
 
-from kvroute.router.http.admin import AdminAPI
-from kvroute.router.forwarding.admission import AdmissionControl
-from kvroute.router.fleet.backends import Backend, BackendPool
 from kvroute.router.config import Settings
+from kvroute.router.errors import JSON_CONTENT_TYPE, JsonErrorServer, error_middleware, error_response, json_response
+from kvroute.router.fleet.backends import Backend, BackendPool
 from kvroute.router.fleet.discovery import build_discovery, check_discovery
 from kvroute.router.fleet.engine_stats import EngineScraper, scrape_loop
-from kvroute.router.errors import JSON_CONTENT_TYPE, JsonErrorServer, error_middleware, error_response, json_response
 from kvroute.router.fleet.health import HealthChecker
+from kvroute.router.forwarding.admission import AdmissionControl
 from kvroute.router.forwarding.metrics import CONTENT_TYPE, RouterMetrics, RuntimeStats
+from kvroute.router.forwarding.proxy import Proxy
+from kvroute.router.forwarding.upstream import KEEPALIVE_S, UpstreamClient
+from kvroute.router.http.admin import AdminAPI
 from kvroute.router.http.openapi import openapi_document
+from kvroute.router.http.security import ClientGate, SecretRedactor
 from kvroute.router.routing.peer_exchange import PeerExchange, Placement
 from kvroute.router.routing.precise_index import PreciseIndex
-from kvroute.router.forwarding.proxy import Proxy
 from kvroute.router.routing.request_info import ENDPOINTS, Endpoint
 from kvroute.router.routing.routing_engine import RoutingEngine
-from kvroute.router.http.security import ClientGate, SecretRedactor
-from kvroute.router.forwarding.upstream import KEEPALIVE_S, UpstreamClient
 
 log = logging.getLogger("kvroute")
 _T = TypeVar("_T")
@@ -105,8 +105,14 @@ def build_app(
     if admission.limited:
         pool.on_changed(admission.wake)  # a backend joined or recovered: a waiter may run
     state = RouterState(
-        settings=settings, pool=pool, routing=routing, metrics=metrics, admission=admission, gate=gate,
-        precise=precise, exchange=_peer_exchange(settings, pool, routing),
+        settings=settings,
+        pool=pool,
+        routing=routing,
+        metrics=metrics,
+        admission=admission,
+        gate=gate,
+        precise=precise,
+        exchange=_peer_exchange(settings, pool, routing),
     )
     if state.exchange is not None:
         exchange = state.exchange
@@ -240,7 +246,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state.upstream = upstream
     state.health = HealthChecker(settings, state.pool, session)
     state.proxy = Proxy(
-        settings, state.pool, state.routing, state.metrics, upstream, admission=state.admission,
+        settings,
+        state.pool,
+        state.routing,
+        state.metrics,
+        upstream,
+        admission=state.admission,
         check_client=state.gate.check if state.gate.active else None,
     )
     state.pool.on_removed(lambda backend: upstream.forget(backend.url))
@@ -252,8 +263,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         state.tasks.append(
             asyncio.create_task(
                 scrape_loop(
-                    lambda: state.pool, session, interval_s=settings.engine_scrape_interval_s,
-                    timeout_s=settings.health_timeout_s, scraper=scraper,
+                    lambda: state.pool,
+                    session,
+                    interval_s=settings.engine_scrape_interval_s,
+                    timeout_s=settings.health_timeout_s,
+                    scraper=scraper,
                 ),
                 name="kvroute-engine-stats",
             )

@@ -105,8 +105,8 @@ def _engines_serving(endpoint: Endpoint) -> list[str]:
 
 
 def _admin_paths() -> dict[str, Any]:
-    secured = [{"adminToken": []}]
-    target = {
+    secured: list[dict[str, list[str]]] = [{"adminToken": []}]
+    target: dict[str, Any] = {
         "type": "object",
         "required": ["url"],
         "properties": {"url": {"type": "string", "examples": ["http://10.0.0.5:8000"]}},
@@ -188,7 +188,12 @@ def _admin_paths() -> dict[str, Any]:
                 "summary": "The last routing decisions, oldest first, each with every candidate's cost terms.",
                 "security": secured,
                 "parameters": [
-                    {"name": "last", "in": "query", "required": False, "schema": {"type": "string", "pattern": "^[0-9]+$"}}
+                    {
+                        "name": "last",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string", "pattern": "^[0-9]+$"},
+                    }
                 ],
                 "responses": {
                     "200": {
@@ -205,9 +210,7 @@ def _admin_paths() -> dict[str, Any]:
 
 def openapi_spec(*, admin: bool, api_keys: bool) -> dict[str, Any]:
     """The OpenAPI document of a router with this configuration."""
-    paths: dict[str, Any] = {
-        endpoint.path: {"post": _proxied_operation(endpoint, api_keys)} for endpoint in ENDPOINTS
-    }
+    paths: dict[str, Any] = {endpoint.path: {"post": _proxied_operation(endpoint, api_keys)} for endpoint in ENDPOINTS}
     models: dict[str, Any] = {
         "operationId": "list_models",
         "summary": "The union of the healthy backends' models.",
@@ -252,7 +255,9 @@ def openapi_spec(*, admin: bool, api_keys: bool) -> dict[str, Any]:
         "get": {
             "operationId": "metrics",
             "summary": "Prometheus text exposition.",
-            "responses": {"200": {"description": "Metrics.", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+            "responses": {
+                "200": {"description": "Metrics.", "content": {"text/plain": {"schema": {"type": "string"}}}}
+            },
         }
     }
     paths["/openapi.json"] = {

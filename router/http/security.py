@@ -125,8 +125,10 @@ class ClientGate:
             if wait_s:
                 self.rejected["rate_limited"] += 1
                 raise RouterError(
-                    429, f"rate limit of {limiter.rate:g} requests/s exceeded; retry in {wait_s:.2f} s",
-                    code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
+                    429,
+                    f"rate limit of {limiter.rate:g} requests/s exceeded; retry in {wait_s:.2f} s",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
                 )
 
     def _authenticate(self, token: str | None) -> None:
@@ -138,15 +140,19 @@ class ClientGate:
         if token is None or not matched:
             self.rejected["unauthorized"] += 1
             raise RouterError(
-                401, "invalid or missing API key (expected 'Authorization: Bearer <key>')",
-                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                401,
+                "invalid or missing API key (expected 'Authorization: Bearer <key>')",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
             )
 
 
 # --- logs ------------------------------------------------------------------------------
 _BEARER = re.compile(r"(?i)\b(bearer)\s+[^\s'\",;]+")
 _URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s'\"]+@")
-_KEY_VALUE = re.compile(r"(?i)\b(api[_-]?key|admin[_-]?token|authorization|password|secret)(['\"]?\s*[=:]\s*['\"]?)[^\s'\",;}]+")
+_KEY_VALUE = re.compile(
+    r"(?i)\b(api[_-]?key|admin[_-]?token|authorization|password|secret)(['\"]?\s*[=:]\s*['\"]?)[^\s'\",;}]+"
+)
 
 
 def settings_secrets(settings: Settings) -> list[str]:
@@ -186,7 +192,7 @@ class SecretRedactor(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             message = record.getMessage()
-        except Exception:  # noqa: BLE001 - a broken format string must not hide the record
+        except Exception:
             message = str(record.msg)
         redacted = self.redact(message)
         if redacted != message:

@@ -519,7 +519,10 @@ class KVEventSubscriber:
         if run_start != start:
             log.warning(
                 "kv events of %s: batches %d..%d lost (replayed from %d)",
-                self.backend, start, end - 1, run_start,
+                self.backend,
+                start,
+                end - 1,
+                run_start,
             )
             self._complete = False
             if start > 0:

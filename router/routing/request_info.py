@@ -40,9 +40,7 @@ class ParsedRequest:
     session_key: str | None
 
 
-def parse_request(
-    raw: bytes, endpoint: Endpoint, headers: Mapping[str, str], session_header: str
-) -> ParsedRequest:
+def parse_request(raw: bytes, endpoint: Endpoint, headers: Mapping[str, str], session_header: str) -> ParsedRequest:
     """Parse a request body; raises :class:`RouterError` (400) when routing cannot use it."""
     if not raw:
         raise RouterError(400, "request body is empty; expected a JSON object", code="invalid_json")

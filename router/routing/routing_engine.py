@@ -54,12 +54,12 @@ from typing import Any
 import numpy as np
 import orjson
 
+from kvroute.router.config import POLICY_NAMES, Settings
+from kvroute.router.engines import endpoint_for
+from kvroute.router.fleet.engine_stats import EngineStats
 from kvroute.router.routing import request_info
 from kvroute.router.routing.cache_model import CacheModel
-from kvroute.router.config import POLICY_NAMES, Settings
 from kvroute.router.routing.decisions import RING_SIZE, DecisionRecorder
-from kvroute.router.fleet.engine_stats import EngineStats
-from kvroute.router.engines import endpoint_for
 from kvroute.router.routing.kv_events import KVEventsState
 from kvroute.router.routing.peer_exchange import Placement
 from kvroute.router.routing.policies import (
@@ -290,7 +290,7 @@ class RoutingEngine:
         tokenizer = self._tokenizer_for(model if isinstance(model, str) else None)
         try:
             tokens = _tokenize(tokenizer, endpoint, body)
-        except Exception as exc:  # noqa: BLE001 - a body the engine will reject routes by load
+        except Exception as exc:
             log.debug("cannot tokenize a %s request: %r", endpoint, exc)
             return None
         if tokens is None or not len(tokens):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from tests.paths import SHARED
 import itertools
 import json
 from pathlib import Path
@@ -14,13 +13,25 @@ from kvroute.benchmarks.fleet import SimFleet, SimSpec
 from kvroute.benchmarks.replay import replay
 from kvroute.benchmarks.results import TargetResult, read_json
 from kvroute.benchmarks.workloads import WorkloadOptions, make_workloads
+from tests.paths import SHARED
 
 TRACE = SHARED / "traces" / "mooncake_conversation_trace.jsonl"
 
 REQUIRED_KEYS = {
-    "target", "workload", "requests", "errors", "hit_rate_observed", "hit_rate_predicted",
-    "ttft_p50_s", "ttft_p99_s", "throughput_rps", "backend_share", "bound_fleet",
-    "pooled_lru", "of_bound_fleet", "fleet_capacity_blocks",
+    "target",
+    "workload",
+    "requests",
+    "errors",
+    "hit_rate_observed",
+    "hit_rate_predicted",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "throughput_rps",
+    "backend_share",
+    "bound_fleet",
+    "pooled_lru",
+    "of_bound_fleet",
+    "fleet_capacity_blocks",
 }
 
 
@@ -29,11 +40,29 @@ def test_results_schema_on_a_tiny_replay(tmp_path: Path, capsys: pytest.CaptureF
     workloads = ["--workload", "system-prompt"]
     if TRACE.exists():
         workloads += ["--workload", f"mooncake:{TRACE}"]
-    code = bench.main([
-        "--engine", "sim", "--replicas", "2", "--time-scale", "20", *workloads,
-        "--users", "2", "--turns", "2", "--system-tokens", "600", "--limit", "5",
-        "--policies", "round_robin", "--out", str(out),
-    ])
+    code = bench.main(
+        [
+            "--engine",
+            "sim",
+            "--replicas",
+            "2",
+            "--time-scale",
+            "20",
+            *workloads,
+            "--users",
+            "2",
+            "--turns",
+            "2",
+            "--system-tokens",
+            "600",
+            "--limit",
+            "5",
+            "--policies",
+            "round_robin",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "round_robin" in printed and "bound" in printed
@@ -51,9 +80,7 @@ def test_results_schema_on_a_tiny_replay(tmp_path: Path, capsys: pytest.CaptureF
         assert 0.0 <= result.hit_rate_observed <= 1.0
         assert result.fleet_capacity_blocks == 2 * 65536 // 16
         # every row, offline or served, is measured against the pooled optimum
-        assert result.of_bound_fleet == pytest.approx(
-            result.hit_rate_observed / result.bound_fleet
-        )
+        assert result.of_bound_fleet == pytest.approx(result.hit_rate_observed / result.bound_fleet)
         assert result.pooled_lru <= result.bound_fleet
         if result.target != "round_robin":
             continue
@@ -76,9 +103,7 @@ def test_results_schema_on_a_tiny_replay(tmp_path: Path, capsys: pytest.CaptureF
 
 async def test_replay_reports_ttft_usage_and_session_order() -> None:
     fleet = SimFleet(SimSpec(replicas=1, time_scale=20, kv_capacity_tokens=32768))
-    (workload,) = make_workloads(
-        "system-prompt", WorkloadOptions(users=2, turns=3, system_tokens=400)
-    )
+    (workload,) = make_workloads("system-prompt", WorkloadOptions(users=2, turns=3, system_tokens=400))
     try:
         await fleet.fresh()
         run = await replay(fleet.urls[0], workload.requests, speedup=20)
@@ -100,8 +125,7 @@ async def test_replay_reports_ttft_usage_and_session_order() -> None:
 
 
 def test_a_missing_peer_is_reported_not_run(capsys: pytest.CaptureFixture) -> None:
-    result = bench._not_run("peer:nothing", make_workloads("system-prompt", WorkloadOptions())[0],
-                            "not installed")
+    result = bench._not_run("peer:nothing", make_workloads("system-prompt", WorkloadOptions())[0], "not installed")
     assert isinstance(result, TargetResult) and result.status == "not installed"
     code = bench.main(["--policies", "no_such_policy"])
     assert code == 2
@@ -110,10 +134,23 @@ def test_a_missing_peer_is_reported_not_run(capsys: pytest.CaptureFixture) -> No
 
 def test_overhead_compares_a_router_with_direct(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
-    code = bench.main([
-        "--overhead", "--policies", "round_robin", "--peers", "none", "--rounds", "1",
-        "--seconds", "0.5", "--concurrency", "4", "--out", str(out),
-    ])
+    code = bench.main(
+        [
+            "--overhead",
+            "--policies",
+            "round_robin",
+            "--peers",
+            "none",
+            "--rounds",
+            "1",
+            "--seconds",
+            "0.5",
+            "--concurrency",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     measured = json.loads(out.read_text())
     closed = {row["target"]: row for row in measured if row["mode"] == "closed"}
@@ -164,8 +201,7 @@ async def test_a_real_engine_never_beats_the_pooled_bound_over_its_sent_order() 
     prompts = bench.workload_prompts(workload, fleet.block_size, None)
     settings = bench.RunSettings(speedup=20, max_in_flight=256, time_scale=20)
     try:
-        result = await bench.run_target("round_robin", workload, fleet, settings, None,
-                                        prompts=prompts)
+        result = await bench.run_target("round_robin", workload, fleet, settings, None, prompts=prompts)
     finally:
         fleet.stop()
     assert result.errors == 0
@@ -176,23 +212,42 @@ async def test_a_real_engine_never_beats_the_pooled_bound_over_its_sent_order() 
     assert result.of_bound_fleet == pytest.approx(result.hit_rate_observed / result.bound_fleet)
 
 
-def test_settings_sweep_and_repeats_label_every_row(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
+def test_settings_sweep_and_repeats_label_every_row(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out"
-    code = bench.main([
-        "--engine", "sim", "--replicas", "2", "--workload", "system-prompt", "--users", "2",
-        "--turns", "2", "--system-tokens", "300", "--policies", "round_robin",
-        "--sweep-time-scale", "20,40", "--repeat", "2", "--out", str(out),
-    ])
+    code = bench.main(
+        [
+            "--engine",
+            "sim",
+            "--replicas",
+            "2",
+            "--workload",
+            "system-prompt",
+            "--users",
+            "2",
+            "--turns",
+            "2",
+            "--system-tokens",
+            "300",
+            "--policies",
+            "round_robin",
+            "--sweep-time-scale",
+            "20,40",
+            "--repeat",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "median [min-max] over the runs" in printed
     results = read_json(out / "results.json")
     served = [(r.setting, r.repeat) for r in results if r.target == "round_robin"]
     assert sorted(served) == [
-        ("time-scale=20 prefill=20000", 0), ("time-scale=20 prefill=20000", 1),
-        ("time-scale=40 prefill=20000", 0), ("time-scale=40 prefill=20000", 1),
+        ("time-scale=20 prefill=20000", 0),
+        ("time-scale=20 prefill=20000", 1),
+        ("time-scale=40 prefill=20000", 0),
+        ("time-scale=40 prefill=20000", 1),
     ]
     assert {r.time_scale for r in results if r.target == "round_robin"} == {20.0, 40.0}
     offline = [r.setting for r in results if r.target == "bound_fleet"]

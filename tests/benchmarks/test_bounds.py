@@ -71,7 +71,7 @@ def brute_force_fleet(prompts: Sequence[Prompt], capacities: tuple[int, ...]) ->
             gained = _prefix_credit(prompt, held)
             candidates = held | frozenset(prompt.hashes)
             for kept in _subsets(candidates, capacities[replica]):
-                after = caches[:replica] + (kept,) + caches[replica + 1:]
+                after = caches[:replica] + (kept,) + caches[replica + 1 :]
                 result = max(result, gained + best(position + 1, after))
         return result
 

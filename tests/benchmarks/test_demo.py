@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from tests.paths import REPO
 import os
 import re
 import signal
@@ -11,12 +10,16 @@ import sys
 import time
 from pathlib import Path
 
+from tests.paths import REPO
 
 
 def _demo(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "kvroute.router.cli", "demo", *args], cwd=REPO, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "kvroute.router.cli", "demo", *args],
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from tests.paths import SHARED
 import json
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from kvroute.benchmarks import mooncake
 from kvroute.benchmarks.workloads import COMPLETIONS_ENDPOINT, WorkloadOptions, make_workloads
+from tests.paths import SHARED
 
 TRACES = SHARED / "traces"
 CONVERSATION = TRACES / "mooncake_conversation_trace.jsonl"
@@ -31,8 +31,7 @@ def _common_tokens(a: np.ndarray, b: np.ndarray) -> int:
 
 def _write_trace(path: Path, rows: list[tuple[int, int, list[int]]]) -> Path:
     lines = [
-        json.dumps({"timestamp": ts, "input_length": n, "output_length": 5, "hash_ids": ids})
-        for ts, n, ids in rows
+        json.dumps({"timestamp": ts, "input_length": n, "output_length": 5, "hash_ids": ids}) for ts, n, ids in rows
     ]
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -97,7 +96,6 @@ def test_mooncake_workload_sends_token_prompts_at_trace_times() -> None:
 
 def test_a_bad_trace_line_is_reported_with_its_number(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n'
-                    '{"timestamp": 1}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2"):
+    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n{"timestamp": 1}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         mooncake.load_trace(path)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from tests.paths import REPO
 import pytest
 
 from kvroute.benchmarks.profile_request import stage_of, summarize
 from kvroute.benchmarks.stage_timers import STAGES, _timed, reset, snapshot
+from tests.paths import REPO
 
 SITE = "/usr/lib/python3.11/site-packages"
 SERVE = f"run (asyncio/runners.py:118);_handle ({SITE}/aiohttp/web_app.py:569)"
@@ -20,11 +20,21 @@ def stack(*frames: str) -> list[str]:
 def test_the_innermost_known_frame_decides() -> None:
     prepare = f"{SERVE};{FORWARD};prepare (/src/router/routing/routing_engine.py:290)"
     # numpy is no stage: the tokenizer that called it is.
-    assert stage_of(stack(prepare, "encode_text_array (/src/tokenizer_index/tokenizer.py:439)",
-                          f"concatenate ({SITE}/numpy/core/multiarray.py:10)")) == "tokenize"
+    assert (
+        stage_of(
+            stack(
+                prepare,
+                "encode_text_array (/src/tokenizer_index/tokenizer.py:439)",
+                f"concatenate ({SITE}/numpy/core/multiarray.py:10)",
+            )
+        )
+        == "tokenize"
+    )
     assert stage_of(stack(prepare, "block_hashes (/src/tokenizer_index/hashing.py:64)")) == "hash"
-    assert stage_of(stack(prepare, "render (/src/tokenizer_index/chat_template.py:198)",
-                          "root (<template>:4)")) == "render"
+    assert (
+        stage_of(stack(prepare, "render (/src/tokenizer_index/chat_template.py:198)", "root (<template>:4)"))
+        == "render"
+    )
     assert stage_of(stack(prepare)) == "policy"  # the routing engine's own lines
     # aiohttp writing the answer the relay built is the HTTP server's work.
     assert stage_of(stack(SERVE, FORWARD, f"write ({SITE}/aiohttp/http_writer.py:116)")) == "http server"
@@ -85,6 +95,12 @@ def test_a_baseline_tree_is_what_python_m_runs(tmp_path) -> None:
     (tmp_path / "router" / "__init__.py").write_text("")
     (tmp_path / "router" / "whoami.py").write_text("print(__file__)\n")
     checkout = REPO
-    ran = subprocess.run([sys.executable, "-m", "router.whoami"], cwd=checkout, capture_output=True,
-                         text=True, env={**os.environ, **baseline_env(tmp_path)}, check=True)
+    ran = subprocess.run(
+        [sys.executable, "-m", "router.whoami"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **baseline_env(tmp_path)},
+        check=True,
+    )
     assert Path(ran.stdout.strip()).resolve() == (tmp_path / "router" / "whoami.py").resolve()

@@ -69,9 +69,7 @@ def test_agent_sessions_take_turns_in_lockstep_and_grow() -> None:
     assert 0.8 * expected_tokens < words * workloads.TOKENS_PER_WORD < 1.2 * expected_tokens
     assert last["max_tokens"] == 40
     assert {m["role"] for m in last["messages"]} == {"system", "user", "assistant", "tool"}
-    assert [tool["function"]["name"] for tool in last["tools"]] == [
-        "run_command", "read_file", "search_code"
-    ]
+    assert [tool["function"]["name"] for tool in last["tools"]] == ["run_command", "read_file", "search_code"]
     messages = last["messages"]
     for call_message, result in itertools.pairwise(messages):
         if result["role"] == "tool":  # OpenAI shape: each result answers the call before it
@@ -119,14 +117,11 @@ def test_max_output_tokens_caps_every_request() -> None:
     (capped,) = make_workloads("agent-sessions:2", WorkloadOptions(max_output_tokens=7))
     (plain,) = make_workloads("agent-sessions:2", WorkloadOptions())
     assert {r.max_tokens for r in capped.requests} == {7}
-    assert [r.body["messages"] for r in capped.requests] == [
-        r.body["messages"] for r in plain.requests
-    ]
+    assert [r.body["messages"] for r in capped.requests] == [r.body["messages"] for r in plain.requests]
 
 
 def _sessions_messages(workload: workloads.Workload) -> dict[str, list]:
-    return {key: [t.body["messages"] for t in turns]
-            for key, turns in _by_session(workload.requests).items()}
+    return {key: [t.body["messages"] for t in turns] for key, turns in _by_session(workload.requests).items()}
 
 
 @pytest.mark.parametrize("base", ["agent-sessions:6", "multi-turn"])

@@ -12,12 +12,12 @@ Imported by tests as ``from chart_render import ...`` (``tests/`` is on ``sys.pa
 
 from __future__ import annotations
 
-from tests.paths import REPO
 import sys
-from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tests.paths import REPO
 
 ROOT = REPO
 CHART_DIR = ROOT / "deploy" / "helm" / "kvroute"

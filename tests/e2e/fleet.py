@@ -14,7 +14,6 @@ model; ``KVROUTE_E2E_START_TIMEOUT`` (default 1500 s) bounds install + start-up.
 
 from __future__ import annotations
 
-from tests.paths import REPO
 import asyncio
 import os
 import re
@@ -36,6 +35,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.benchmarks.workloads import WorkloadRequest
+from tests.paths import REPO
 
 ROOT = REPO
 RUN_CPU = ROOT / "deploy" / "local" / "run_cpu.sh"
@@ -121,7 +121,9 @@ class VllmFleet:
         AllBlocksCleared of a cache reset) only with a step. The prompt is shorter than a
         block, so it stores nothing in the prefix cache."""
         for url in self.urls:
-            response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, timeout=60)
+            response = httpx.post(
+                url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, timeout=60
+            )
             assert response.status_code == 200, f"{url}/v1/completions: {response.status_code} {response.text}"
 
     def prefix_cache_counters(self) -> tuple[float, float]:
@@ -209,7 +211,11 @@ def launch_fleet(log_dir: Path) -> Iterator[VllmFleet]:
     script_log = log_dir / "run_cpu.log"
     with script_log.open("wb") as output:
         process = subprocess.Popen(
-            ["bash", str(RUN_CPU)], cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT,
+            ["bash", str(RUN_CPU)],
+            cwd=ROOT,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     try:
@@ -249,8 +255,9 @@ class RouterProcess:
                 self.process.wait(timeout=10)
 
 
-def launch_router(fleet: VllmFleet, workdir: Path, policy: str, precise: bool = False,
-                  **settings: Any) -> RouterProcess:
+def launch_router(
+    fleet: VllmFleet, workdir: Path, policy: str, precise: bool = False, **settings: Any
+) -> RouterProcess:
     """A healthy ``kvroute serve`` subprocess in front of ``fleet`` (the caller stops it).
 
     ``precise`` turns on ``--kv-events`` with each replica's event and replay endpoints;
@@ -265,9 +272,16 @@ def launch_router(fleet: VllmFleet, workdir: Path, policy: str, precise: bool = 
             backend["kv_events_replay_endpoint"] = replica.replay_endpoint
         backends.append(backend)
     config = {
-        "host": "127.0.0.1", "port": port, "policy": policy, "block_size": BLOCK_SIZE,
-        "backends": backends, "kv_events": precise, "health_interval_s": 1.0, "log_level": "info",
-        "engine_scrape_interval_s": 1.0, **settings,
+        "host": "127.0.0.1",
+        "port": port,
+        "policy": policy,
+        "block_size": BLOCK_SIZE,
+        "backends": backends,
+        "kv_events": precise,
+        "health_interval_s": 1.0,
+        "log_level": "info",
+        "engine_scrape_interval_s": 1.0,
+        **settings,
     }
     name = f"kvroute-{policy}{'-precise' if precise else ''}-{port}"
     config_path = workdir / f"{name}.yaml"
@@ -276,7 +290,9 @@ def launch_router(fleet: VllmFleet, workdir: Path, policy: str, precise: bool = 
     with log.open("wb") as output:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvroute.router.cli", "serve", "--config", str(config_path)],
-            cwd=ROOT, stdout=output, stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            stdout=output,
+            stderr=subprocess.STDOUT,
         )
     router = RouterProcess(f"http://127.0.0.1:{port}", process, log)
     deadline = time.monotonic() + 60
@@ -335,15 +351,21 @@ async def _send_session(client: openai.AsyncOpenAI, requests: Sequence[WorkloadR
         usage = completion.usage
         assert usage is not None and usage.prompt_tokens_details is not None, "vLLM sent no prompt_tokens_details"
         headers = raw.headers
-        results.append(Result(
-            session=request.session_id or "",
-            turn=request.turn,
-            backend=headers["x-kvroute-backend"],
-            prompt_tokens=usage.prompt_tokens,
-            cached_tokens=usage.prompt_tokens_details.cached_tokens or 0,
-            router_prompt_tokens=int(headers["x-kvroute-prompt-tokens"]) if "x-kvroute-prompt-tokens" in headers else None,
-            predicted_tokens=int(headers["x-kvroute-matched-tokens"]) if "x-kvroute-matched-tokens" in headers else None,
-        ))
+        results.append(
+            Result(
+                session=request.session_id or "",
+                turn=request.turn,
+                backend=headers["x-kvroute-backend"],
+                prompt_tokens=usage.prompt_tokens,
+                cached_tokens=usage.prompt_tokens_details.cached_tokens or 0,
+                router_prompt_tokens=int(headers["x-kvroute-prompt-tokens"])
+                if "x-kvroute-prompt-tokens" in headers
+                else None,
+                predicted_tokens=int(headers["x-kvroute-matched-tokens"])
+                if "x-kvroute-matched-tokens" in headers
+                else None,
+            )
+        )
     return results
 
 
@@ -362,8 +384,9 @@ async def _drive(url: str, requests: Sequence[WorkloadRequest], concurrency: int
     return [result for results in per_session for result in results]
 
 
-def run_workload(fleet: VllmFleet, router: RouterProcess, requests: Sequence[WorkloadRequest],
-                 concurrency: int = 4) -> RunSummary:
+def run_workload(
+    fleet: VllmFleet, router: RouterProcess, requests: Sequence[WorkloadRequest], concurrency: int = 4
+) -> RunSummary:
     """Send a workload through ``router`` (sessions concurrently, turns in order) and measure
     the engines' own prefix-cache counters over it."""
     hits_before, queries_before = fleet.prefix_cache_counters()

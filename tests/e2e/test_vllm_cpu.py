@@ -23,22 +23,33 @@ from tests.e2e.fleet import START_TIMEOUT_S, RouterProcess, RunSummary, VllmFlee
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(START_TIMEOUT_S + 300)]
 
 
-def conversation_workload(users: int, turns: int, seed: int, system_tokens: int = 300,
-                          user_tokens: int = 120, reply_tokens: int = 60) -> list[WorkloadRequest]:
+def conversation_workload(
+    users: int, turns: int, seed: int, system_tokens: int = 300, user_tokens: int = 120, reply_tokens: int = 60
+) -> list[WorkloadRequest]:
     """Users sharing a system prompt, each in their own growing conversation (turns in order,
     users concurrently). The assistant turns are the workload's own text, not the tiny
     model's noise, so the same seed gives the same prompts under every policy."""
-    return list(system_prompt(
-        users=users, turns=turns, system_tokens=system_tokens, user_tokens=user_tokens,
-        reply_tokens=reply_tokens, max_tokens=8, model="tiny", seed=seed,
-    ))
+    return list(
+        system_prompt(
+            users=users,
+            turns=turns,
+            system_tokens=system_tokens,
+            user_tokens=user_tokens,
+            reply_tokens=reply_tokens,
+            max_tokens=8,
+            model="tiny",
+            seed=seed,
+        )
+    )
 
 
 def describe(policy: str, run: RunSummary) -> str:
     backends = sorted({result.backend for result in run.results})
-    line = (f"{policy:<22} engine hit rate {run.engine_hit_rate:6.1%} "
-            f"(vLLM metrics: {run.engine_hits:.0f}/{run.engine_queries:.0f} tokens), "
-            f"usage-reported {run.reported_hit_rate:6.1%}, {len(run.results)} requests on {len(backends)} backends")
+    line = (
+        f"{policy:<22} engine hit rate {run.engine_hit_rate:6.1%} "
+        f"(vLLM metrics: {run.engine_hits:.0f}/{run.engine_queries:.0f} tokens), "
+        f"usage-reported {run.reported_hit_rate:6.1%}, {len(run.results)} requests on {len(backends)} backends"
+    )
     if any(result.predicted_tokens is not None for result in run.results):
         line += f", prediction exact on {run.agreement():.1%} of requests"
     return line
@@ -95,8 +106,11 @@ def test_cache_aware_beats_round_robin_on_vllms_own_hit_rate(
     assert len({result.backend for result in cache_aware.results}) == 2
 
     # The routing key is the engine's: same token count on every request.
-    mismatched = [(r.session, r.turn, r.router_prompt_tokens, r.prompt_tokens)
-                  for r in cache_aware.results if r.router_prompt_tokens != r.prompt_tokens]
+    mismatched = [
+        (r.session, r.turn, r.router_prompt_tokens, r.prompt_tokens)
+        for r in cache_aware.results
+        if r.router_prompt_tokens != r.prompt_tokens
+    ]
     assert not mismatched, f"router vs vLLM prompt tokens (session, turn, router, vLLM): {mismatched}"
 
     # Without evictions the approximate index predicts what vLLM reports.
@@ -125,14 +139,15 @@ def test_precise_mode_matches_cached_tokens_under_eviction(
     report(f"{'':<22} tokens computed per backend {computed} vs KV capacity {capacity}")
     assert any(computed.get(url, 0) > capacity[url] for url in vllm_fleet.urls), "the workload never filled a cache"
 
-    misses = [(r.session, r.turn, r.predicted_tokens, r.cached_tokens)
-              for r in run.results if r.predicted_tokens != r.cached_tokens]
+    misses = [
+        (r.session, r.turn, r.predicted_tokens, r.cached_tokens)
+        for r in run.results
+        if r.predicted_tokens != r.cached_tokens
+    ]
     assert run.agreement() >= 0.99, f"predicted != reported (session, turn, predicted, vLLM): {misses}"
 
 
-def test_two_precise_routers_hold_the_same_index(
-    vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]
-) -> None:
+def test_two_precise_routers_hold_the_same_index(vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]) -> None:
     first = kvroute("cache_aware", precise=True)
     second = kvroute("cache_aware", precise=True)
     follow_kv_events(vllm_fleet, first, second)

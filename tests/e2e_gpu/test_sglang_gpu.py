@@ -7,7 +7,6 @@ the reason, where there is no NVIDIA GPU or no ``sglang`` package.
 
 from __future__ import annotations
 
-from tests.paths import REPO
 import importlib.util
 import os
 import shutil
@@ -24,6 +23,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.paths import REPO
+
 MODEL = os.environ.get("KVROUTE_GPU_MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
 PORTS = (8111, 8112)
 URLS = [f"http://127.0.0.1:{port}" for port in PORTS]
@@ -32,10 +33,13 @@ TOKEN = "e2e-admin"
 pytestmark = [
     pytest.mark.e2e_gpu,
     pytest.mark.timeout(1800),
-    pytest.mark.skipif(shutil.which("nvidia-smi") is None,
-                       reason="no NVIDIA GPU here (nvidia-smi not found): the SGLang e2e tier needs one"),
-    pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
-                       reason="sglang is not installed (pip install sglang, GPU build)"),
+    pytest.mark.skipif(
+        shutil.which("nvidia-smi") is None,
+        reason="no NVIDIA GPU here (nvidia-smi not found): the SGLang e2e tier needs one",
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("sglang") is None, reason="sglang is not installed (pip install sglang, GPU build)"
+    ),
 ]
 
 
@@ -71,8 +75,13 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 @pytest.fixture(scope="module")
 def sglang_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     logs = tmp_path_factory.mktemp("sglang")
-    env = {**os.environ, "KVROUTE_RUN_ROUTER": "0", "KVROUTE_LOG_DIR": str(logs),
-           "KVROUTE_SGLANG_PYTHON": sys.executable, "KVROUTE_SGLANG_PORTS": " ".join(map(str, PORTS))}
+    env = {
+        **os.environ,
+        "KVROUTE_RUN_ROUTER": "0",
+        "KVROUTE_LOG_DIR": str(logs),
+        "KVROUTE_SGLANG_PYTHON": sys.executable,
+        "KVROUTE_SGLANG_PORTS": " ".join(map(str, PORTS)),
+    }
     script = subprocess.Popen([str(REPO / "deploy/local/run_sglang_gpu.sh")], env=env, start_new_session=True)
     try:
         for url in URLS:
@@ -97,11 +106,27 @@ def _engines(name: str) -> float:
 
 def _router(policy: str, tmp: Path) -> tuple[str, subprocess.Popen[bytes]]:
     port = _free_port()
-    args = [sys.executable, "-m", "kvroute.router.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--policy", policy, "--tokenizer", MODEL, "--admin-token", TOKEN, "--log-level", "info"]
+    args = [
+        sys.executable,
+        "-m",
+        "kvroute.router.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--tokenizer",
+        MODEL,
+        "--admin-token",
+        TOKEN,
+        "--log-level",
+        "info",
+    ]
     for url in URLS:
         args += ["--backend", url]
-    log = open(tmp / f"kvroute-{policy}.log", "wb")  # noqa: SIM115 - closed with the process
+    log = open(tmp / f"kvroute-{policy}.log", "wb")
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
     _wait_healthy(f"http://127.0.0.1:{port}", process, 120)
     return f"http://127.0.0.1:{port}", process
@@ -114,8 +139,11 @@ def _conversations(router: str, users: int = 6, turns: int = 6) -> list[dict[str
     for turn in range(turns):
         for user, messages in histories.items():
             messages.append({"role": "user", "content": f"User {user}, question {turn}: describe river number {turn}."})
-            response = httpx.post(router + "/v1/chat/completions", timeout=120, json={
-                "model": MODEL, "messages": messages, "max_tokens": 48, "temperature": 0})
+            response = httpx.post(
+                router + "/v1/chat/completions",
+                timeout=120,
+                json={"model": MODEL, "messages": messages, "max_tokens": 48, "temperature": 0},
+            )
             response.raise_for_status()
             body = response.json()
             messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
@@ -131,8 +159,9 @@ def test_cache_aware_on_sglangs_own_hit_rate_and_prediction(sglang_fleet: list[s
         before = (_engines("sglang:cached_tokens_total"), _engines("sglang:prompt_tokens_total"))
         router, process = _router(policy, tmp_path)
         try:
-            backends = httpx.get(router + "/admin/backends", headers={"Authorization": f"Bearer {TOKEN}"},
-                                 timeout=10).json()["backends"]
+            backends = httpx.get(
+                router + "/admin/backends", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+            ).json()["backends"]
             assert {(b["engine"], b["engine_source"]) for b in backends} == {("sglang", "detected")}
             records = _conversations(router)
             scrape = _metrics(router)
@@ -146,8 +175,11 @@ def test_cache_aware_on_sglangs_own_hit_rate_and_prediction(sglang_fleet: list[s
     assert runs["cache_aware"]["hit_rate"] > runs["round_robin"]["hit_rate"] + 0.08
     cache_aware = runs["cache_aware"]
     # The router tokenizes as SGLang does (the HF chat template): same prompt length every time.
-    mismatched = [(r["headers"]["x-kvroute-prompt-tokens"], r["usage"]["prompt_tokens"])
-                  for r in cache_aware["records"] if int(r["headers"]["x-kvroute-prompt-tokens"]) != r["usage"]["prompt_tokens"]]
+    mismatched = [
+        (r["headers"]["x-kvroute-prompt-tokens"], r["usage"]["prompt_tokens"])
+        for r in cache_aware["records"]
+        if int(r["headers"]["x-kvroute-prompt-tokens"]) != r["usage"]["prompt_tokens"]
+    ]
     assert not mismatched
     # Every hit SGLang counted reached the router (null cached tokens = 0 with --enable-cache-report).
     observed = cache_aware["scrape"]["kvroute_observed_cached_tokens_total"]
@@ -163,9 +195,18 @@ def test_generate_through_the_router(sglang_fleet: list[str], tmp_path: Path) ->
     router, process = _router("cache_aware", tmp_path)
     try:
         prompt = "Summarise the history of the Danube. " * 40
-        answers = [httpx.post(router + "/generate", timeout=120, json={
-            "text": prompt + str(index), "sampling_params": {"max_new_tokens": 16, "temperature": 0},
-            "stream": index % 2 == 1}) for index in range(4)]
+        answers = [
+            httpx.post(
+                router + "/generate",
+                timeout=120,
+                json={
+                    "text": prompt + str(index),
+                    "sampling_params": {"max_new_tokens": 16, "temperature": 0},
+                    "stream": index % 2 == 1,
+                },
+            )
+            for index in range(4)
+        ]
         assert all(answer.status_code == 200 for answer in answers)
         assert len({answer.headers["x-kvroute-backend"] for answer in answers}) == 1
         scrape = _metrics(router)

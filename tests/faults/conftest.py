@@ -26,12 +26,30 @@ from kvroute.benchmarks.steady_load import Tally, format_table
 ADMIN_TOKEN = "fault-suite-admin-token"
 # Router settings that make faults show quickly (the defaults suit production, not CI).
 ROUTER_FLAGS = (
-    "--admin-token", ADMIN_TOKEN,
-    "--health-interval-s", "0.3", "--health-timeout-s", "1",
-    "--unhealthy-after", "2", "--healthy-after", "1",
-    "--connect-timeout-s", "1", "--first-byte-timeout-s", "2", "--idle-timeout-s", "1.5",
-    "--breaker-failures", "3", "--breaker-cooldown-s", "1",
-    "--drain-timeout-s", "5", "--engine-scrape-interval-s", "0.5",
+    "--admin-token",
+    ADMIN_TOKEN,
+    "--health-interval-s",
+    "0.3",
+    "--health-timeout-s",
+    "1",
+    "--unhealthy-after",
+    "2",
+    "--healthy-after",
+    "1",
+    "--connect-timeout-s",
+    "1",
+    "--first-byte-timeout-s",
+    "2",
+    "--idle-timeout-s",
+    "1.5",
+    "--breaker-failures",
+    "3",
+    "--breaker-cooldown-s",
+    "1",
+    "--drain-timeout-s",
+    "5",
+    "--engine-scrape-interval-s",
+    "0.5",
 )
 # Slow enough that a fault lands on streams in the middle of their tokens.
 SIM = SimSpec(replicas=3, time_scale=4.0, decode_tokens_per_s=50.0, kv_capacity_tokens=32768)
@@ -142,7 +160,9 @@ class Fleet:
         deadline = time.monotonic() + timeout_s
         while True:
             states = await self.backends()
-            ready = {url for url, s in states.items() if s["healthy"] and s["breaker"] == "closed" and not s["draining"]}
+            ready = {
+                url for url, s in states.items() if s["healthy"] and s["breaker"] == "closed" and not s["draining"]
+            }
             if ready == wanted and set(states) == wanted:
                 return
             if time.monotonic() > deadline:

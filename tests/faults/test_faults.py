@@ -160,7 +160,10 @@ async def test_drain_lets_a_long_stream_finish_before_the_backend_leaves(fleet: 
     """A drained backend takes no new requests, finishes the ones it has, then leaves."""
     client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="drain-test", max_retries=0, timeout=60)
     stream = await client.chat.completions.with_raw_response.create(
-        model="sim", messages=[{"role": "user", "content": "a long answer please"}], max_tokens=600, stream=True,
+        model="sim",
+        messages=[{"role": "user", "content": "a long answer please"}],
+        max_tokens=600,
+        stream=True,
     )
     target = stream.headers["x-kvroute-backend"]
     engine = next(e for e in fleet.engines if e.url == target)

@@ -10,7 +10,6 @@ tokenizers 0.20) fails here instead of on a user's machine.
 
 from __future__ import annotations
 
-from tests.paths import REPO
 import subprocess
 import sys
 import tomllib
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+
+from tests.paths import REPO
 
 ROOT = REPO
 SUITES = [

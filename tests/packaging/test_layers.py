@@ -27,8 +27,17 @@ ALLOWED: dict[str, set[str]] = {
     "http": {"forwarding", "routing", "fleet", "engines", "base", "tokenizer_index"},
     "process": {"http", "forwarding", "routing", "fleet", "engines", "base", "tokenizer_index"},
     "sim_engine": {"tokenizer_index"},
-    "benchmarks": {"sim_engine", "process", "http", "forwarding", "routing", "fleet", "engines", "base",
-                   "tokenizer_index"},
+    "benchmarks": {
+        "sim_engine",
+        "process",
+        "http",
+        "forwarding",
+        "routing",
+        "fleet",
+        "engines",
+        "base",
+        "tokenizer_index",
+    },
 }
 ROOMS = {"http", "forwarding", "routing", "fleet", "engines"}
 PROCESS = {"cli", "serve"}

@@ -23,7 +23,6 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
-from tests.servers import ServerLoop, SimServer, wait_until
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -33,6 +32,7 @@ from kvroute.router.backend_url import parse_backend_url
 from kvroute.router.config import BackendConfig, ConfigError, load_settings
 from kvroute.router.routing.precise_index import events_endpoint_for
 from kvroute.router.serve import build_parser, settings_from_args
+from tests.servers import ServerLoop, SimServer, wait_until
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 PREFIX = "/serving/llama"
@@ -90,7 +90,7 @@ def gateway(server_loop: ServerLoop) -> Iterator[Callable[..., Gateway]]:
             skip = _HOP | ({"authorization"} if require is not None else set())
             headers = {k: v for k, v in request.headers.items() if k.lower() not in skip}
             async with sessions[0].request(
-                request.method, target + request.path_qs[len(prefix):], headers=headers, data=await request.read()
+                request.method, target + request.path_qs[len(prefix) :], headers=headers, data=await request.read()
             ) as upstream:
                 response = web.StreamResponse(
                     status=upstream.status,
@@ -180,8 +180,12 @@ def test_every_call_keeps_the_backends_path_prefix(
     assert {f"{PREFIX}/health", f"{PREFIX}/v1/models", f"{PREFIX}/metrics"} <= set(gw.paths("GET"))
     assert all(path.startswith(PREFIX + "/") for path in gw.paths()), gw.paths()
     # The scrape through the prefix reached the engine: its stats are the router's.
-    wait_until(lambda: router.metrics().value("kvroute_engine_requests_waiting", backend=gw.url) == 0
-               and router.metrics().label_values("kvroute_engine_requests_waiting", "backend") == {gw.url})
+    wait_until(
+        lambda: (
+            router.metrics().value("kvroute_engine_requests_waiting", backend=gw.url) == 0
+            and router.metrics().label_values("kvroute_engine_requests_waiting", "backend") == {gw.url}
+        )
+    )
 
 
 def test_two_backends_behind_one_gateway_differ_by_prefix(
@@ -190,8 +194,12 @@ def test_two_backends_behind_one_gateway_differ_by_prefix(
     first, second = sim_engines(2)
     gw_a, gw_b = gateway(first.url, prefix="/a"), gateway(second.url, prefix="/b")
     router = router_server([gw_a.url, gw_b.url], policy="round_robin")
-    backends = {router.client().chat.completions.with_raw_response.create(
-        model="sim", messages=MESSAGES, max_tokens=2).headers["x-kvroute-backend"] for _ in range(4)}
+    backends = {
+        router.client()
+        .chat.completions.with_raw_response.create(model="sim", messages=MESSAGES, max_tokens=2)
+        .headers["x-kvroute-backend"]
+        for _ in range(4)
+    }
     assert backends == {gw_a.url, gw_b.url}
     assert gw_a.paths("POST") == ["/a/v1/chat/completions"] * 2 and gw_b.paths("POST") == ["/b/v1/chat/completions"] * 2
 
@@ -246,8 +254,9 @@ def test_an_engine_key_goes_with_probes_and_fills_in_for_clients_without_one(
         "the model list, guarded by the key, was read"
     )
     # No Authorization from the client: the engine's key goes instead (if_absent).
-    plain = httpx.post(router.v1 + "/chat/completions", json={"model": "sim", "messages": MESSAGES, "max_tokens": 2},
-                       timeout=30)
+    plain = httpx.post(
+        router.v1 + "/chat/completions", json={"model": "sim", "messages": MESSAGES, "max_tokens": 2}, timeout=30
+    )
     assert plain.status_code == 200 and gw.last("/chat/completions").headers["Authorization"] == f"Bearer {ENGINE_KEY}"
     # A client with its own key is passed through as it is: the engine decides.
     with pytest.raises(openai.AuthenticationError):
@@ -282,7 +291,10 @@ def test_extra_headers_go_with_every_call_and_replace_the_clients(
     gw = gateway(sim.url)
     router = router_server([{"url": gw.url, "headers": {"X-Gateway-Tenant": "team-a"}}], engine_scrape_interval_s=0.2)
     answer = router.client().chat.completions.create(
-        model="sim", messages=MESSAGES, max_tokens=2, extra_headers={"x-gateway-tenant": "spoofed", "X-Other": "kept"},
+        model="sim",
+        messages=MESSAGES,
+        max_tokens=2,
+        extra_headers={"x-gateway-tenant": "spoofed", "X-Other": "kept"},
     )
     assert answer.choices
     wait_until(lambda: f"{PREFIX}/metrics" in gw.paths())

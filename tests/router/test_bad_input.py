@@ -16,8 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.servers import RouterServer
+
 from tests.helpers import assert_openai_error, still_serves
+from tests.servers import RouterServer
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -31,7 +32,10 @@ WRONG_VALUES: list[Any] = [None, True, 0, -1, 1.5, "", "text", [], [1, "a"], {},
 @pytest.fixture
 def router(sim_engines: Any, router_server: Any) -> RouterServer:
     return router_server(
-        sim_engines(1), policy="cache_aware", max_body_bytes=256 * 1024, max_header_bytes=8 * 1024,
+        sim_engines(1),
+        policy="cache_aware",
+        max_body_bytes=256 * 1024,
+        max_header_bytes=8 * 1024,
         request_read_timeout_s=READ_TIMEOUT_S,
     )
 
@@ -73,8 +77,22 @@ def assert_client_error(response: httpx.Response) -> dict[str, Any]:
         b'{"messages": [{"role": "user", "content": "hi"}]}',
         b"\x00\x01\x02",
     ],
-    ids=["broken", "unterminated", "null", "bool", "number", "string", "array", "invalid-utf8", "lone-surrogate",
-         "infinite-number", "nested-100k", "objects-5k-deep", "no-model", "binary"],
+    ids=[
+        "broken",
+        "unterminated",
+        "null",
+        "bool",
+        "number",
+        "string",
+        "array",
+        "invalid-utf8",
+        "lone-surrogate",
+        "infinite-number",
+        "nested-100k",
+        "objects-5k-deep",
+        "no-model",
+        "binary",
+    ],
 )
 def test_unusable_bodies_are_400_from_the_router(router: RouterServer, body: bytes) -> None:
     response = post(router, body)
@@ -141,7 +159,9 @@ def test_absurd_max_tokens(router: RouterServer, max_tokens: int) -> None:
 
 def test_ten_thousand_messages(router: RouterServer) -> None:
     messages = [{"role": "user" if n % 2 else "assistant", "content": f"message number {n}"} for n in range(10_000)]
-    response = post(router, httpx.Request("POST", "/", json={"model": "sim", "messages": messages, "max_tokens": 2}).content)
+    response = post(
+        router, httpx.Request("POST", "/", json={"model": "sim", "messages": messages, "max_tokens": 2}).content
+    )
     # Longer than the sim's context: the engine says so; shorter ones are served. Never a 5xx.
     if response.status_code != 200:
         assert_client_error(response)
@@ -155,7 +175,7 @@ def test_oversized_body_is_413_declared_or_streamed(router: RouterServer) -> Non
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: the limit applies while reading
         for start in range(0, len(huge), 16 * 1024):
-            yield huge[start:start + 16 * 1024]
+            yield huge[start : start + 16 * 1024]
 
     response = httpx.post(router.url + CHAT, content=chunks(), headers={"Content-Type": "application/json"}, timeout=60)
     assert_openai_error(response, 413, "request_too_large")
@@ -197,7 +217,9 @@ def test_oversized_heads_are_431_json(router: RouterServer, head: bytes) -> None
 
 def test_garbage_on_the_wire_is_400_json(router: RouterServer) -> None:
     _raw_json_error(_raw_exchange(router, b"\x16\x03\x01\x02\x00 definitely not HTTP\r\n\r\n"), 400)
-    _raw_json_error(_raw_exchange(router, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n"), 400)
+    _raw_json_error(
+        _raw_exchange(router, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n"), 400
+    )
     still_serves(router)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from tests.paths import REPO
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 
 from kvroute.router.config import ConfigError, Settings
 from kvroute.router.serve import build_parser, main, settings_from_args
+from tests.paths import REPO
 
 
 def settings_for(argv: list[str]) -> Settings:
@@ -33,9 +33,7 @@ def write_config(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_precedence_is_flags_then_env_then_file_then_defaults(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_precedence_is_flags_then_env_then_file_then_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = write_config(tmp_path, "port: 1001\npolicy: random\nhealth-interval-s: 7\n")
     assert settings_for([]).port == 8000
     assert settings_for(["--config", str(config)]).port == 1001
@@ -52,10 +50,14 @@ def test_precedence_is_flags_then_env_then_file_then_defaults(
 def test_backends_flags_and_per_backend_kv_events_endpoints() -> None:
     settings = settings_for(
         [
-            "--backend", "http://a:8000/",
-            "--backend", "http://b:8000",
-            "--kv-events-endpoint", "http://b:8000=tcp://b:5557",
-            "--kv-events-replay-endpoint", "http://b:8000=tcp://b:5558",
+            "--backend",
+            "http://a:8000/",
+            "--backend",
+            "http://b:8000",
+            "--kv-events-endpoint",
+            "http://b:8000=tcp://b:5557",
+            "--kv-events-replay-endpoint",
+            "http://b:8000=tcp://b:5558",
         ]
     )
     assert [b.url for b in settings.backends] == ["http://a:8000", "http://b:8000"]
@@ -71,10 +73,27 @@ def test_kv_events_endpoint_of_an_unknown_backend_is_an_error() -> None:
 def test_typed_flags_are_converted_by_the_settings_model() -> None:
     settings = settings_for(
         [
-            "--allow-policy-header", "--no-decision-log", "--ab", "cache_aware=80,round_robin=20",
-            "--api-keys", "k1, k2", "--drain-timeout-s", "2.5", "--block-size", "32",
-            "--admin-token", "secret", "--backend-api-key", "engine-key", "--log-level", "debug",
-            "--kv-events", "--kv-events-port", "5557", "--tokenizer", "/models/x",
+            "--allow-policy-header",
+            "--no-decision-log",
+            "--ab",
+            "cache_aware=80,round_robin=20",
+            "--api-keys",
+            "k1, k2",
+            "--drain-timeout-s",
+            "2.5",
+            "--block-size",
+            "32",
+            "--admin-token",
+            "secret",
+            "--backend-api-key",
+            "engine-key",
+            "--log-level",
+            "debug",
+            "--kv-events",
+            "--kv-events-port",
+            "5557",
+            "--tokenizer",
+            "/models/x",
         ]
     )
     assert settings.allow_policy_header is True
@@ -137,7 +156,9 @@ def test_invalid_env_value_names_the_field(monkeypatch: pytest.MonkeyPatch, caps
 def test_the_installed_command_fails_fast_on_bad_config() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "kvroute.router.cli", "serve", "--port", "-5"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "port" in result.stderr
@@ -147,7 +168,6 @@ def test_the_installed_command_fails_fast_on_bad_config() -> None:
 def test_readme_configuration_reference_is_current() -> None:
     """The README's settings table is ``python -m kvroute.router.config``: regenerate it when a
     setting changes, so the documented flags, variables and defaults never drift."""
-    from pathlib import Path
 
     from kvroute.router.config import reference_markdown
 

@@ -7,8 +7,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from tests.servers import RouterServer
+
 from tests.helpers import assert_openai_error, still_serves
+from tests.servers import RouterServer
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -33,8 +34,18 @@ def router(sim_engines: Any, router_server: Any) -> RouterServer:
         (b'{"model": "sim", "stream": "yes", "messages": []}', "invalid_stream"),
         (b"[" * 20_000 + b"]" * 20_000, "invalid_json"),
     ],
-    ids=["broken", "empty", "array", "string", "not-utf8", "no-model", "model-int", "model-empty",
-         "stream-str", "deep-nesting"],
+    ids=[
+        "broken",
+        "empty",
+        "array",
+        "string",
+        "not-utf8",
+        "no-model",
+        "model-int",
+        "model-empty",
+        "stream-str",
+        "deep-nesting",
+    ],
 )
 def test_bad_bodies_are_400(router: RouterServer, body: bytes, code: str) -> None:
     response = httpx.post(router.url + CHAT, content=body, headers={"Content-Type": "application/json"}, timeout=30)
@@ -99,8 +110,10 @@ def test_upstream_timeout_is_504(sim_engines: Any, router_server: Any) -> None:
 
 def test_oversized_headers_are_refused_and_the_router_survives(router: RouterServer) -> None:
     response = httpx.post(
-        router.url + CHAT, json={"model": "sim", "messages": MESSAGES},
-        headers={"x-big": "a" * (64 * 1024)}, timeout=30,
+        router.url + CHAT,
+        json={"model": "sim", "messages": MESSAGES},
+        headers={"x-big": "a" * (64 * 1024)},
+        timeout=30,
     )
     assert response.status_code in (400, 413, 431)
     still_serves(router)

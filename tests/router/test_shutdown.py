@@ -28,9 +28,22 @@ class RouterProcess:
     def __init__(self, *args: str) -> None:
         env = {key: value for key, value in os.environ.items() if not key.startswith("KVROUTE_")}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvroute.router.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-             "--policy", "round_robin", *args],
-            stderr=subprocess.PIPE, text=True, env=env,
+            [
+                sys.executable,
+                "-m",
+                "kvroute.router.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--policy",
+                "round_robin",
+                *args,
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -88,7 +101,9 @@ def test_sigterm_drains_a_running_stream_then_exits_0(sim_engines: Any, router_p
     sim = slow_sim(sim_engines)
     router = router_process("--backend", sim.url, "--drain-timeout-s", "30")
     with httpx.stream(
-        "POST", router.url + "/v1/chat/completions", timeout=30,
+        "POST",
+        router.url + "/v1/chat/completions",
+        timeout=30,
         json={"model": "sim", "messages": MESSAGES, "max_tokens": 60, "stream": True},
     ) as response:
         lines = response.iter_lines()
@@ -109,7 +124,9 @@ def test_drain_timeout_bounds_the_wait(sim_engines: Any, router_process: Any) ->
     sim = slow_sim(sim_engines)
     router = router_process("--backend", sim.url, "--drain-timeout-s", "0.5")
     with httpx.stream(
-        "POST", router.url + "/v1/chat/completions", timeout=30,
+        "POST",
+        router.url + "/v1/chat/completions",
+        timeout=30,
         json={"model": "sim", "messages": MESSAGES, "max_tokens": 5000, "stream": True},
     ) as response:
         lines = response.iter_lines()

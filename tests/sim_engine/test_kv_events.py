@@ -115,7 +115,7 @@ async def event_feed(event_format: KVEventsFormat, **overrides: Any) -> AsyncIte
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    url = "http://127.0.0.1:{}".format(runner.addresses[0][1])
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     feed = EventFeed(url, app[SIM_ENGINE], sub, replay_endpoint, context)
     try:
         for attempt in range(100):
@@ -292,7 +292,7 @@ async def test_events_bind_with_a_wildcard_endpoint() -> None:
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{port}")
-    url = "http://127.0.0.1:{}".format(runner.addresses[0][1])
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:
         async with aiohttp.ClientSession() as session:
             for attempt in range(100):

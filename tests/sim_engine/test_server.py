@@ -370,7 +370,7 @@ async def test_client_disconnect_mid_stream_aborts_the_request() -> None:
         sdk = client(url)
         stream = await sdk.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=1000, stream=True)
         received = 0
-        async for chunk in stream:
+        async for _chunk in stream:
             received += 1
             if received == 3:
                 break

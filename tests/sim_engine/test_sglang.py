@@ -80,11 +80,15 @@ def test_generate_streams_cumulative_text_with_meta_info_in_every_event(sim_engi
     sim = sglang(sim_engines, page_size=1, time_scale=20.0)
     prompt = ids(5, 40)
     whole = generate(sim.url, input_ids=prompt, sampling_params={"max_new_tokens": 12})
-    with httpx.stream("POST", sim.url + "/generate", timeout=30,
-                      json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 12}, "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        sim.url + "/generate",
+        timeout=30,
+        json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 12}, "stream": True},
+    ) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         raw = b"".join(response.iter_bytes())
-    events = [event[len(b"data: "):] for event in raw.split(b"\n\n") if event]
+    events = [event[len(b"data: ") :] for event in raw.split(b"\n\n") if event]
     assert events[-1] == b"[DONE]"
     objects = [orjson.loads(event) for event in events[:-1]]
     assert len(objects) > 1
@@ -106,7 +110,9 @@ def test_a_batch_answers_a_list_and_text_prompts_work(sim_engines: Any) -> None:
 
 
 @pytest.mark.parametrize("cache_report", [False, True])
-def test_openai_usage_carries_cached_tokens_only_with_the_cache_report_flag(sim_engines: Any, cache_report: bool) -> None:
+def test_openai_usage_carries_cached_tokens_only_with_the_cache_report_flag(
+    sim_engines: Any, cache_report: bool
+) -> None:
     sim = sglang(sim_engines, enable_cache_report=cache_report)
     body = {"model": "sim", "prompt": ids(6, 30), "max_tokens": 2}
     first = httpx.post(sim.url + "/v1/completions", json=body, timeout=30).json()["usage"]

@@ -10,21 +10,27 @@ LOOP = (
     "{% for m in messages %}{{ loop.index0 }}{{ '^' if loop.first }}{{ m['content'] }}"
     "{{ '$' if loop.last else ',' }}{% endfor %}"
 )
-CONVERSATION = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                {"role": "user", "content": "c"}]
+CONVERSATION = [
+    {"role": "user", "content": "a"},
+    {"role": "assistant", "content": "b"},
+    {"role": "user", "content": "c"},
+]
 
 
 def test_loop_attributes_render() -> None:
     assert ChatTemplate.from_source(LOOP).render(CONVERSATION) == "0^a,1b,2c$"
 
 
-@pytest.mark.parametrize("source", [
-    "{% for m in messages %}{{ loop.__class__.__mro__ }}{% endfor %}",
-    "{% for m in messages %}{{ loop._after }}{% endfor %}",
-    "{{ messages.append(1) }}",
-    "{{ messages[0].update({'role': 'system'}) }}",
-    "{{ raise_exception.__globals__ }}",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% for m in messages %}{{ loop.__class__.__mro__ }}{% endfor %}",
+        "{% for m in messages %}{{ loop._after }}{% endfor %}",
+        "{{ messages.append(1) }}",
+        "{{ messages[0].update({'role': 'system'}) }}",
+        "{{ raise_exception.__globals__ }}",
+    ],
+)
 def test_unsafe_access_is_still_refused(source: str) -> None:
     conversation = [dict(message) for message in CONVERSATION]
     try:

@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from tests.tokenizer_index.reference_index import ReferenceIndex
 from kvroute.tokenizer_index import PrefixIndex, bucket_table, prefix_index
 from kvroute.tokenizer_index.hashing import block_hashes
 from kvroute.tokenizer_index.prefix_index import IndexStats
+from tests.tokenizer_index.reference_index import ReferenceIndex
 
 BLOCK = 2
 BACKENDS = st.sampled_from(["a", "b", "c", "d"])
@@ -310,7 +310,9 @@ def test_many_blocks_through_table_growth_and_churn() -> None:
     roots = [rng.integers(0, 1000, size=64).tolist() for _ in range(8)]
     sequences = []
     for step in range(300):
-        tokens = roots[step % 8][: int(rng.integers(0, 64))] + rng.integers(0, 1000, size=int(rng.integers(1, 200))).tolist()
+        tokens = (
+            roots[step % 8][: int(rng.integers(0, 64))] + rng.integers(0, 1000, size=int(rng.integers(1, 200))).tolist()
+        )
         sequences.append(tokens)
         backend = f"b{int(rng.integers(0, 5))}"
         hashes = pair.hashes(tokens)

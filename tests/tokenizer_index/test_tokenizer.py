@@ -12,6 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer
 
+from kvroute.tokenizer_index import RequestTokenizer
+from kvroute.tokenizer_index.chat_messages import media_placeholder
+from kvroute.tokenizer_index.chat_template import ChatTemplateError, detect_content_format
+from kvroute.tokenizer_index.piece_cache import PieceCache, frozen_ids
 from tests.tokenizer_index.tokenizers_fixtures import (
     OPENAI_PARTS_TEMPLATE,
     hf_chat_ids,
@@ -20,10 +24,6 @@ from tests.tokenizer_index.tokenizers_fixtures import (
     train_tokenizer,
     write_tokenizer_dir,
 )
-from kvroute.tokenizer_index import RequestTokenizer
-from kvroute.tokenizer_index.chat_messages import media_placeholder
-from kvroute.tokenizer_index.chat_template import ChatTemplateError, detect_content_format
-from kvroute.tokenizer_index.piece_cache import PieceCache, frozen_ids
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,8 +69,25 @@ def pair(request: pytest.FixtureRequest) -> tuple[RequestTokenizer, Any]:
 # --- conversation strategies ------------------------------------------------------------------
 
 SNIPPETS = [
-    "😀", "👍🏽", "👨‍👩‍👧", "中文字符", "日本語のテキスト", "e\u0301", "a\u0308\u0304", "שלום", "\r\n", "\n\n", "  ",
-    "\t", "<|im_end|>", "<|im_start|>", "<|eot_id|>", "<tool_call>", "{\"json\": [1, 2]}", "The router", "ﬁ",
+    "😀",
+    "👍🏽",
+    "👨‍👩‍👧",
+    "中文字符",
+    "日本語のテキスト",
+    "e\u0301",
+    "a\u0308\u0304",
+    "שלום",
+    "\r\n",
+    "\n\n",
+    "  ",
+    "\t",
+    "<|im_end|>",
+    "<|im_start|>",
+    "<|eot_id|>",
+    "<tool_call>",
+    '{"json": [1, 2]}',
+    "The router",
+    "ﬁ",
 ]
 texts = st.lists(
     st.one_of(st.text(st.characters(blacklist_categories=("Cs",)), max_size=12), st.sampled_from(SNIPPETS)),
@@ -117,7 +134,10 @@ def conversations(draw: st.DrawFn, *, allow_tools: bool = True) -> list[dict[str
                 {
                     "id": f"call_{turn}_{index}",
                     "type": "function",
-                    "function": {"name": draw(names), "arguments": draw(st.dictionaries(names, json_values, max_size=3))},
+                    "function": {
+                        "name": draw(names),
+                        "arguments": draw(st.dictionaries(names, json_values, max_size=3)),
+                    },
                 }
                 for index in range(draw(st.integers(1, 2)))
             ]
@@ -164,26 +184,53 @@ def test_vllm_request_normalisation(default_tok: RequestTokenizer, default_hf: A
     arguments = {"city": "Paris", "days": [1, 2]}
     as_vllm = [
         {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+            ],
+        },
         {"role": "tool", "content": "sunny\n20C", "tool_call_id": "c1"},
         {"role": "user", "content": "first part\nsecond part"},
     ]
     as_openai = [
         {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}]},
-        {"role": "tool", "content": [{"type": "text", "text": "sunny"}, {"type": "text", "text": "20C"}],
-         "tool_call_id": "c1"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps(arguments)},
+                }
+            ],
+        },
+        {
+            "role": "tool",
+            "content": [{"type": "text", "text": "sunny"}, {"type": "text", "text": "20C"}],
+            "tool_call_id": "c1",
+        },
         {"role": "user", "content": [{"type": "text", "text": "first part"}, "second part"], "refusal": None},
     ]
     expected = hf_chat_ids(default_hf, as_vllm, add_generation_prompt=True)
     assert default_tok.encode_chat(as_openai) == expected
     # Invalid JSON arguments become {} as in vLLM; an empty tool_calls list is dropped.
-    broken = [{"role": "assistant", "content": "x", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]
-    fixed = [{"role": "assistant", "content": "x", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}]
+    broken = [
+        {
+            "role": "assistant",
+            "content": "x",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}],
+        }
+    ]
+    fixed = [
+        {
+            "role": "assistant",
+            "content": "x",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}],
+        }
+    ]
     assert default_tok.encode_chat(broken) == hf_chat_ids(default_hf, fixed, add_generation_prompt=True)
     empty_calls = [{"role": "assistant", "content": "x", "tool_calls": []}]
     assert default_tok.encode_chat(empty_calls) == hf_chat_ids(
@@ -197,8 +244,9 @@ def test_vllm_request_normalisation(default_tok: RequestTokenizer, default_hf: A
     )
 
 
-def test_reasoning_and_template_kwargs(llama_tok: RequestTokenizer, llama_hf: Any, default_tok: RequestTokenizer,
-                                       default_hf: Any) -> None:
+def test_reasoning_and_template_kwargs(
+    llama_tok: RequestTokenizer, llama_hf: Any, default_tok: RequestTokenizer, default_hf: Any
+) -> None:
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "reasoning": "think"}]
     assert default_tok.encode_chat(messages) == hf_chat_ids(default_hf, messages, add_generation_prompt=True)
     assert "<think>\nthink\n</think>" in default_tok.render_chat(messages)
@@ -407,8 +455,30 @@ def tricky_tok() -> RequestTokenizer:
 
 
 tricky_texts = st.lists(
-    st.sampled_from(["<L>", "<R>", "<R>x", "word", "<N>", "<|a|>", "<|b|>", "<s>", "</s>", " ", "\n", "  ", "a",
-                     "words", "é", "😀", "<", ">", "|"]) | st.text(max_size=4),
+    st.sampled_from(
+        [
+            "<L>",
+            "<R>",
+            "<R>x",
+            "word",
+            "<N>",
+            "<|a|>",
+            "<|b|>",
+            "<s>",
+            "</s>",
+            " ",
+            "\n",
+            "  ",
+            "a",
+            "words",
+            "é",
+            "😀",
+            "<",
+            ">",
+            "|",
+        ]
+    )
+    | st.text(max_size=4),
     max_size=14,
 ).map("".join)
 
@@ -523,7 +593,20 @@ def test_encode_prompt_array_forms(llama_tok: RequestTokenizer, llama_hf: Any) -
     # JSON true/false among integer ids count as 1/0, as pydantic validates vLLM's request.
     mixed = [7, True, False]
     assert llama_tok.encode_prompt(mixed) == llama_tok.encode_prompt_array(mixed).tolist() == [7, 1, 0]
-    bad_prompts = ([], [1, "a"], [1, "2"], [1, 2.5], [1, None], [1, [2]], [1, 2**63], [True, 2], 3.5, None, [None], b"ab")
+    bad_prompts = (
+        [],
+        [1, "a"],
+        [1, "2"],
+        [1, 2.5],
+        [1, None],
+        [1, [2]],
+        [1, 2**63],
+        [True, 2],
+        3.5,
+        None,
+        [None],
+        b"ab",
+    )
     for bad in bad_prompts:
         with pytest.raises(ValueError):
             llama_tok.encode_prompt_array(bad)  # type: ignore[arg-type]

@@ -26,8 +26,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers import processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "default"

@@ -113,5 +113,5 @@ class Policy(ABC):
     def choose(self, request: RouteRequest, candidates: Sequence[BackendView]) -> Decision:
         """Pick one of ``candidates`` (never empty: healthy backends serving the model)."""
 
-    def forget_backend(self, url: str) -> None:
+    def forget_backend(self, url: str) -> None:  # noqa: B027 (a hook: stateless policies keep nothing)
         """Drop any state about a backend that left the pool."""

@@ -240,9 +240,7 @@ class WorkingSets:
         """``(tokens, conversations)`` counted on ``backend``."""
         return self._tokens.get(backend, 0), len(self._members.get(backend, ()))
 
-    def find(
-        self, session_key: str | None, hashes: Sequence[int], shared_tokens: int
-    ) -> Conversation | None:
+    def find(self, session_key: str | None, hashes: Sequence[int], shared_tokens: int) -> Conversation | None:
         """The conversation this request continues, or a new one (recorded by :meth:`record`).
 
         ``hashes`` are the prompt's block hashes; ``shared_tokens`` the longest prefix any
@@ -504,8 +502,15 @@ class CacheAware(Policy):
 
 
 def _terms(
-    backend: BackendView, matched: int, prompt: int, queued: float, weight: float, plain: float, stay: float,
-    cost: float, over: bool,
+    backend: BackendView,
+    matched: int,
+    prompt: int,
+    queued: float,
+    weight: float,
+    plain: float,
+    stay: float,
+    cost: float,
+    over: bool,
 ) -> CandidateCost:
     """One candidate's cost terms for the explanation (rounded: a log line, not a ledger)."""
     return CandidateCost(

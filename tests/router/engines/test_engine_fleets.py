@@ -12,8 +12,9 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from tests.servers import RouterServer, SimServer, wait_until
+
 from tests.engine_apis import APIS, series, sim_options
+from tests.servers import RouterServer, SimServer, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,7 +34,9 @@ def conversation(client: Any, turns: int, *, stream: bool = False, user: str = "
             chunks = list(client.chat.completions.create(model="sim", messages=messages, max_tokens=6, stream=True))
             answer = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
         else:
-            answer = client.chat.completions.create(model="sim", messages=messages, max_tokens=6).choices[0].message.content
+            answer = (
+                client.chat.completions.create(model="sim", messages=messages, max_tokens=6).choices[0].message.content
+            )
         messages.append({"role": "assistant", "content": answer})
 
 
@@ -96,9 +99,11 @@ def test_a_mixed_fleet_sends_each_path_to_engines_that_serve_it(sim_engines: Any
         tokenize = httpx.post(router.url + "/tokenize", json={"model": "sim", "prompt": "hello"}, timeout=30)
         assert tokenize.status_code == 200 and tokenize.headers["x-kvroute-backend"] == vllm.url
     chats = {
-        router.client().chat.completions.with_raw_response.create(
+        router.client()
+        .chat.completions.with_raw_response.create(
             model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2
-        ).headers["x-kvroute-backend"]
+        )
+        .headers["x-kvroute-backend"]
         for _ in range(4)
     }
     assert chats == {vllm.url, sglang.url}
@@ -120,8 +125,12 @@ def test_configured_engines_and_a_generic_server_teach_nothing(sim_engines: Any,
 def test_a_backend_added_at_run_time_names_its_engine(sim_engines: Any, router_server: Any) -> None:
     (sglang,) = start_sims(sim_engines, "sglang", 1)
     router = router_server([], admin_token=TOKEN)
-    added = httpx.post(router.url + "/admin/backends", json={"url": sglang.url, "engine": "sglang"},
-                       headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    added = httpx.post(
+        router.url + "/admin/backends",
+        json={"url": sglang.url, "engine": "sglang"},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=30,
+    )
     assert added.status_code == 201, added.text
     assert (added.json()["engine"], added.json()["engine_source"]) == ("sglang", "configured")
     backend = router.state.pool.get(sglang.url)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from kvroute.router.fleet.engine_stats import parse_metrics
 from kvroute.router.engines import ENDPOINTS, ENGINES, EngineFacts, endpoint_for
 from kvroute.router.engines.generic import GENERIC
 from kvroute.router.engines.sglang import GENERATE, META_INFO, SGLANG, facts_from_server_info
-from kvroute.router.engines.vllm import VLLM
-from kvroute.router.http.openapi import openapi_spec
 from kvroute.router.engines.usage import OPENAI_USAGE, StreamTap, Usage, usage_from_body
+from kvroute.router.engines.vllm import VLLM
+from kvroute.router.fleet.engine_stats import parse_metrics
+from kvroute.router.http.openapi import openapi_spec
 from kvroute.tokenizer_index import RequestTokenizer
 
 
@@ -50,8 +50,11 @@ def test_meta_info_usage_in_bodies_batches_and_cumulative_streams() -> None:
     assert usage_from_body(orjson.dumps([body, {**body, "meta_info": {}}]), META_INFO) == Usage(40, 39)
     assert usage_from_body(orjson.dumps(body)) is None  # not an OpenAI usage object
     events = [
-        b"data: " + orjson.dumps({"text": "a" * n, "meta_info": {"prompt_tokens": 40, "cached_tokens": 32,
-                                                                 "completion_tokens": n}}) + b"\n\n"
+        b"data: "
+        + orjson.dumps(
+            {"text": "a" * n, "meta_info": {"prompt_tokens": 40, "cached_tokens": 32, "completion_tokens": n}}
+        )
+        + b"\n\n"
         for n in range(1, 4)
     ] + [b"data: [DONE]\n\n"]
     tap = StreamTap(strip_usage_chunk=False, usage_format=META_INFO)
@@ -69,32 +72,41 @@ def test_what_cached_tokens_mean_per_engine() -> None:
     assert SGLANG.observed(null, EngineFacts(cache_report=False)) is None
     assert SGLANG.observed(hit, EngineFacts()) == 64
     assert GENERIC.observed(hit, EngineFacts()) is None  # load only: nothing to learn from
-    assert usage_from_body(orjson.dumps({"usage": {"prompt_tokens": 5, "prompt_tokens_details": None}}),
-                           OPENAI_USAGE) == Usage(5, None)
+    assert usage_from_body(
+        orjson.dumps({"usage": {"prompt_tokens": 5, "prompt_tokens_details": None}}), OPENAI_USAGE
+    ) == Usage(5, None)
 
 
 def test_server_info_facts_old_and_new_layouts() -> None:
-    old = facts_from_server_info({"page_size": 1, "max_total_num_tokens": 500_000, "enable_cache_report": True,
-                                  "version": "0.4.6"})
+    old = facts_from_server_info(
+        {"page_size": 1, "max_total_num_tokens": 500_000, "enable_cache_report": True, "version": "0.4.6"}
+    )
     assert (old.page_size, old.capacity_tokens, old.cache_report, old.version) == (1, 500_000, True, "0.4.6")
     new = facts_from_server_info({"page_size": 64, "internal_states": [{"max_total_num_tokens": 1_000_000}]})
     assert (new.page_size, new.capacity_tokens, new.cache_report) == (64, 1_000_000, None)
 
 
 @pytest.mark.parametrize(("page_size", "block_size"), [(1, None), (16, 16), (64, 64)])
-def test_sglang_cache_info_sets_the_index_block_size_except_token_granular(page_size: int, block_size: int | None) -> None:
-    page = "\n".join([
-        "# TYPE sglang:num_running_reqs gauge",
-        'sglang:num_running_reqs{model_name="m",tp_rank="0"} 2.0',
-        "# TYPE sglang:cache_config_info gauge",
-        f'sglang:cache_config_info{{model_name="m",page_size="{page_size}",num_pages="{4096 // page_size}"}} 1.0',
-        "# TYPE sglang:cached_tokens counter",
-        'sglang:cached_tokens_total{model_name="m",cache_source="device"} 700.0',
-        'sglang:cached_tokens_total{model_name="m",cache_source="host"} 300.0',
-        'sglang:cached_tokens_total{model_name="m",cache_source="total"} 1000.0',
-        "# TYPE sglang:prompt_tokens counter",
-        'sglang:prompt_tokens_total{model_name="m"} 4000.0',
-    ]) + "\n"
+def test_sglang_cache_info_sets_the_index_block_size_except_token_granular(
+    page_size: int, block_size: int | None
+) -> None:
+    page = (
+        "\n".join(
+            [
+                "# TYPE sglang:num_running_reqs gauge",
+                'sglang:num_running_reqs{model_name="m",tp_rank="0"} 2.0',
+                "# TYPE sglang:cache_config_info gauge",
+                f'sglang:cache_config_info{{model_name="m",page_size="{page_size}",num_pages="{4096 // page_size}"}} 1.0',
+                "# TYPE sglang:cached_tokens counter",
+                'sglang:cached_tokens_total{model_name="m",cache_source="device"} 700.0',
+                'sglang:cached_tokens_total{model_name="m",cache_source="host"} 300.0',
+                'sglang:cached_tokens_total{model_name="m",cache_source="total"} 1000.0',
+                "# TYPE sglang:prompt_tokens counter",
+                'sglang:prompt_tokens_total{model_name="m"} 4000.0',
+            ]
+        )
+        + "\n"
+    )
     stats = parse_metrics(page)
     assert (stats.kind, stats.running, stats.block_size) == ("sglang", 2, block_size)
     assert stats.capacity_tokens == 4096

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,8 +17,16 @@ def sse(payload: object) -> bytes:
 
 CONTENT_EVENTS = [
     sse({"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}),
-    sse({"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": 'say "usage"'}}]}),
-    sse({"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}),
+    sse(
+        {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": 'say "usage"'}}]}
+    ),
+    sse(
+        {
+            "id": "c1",
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+        }
+    ),
 ]
 USAGE_EVENT = sse(
     {
@@ -38,7 +48,7 @@ def run_tap(tap: StreamTap, chunks: list[bytes]) -> bytes:
 
 def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({min(max(cut, 0), len(data)) for cut in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in zip(points, points[1:], strict=False) if b > a]
+    return [data[a:b] for a, b in itertools.pairwise(points) if b > a]
 
 
 @settings(max_examples=200, deadline=None)
@@ -91,14 +101,12 @@ def test_stream_without_usage_reports_none() -> None:
 
 
 def test_usage_from_bodies() -> None:
-    chat = orjson.dumps(
-        {"choices": [], "usage": {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}}}
-    )
+    chat = orjson.dumps({"choices": [], "usage": {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}}})
     assert usage_from_body(chat) == Usage(prompt_tokens=7, cached_tokens=0)
     no_details = orjson.dumps({"usage": {"prompt_tokens": 7, "prompt_tokens_details": None}})
     assert usage_from_body(no_details) == Usage(prompt_tokens=7, cached_tokens=None)
     responses_api = orjson.dumps({"usage": {"input_tokens": 9, "input_tokens_details": {"cached_tokens": 4}}})
     assert usage_from_body(responses_api) == Usage(prompt_tokens=9, cached_tokens=4)
-    assert usage_from_body(b"not json but has \"usage\"") is None
+    assert usage_from_body(b'not json but has "usage"') is None
     assert usage_from_body(b'{"usage": {"prompt_tokens": "7"}}') == Usage(prompt_tokens=None, cached_tokens=None)
     assert usage_from_body(b"{}") is None

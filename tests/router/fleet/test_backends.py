@@ -10,7 +10,6 @@ import pytest
 from kvroute.router.fleet.backends import Backend, BackendPool
 from kvroute.router.forwarding.metrics import RouterMetrics
 from kvroute.router.routing.policies.base import BackendView
-
 from tests.servers import wait_until
 
 

@@ -181,7 +181,10 @@ def test_a_retry_never_goes_to_a_backend_on_probation(sim_engines: Any, router_s
 
     def chat(session: str) -> str:
         raw = client.chat.completions.with_raw_response.create(
-            model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2, user=session,
+            model="sim",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            user=session,
         )
         return raw.headers["x-kvroute-backend"]
 

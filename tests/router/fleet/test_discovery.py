@@ -5,7 +5,6 @@ Kubernetes discovery has its own module, ``test_k8s_discovery.py`` (it needs the
 
 from __future__ import annotations
 
-from tests.paths import REPO
 import asyncio
 import os
 import subprocess
@@ -14,10 +13,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from tests.router.fleet.discovery_helpers import Changes, running, stop
 
 from kvroute.router.config import load_settings
 from kvroute.router.fleet.discovery import FileDiscovery, StaticDiscovery, build_discovery, parse_backends_file
+from tests.paths import REPO
+from tests.router.fleet.discovery_helpers import Changes, running, stop
 
 # --------------------------------------------------------------------------- files
 
@@ -102,8 +102,13 @@ sys.modules["kubernetes_asyncio"] = None
 
 def run_without_k8s_extra(script: str) -> subprocess.CompletedProcess[str]:
     code = WITHOUT_K8S_EXTRA + textwrap.dedent(script)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 def test_k8s_discovery_without_the_extra_is_a_clear_startup_error() -> None:

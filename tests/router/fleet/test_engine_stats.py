@@ -84,9 +84,16 @@ def test_parses_a_vllm_page() -> None:
     metrics.prefix_hits.inc(250)
     stats = parse_metrics(metrics.exposition().decode(), scraped_at=5.0)
     assert stats == EngineStats(
-        kind="vllm", running=3, waiting=7, kv_usage=pytest.approx(0.42), block_size=16,
-        capacity_tokens=8192, prefix_queries_tokens=1000.0, prefix_hit_tokens=250.0,
-        hit_ratio=None, scraped_at=5.0,
+        kind="vllm",
+        running=3,
+        waiting=7,
+        kv_usage=pytest.approx(0.42),
+        block_size=16,
+        capacity_tokens=8192,
+        prefix_queries_tokens=1000.0,
+        prefix_hit_tokens=250.0,
+        hit_ratio=None,
+        scraped_at=5.0,
     )
 
 
@@ -175,7 +182,9 @@ async def test_scrape_loop_keeps_backends_current_and_survives_a_dead_one(sim_en
         for _ in range(2):  # the second request hits the first one's blocks
             await complete(session, engines[0].url, list(range(64)))
         task = asyncio.create_task(
-            scrape_loop(lambda: fleet, session, interval_s=0.05, timeout_s=5.0, listeners=[lambda u, s: heard.append(u)])
+            scrape_loop(
+                lambda: fleet, session, interval_s=0.05, timeout_s=5.0, listeners=[lambda u, s: heard.append(u)]
+            )
         )
         try:
             for _ in range(400):

@@ -16,9 +16,9 @@ from typing import Any
 import openai
 import pytest
 from aiohttp import web
-from tests.servers import RouterServer, ServerLoop, SimServer
 
 from kvroute.router.fleet.probe_schedule import ProbeSchedule
+from tests.servers import RouterServer, ServerLoop, SimServer
 
 MESSAGES = [{"role": "user", "content": "Are you there?"}]
 HEALTH_INTERVAL_S = 10.0
@@ -39,9 +39,7 @@ def first_served(router: RouterServer, wanted: set[str], deadline_s: float) -> d
     served: dict[str, float] = {}
     while served.keys() != wanted and time.monotonic() < deadline:
         try:
-            response = client.chat.completions.with_raw_response.create(
-                model="sim", messages=MESSAGES, max_tokens=2
-            )
+            response = client.chat.completions.with_raw_response.create(model="sim", messages=MESSAGES, max_tokens=2)
         except openai.APIStatusError as error:  # 503 while no backend is healthy yet
             assert error.status_code == 503, error
             time.sleep(0.01)

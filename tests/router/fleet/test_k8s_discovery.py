@@ -28,13 +28,15 @@ from typing import Any
 import pytest
 import yaml
 from aiohttp import web
-from tests.servers import wait_until
-from tests.router.fleet.discovery_helpers import Changes, eventually, running, stop
 
 from kvroute.router.config import load_settings
 from kvroute.router.fleet.discovery import build_discovery
+from tests.router.fleet.discovery_helpers import Changes, eventually, running, stop
+from tests.servers import wait_until
 
-k8s = pytest.importorskip("kvroute.router.fleet.k8s_discovery", reason="the kvroute[k8s] extra (kubernetes_asyncio) is not installed")
+k8s = pytest.importorskip(
+    "kvroute.router.fleet.k8s_discovery", reason="the kvroute[k8s] extra (kubernetes_asyncio) is not installed"
+)
 from kubernetes_asyncio.client import ApiClient  # noqa: E402  (after the skip: the extra may be absent)
 
 NAMESPACE = "llm"
@@ -56,8 +58,14 @@ def endpoint(ip: str, pod: str, ready: bool | None = True, terminating: bool = F
     }
 
 
-def endpoint_slice(name: str, endpoints: list[dict[str, Any]], *, port: int = 8000, service: str = "vllm",
-                   labels: dict[str, str] | None = None) -> dict[str, Any]:
+def endpoint_slice(
+    name: str,
+    endpoints: list[dict[str, Any]],
+    *,
+    port: int = 8000,
+    service: str = "vllm",
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """An EndpointSlice object as the API returns it."""
     return {
         "kind": "EndpointSlice",
@@ -69,14 +77,22 @@ def endpoint_slice(name: str, endpoints: list[dict[str, Any]], *, port: int = 80
             "uid": f"uid-{name}",
             "generation": 1,
             "creationTimestamp": "2026-01-05T10:00:00Z",
-            "labels": labels if labels is not None else {
+            "labels": labels
+            if labels is not None
+            else {
                 "app": "vllm",
                 "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
                 "kubernetes.io/service-name": service,
             },
             "ownerReferences": [
-                {"apiVersion": "v1", "kind": "Service", "name": service, "uid": f"uid-svc-{service}",
-                 "controller": True, "blockOwnerDeletion": True}
+                {
+                    "apiVersion": "v1",
+                    "kind": "Service",
+                    "name": service,
+                    "uid": f"uid-svc-{service}",
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
             ],
         },
         "addressType": "IPv4",
@@ -86,8 +102,15 @@ def endpoint_slice(name: str, endpoints: list[dict[str, Any]], *, port: int = 80
 
 
 def status_object(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
 @dataclass
@@ -132,8 +155,14 @@ class FakeKubeAPI:
 
     def bookmark(self) -> str:
         version = self._bump()
-        event = {"type": "BOOKMARK", "object": {"kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1",
-                                                "metadata": {"resourceVersion": version}}}
+        event = {
+            "type": "BOOKMARK",
+            "object": {
+                "kind": "EndpointSlice",
+                "apiVersion": "discovery.k8s.io/v1",
+                "metadata": {"resourceVersion": version},
+            },
+        }
         for queue in self.watchers:
             queue.put_nowait(event)
         return version
@@ -160,8 +189,11 @@ class FakeKubeAPI:
 
     def _selected(self, selector: str) -> list[dict[str, Any]]:
         wanted = dict(term.split("=", 1) for term in selector.split(",") if term)
-        return [obj for obj in self.slices.values()
-                if all(obj["metadata"]["labels"].get(key) == value for key, value in wanted.items())]
+        return [
+            obj
+            for obj in self.slices.values()
+            if all(obj["metadata"]["labels"].get(key) == value for key, value in wanted.items())
+        ]
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         params = dict(request.query)
@@ -172,25 +204,34 @@ class FakeKubeAPI:
             return web.json_response(status_object(401, "Unauthorized", "Unauthorized"), status=401)
         if self.fail_next:
             code, reason = self.fail_next.pop(0)
-            message = ('endpointslices.discovery.k8s.io is forbidden: User "system:serviceaccount:llm:kvroute" '
-                       'cannot list resource "endpointslices"') if code == 403 else reason
+            message = (
+                (
+                    'endpointslices.discovery.k8s.io is forbidden: User "system:serviceaccount:llm:kvroute" '
+                    'cannot list resource "endpointslices"'
+                )
+                if code == 403
+                else reason
+            )
             return web.json_response(status_object(code, reason, message), status=code)
         if params.get("watch", "").lower() in ("1", "true"):
             return await self._watch(request, params)
         return self._list(params)
 
     def _list(self, params: dict[str, str]) -> web.Response:
-        items = [{k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}
-                 for obj in self._selected(params.get("labelSelector", ""))]
+        items = [
+            {k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}
+            for obj in self._selected(params.get("labelSelector", ""))
+        ]
         start = int(params.get("continue", "0"))
         limit = int(params.get("limit", "0")) or len(items) or 1
-        page = items[start:start + limit]
+        page = items[start : start + limit]
         metadata: dict[str, Any] = {"resourceVersion": str(self.resource_version)}
         if start + limit < len(items):
             metadata["continue"] = str(start + limit)
             metadata["remainingItemCount"] = len(items) - start - limit
-        return web.json_response({"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
-                                  "metadata": metadata, "items": page})
+        return web.json_response(
+            {"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1", "metadata": metadata, "items": page}
+        )
 
     async def _watch(self, request: web.Request, params: dict[str, str]) -> web.StreamResponse:
         since = int(params["resourceVersion"])
@@ -244,12 +285,18 @@ async def kube_api() -> AsyncIterator[tuple[FakeKubeAPI, str]]:
 def write_kubeconfig(directory: Path, server: str, user: dict[str, Any]) -> Path:
     """A kubeconfig as kubectl writes it: one cluster, one user, one current context."""
     path = directory / "kubeconfig"
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "test",
-        "clusters": [{"name": "test", "cluster": {"server": server}}],
-        "users": [{"name": "test", "user": user}],
-        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": NAMESPACE}}],
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "test",
+                "clusters": [{"name": "test", "cluster": {"server": server}}],
+                "users": [{"name": "test", "user": user}],
+                "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": NAMESPACE}}],
+            }
+        )
+    )
     return path
 
 
@@ -267,12 +314,17 @@ def token_access(url: str, tmp_path: Path) -> Any:
 
 async def test_pods_becoming_ready_unready_and_leaving(kube_api: tuple[FakeKubeAPI, str], tmp_path: Path) -> None:
     api, url = kube_api
-    api.put(endpoint_slice("vllm-7xk2p", [
-        endpoint("10.244.1.5", "vllm-0"),
-        endpoint("10.244.2.7", "vllm-1"),
-        endpoint("10.244.3.9", "vllm-2", ready=False),  # still loading the model
-        endpoint("10.244.4.2", "vllm-3", ready=False, terminating=True),
-    ]))
+    api.put(
+        endpoint_slice(
+            "vllm-7xk2p",
+            [
+                endpoint("10.244.1.5", "vllm-0"),
+                endpoint("10.244.2.7", "vllm-1"),
+                endpoint("10.244.3.9", "vllm-2", ready=False),  # still loading the model
+                endpoint("10.244.4.2", "vllm-3", ready=False, terminating=True),
+            ],
+        )
+    )
     api.put(endpoint_slice("other-abcde", [endpoint("10.244.9.9", "other-0")], labels={"app": "other"}))
     changes = Changes()
     task = await running(discovery(token_access(url, tmp_path)), changes)
@@ -282,19 +334,33 @@ async def test_pods_becoming_ready_unready_and_leaving(kube_api: tuple[FakeKubeA
         assert set(api.auth_headers) == {f"Bearer {TOKEN}"}
 
         # vllm-2 becomes ready, a new slice brings vllm-4.
-        api.put(endpoint_slice("vllm-7xk2p", [
-            endpoint("10.244.1.5", "vllm-0"), endpoint("10.244.2.7", "vllm-1"), endpoint("10.244.3.9", "vllm-2"),
-        ]))
+        api.put(
+            endpoint_slice(
+                "vllm-7xk2p",
+                [
+                    endpoint("10.244.1.5", "vllm-0"),
+                    endpoint("10.244.2.7", "vllm-1"),
+                    endpoint("10.244.3.9", "vllm-2"),
+                ],
+            )
+        )
         api.put(endpoint_slice("vllm-q9z4m", [endpoint("10.244.5.1", "vllm-4")]))
-        await changes.until({"http://10.244.1.5:8000", "http://10.244.2.7:8000",
-                             "http://10.244.3.9:8000", "http://10.244.5.1:8000"})
+        await changes.until(
+            {"http://10.244.1.5:8000", "http://10.244.2.7:8000", "http://10.244.3.9:8000", "http://10.244.5.1:8000"}
+        )
 
         # vllm-0 is terminating (ready false), vllm-1 fails its readiness probe, then the
         # second slice goes away.
-        api.put(endpoint_slice("vllm-7xk2p", [
-            endpoint("10.244.1.5", "vllm-0", ready=False, terminating=True),
-            endpoint("10.244.2.7", "vllm-1", ready=False), endpoint("10.244.3.9", "vllm-2"),
-        ]))
+        api.put(
+            endpoint_slice(
+                "vllm-7xk2p",
+                [
+                    endpoint("10.244.1.5", "vllm-0", ready=False, terminating=True),
+                    endpoint("10.244.2.7", "vllm-1", ready=False),
+                    endpoint("10.244.3.9", "vllm-2"),
+                ],
+            )
+        )
         api.delete("vllm-q9z4m")
         await changes.until({"http://10.244.3.9:8000"})
         # vllm-1 passes its probe again.
@@ -429,10 +495,13 @@ async def test_kubeconfig_exec_plugin(kube_api: tuple[FakeKubeAPI, str], tmp_pat
     """A client.authentication.k8s.io exec plugin (as EKS, GKE and OIDC logins use) supplies the token."""
     api, url = kube_api
     api.put(endpoint_slice("vllm-7xk2p", [endpoint("10.244.1.5", "vllm-0")]))
-    credential = {"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential",
-                  "status": {"token": TOKEN}}
-    plugin = {"apiVersion": "client.authentication.k8s.io/v1", "command": sys.executable,
-              "args": ["-c", f"print({json.dumps(json.dumps(credential))})"], "interactiveMode": "Never"}
+    credential = {"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential", "status": {"token": TOKEN}}
+    plugin = {
+        "apiVersion": "client.authentication.k8s.io/v1",
+        "command": sys.executable,
+        "args": ["-c", f"print({json.dumps(json.dumps(credential))})"],
+        "interactiveMode": "Never",
+    }
     access = k8s.KubernetesAccess(kubeconfig=str(write_kubeconfig(tmp_path, url, {"exec": plugin})), environ={})
     changes = Changes()
     task = await running(discovery(access), changes)
@@ -466,19 +535,24 @@ def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     certificate = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(hours=1))
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
         .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
     cert_path, key_path = directory / "apiserver.crt", directory / "apiserver.key"
     cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return cert_path, key_path
 
 
@@ -496,8 +570,9 @@ async def test_in_cluster_service_account_over_tls(tmp_path: Path) -> None:
     (account / "ca.crt").write_bytes(cert_path.read_bytes())
     (account / "namespace").write_text(NAMESPACE)
     port = url.rsplit(":", 1)[1]
-    access = k8s.KubernetesAccess(service_account_dir=account,
-                                  environ={"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": port})
+    access = k8s.KubernetesAccess(
+        service_account_dir=account, environ={"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": port}
+    )
     assert access.in_cluster
     changes = Changes()
     task = await running(discovery(access), changes)
@@ -526,17 +601,25 @@ async def test_missing_credentials_are_reported_not_fatal(kube_api: tuple[FakeKu
         await stop(task)
 
 
-async def test_build_discovery_from_settings(kube_api: tuple[FakeKubeAPI, str], monkeypatch: pytest.MonkeyPatch,
-                                             tmp_path: Path) -> None:
+async def test_build_discovery_from_settings(
+    kube_api: tuple[FakeKubeAPI, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     api, url = kube_api
     api.put(endpoint_slice("vllm-7xk2p", [endpoint("10.244.1.5", "vllm-0")], labels={"app": "engine"}))
     # The router's own process environment: a kubeconfig for the user running it.
     monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path, "https://unused.invalid", {"token": TOKEN})))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    source = build_discovery(load_settings({
-        "discovery": "k8s", "k8s_api_url": url, "k8s_namespace": NAMESPACE,
-        "k8s_selector": "app=engine", "k8s_port": 8001,
-    }))
+    source = build_discovery(
+        load_settings(
+            {
+                "discovery": "k8s",
+                "k8s_api_url": url,
+                "k8s_namespace": NAMESPACE,
+                "k8s_selector": "app=engine",
+                "k8s_port": 8001,
+            }
+        )
+    )
     assert isinstance(source, k8s.KubernetesDiscovery)
     changes = Changes()
     task = await running(source, changes)
@@ -552,8 +635,9 @@ async def test_build_discovery_from_settings(kube_api: tuple[FakeKubeAPI, str], 
 # --------------------------------------------------------------------------- the router
 
 
-def test_router_routes_to_the_pods_discovery_reports(server_loop: Any, sim_engines: Any, router_server: Any,
-                                                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_router_routes_to_the_pods_discovery_reports(
+    server_loop: Any, sim_engines: Any, router_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """The whole path: a router with ``discovery: k8s`` serves requests on the engines whose
     endpoints are ready, and follows them becoming ready and unready."""
     engines = sim_engines(2)
@@ -569,9 +653,12 @@ def test_router_routes_to_the_pods_discovery_reports(server_loop: Any, sim_engin
 
     def served_by(count: int = 4) -> set[str]:
         client = router.client()
-        return {client.chat.completions.with_raw_response.create(
-            model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2).headers["x-kvroute-backend"]
-            for _ in range(count)}
+        return {
+            client.chat.completions.with_raw_response.create(
+                model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            ).headers["x-kvroute-backend"]
+            for _ in range(count)
+        }
 
     def routable() -> set[str]:
         return {backend.url for backend in router.state.pool if backend.healthy and not backend.draining}
@@ -606,9 +693,17 @@ async def as_slice(obj: dict[str, Any]) -> Any:
 
 
 async def test_slice_urls_ports_and_address_types() -> None:
-    ipv4 = await as_slice(endpoint_slice("a", [
-        endpoint("10.0.0.1", "p0"), endpoint("10.0.0.2", "p1", ready=None), endpoint("10.0.0.3", "p2", ready=False),
-    ], port=8080))
+    ipv4 = await as_slice(
+        endpoint_slice(
+            "a",
+            [
+                endpoint("10.0.0.1", "p0"),
+                endpoint("10.0.0.2", "p1", ready=None),
+                endpoint("10.0.0.3", "p2", ready=False),
+            ],
+            port=8080,
+        )
+    )
     assert k8s.slice_backend_urls(ipv4, None) == {"http://10.0.0.1:8080", "http://10.0.0.2:8080"}
     assert k8s.slice_backend_urls(ipv4, 9000) == {"http://10.0.0.1:9000", "http://10.0.0.2:9000"}
 
@@ -616,8 +711,10 @@ async def test_slice_urls_ports_and_address_types() -> None:
     assert k8s.slice_backend_urls(ipv6, None) == {"http://[fd00:10:244::5]:8000"}
 
     named = endpoint_slice("c", [endpoint("10.0.0.4", "p0")])
-    named["ports"] = [{"name": "metrics", "protocol": "TCP", "port": 9090},
-                      {"name": "http", "protocol": "TCP", "port": 8000}]
+    named["ports"] = [
+        {"name": "metrics", "protocol": "TCP", "port": 9090},
+        {"name": "http", "protocol": "TCP", "port": 8000},
+    ]
     assert k8s.slice_backend_urls(await as_slice(named), None) == {"http://10.0.0.4:8000"}
 
     portless = {**endpoint_slice("d", [endpoint("10.0.0.5", "p0")]), "ports": None}

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from tests.servers import RouterServer, wait_until
 
-from kvroute.router.forwarding.admission import AdmissionControl
 from kvroute.router.errors import RouterError
+from kvroute.router.forwarding.admission import AdmissionControl
+from tests.servers import RouterServer, wait_until
 
 
 @dataclass
@@ -27,8 +27,12 @@ class FakeBackend:
 
 
 def control(**limits: Any) -> AdmissionControl[FakeBackend]:
-    options: dict[str, Any] = {"max_concurrency": None, "max_backend_concurrency": None, "queue_size": 8,
-                               "queue_timeout_s": 5.0}
+    options: dict[str, Any] = {
+        "max_concurrency": None,
+        "max_backend_concurrency": None,
+        "queue_size": 8,
+        "queue_timeout_s": 5.0,
+    }
     options.update(limits)
     return AdmissionControl(**options)
 
@@ -143,9 +147,14 @@ MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 def _stream_in_thread(router: RouterServer, results: list[Any], max_tokens: int) -> threading.Thread:
     def run() -> None:
         try:
-            chunks = list(router.client(timeout=60).chat.completions.create(
-                model="sim", messages=MESSAGES, max_tokens=max_tokens, stream=True,
-            ))
+            chunks = list(
+                router.client(timeout=60).chat.completions.create(
+                    model="sim",
+                    messages=MESSAGES,
+                    max_tokens=max_tokens,
+                    stream=True,
+                )
+            )
             results.append(len(chunks))
         except openai.APIStatusError as exc:
             results.append(exc)

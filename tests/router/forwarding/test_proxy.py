@@ -12,8 +12,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from tests.servers import RouterServer, SimServer, wait_until
 from tests.engine_apis import APIS, series, sim_options
+from tests.servers import RouterServer, SimServer, wait_until
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
 
@@ -198,8 +198,10 @@ def test_stream_cut_by_the_engine_ends_with_an_error_event(sim_engines: Any, rou
     for engine in engines:  # whichever the router picks cuts its stream (a health check may shift the order)
         engine.set_fault("close_mid_stream", 1)
     with httpx.stream(
-        "POST", router.v1 + "/chat/completions",
-        json={"model": "sim", "messages": MESSAGES, "max_tokens": 50, "stream": True}, timeout=30,
+        "POST",
+        router.v1 + "/chat/completions",
+        json={"model": "sim", "messages": MESSAGES, "max_tokens": 50, "stream": True},
+        timeout=30,
     ) as response:
         cut = next(engine for engine in engines if engine.url == response.headers["x-kvroute-backend"])
         body = response.read()
@@ -262,10 +264,15 @@ def test_body_bytes_and_headers_forwarded(recording_engine: Any, router_server: 
     received.clear()
     body = b'{ "model" : "rec",\n  "messages": [{"role": "user", "content": "h\\u00e9"}], "zz": 1 }'
     response = httpx.post(
-        router.v1 + "/chat/completions", content=body,
+        router.v1 + "/chat/completions",
+        content=body,
         headers={
-            "Content-Type": "application/json", "Authorization": "Bearer client-key", "X-Custom": "kept",
-            "x-kvroute-policy": "random", "Proxy-Authorization": "Basic x", "TE": "trailers",
+            "Content-Type": "application/json",
+            "Authorization": "Bearer client-key",
+            "X-Custom": "kept",
+            "x-kvroute-policy": "random",
+            "Proxy-Authorization": "Basic x",
+            "TE": "trailers",
         },
         timeout=30,
     )
@@ -285,8 +292,10 @@ def test_policy_header_passes_only_when_allowed(recording_engine: Any, router_se
     url, received = recording_engine
     router = router_server([url], allow_policy_header=True, backend_api_key="engine-secret")
     httpx.post(
-        router.v1 + "/chat/completions", json={"model": "rec", "messages": MESSAGES},
-        headers={"x-kvroute-policy": "round_robin", "Authorization": "Bearer client-key"}, timeout=30,
+        router.v1 + "/chat/completions",
+        json={"model": "rec", "messages": MESSAGES},
+        headers={"x-kvroute-policy": "round_robin", "Authorization": "Bearer client-key"},
+        timeout=30,
     )
     lower = {k.lower(): v for k, v in received[-1][0].items()}
     assert lower["x-kvroute-policy"] == "round_robin"

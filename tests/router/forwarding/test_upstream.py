@@ -80,7 +80,9 @@ async def client() -> AsyncIterator[UpstreamClient]:
 
 
 async def post(client: UpstreamClient, url: str, body: bytes = b'{"x": 1}', timeout: float = 10.0) -> tuple[int, bytes]:
-    response = await client.post(url, b"/v1/x?q=1", [(b"Content-Type", b"application/json")], body, first_byte_timeout=timeout)
+    response = await client.post(
+        url, b"/v1/x?q=1", [(b"Content-Type", b"application/json")], body, first_byte_timeout=timeout
+    )
     data = await response.read()
     response.release()
     return response.status, data

@@ -15,13 +15,19 @@ import httpx
 import openai
 import orjson
 import pytest
-from tests.servers import ServerLoop
-from tests.helpers import GREETING, assert_openai_error
 
-EVENT = orjson.dumps({
-    "id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "sim",
-    "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}],
-})
+from tests.helpers import GREETING, assert_openai_error
+from tests.servers import ServerLoop
+
+EVENT = orjson.dumps(
+    {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "sim",
+        "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}],
+    }
+)
 SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
@@ -60,7 +66,9 @@ class BrokenEngine:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line[15:]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")), 0)
+                length = next(
+                    (int(line[15:]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")), 0
+                )
                 await reader.readexactly(length)
                 if head.startswith(b"POST "):
                     self.posts += 1
@@ -99,12 +107,18 @@ def broken_engine(server_loop: ServerLoop) -> Iterator[Any]:
         server_loop.run(engine.stop())
 
 
-@pytest.mark.parametrize("answer", [
-    SSE_HEAD + b"-3\r\nabc\r\n",  # negative chunk size
-    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
-    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: gzip\r\n\r\n{}",
-], ids=["negative chunk size", "conflicting Content-Length", "gzip coding"])
-def test_malformed_answer_before_any_byte_is_an_openai_502(broken_engine: Any, router_server: Any, answer: bytes) -> None:
+@pytest.mark.parametrize(
+    "answer",
+    [
+        SSE_HEAD + b"-3\r\nabc\r\n",  # negative chunk size
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: gzip\r\n\r\n{}",
+    ],
+    ids=["negative chunk size", "conflicting Content-Length", "gzip coding"],
+)
+def test_malformed_answer_before_any_byte_is_an_openai_502(
+    broken_engine: Any, router_server: Any, answer: bytes
+) -> None:
     engine = broken_engine(answer)
     router = router_server([engine.url])
     response = httpx.post(router.v1 + "/chat/completions", json={"model": "sim", "messages": GREETING}, timeout=30)
@@ -120,8 +134,10 @@ def test_malformed_chunk_mid_stream_ends_it_with_an_error_event(broken_engine: A
     engine = broken_engine(SSE_HEAD + chunk(b"data: " + EVENT + b"\n\n"), b"5\r\nabcdeXY0\r\n\r\n")
     router = router_server([engine.url])
     with httpx.stream(
-        "POST", router.v1 + "/chat/completions",
-        json={"model": "sim", "messages": GREETING, "stream": True}, timeout=30,
+        "POST",
+        router.v1 + "/chat/completions",
+        json={"model": "sim", "messages": GREETING, "stream": True},
+        timeout=30,
     ) as response:
         assert response.status_code == 200
         body = response.read()

@@ -31,8 +31,13 @@ def test_admin_paths_do_not_exist_without_a_token(sim_engines: Any, router_serve
 
 @pytest.mark.parametrize(
     "headers",
-    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"},
-     {"Authorization": f"Bearer {TOKEN}x"}],
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": TOKEN},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": f"Bearer {TOKEN}x"},
+    ],
     ids=["none", "wrong", "no-scheme", "basic", "longer"],
 )
 def test_admin_needs_the_bearer_token(headers: dict[str, str], sim_engines: Any, router_server: Any) -> None:
@@ -57,8 +62,12 @@ def test_list_add_and_remove(sim_engines: Any, router_server: Any) -> None:
     assert admin(router, "POST", content=b"{broken").status_code == 400
 
     client = router.client()
-    seen = {client.chat.completions.with_raw_response.create(model="sim", messages=MESSAGES, max_tokens=2)
-            .headers["x-kvroute-backend"] for _ in range(4)}
+    seen = {
+        client.chat.completions.with_raw_response.create(model="sim", messages=MESSAGES, max_tokens=2).headers[
+            "x-kvroute-backend"
+        ]
+        for _ in range(4)
+    }
     assert seen == {first.url, second.url}
 
     removed = admin(router, "DELETE", json={"url": first.url})
@@ -66,8 +75,12 @@ def test_list_add_and_remove(sim_engines: Any, router_server: Any) -> None:
     assert admin(router, "DELETE", params={"url": first.url}).status_code == 404
     assert [b["url"] for b in admin(router, "GET").json()["backends"]] == [second.url]
     assert first.url not in httpx.get(router.url + "/metrics", timeout=30).text  # no leaked series
-    assert {client.chat.completions.with_raw_response.create(model="sim", messages=MESSAGES, max_tokens=2)
-            .headers["x-kvroute-backend"] for _ in range(3)} == {second.url}
+    assert {
+        client.chat.completions.with_raw_response.create(model="sim", messages=MESSAGES, max_tokens=2).headers[
+            "x-kvroute-backend"
+        ]
+        for _ in range(3)
+    } == {second.url}
 
 
 def test_adding_an_unreachable_backend_keeps_it_unhealthy(router_server: Any) -> None:
@@ -130,7 +143,7 @@ def test_concurrent_admin_calls_and_traffic(sim_engines: Any, router_server: Any
         try:
             for _ in range(20):
                 client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=2)
-        except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+        except BaseException as exc:
             errors.append(exc)
 
     worker = threading.Thread(target=traffic)

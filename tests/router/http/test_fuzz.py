@@ -13,13 +13,13 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from tests.servers import RouterServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import negative_data_rejection, positive_data_acceptance
 
 from kvroute.benchmarks.fuzz import FuzzCase, FuzzStats, fuzz_cases, judge
+from tests.servers import RouterServer
 
 pytestmark = pytest.mark.timeout(600)
 

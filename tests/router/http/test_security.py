@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from tests.servers import wait_until
-from tests.helpers import assert_openai_error
 
 from kvroute.router.http.security import SecretRedactor, TokenBucketLimiter
+from tests.helpers import assert_openai_error
+from tests.servers import wait_until
 
 
 class Clock:
@@ -56,8 +56,9 @@ def test_a_slow_rate_still_allows_one_request() -> None:
 
 # --- log redaction ------------------------------------------------------------------------
 def _formatted(redactor: SecretRedactor, message: str, *args: Any, exc: BaseException | None = None) -> str:
-    record = logging.LogRecord("kvroute", logging.DEBUG, __file__, 1, message, args,
-                               (type(exc), exc, exc.__traceback__) if exc else None)
+    record = logging.LogRecord(
+        "kvroute", logging.DEBUG, __file__, 1, message, args, (type(exc), exc, exc.__traceback__) if exc else None
+    )
     assert redactor.filter(record)
     return logging.Formatter("%(message)s").format(record)
 
@@ -65,8 +66,12 @@ def _formatted(redactor: SecretRedactor, message: str, *args: Any, exc: BaseExce
 def test_redactor_blanks_secrets_tokens_and_url_credentials() -> None:
     redactor = SecretRedactor(["admin-s3cret-token", "sk-client-key-1", "x"])
     line = _formatted(
-        redactor, "auth %s from %s to %s key=%s", "Bearer sk-unknown-token", "admin-s3cret-token",
-        "http://user:pa55word@10.0.0.5:8000/v1", "sk-client-key-1",
+        redactor,
+        "auth %s from %s to %s key=%s",
+        "Bearer sk-unknown-token",
+        "admin-s3cret-token",
+        "http://user:pa55word@10.0.0.5:8000/v1",
+        "sk-client-key-1",
     )
     for secret in ("sk-unknown-token", "admin-s3cret-token", "pa55word", "user:", "sk-client-key-1"):
         assert secret not in line, line
@@ -102,16 +107,25 @@ def _headers(received: list[tuple[dict[str, str], bytes]], path_hint: bytes = b"
 
 def test_admin_api_does_not_exist_without_a_token(sim_engines: Any, router_server: Any) -> None:
     router = router_server(sim_engines(1))
-    for method, path in (("GET", "/admin/backends"), ("POST", "/admin/backends"), ("DELETE", "/admin/backends"),
-                         ("POST", "/admin/backends/drain")):
+    for method, path in (
+        ("GET", "/admin/backends"),
+        ("POST", "/admin/backends"),
+        ("DELETE", "/admin/backends"),
+        ("POST", "/admin/backends/drain"),
+    ):
         response = httpx.request(method, router.url + path, headers={"Authorization": "Bearer x"}, timeout=30)
         assert_openai_error(response, 404)
 
 
 def test_admin_api_needs_the_bearer_token(sim_engines: Any, router_server: Any) -> None:
     router = router_server(sim_engines(1), admin_token=ADMIN_TOKEN)
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ADMIN_TOKEN},
-                    {"Authorization": f"Basic {ADMIN_TOKEN}"}, {"Authorization": f"Bearer {ADMIN_TOKEN}x"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": ADMIN_TOKEN},
+        {"Authorization": f"Basic {ADMIN_TOKEN}"},
+        {"Authorization": f"Bearer {ADMIN_TOKEN}x"},
+    ):
         response = httpx.get(router.url + "/admin/backends", headers=headers, timeout=30)
         error = assert_openai_error(response, 401, "invalid_admin_token")
         assert error["type"] == "authentication_error"
@@ -120,14 +134,13 @@ def test_admin_api_needs_the_bearer_token(sim_engines: Any, router_server: Any) 
     assert ok.status_code == 200 and len(ok.json()["backends"]) == 1
 
 
-def test_client_api_keys_guard_the_api_but_not_health_metrics_or_the_spec(
-    sim_engines: Any, router_server: Any
-) -> None:
+def test_client_api_keys_guard_the_api_but_not_health_metrics_or_the_spec(sim_engines: Any, router_server: Any) -> None:
     router = router_server(sim_engines(1), api_keys=CLIENT_KEYS)
     for key in (None, "wrong-key", CLIENT_KEYS[0] + "x"):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        response = httpx.post(router.v1 + "/chat/completions", json={"model": "sim", "messages": MESSAGES},
-                              headers=headers, timeout=30)
+        response = httpx.post(
+            router.v1 + "/chat/completions", json={"model": "sim", "messages": MESSAGES}, headers=headers, timeout=30
+        )
         assert_openai_error(response, 401, "invalid_api_key")
         assert_openai_error(httpx.get(router.v1 + "/models", headers=headers, timeout=30), 401)
     for key in CLIENT_KEYS:
@@ -143,8 +156,12 @@ def test_client_api_keys_guard_the_api_but_not_health_metrics_or_the_spec(
 def test_backend_api_key_replaces_the_clients_authorization(recording_engine: Any, router_server: Any) -> None:
     url, received = recording_engine
     router = router_server([url], backend_api_key=ENGINE_KEY)
-    httpx.post(router.v1 + "/chat/completions", json={"model": "rec", "messages": MESSAGES},
-               headers={"Authorization": "Bearer the-clients-own-key"}, timeout=30)
+    httpx.post(
+        router.v1 + "/chat/completions",
+        json={"model": "rec", "messages": MESSAGES},
+        headers={"Authorization": "Bearer the-clients-own-key"},
+        timeout=30,
+    )
     forwarded = _headers(received)
     assert forwarded["authorization"] == f"Bearer {ENGINE_KEY}"
     assert "the-clients-own-key" not in str(received)
@@ -156,8 +173,12 @@ def test_backend_api_key_replaces_the_clients_authorization(recording_engine: An
 def test_a_backends_own_api_key_wins(recording_engine: Any, router_server: Any) -> None:
     url, received = recording_engine
     router = router_server([], backend_api_key=ENGINE_KEY, admin_token=ADMIN_TOKEN)
-    added = httpx.post(router.url + "/admin/backends", json={"url": url, "api_key": "per-backend-key-0004"},
-                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+    added = httpx.post(
+        router.url + "/admin/backends",
+        json={"url": url, "api_key": "per-backend-key-0004"},
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        timeout=30,
+    )
     assert added.status_code == 201 and "api_key" not in added.json(), "the admin API never shows a key"
     httpx.post(router.v1 + "/chat/completions", json={"model": "rec", "messages": MESSAGES}, timeout=30)
     assert _headers(received)["authorization"] == "Bearer per-backend-key-0004"
@@ -167,11 +188,17 @@ def test_clients_cannot_spoof_routing_or_hop_by_hop_headers(recording_engine: An
     url, received = recording_engine
     router = router_server([url], policy="round_robin")
     response = httpx.post(
-        router.v1 + "/chat/completions", json={"model": "rec", "messages": MESSAGES},
+        router.v1 + "/chat/completions",
+        json={"model": "rec", "messages": MESSAGES},
         headers={
-            "x-kvroute-policy": "random", "x-kvroute-backend": "http://evil.example:1",
-            "X-KVRoute-Reason": "spoofed", "Connection": "keep-alive, X-Hop-Secret", "X-Hop-Secret": "private",
-            "Keep-Alive": "timeout=5", "Upgrade": "h2c", "X-Kept": "yes",
+            "x-kvroute-policy": "random",
+            "x-kvroute-backend": "http://evil.example:1",
+            "X-KVRoute-Reason": "spoofed",
+            "Connection": "keep-alive, X-Hop-Secret",
+            "X-Hop-Secret": "private",
+            "Keep-Alive": "timeout=5",
+            "Upgrade": "h2c",
+            "X-Kept": "yes",
         },
         timeout=30,
     )
@@ -188,7 +215,10 @@ def test_the_policy_header_works_only_when_allowed(sim_engines: Any, router_serv
     sims = sim_engines(2)
     allowed = router_server(sims, policy="round_robin", allow_policy_header=True)
     raw = allowed.client().chat.completions.with_raw_response.create(
-        model="sim", messages=MESSAGES, max_tokens=2, extra_headers={"x-kvroute-policy": "least_load"},
+        model="sim",
+        messages=MESSAGES,
+        max_tokens=2,
+        extra_headers={"x-kvroute-policy": "least_load"},
     )
     assert raw.headers["x-kvroute-policy"] == "least_load"
 
@@ -230,8 +260,12 @@ def test_admin_refuses_backends_outside_the_allowed_networks(
     (sim,) = sim_engines(1)
     router = router_server([], admin_token=ADMIN_TOKEN, admin_allowed_networks=networks)
     url = sim.url.replace("127.0.0.1", host)
-    response = httpx.post(router.url + "/admin/backends", json={"url": url},
-                          headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+    response = httpx.post(
+        router.url + "/admin/backends",
+        json={"url": url},
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        timeout=30,
+    )
     assert response.status_code == status, response.text
     if status == 403:
         assert_openai_error(response, 403, "backend_not_allowed")
@@ -262,8 +296,11 @@ def _exercise_every_path(router_url: str, sim_url: str, dead_url: str) -> None:
     # An oversized Authorization header: aiohttp's own log line would quote its bytes.
     host, port = router_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as raw:
-        raw.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer presented-wrong-key-0005"
-                    + b"z" * 20_000 + b"\r\n\r\n")
+        raw.sendall(
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer presented-wrong-key-0005"
+            + b"z" * 20_000
+            + b"\r\n\r\n"
+        )
         raw.recv(65536)
 
 
@@ -273,8 +310,15 @@ def test_secrets_are_not_logged_at_debug(
     """In-process, with no redaction filter: the code itself never logs a secret."""
     (sim, spare) = sim_engines(2)
     caplog.set_level(logging.DEBUG)
-    router = router_server([sim], admin_token=ADMIN_TOKEN, api_keys=CLIENT_KEYS, backend_api_key=ENGINE_KEY,
-                           decision_log=True, log_level="debug", max_header_bytes=8192)
+    router = router_server(
+        [sim],
+        admin_token=ADMIN_TOKEN,
+        api_keys=CLIENT_KEYS,
+        backend_api_key=ENGINE_KEY,
+        decision_log=True,
+        log_level="debug",
+        max_header_bytes=8192,
+    )
     spare.stop()
     _exercise_every_path(router.url, sim.url + "/", spare.url)
     text = caplog.text
@@ -291,11 +335,33 @@ def test_kvroute_serve_logs_no_secrets(sim_engines: Any, tmp_path: Any) -> None:
     log_path = tmp_path / "kvroute.log"
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvroute.router.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--backend", sim.url, "--policy", "round_robin", "--log-level", "debug", "--decision-log",
-             "--admin-token", ADMIN_TOKEN, "--api-keys", ",".join(CLIENT_KEYS),
-             "--backend-api-key", ENGINE_KEY, "--max-header-bytes", "8192"],
-            stdout=log_file, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "kvroute.router.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--backend",
+                sim.url,
+                "--policy",
+                "round_robin",
+                "--log-level",
+                "debug",
+                "--decision-log",
+                "--admin-token",
+                ADMIN_TOKEN,
+                "--api-keys",
+                ",".join(CLIENT_KEYS),
+                "--backend-api-key",
+                ENGINE_KEY,
+                "--max-header-bytes",
+                "8192",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
         )
         try:
             url = f"http://127.0.0.1:{port}"

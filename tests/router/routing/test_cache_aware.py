@@ -31,11 +31,15 @@ def backends(count: int, capacity: int | None = None) -> list[Backend]:
     return [Backend(f"http://b{i}", capacity_tokens=capacity) for i in range(count)]
 
 
-def request(prompt: int, matched: dict[str, int] | None = None, conversation: Conversation | None = None,
-            output: int = 16) -> CacheRequest:
+def request(
+    prompt: int, matched: dict[str, int] | None = None, conversation: Conversation | None = None, output: int = 16
+) -> CacheRequest:
     return CacheRequest(
-        endpoint="/v1/chat/completions", prompt_tokens=prompt, matched_tokens=matched or {},
-        expected_output_tokens=output, conversation=conversation,
+        endpoint="/v1/chat/completions",
+        prompt_tokens=prompt,
+        matched_tokens=matched or {},
+        expected_output_tokens=output,
+        conversation=conversation,
     )
 
 
@@ -44,6 +48,7 @@ def policy(working_sets: WorkingSets | None = None, **options: float) -> CacheAw
 
 
 # --- the cost: match against load --------------------------------------------------------
+
 
 def test_cold_prompts_spread_evenly_and_never_pile_on_the_first_replica() -> None:
     fleet = backends(4)
@@ -215,6 +220,7 @@ def test_bounded_load_test() -> None:
 
 # --- capacity-aware placement -----------------------------------------------------------
 
+
 def test_thrash_loss_model() -> None:
     assert thrash_loss(10_000, 4, None) == 0
     assert thrash_loss(10_000, 4, 10_000) == 0
@@ -248,9 +254,7 @@ def test_capacity_term_can_beat_a_shared_prefix_match() -> None:
         _settle(working_sets, key, "http://b0", 3000)
     newcomer = working_sets.find("new", [], 0)
     # b0 holds a 1000-token system prompt; continuing there would evict 3 x 2000 tokens a round.
-    decision = CacheAware(working_sets).choose(
-        request(3000, {"http://b0": 1000}, conversation=newcomer), fleet
-    )
+    decision = CacheAware(working_sets).choose(request(3000, {"http://b0": 1000}, conversation=newcomer), fleet)
     assert (decision.backend, decision.reason) == ("http://b1", "capacity")
 
 
@@ -262,9 +266,7 @@ def test_conversation_that_outgrew_its_backend_moves_once_relief_pays() -> None:
         _settle(working_sets, key, "http://b0", 3000)  # b0: 12K of 10K, loses 8K a round
     assert working_sets.demand("http://b0") == (12_000, 4)
     # Its history is mostly gone from b0 already (LRU); staying would keep b0 thrashing.
-    decision = CacheAware(working_sets).choose(
-        request(3200, {"http://b0": 1000}, conversation=mover), fleet
-    )
+    decision = CacheAware(working_sets).choose(request(3200, {"http://b0": 1000}, conversation=mover), fleet)
     assert (decision.backend, decision.reason) == ("http://b1", "capacity")
 
 
@@ -291,6 +293,7 @@ def test_conversations_that_fit_nowhere_gather_on_a_backend_that_thrashes_anyway
 
 
 # --- the conversation ledger -------------------------------------------------------------
+
 
 def test_derived_conversation_is_found_by_its_previous_last_block() -> None:
     working_sets = WorkingSets()

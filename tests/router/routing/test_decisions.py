@@ -10,14 +10,25 @@ import httpx
 import orjson
 import pytest
 
-from tests.servers import wait_until
-from kvroute.router.fleet.backends import Backend
 from kvroute.router.config import Settings
+from kvroute.router.fleet.backends import Backend
 from kvroute.router.routing.routing_engine import RoutingEngine
+from tests.servers import wait_until
 
 TOKEN = "decisions-admin-token-0123456789"
 SYSTEM = " ".join(f"rule {n}: keep the answer short and exact." for n in range(60))
-TERMS = {"backend", "matched_tokens", "prefill", "queued_tokens", "queue", "capacity", "stay", "cost", "in_flight", "over_bound"}
+TERMS = {
+    "backend",
+    "matched_tokens",
+    "prefill",
+    "queued_tokens",
+    "queue",
+    "capacity",
+    "stay",
+    "cost",
+    "in_flight",
+    "over_bound",
+}
 
 
 def converse(router: Any, session: str, turns: int) -> list[Any]:

@@ -160,7 +160,9 @@ def test_malformed_payload_keeps_its_sequence_number() -> None:
 
 def test_hashes_as_bytes_fold_to_the_int_vllm_would_send() -> None:
     digest = bytes(range(32))
-    batch = KVEventDecoder().decode_payload(0, ENCODE([1.0, [stored_map(block_hashes=[digest, 5], parent_block_hash=digest)], 0]))
+    batch = KVEventDecoder().decode_payload(
+        0, ENCODE([1.0, [stored_map(block_hashes=[digest, 5], parent_block_hash=digest)], 0])
+    )
     (stored,) = batch.events
     assert isinstance(stored, BlockStored)
     assert engine_hash(stored.block_hashes[0]) == int.from_bytes(digest[-8:], "big")
@@ -201,8 +203,11 @@ async def test_replay_answers_with_or_without_the_topic_frame(with_topic: bool) 
         await router_socket.send_multipart([*end, (-1).to_bytes(8, "big", signed=True), b""])
 
     subscriber = KVEventSubscriber(
-        "http://engine", "tcp://127.0.0.1:1", sink=None,  # type: ignore[arg-type]
-        replay_endpoint=f"tcp://127.0.0.1:{port}", context=ctx,
+        "http://engine",
+        "tcp://127.0.0.1:1",
+        sink=None,  # type: ignore[arg-type]
+        replay_endpoint=f"tcp://127.0.0.1:{port}",
+        context=ctx,
     )
     try:
         server = asyncio.create_task(serve_one_replay())

@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from tests.servers import RouterServer
 
 from kvroute.router.routing.peer_exchange import ByteBudget, Placement, decode, encode
+from tests.servers import RouterServer
 
 SYSTEM = "You are a careful assistant who answers questions about routing. " * 30
 
@@ -23,7 +23,10 @@ def test_a_placement_survives_the_wire() -> None:
         placement = Placement("http://10.0.0.7:8000/serving", 32, hashes, 4000, key)
         back = decode(encode(placement))
         assert (back.backend, back.block_size, back.prompt_tokens, back.session_key) == (
-            "http://10.0.0.7:8000/serving", 32, 4000, key
+            "http://10.0.0.7:8000/serving",
+            32,
+            4000,
+            key,
         )
         assert back.hashes.dtype == np.uint64 and back.hashes.tolist() == hashes.tolist()
 

@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from kvroute.router.fleet.backends import Backend
 from kvroute.router.config import POLICY_NAMES, Settings
+from kvroute.router.fleet.backends import Backend
 from kvroute.router.routing.policies import (
     CacheAware,
     LeastLoad,

@@ -22,8 +22,8 @@ import numpy as np
 import openai
 import pytest
 
-from kvroute.router.fleet.backends import Backend
 from kvroute.router.config import Settings
+from kvroute.router.fleet.backends import Backend
 from kvroute.router.routing.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -76,7 +76,9 @@ def precise_index(*backends: str, **options: Any) -> PreciseIndex:
     return index
 
 
-def matched(index: PreciseIndex, prompt: Sequence[int], approximate: dict[str, int] | None = None, **key: Any) -> dict[str, int]:
+def matched(
+    index: PreciseIndex, prompt: Sequence[int], approximate: dict[str, int] | None = None, **key: Any
+) -> dict[str, int]:
     return index.match(index.prepare(prompt, **key), approximate or {})
 
 
@@ -356,7 +358,9 @@ def evented_sims(sim_engines: Callable[..., list[SimServer]]) -> Callable[..., l
     """Factory: ``evented_sims(n, **SimEngineConfig fields)``; fixed ``events_port``,
     ``replay_port`` and ``port`` bring a stopped engine back at the same addresses."""
 
-    def start(n: int = 1, events_port: int | None = None, replay_port: int | None = None, **options: Any) -> list[EventedSim]:
+    def start(
+        n: int = 1, events_port: int | None = None, replay_port: int | None = None, **options: Any
+    ) -> list[EventedSim]:
         sims = []
         for _ in range(n):
             port, replay = events_port or free_port(), replay_port or free_port()

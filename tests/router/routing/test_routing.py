@@ -12,8 +12,8 @@ import httpx
 import openai
 import orjson
 
-from kvroute.router.fleet.backends import Backend
 from kvroute.router.config import Settings
+from kvroute.router.fleet.backends import Backend
 from kvroute.router.fleet.engine_stats import EngineStats
 from kvroute.router.routing.request_info import ENDPOINTS, parse_request
 from kvroute.router.routing.routing_engine import RoutePlan, RoutingEngine
@@ -47,6 +47,7 @@ def served(engine: RoutingEngine, body: dict[str, Any], backends: list[Backend],
 
 
 # --- the engine on its own ----------------------------------------------------------------
+
 
 def test_a_conversation_stays_where_its_history_is_and_the_prediction_is_exact() -> None:
     engine = RoutingEngine(Settings(policy="cache_aware"))
@@ -172,7 +173,9 @@ def test_a_shortfall_with_unknown_capacity_corrects_nothing() -> None:
     plan = route(engine, chat("q", "a", "q2"), backends)
     engine.observe(plan, 0)
     assert (engine.feedback.drifts, engine.feedback.capacity_corrections) == (1, 0)
-    assert route(engine, chat("q", "a", "q2", "b", "q3"), backends).predicted_cached_tokens > plan.predicted_cached_tokens
+    assert (
+        route(engine, chat("q", "a", "q2", "b", "q3"), backends).predicted_cached_tokens > plan.predicted_cached_tokens
+    )
 
 
 def test_siblings_behind_a_request_still_in_flight_are_no_evidence_of_drift() -> None:
@@ -222,8 +225,15 @@ def test_the_proxys_parse_stands_in_for_reading_the_body_again() -> None:
             served(engine, chat("shared"), backends)
             plans.append(engine.route(CHAT, body, headers, backends, parsed=given))
         by_body, by_parse = (
-            (plan.backend, plan.reason, plan.predicted_cached_tokens, plan.request.session_key,
-             plan.request.expected_output_tokens, plan.request.prompt_tokens, plan.request.conversation.key)
+            (
+                plan.backend,
+                plan.reason,
+                plan.predicted_cached_tokens,
+                plan.request.session_key,
+                plan.request.expected_output_tokens,
+                plan.request.prompt_tokens,
+                plan.request.conversation.key,
+            )
             for plan in plans
         )
         assert by_body == by_parse
@@ -361,15 +371,25 @@ async def test_overload_diverts_and_affinity_returns(sim_engines: Factory, route
         return raw.headers
 
     home = (await send(base, 2))["x-kvroute-backend"]
-    burst = [send([*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": f"part {n}"}], 40)
-             for n in range(10)]
+    burst = [
+        send([*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": f"part {n}"}], 40)
+        for n in range(10)
+    ]
     results = await asyncio.gather(*burst)
     reasons = Counter(h["x-kvroute-reason"] for h in results)
     backends = Counter(h["x-kvroute-backend"] for h in results)
     assert reasons["overload"] >= 1 and backends[home] >= 4, (reasons, backends)
     # The burst is over: the longest history is on `home` again and affinity decides.
-    after = await send([*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "part 0"},
-                        {"role": "assistant", "content": "done"}, {"role": "user", "content": "next"}], 2)
+    after = await send(
+        [
+            *base,
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "part 0"},
+            {"role": "assistant", "content": "done"},
+            {"role": "user", "content": "next"},
+        ],
+        2,
+    )
     assert (after["x-kvroute-backend"], after["x-kvroute-reason"]) == (home, "prefix_match")
     await client.close()
 
@@ -380,13 +400,22 @@ def test_sticky_keeps_sessions_and_survives_a_backend_removal(sim_engines: Facto
     client = router.client()
     homes = {}
     for session in range(12):
-        seen = {ask(client, [{"role": "user", "content": f"s{session} q{n}"}], **{"x-session-id": f"s{session}"})[1]
-                ["x-kvroute-backend"] for n in range(3)}
+        seen = {
+            ask(client, [{"role": "user", "content": f"s{session} q{n}"}], **{"x-session-id": f"s{session}"})[1][
+                "x-kvroute-backend"
+            ]
+            for n in range(3)
+        }
         assert len(seen) == 1
         homes[session] = seen.pop()
     gone = homes[0]
-    httpx.request("DELETE", router.url + "/admin/backends", params={"url": gone},
-                  headers={"Authorization": "Bearer secret"}, timeout=30).raise_for_status()
+    httpx.request(
+        "DELETE",
+        router.url + "/admin/backends",
+        params={"url": gone},
+        headers={"Authorization": "Bearer secret"},
+        timeout=30,
+    ).raise_for_status()
     for session, home in homes.items():
         _, headers = ask(client, [{"role": "user", "content": f"s{session} again"}], **{"x-session-id": f"s{session}"})
         if home == gone:
@@ -402,8 +431,11 @@ def test_ab_split_is_stable_and_labelled_in_headers_and_metrics(sim_engines: Fac
     labels: dict[int, set[str]] = {}
     for session in range(16):
         for turn in range(2):
-            _, headers = ask(client, [{"role": "user", "content": f"session {session} turn {turn}"}],
-                             **{"x-session-id": f"user-{session}"})
+            _, headers = ask(
+                client,
+                [{"role": "user", "content": f"session {session} turn {turn}"}],
+                **{"x-session-id": f"user-{session}"},
+            )
             labels.setdefault(session, set()).add(headers["x-kvroute-policy"])
     assert all(len(policies) == 1 for policies in labels.values())
     assert set().union(*labels.values()) == {"cache_aware", "round_robin"}
@@ -412,7 +444,9 @@ def test_ab_split_is_stable_and_labelled_in_headers_and_metrics(sim_engines: Fac
     assert scrape.value("kvroute_routing_decisions_total") == 32
 
 
-def test_predicted_and_observed_tokens_equal_the_engines_own_counters(sim_engines: Factory, router_server: Factory) -> None:
+def test_predicted_and_observed_tokens_equal_the_engines_own_counters(
+    sim_engines: Factory, router_server: Factory
+) -> None:
     engines = sim_engines(3)
     router = router_server(engines, policy="cache_aware")
     client = router.client()
@@ -431,7 +465,9 @@ def test_predicted_and_observed_tokens_equal_the_engines_own_counters(sim_engine
     assert mine.value("kvroute_predicted_cached_tokens_total") == hits
 
 
-def test_an_engine_smaller_than_configured_shrinks_the_routers_model(sim_engines: Factory, router_server: Factory) -> None:
+def test_an_engine_smaller_than_configured_shrinks_the_routers_model(
+    sim_engines: Factory, router_server: Factory
+) -> None:
     """A sim engine of 2,048 tokens behind a router told 16,384: its shortfalls shrink the
     index towards what the engine really holds, and the next turn still finds the whole
     prompt the engine just computed."""

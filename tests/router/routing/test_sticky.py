@@ -82,8 +82,7 @@ def test_a_new_backend_does_not_steal_existing_sessions() -> None:
 def test_requests_without_a_session_key_are_routed_cache_aware() -> None:
     fleet = backends(2)
     policy = sticky()
-    request = RouteRequest(endpoint="/v1/chat/completions", prompt_tokens=4000,
-                           matched_tokens={"http://b1": 3900})
+    request = RouteRequest(endpoint="/v1/chat/completions", prompt_tokens=4000, matched_tokens={"http://b1": 3900})
     decision = policy.choose(request, fleet)
     assert (decision.backend, decision.reason) == ("http://b1", "prefix_match")
 
