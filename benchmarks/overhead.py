@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import itertools
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import asdict, dataclass
@@ -471,9 +474,20 @@ class Target:
 
 
 def baseline_env(tree: Path) -> dict[str, str]:
-    """The environment that runs ``python -m kvroute.router.cli`` from ``tree``: its path first, and
-    not the working directory's (``-m`` would put the current checkout before it)."""
-    return {"PYTHONPATH": str(tree.resolve()), "PYTHONSAFEPATH": "1"}
+    """The environment that runs ``python -m kvroute.router.cli`` from ``tree``.
+
+    This checkout is installed as ``kvroute.*`` through a package-dir mapping, which would
+    win over ``tree``; a ``kvroute/`` directory of symlinks to ``tree``'s folders on
+    ``PYTHONPATH`` comes first instead. ``tree`` itself follows it, for checkouts from before
+    the namespace whose modules import ``router.*``. ``PYTHONSAFEPATH``: ``-m`` would put the
+    working directory (this checkout) before both."""
+    tree = tree.resolve()
+    layout = Path(tempfile.mkdtemp(prefix="kvroute-baseline-"))
+    atexit.register(shutil.rmtree, layout, ignore_errors=True)
+    (layout / "kvroute").mkdir()
+    for folder in ("router", "tokenizer_index", "benchmarks"):
+        (layout / "kvroute" / folder).symlink_to(tree / folder)
+    return {"PYTHONPATH": f"{layout}{os.pathsep}{tree}", "PYTHONSAFEPATH": "1"}
 
 
 def offered_rate(runs: dict[RunKey, list[LoadRun]], fraction: float) -> float:

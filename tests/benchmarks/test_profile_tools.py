@@ -82,8 +82,11 @@ def test_stage_timers_name_functions_that_exist() -> None:
         assert callable(owner)
 
 
-def test_a_baseline_tree_is_what_python_m_runs(tmp_path) -> None:
-    """``python -m`` from the checkout puts the checkout first; the baseline env must not."""
+@pytest.mark.parametrize("module", ["kvroute.router.whoami", "router.whoami"])
+def test_a_baseline_tree_is_what_python_m_runs(tmp_path, module: str) -> None:
+    """``python -m`` from the checkout puts the checkout first, and the editable install maps
+    ``kvroute.*`` to it; the baseline env must run the baseline tree's code under both the
+    namespace and (checkouts from before it) the bare folder names."""
     import os
     import subprocess
     import sys
@@ -94,10 +97,9 @@ def test_a_baseline_tree_is_what_python_m_runs(tmp_path) -> None:
     (tmp_path / "router").mkdir()
     (tmp_path / "router" / "__init__.py").write_text("")
     (tmp_path / "router" / "whoami.py").write_text("print(__file__)\n")
-    checkout = REPO
     ran = subprocess.run(
-        [sys.executable, "-m", "router.whoami"],
-        cwd=checkout,
+        [sys.executable, "-m", module],
+        cwd=REPO,
         capture_output=True,
         text=True,
         env={**os.environ, **baseline_env(tmp_path)},
