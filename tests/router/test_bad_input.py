@@ -9,6 +9,7 @@ a 5xx, a hang, or a dead router.
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -192,7 +193,13 @@ def _raw_exchange(router: RouterServer, data: bytes, wait_s: float = 30.0) -> by
     return received
 
 
+# In every unparsable request below: aiohttp's own answer would quote it (a credential, say).
+OFFENDING = b"sk-offending-bytes"
+
+
 def _raw_json_error(raw: bytes, status: int) -> None:
+    """``raw`` is the router's JSON error with ``status``, quoting none of the offending request."""
+    assert OFFENDING not in raw, raw[:300]
     head, _, body = raw.partition(b"\r\n\r\n")
     assert head.split(b" ")[1] == str(status).encode(), head
     assert b"application/json" in head.lower()
@@ -203,23 +210,35 @@ def _raw_json_error(raw: bytes, status: int) -> None:
 @pytest.mark.parametrize(
     "head",
     [
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n",
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + b"s" * 20_000 + b"\r\n\r\n",
-        b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
-        b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: v\r\n" % n for n in range(1_000)) + b"\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + OFFENDING + b"a" * 20_000 + b"\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + OFFENDING
+        + b"s" * 20_000
+        + b"\r\n\r\n",
+        b"GET /" + OFFENDING + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\n"
+        + b"".join(b"X-%d: %s\r\n" % (n, OFFENDING) for n in range(1_000))
+        + b"\r\n",
     ],
     ids=["one-big-header", "big-authorization", "long-url", "many-headers"],
 )
-def test_oversized_heads_are_431_json(router: RouterServer, head: bytes) -> None:
+def test_oversized_heads_are_431_json(router: RouterServer, head: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
     _raw_json_error(_raw_exchange(router, head), 431)
+    assert OFFENDING.decode() not in caplog.text
     still_serves(router)
 
 
-def test_garbage_on_the_wire_is_400_json(router: RouterServer) -> None:
-    _raw_json_error(_raw_exchange(router, b"\x16\x03\x01\x02\x00 definitely not HTTP\r\n\r\n"), 400)
+def test_garbage_on_the_wire_is_400_json(router: RouterServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    _raw_json_error(_raw_exchange(router, b"\x16\x03\x01\x02\x00 " + OFFENDING + b" not HTTP\r\n\r\n"), 400)
     _raw_json_error(
-        _raw_exchange(router, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n"), 400
+        _raw_exchange(
+            router, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nBad Header: " + OFFENDING + b"\r\n\r\n"
+        ),
+        400,
     )
+    assert OFFENDING.decode() not in caplog.text
     still_serves(router)
 
 
