@@ -1,0 +1,31 @@
+"""The long-prompt benchmark at a tiny size: it runs, its ids are exact, its premises hold."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvroute.benchmarks import bench_long_prompts
+
+
+def test_tiny_long_prompt_run(tmp_path: Path) -> None:
+    out = tmp_path / "long-prompts.json"
+    argv = ["--prompt-tokens", "6000", "--new-tokens", "300,1000", "--index-blocks", "20000", "--repeats", "2"]
+    # 40K tokens: a body over the proxy's threshold for preparing in a thread.
+    argv += ["--huge-tokens", "40000", "--huge-prompts", "1", "--quiet-s", "0.2", "--out", str(out)]
+    assert bench_long_prompts.main(argv) == 0
+    report = json.loads(out.read_text())
+    for turn in report["turns"]:
+        assert turn["exact"]
+        assert set(turn["stages"]) == set(bench_long_prompts.STAGES)
+        # The index holds the previous turn: the match covers every token but the new turn's.
+        assert turn["prompt_tokens"] - turn["new_tokens"] - bench_long_prompts.BLOCK_SIZE <= turn["matched_tokens"]
+        assert turn["matched_tokens"] < turn["prompt_tokens"] - turn["new_tokens"] + bench_long_prompts.BLOCK_SIZE
+        assert 0 < turn["total"]["low"] <= turn["total"]["median"] <= turn["total"]["high"]
+    assert [turn["result_tokens"] for turn in report["turns"]] == [300, 1000]
+    by_mode = {stall["mode"]: stall for stall in report["stalls"]}
+    assert set(by_mode) == {"sync", "thread"}
+    # sync routes wholly on the loop; thread prepares off it, so less of its time is the loop's.
+    assert by_mode["sync"]["huge_loop_ms"] == by_mode["sync"]["huge_route_ms"]
+    assert by_mode["thread"]["huge_loop_ms"][0] < by_mode["thread"]["huge_route_ms"][0]
+    assert by_mode["thread"]["huge_tokens"] >= 30_000
