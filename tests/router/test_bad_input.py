@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.helpers import assert_openai_error, still_serves
-from tests.servers import RouterServer
+from tests.servers import RouterServer, wait_until
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -293,6 +293,24 @@ def test_slowloris_body_is_408_and_the_router_keeps_serving(router: RouterServer
     head, _, _ = received.partition(b"\r\n\r\n")
     assert head.split(b" ")[1] == b"408", received[:300]
     assert b"connection: close" in head.lower()
+    still_serves(router)
+
+
+def test_a_client_hanging_up_stops_the_wait_on_the_engine(sim_engines: Any, router_server: Any) -> None:
+    """The handler of a client that left is cancelled at once, not after the first-byte timeout."""
+    (sim,) = sim_engines(1)
+    router = router_server([sim], first_byte_timeout_s=300.0)
+    sim.set_fault("hang_before_first_byte", 1)
+    body = b'{"model": "sim", "messages": [{"role": "user", "content": "hi"}]}'
+    host, port = router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as leaving:
+        leaving.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        wait_until(lambda: sim.engine.hanging == 1)
+    wait_until(lambda: sim.engine.hanging == 0, timeout=FAST_S)  # the router closed its upstream request
+    assert router.state.pool.get(sim.url).in_flight == 0
     still_serves(router)
 
 
