@@ -459,7 +459,11 @@ class RequestTokenizer:
         return parts
 
     def _encode_whole(self, text: str, *, add_special_tokens: bool, array: bool) -> list[int] | np.ndarray:
-        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch encoder, not encode(): it releases the GIL while it works (encode() held it
+        # for all 3.5 s of a 1M-token text, stalling a router's event loop in a worker thread)
+        # and skips the character offsets routing never reads; the ids are the same.
+        [encoding] = self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+        ids = encoding.ids
         return np.array(ids, dtype=np.int64) if array else ids
 
     def _pieces(self, text: str) -> list[str]:
