@@ -60,6 +60,12 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+# What json.dumps builds on every call with these arguments, built once (it keeps no state
+# between calls): templates dump each tool call's name and arguments, and building the
+# encoder cost more than the dump.
+_PLAIN_ENCODER = json.JSONEncoder(ensure_ascii=False)
+
+
 def _tojson(
     value: Any,
     ensure_ascii: bool = False,
@@ -68,6 +74,8 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     # Same signature and defaults as transformers' filter: Jinja's built-in one escapes HTML.
+    if not ensure_ascii and indent is None and separators is None and not sort_keys:
+        return _PLAIN_ENCODER.encode(value)
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 

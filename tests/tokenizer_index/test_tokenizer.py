@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from kvroute.tokenizer_index import RequestTokenizer
 from kvroute.tokenizer_index.chat_messages import media_placeholder
-from kvroute.tokenizer_index.chat_template import ChatTemplateError, detect_content_format
+from kvroute.tokenizer_index.chat_template import ChatTemplateError, _tojson, detect_content_format
 from kvroute.tokenizer_index.piece_cache import PieceCache, frozen_ids
 from tests.tokenizer_index.tokenizers_fixtures import (
     OPENAI_PARTS_TEMPLATE,
@@ -296,6 +296,17 @@ def test_sentencepiece_style_tokenizers(tmp_path: Path, kind: str) -> None:
     # The template's raise_exception reaches the caller as a client error.
     with pytest.raises(ChatTemplateError, match="alternate"):
         ours.encode_chat([{"role": "assistant", "content": "first"}])
+
+
+@SETTINGS
+@given(value=json_values, indent=st.none() | st.integers(0, 3), sort_keys=st.booleans())
+def test_tojson_filter_equals_json_dumps(value: Any, indent: int | None, sort_keys: bool) -> None:
+    """The template's ``tojson``, whose plain form reuses one encoder, dumps as transformers' does."""
+    assert _tojson(value) == json.dumps(value, ensure_ascii=False)
+    assert _tojson(value, indent=indent, sort_keys=sort_keys) == json.dumps(
+        value, ensure_ascii=False, indent=indent, sort_keys=sort_keys
+    )
+    assert _tojson(value, ensure_ascii=True) == json.dumps(value)
 
 
 def test_content_format_detection() -> None:
