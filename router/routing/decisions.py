@@ -81,7 +81,7 @@ def build_record(plan: RoutePlan, outcome: Outcome) -> dict[str, Any]:
     """The JSON-ready record of one decision and its outcome."""
     request = plan.request
     decision = plan.decision
-    conversation = getattr(request, "conversation", None)
+    conversation = request.conversation
     record: dict[str, Any] = {
         "request_id": outcome.request_id,
         "session_key": request.session_key,

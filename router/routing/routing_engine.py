@@ -54,24 +54,26 @@ from typing import Any
 import numpy as np
 import orjson
 
-from kvroute.router.config import POLICY_NAMES, Settings
+from kvroute.router.config import Settings
 from kvroute.router.engines import endpoint_for
 from kvroute.router.fleet.engine_stats import EngineStats
 from kvroute.router.routing import request_info
 from kvroute.router.routing.cache_model import CacheModel
 from kvroute.router.routing.decisions import RING_SIZE, DecisionRecorder
 from kvroute.router.routing.kv_events import KVEventsState
+from kvroute.router.routing.ledger import Conversation, WorkingSets
 from kvroute.router.routing.peer_exchange import Placement
 from kvroute.router.routing.policies import (
-    CacheRequest,
+    POLICIES,
+    BackendView,
+    Decision,
     LeastLoad,
     Policy,
+    PolicyContext,
+    RouteRequest,
     TrafficSplit,
-    WorkingSets,
     make_policy,
 )
-from kvroute.router.routing.policies.base import BackendView, Decision, RouteRequest
-from kvroute.router.routing.policies.cache_aware import Conversation
 from kvroute.router.routing.precise_index import PreciseIndex, PreparedRequest
 from kvroute.tokenizer_index import PrefixIndex, RequestTokenizer
 from kvroute.tokenizer_index.hashing import block_hashes, request_salt
@@ -242,12 +244,6 @@ class RoutingEngine:
 
     # --- introspection -----------------------------------------------------------------
     @property
-    def policy_names(self) -> list[str]:
-        """Every policy that may label a request (for metrics)."""
-        labels = list(self._split.labels) if self._split else [self._settings.policy]
-        return labels + [name for name in self._policies if name not in labels]
-
-    @property
     def tracks_prefixes(self) -> bool:
         """Whether requests are tokenized and matched (some policy in use reads prefixes)."""
         return self._tracking
@@ -332,7 +328,7 @@ class RoutingEngine:
             model = named if isinstance(named, str) else None
             session_key = request_info.session_key_of(body, headers, self._settings.session_header)
             expected_output_tokens = request_info.expected_output_tokens_of(body)
-        request = CacheRequest(
+        request = RouteRequest(
             endpoint=endpoint,
             model=model,
             session_key=session_key,
@@ -354,6 +350,7 @@ class RoutingEngine:
             request.prompt_tokens = prepared.tokens
             request.matched_tokens = {url: min(tokens, cacheable) for url, tokens in raw_matches.items()}
             request.computing_tokens = self._computing_tokens(request.matched_tokens, prepared)
+            request.index_tokens = {backend.url: self.index_tokens(backend.url) for backend in candidates}
             shared = max(raw_matches.values(), default=0)
             # A session key names the conversation; without one the ledger follows the
             # prompt chain, the one reader of every hash as an int.
@@ -455,9 +452,8 @@ class RoutingEngine:
     def _policy(self, label: str) -> Policy:
         policy = self._policies.get(label)
         if policy is None:
-            policy = self._policies[label] = make_policy(
-                label, self._settings, self._working_sets, self.index_tokens, self.queued_work
-            )
+            context = PolicyContext(self._settings, self._working_sets, self.queued_work)
+            policy = self._policies[label] = make_policy(label, context)
             policy.explain = self.decisions.active
             if policy.needs_prefix_match and not self._tracking:
                 self._load_tokenizers()
@@ -473,8 +469,8 @@ class RoutingEngine:
     ) -> str:
         if self._settings.allow_policy_header:
             forced = headers.get(POLICY_HEADER)
-            if forced in POLICY_NAMES:
-                return forced  # type: ignore[return-value]
+            if forced is not None and forced in POLICIES:
+                return forced
         if self._split is None:
             return self._default_label
         if session_key is not None:
@@ -548,7 +544,7 @@ class RoutingEngine:
         blocks = len(prompt.hashes)
         # The prediction counts as confirmed up to the first block a request still in flight put there.
         request = plan.request
-        still_computing = request.computing_tokens.get(backend, 0) if isinstance(request, CacheRequest) else 0
+        still_computing = request.computing_tokens.get(backend, 0)
         plan.confirmed_cached_tokens = plan.predicted_cached_tokens - still_computing
         computing = self._computing.setdefault(backend, {})
         first_new = None
@@ -565,7 +561,7 @@ class RoutingEngine:
                 self._placement_listener(
                     Placement(backend, prompt.block_size, prompt.hashes, prompt.tokens, request.session_key)
                 )
-        conversation = request.conversation if isinstance(request, CacheRequest) else None
+        conversation = request.conversation
         if conversation is not None:
             self._working_sets.record(conversation, backend, prompt.tokens, prompt.hash_at(-1) if blocks else None)
 

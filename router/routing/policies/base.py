@@ -1,16 +1,20 @@
-"""The contract between the proxy and its routing policies.
+"""The contract between the routing engine and its policies.
 
 A policy is a small synchronous class: given one request and a read-only view of the
-eligible backends, it picks one and says why. It does no I/O and never blocks; the proxy
-does the tokenizing, the prefix match and all bookkeeping around it.
+eligible backends, it picks one and says why. It does no I/O and never blocks; the routing
+engine does the tokenizing, the prefix match and all bookkeeping around it, and hands the
+policy what it knows in the :class:`RouteRequest`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, Self
+
+from kvroute.router.config import Settings
+from kvroute.router.routing.ledger import Conversation, WorkingSets
 
 
 class BackendView(Protocol):
@@ -39,22 +43,33 @@ class BackendView(Protocol):
     def engine_running(self) -> int | None:
         """The engine's running requests from its /metrics; None if not scraped."""
 
-    @property
-    def index_tokens(self) -> int:
-        """Tokens the router's prefix index believes this backend holds."""
-
 
 @dataclass(slots=True)
 class RouteRequest:
-    """One request as the policies see it."""
+    """One request as the policies see it, with what the routing engine knows about it."""
 
     endpoint: str
     model: str | None = None
     session_key: str | None = None
-    # Filled only when the proxy tracks prefixes (a cache-aware policy is configured):
-    prompt_tokens: int | None = None
-    matched_tokens: Mapping[str, int] = field(default_factory=dict)  # backend url -> tokens
     expected_output_tokens: int = 0
+    # The rest is filled only when the routing engine tracks prefixes (some policy in use
+    # reads them) and could tokenize the request. Mappings are keyed by backend url.
+    prompt_tokens: int | None = None
+    #: Leading prompt tokens the prefix index believes each backend holds.
+    matched_tokens: Mapping[str, int] = field(default_factory=dict)
+    #: The part of each backend's match that requests in flight there are still computing:
+    #: work this request would share rather than wait behind.
+    computing_tokens: Mapping[str, int] = field(default_factory=dict)
+    #: Tokens the prefix index holds per candidate backend, whatever the prompt.
+    index_tokens: Mapping[str, int] = field(default_factory=dict)
+    #: The conversation this request continues or begins (the ledger's entry; read only).
+    conversation: Conversation | None = None
+
+    def work_tokens(self, matched_tokens: int) -> int:
+        """The load this request puts on a backend holding ``matched_tokens`` of its prompt:
+        the uncached prompt tokens plus the expected output tokens (no prompt tokens when
+        the prompt is unknown)."""
+        return max(0, (self.prompt_tokens or 0) - matched_tokens) + self.expected_output_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,14 +115,43 @@ class Decision:
     explanation: Explanation | None = None
 
 
-class Policy(ABC):
-    """Base class of all routing policies."""
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """What a policy may be built from: the settings and the routing engine's ledger."""
 
-    name: ClassVar[str]
-    #: True when the policy reads ``RouteRequest.prompt_tokens`` / ``matched_tokens``.
+    settings: Settings
+    working_sets: WorkingSets
+    #: Work in flight per backend as the routing engine counts it (uncached prompt + output).
+    queued_work: Callable[[BackendView], float] | None = None
+
+
+def over_load_bound(in_flight: int, total_in_flight: int, candidates: int, factor: float) -> bool:
+    """The bounded-load test, in requests: ``in_flight + 1 > factor * (mean in_flight of the others + 2)``.
+
+    Counted in requests, because a long cached prefix can make hundreds of cheap requests
+    look like little work in tokens while they share one replica's batch. The ``+ 2`` keeps
+    a few requests on an otherwise idle fleet from counting as overload.
+    """
+    if candidates < 2:
+        return False
+    others = (total_in_flight - in_flight) / (candidates - 1)
+    return in_flight + 1 > factor * (others + 2)
+
+
+class Policy(ABC):
+    """Base class of all routing policies; the first line of a subclass's docstring is its
+    summary in the README's policy table."""
+
+    #: True when the policy reads the prompt: ``RouteRequest.prompt_tokens`` and the
+    #: fields after it (the routing engine then tokenizes and matches every request).
     needs_prefix_match: ClassVar[bool] = False
     #: Attach an :class:`Explanation` to each decision (costs a little; off on the hot path).
     explain: bool = False
+
+    @classmethod
+    def build(cls, context: PolicyContext) -> Self:
+        """A new instance for a router (policies with knobs read them from ``context.settings``)."""
+        return cls()
 
     @abstractmethod
     def choose(self, request: RouteRequest, candidates: Sequence[BackendView]) -> Decision:

@@ -12,8 +12,6 @@ from kvroute.router.routing.policies.base import BackendView, Decision, Policy, 
 class RoundRobin(Policy):
     """Each request to the next backend in turn."""
 
-    name = "round_robin"
-
     def __init__(self) -> None:
         self._counter = itertools.count()
 
@@ -24,8 +22,6 @@ class RoundRobin(Policy):
 
 class Random(Policy):
     """A uniformly random backend."""
-
-    name = "random"
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
@@ -41,9 +37,7 @@ def load_of(backend: BackendView) -> tuple[int, int]:
 
 
 class LeastLoad(Policy):
-    """The backend with the fewest in-flight requests; ties broken by rotation, not index 0."""
-
-    name = "least_load"
+    """The backend with the fewest requests in flight (ties: fewer tokens, then by rotation, never index 0)."""
 
     def __init__(self) -> None:
         self._counter = itertools.count()
@@ -57,8 +51,6 @@ class LeastLoad(Policy):
 
 class PowerOfTwo(Policy):
     """The less loaded of two random backends."""
-
-    name = "power_of_two"
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)

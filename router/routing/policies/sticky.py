@@ -10,8 +10,8 @@ its backend is gone or over the load bound; it then goes to the next backend in 
 score order that is within the bound, and stays there.
 
 Load bound (as in "consistent hashing with bounded loads"), in requests: a backend is full
-when ``in_flight + 1 > overload_factor * (mean in_flight of the other candidates + 2)``,
-the same test as :mod:`kvroute.router.routing.policies.cache_aware` uses.
+when ``in_flight + 1 > overload_factor * (mean in_flight of the other candidates + 2)``
+(:func:`~kvroute.router.routing.policies.base.over_load_bound`, the cache-aware policy's test too).
 
 Requests without a session key are routed by the fallback policy (cache-aware).
 Reasons: ``sticky`` (kept or first placed by its hash), ``overload`` (moved because its
@@ -23,9 +23,17 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Self
 
-from kvroute.router.routing.policies.base import BackendView, Decision, Policy, RouteRequest
-from kvroute.router.routing.policies.cache_aware import over_load_bound
+from kvroute.router.routing.policies.base import (
+    BackendView,
+    Decision,
+    Policy,
+    PolicyContext,
+    RouteRequest,
+    over_load_bound,
+)
+from kvroute.router.routing.policies.cache_aware import CacheAware
 
 #: Bound on remembered sessions (about 150 bytes each); the least recent are forgotten and
 #: simply placed by their hash again when they come back.
@@ -39,9 +47,11 @@ def rendezvous_score(key: str, url: str) -> int:
 
 
 class Sticky(Policy):
-    """One backend per session; see the module docstring."""
+    """One backend per session key (`x-session-id` or the body's `user`): rendezvous hashing with bounded load; no key: `cache_aware`.
 
-    name = "sticky"
+    See the module docstring.
+    """
+
     needs_prefix_match = True  # for requests without a session key (the fallback)
 
     def __init__(self, fallback: Policy, *, overload_factor: float = 2.0, max_sessions: int = MAX_SESSIONS) -> None:
@@ -49,6 +59,10 @@ class Sticky(Policy):
         self._overload_factor = overload_factor
         self._max_sessions = max_sessions
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session key -> backend url
+
+    @classmethod
+    def build(cls, context: PolicyContext) -> Self:
+        return cls(CacheAware.build(context), overload_factor=context.settings.overload_factor)
 
     def __len__(self) -> int:
         return len(self._sessions)

@@ -1,4 +1,4 @@
-"""The cache-aware policy and its conversation ledger, on real ``Backend`` objects.
+"""The cache-aware policy, on real ``Backend`` objects.
 
 Backends here are the router's own :class:`kvroute.router.fleet.backends.Backend` (plain data: load
 counters and capacity set directly), and requests carry the prefix matches the routing
@@ -10,21 +10,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
-
 from kvroute.router.fleet.backends import Backend
-from kvroute.router.routing.policies import CacheAware, CacheRequest, Conversation, WorkingSets
-from kvroute.router.routing.policies.cache_aware import over_load_bound, thrash_loss
-
-
-class FakeClock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from kvroute.router.routing.ledger import Conversation, WorkingSets
+from kvroute.router.routing.policies import CacheAware, RouteRequest
+from tests.router.routing.ledger_helpers import settle
 
 
 def backends(count: int, capacity: int | None = None) -> list[Backend]:
@@ -33,8 +22,8 @@ def backends(count: int, capacity: int | None = None) -> list[Backend]:
 
 def request(
     prompt: int, matched: dict[str, int] | None = None, conversation: Conversation | None = None, output: int = 16
-) -> CacheRequest:
-    return CacheRequest(
+) -> RouteRequest:
+    return RouteRequest(
         endpoint="/v1/chat/completions",
         prompt_tokens=prompt,
         matched_tokens=matched or {},
@@ -69,10 +58,11 @@ def test_cold_prompt_goes_to_the_least_loaded_backend() -> None:
 
 def test_cold_tie_prefers_the_backend_with_the_emptiest_cache() -> None:
     fleet = backends(3, capacity=100_000)
-    held = {"http://b0": 50_000, "http://b1": 10_000, "http://b2": 90_000}
-    cache_aware = CacheAware(WorkingSets(), index_tokens=held.__getitem__)
+    cold = request(1000)
+    cold.index_tokens = {"http://b0": 50_000, "http://b1": 10_000, "http://b2": 90_000}
+    cache_aware = policy()
     for _ in range(3):
-        assert cache_aware.choose(request(1000), fleet).backend == "http://b1"
+        assert cache_aware.choose(cold, fleet).backend == "http://b1"
 
 
 def test_longest_match_wins_over_a_slight_imbalance() -> None:
@@ -209,39 +199,14 @@ def test_when_every_backend_is_over_the_bound_the_cheapest_still_serves() -> Non
     assert policy().choose(request(100), fleet).backend == "http://b0"
 
 
-def test_bounded_load_test() -> None:
-    assert not over_load_bound(0, 0, 4, 2.0)
-    assert not over_load_bound(3, 3, 4, 2.0)  # a few requests on an idle fleet: no overload
-    assert over_load_bound(4, 4, 4, 2.0)  # 5 > 2 * 2
-    assert not over_load_bound(11, 23, 4, 2.0)  # others average 4: 12 > 12 is false
-    assert over_load_bound(12, 24, 4, 2.0)
-    assert not over_load_bound(100, 100, 1, 2.0)  # a single backend is never "over"
-
-
 # --- capacity-aware placement -----------------------------------------------------------
-
-
-def test_thrash_loss_model() -> None:
-    assert thrash_loss(10_000, 4, None) == 0
-    assert thrash_loss(10_000, 4, 10_000) == 0
-    assert thrash_loss(12_000, 4, 10_000) == 8_000  # each of 4 loses the 2K overflow
-    assert thrash_loss(40_000, 4, 10_000) == 40_000  # all of it: everything is re-prefilled
-
-
-def _settle(working_sets: WorkingSets, key: str, backend: str, tokens: int) -> Conversation:
-    """A conversation that has taken two turns on ``backend`` (so it counts there)."""
-    conversation = working_sets.find(key, [], 0)
-    assert conversation is not None
-    working_sets.record(conversation, backend, tokens - 10, None)
-    working_sets.record(conversation, backend, tokens, None)
-    return conversation
 
 
 def test_new_conversation_goes_where_its_history_will_fit() -> None:
     working_sets = WorkingSets()
     fleet = backends(2, capacity=10_000)
     for key in ("a", "b", "c"):
-        _settle(working_sets, key, "http://b0", 3000)  # b0: 9K of 10K
+        settle(working_sets, key, "http://b0", 3000)  # b0: 9K of 10K
     newcomer = working_sets.find("new", [], 0)
     decision = CacheAware(working_sets).choose(request(3000, conversation=newcomer), fleet)
     assert decision.backend == "http://b1"
@@ -251,7 +216,7 @@ def test_capacity_term_can_beat_a_shared_prefix_match() -> None:
     working_sets = WorkingSets()
     fleet = backends(2, capacity=10_000)
     for key in ("a", "b", "c"):
-        _settle(working_sets, key, "http://b0", 3000)
+        settle(working_sets, key, "http://b0", 3000)
     newcomer = working_sets.find("new", [], 0)
     # b0 holds a 1000-token system prompt; continuing there would evict 3 x 2000 tokens a round.
     decision = CacheAware(working_sets).choose(request(3000, {"http://b0": 1000}, conversation=newcomer), fleet)
@@ -261,9 +226,9 @@ def test_capacity_term_can_beat_a_shared_prefix_match() -> None:
 def test_conversation_that_outgrew_its_backend_moves_once_relief_pays() -> None:
     working_sets = WorkingSets()
     fleet = backends(2, capacity=10_000)
-    mover = _settle(working_sets, "mover", "http://b0", 3000)
+    mover = settle(working_sets, "mover", "http://b0", 3000)
     for key in ("a", "b", "c"):
-        _settle(working_sets, key, "http://b0", 3000)  # b0: 12K of 10K, loses 8K a round
+        settle(working_sets, key, "http://b0", 3000)  # b0: 12K of 10K, loses 8K a round
     assert working_sets.demand("http://b0") == (12_000, 4)
     # Its history is mostly gone from b0 already (LRU); staying would keep b0 thrashing.
     decision = CacheAware(working_sets).choose(request(3200, {"http://b0": 1000}, conversation=mover), fleet)
@@ -273,7 +238,7 @@ def test_conversation_that_outgrew_its_backend_moves_once_relief_pays() -> None:
 def test_conversation_that_fits_stays_home_even_with_a_match_elsewhere() -> None:
     working_sets = WorkingSets()
     fleet = backends(2, capacity=10_000)
-    home = _settle(working_sets, "home", "http://b0", 3000)
+    home = settle(working_sets, "home", "http://b0", 3000)
     decision = CacheAware(working_sets).choose(
         request(3300, {"http://b0": 3000, "http://b1": 1000}, conversation=home), fleet
     )
@@ -284,102 +249,18 @@ def test_conversations_that_fit_nowhere_gather_on_a_backend_that_thrashes_anyway
     working_sets = WorkingSets()
     fleet = backends(2, capacity=10_000)
     for key in ("a", "b", "c"):
-        _settle(working_sets, key, "http://b0", 3000)  # b0 fits: 9K
+        settle(working_sets, key, "http://b0", 3000)  # b0 fits: 9K
     for key in ("d", "e", "f", "g", "h"):
-        _settle(working_sets, key, "http://b1", 3000)  # b1 thrashes: 15K
+        settle(working_sets, key, "http://b1", 3000)  # b1 thrashes: 15K
     newcomer = working_sets.find("new", [], 0)
     decision = CacheAware(working_sets).choose(request(3000, conversation=newcomer), fleet)
     assert decision.backend == "http://b1"
 
 
-# --- the conversation ledger -------------------------------------------------------------
-
-
-def test_derived_conversation_is_found_by_its_previous_last_block() -> None:
-    working_sets = WorkingSets()
-    first = working_sets.find(None, [11, 12, 13], 0)
-    assert first is not None
-    working_sets.record(first, "http://b0", 48, 13)
-    # The next turn's prompt extends the previous one.
-    again = working_sets.find(None, [11, 12, 13, 14, 15], 48)
-    assert again is first
-    working_sets.record(again, "http://b0", 80, 15)
-    assert (again.turns, again.counted, working_sets.demand("http://b0")) == (2, True, (80, 1))
-    stranger = working_sets.find(None, [11, 12, 99], 32)
-    assert stranger is not first and stranger is not None and stranger.shared_tokens == 32
-
-
-def test_session_key_identifies_the_conversation_and_retries_are_not_turns() -> None:
-    working_sets = WorkingSets()
-    conversation = working_sets.find("s1", [1, 2], 0)
-    assert conversation is not None
-    working_sets.record(conversation, "http://b0", 32, 2)
-    working_sets.record(conversation, "http://b1", 32, 2)  # the same request, retried elsewhere
-    assert (conversation.turns, conversation.backend) == (1, "http://b1")
-    assert working_sets.find("s1", [7], 0) is conversation
-
-
-def test_conversation_private_size_excludes_the_shared_prefix() -> None:
-    working_sets = WorkingSets()
-    conversation = working_sets.find(None, [1, 2, 3], 2000)
-    assert conversation is not None
-    working_sets.record(conversation, "http://b0", 2500, 3)
-    working_sets.record(conversation, "http://b0", 2600, 4)
-    assert working_sets.demand("http://b0") == (600, 1)
-
-
-def test_moving_conversation_moves_its_demand() -> None:
-    working_sets = WorkingSets()
-    conversation = _settle(working_sets, "s", "http://b0", 1000)
-    working_sets.record(conversation, "http://b1", 1100, None)
-    assert working_sets.demand("http://b0") == (0, 0)
-    assert working_sets.demand("http://b1") == (1100, 1)
-
-
-def test_idle_conversations_expire() -> None:
-    clock = FakeClock()
-    working_sets = WorkingSets(idle_s=60.0, clock=clock)
-    _settle(working_sets, "old", "http://b0", 1000)
-    clock.now += 30
-    _settle(working_sets, "young", "http://b0", 500)
-    clock.now += 45
-    working_sets.find("probe", [], 0)  # any lookup expires what is due
-    assert working_sets.demand("http://b0") == (500, 1)
-    assert len(working_sets) == 1
-
-
-def test_ledger_is_bounded() -> None:
-    working_sets = WorkingSets(max_conversations=100)
-    for number in range(1000):
-        _settle(working_sets, f"s{number}", f"http://b{number % 4}", 100)
-    assert len(working_sets) == 100
-    assert sum(working_sets.demand(f"http://b{i}")[1] for i in range(4)) == 100
-
-
-def test_forgetting_a_backend_releases_its_conversations() -> None:
-    working_sets = WorkingSets()
-    conversation = _settle(working_sets, "s", "http://b0", 1000)
-    working_sets.forget_backend("http://b0")
-    assert working_sets.demand("http://b0") == (0, 0)
-    assert conversation.backend is None
-    working_sets.record(conversation, "http://b1", 1200, None)
-    assert working_sets.demand("http://b1") == (1200, 1)
-
-
-@pytest.mark.parametrize("count", [2, 3, 8])
-def test_single_request_of_a_new_conversation_does_not_count(count: int) -> None:
-    working_sets = WorkingSets()
-    for number in range(count):
-        conversation = working_sets.find(None, [number + 100], 0)
-        assert conversation is not None
-        working_sets.record(conversation, "http://b0", 5000, number + 100)
-    assert working_sets.demand("http://b0") == (0, 0)
-
-
 def test_overflow_conversations_are_credited_the_recovery_of_a_thrashing_backend() -> None:
     working_sets = WorkingSets()
     fleet = backends(2, capacity=10_000)
-    joined = [_settle(working_sets, key, "http://b0", 3000) for key in "abcdef"]  # 18K of 10K
+    joined = [settle(working_sets, key, "http://b0", 3000) for key in "abcdef"]  # 18K of 10K
     resident, overflow = joined[0], joined[-1]
     # b0 re-prefills all 18K a round until its 3 overflow conversations leave: a third each.
     assert working_sets.relief(overflow, 10_000) == -6000

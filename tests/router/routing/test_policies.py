@@ -1,4 +1,4 @@
-"""The policy registry and the load-only policies, on real ``Backend`` objects."""
+"""The policy registry, the policy base and the load-only policies, on real ``Backend`` objects."""
 
 from __future__ import annotations
 
@@ -8,17 +8,23 @@ import pytest
 
 from kvroute.router.config import POLICY_NAMES, Settings
 from kvroute.router.fleet.backends import Backend
+from kvroute.router.routing.ledger import WorkingSets
 from kvroute.router.routing.policies import (
+    LOAD_ONLY_POLICIES,
+    POLICIES,
     CacheAware,
     LeastLoad,
+    PolicyContext,
     PowerOfTwo,
     Random,
     RoundRobin,
     RouteRequest,
     Sticky,
-    WorkingSets,
     make_policy,
 )
+from kvroute.router.routing.policies.base import over_load_bound
+from kvroute.router.routing.policies.registry import policy_table_markdown
+from tests.paths import REPO
 
 
 def backends(count: int) -> list[Backend]:
@@ -29,26 +35,51 @@ def ask() -> RouteRequest:
     return RouteRequest(endpoint="/v1/chat/completions")
 
 
+def context(settings: Settings | None = None) -> PolicyContext:
+    return PolicyContext(settings or Settings(), WorkingSets())
+
+
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_every_configurable_policy_can_be_built(name: str) -> None:
-    policy = make_policy(name, Settings(), WorkingSets())
-    assert policy.name == name
+    policy = make_policy(name, context())
+    assert isinstance(policy, POLICIES[name])  # type: ignore[index]
     decision = policy.choose(ask(), backends(3))
     assert decision.backend.startswith("http://b") and decision.reason
 
 
+def test_the_registry_names_what_config_accepts_in_its_order() -> None:
+    """Config (a layer below the policies) spells the names out; the registry must match."""
+    assert tuple(POLICIES) == POLICY_NAMES
+    assert {"round_robin", "least_load", "random", "power_of_two"} == LOAD_ONLY_POLICIES
+
+
 def test_registry_passes_the_knobs_and_wraps_sticky_around_cache_aware() -> None:
-    settings = Settings(load_weight=0.5, overload_factor=3.0)
-    sticky = make_policy("sticky", settings, WorkingSets())
+    knobs = context(Settings(load_weight=0.25, overload_factor=3.0))
+    sticky = make_policy("sticky", knobs)
     assert isinstance(sticky, Sticky) and sticky.needs_prefix_match
-    cache_aware = make_policy("cache_aware", settings, WorkingSets())
+    cache_aware = make_policy("cache_aware", knobs)
     assert isinstance(cache_aware, CacheAware) and cache_aware.needs_prefix_match
-    assert not make_policy("round_robin", settings, WorkingSets()).needs_prefix_match
+    assert (cache_aware._load_weight, cache_aware._overload_factor) == (0.25, 3.0)
+    assert not make_policy("round_robin", knobs).needs_prefix_match
 
 
 def test_unknown_policy_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="nope"):
-        make_policy("nope", Settings(), WorkingSets())
+        make_policy("nope", context())
+
+
+def test_readme_policy_table_is_the_registrys() -> None:
+    """The README's table is ``python -m kvroute.router.routing.policies``'s output."""
+    assert policy_table_markdown() in (REPO / "README.md").read_text()
+
+
+def test_bounded_load_test() -> None:
+    assert not over_load_bound(0, 0, 4, 2.0)
+    assert not over_load_bound(3, 3, 4, 2.0)  # a few requests on an idle fleet: no overload
+    assert over_load_bound(4, 4, 4, 2.0)  # 5 > 2 * 2
+    assert not over_load_bound(11, 23, 4, 2.0)  # others average 4: 12 > 12 is false
+    assert over_load_bound(12, 24, 4, 2.0)
+    assert not over_load_bound(100, 100, 1, 2.0)  # a single backend is never "over"
 
 
 def test_round_robin_cycles() -> None:

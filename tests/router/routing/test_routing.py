@@ -276,7 +276,6 @@ def test_forgetting_a_backend_drops_its_index_and_conversations() -> None:
 def test_ab_split_is_stable_per_session_and_labels_the_plan() -> None:
     engine = RoutingEngine(Settings(ab={"cache_aware": 50, "round_robin": 50}))
     backends = fleet(2)
-    assert set(engine.policy_names) == {"cache_aware", "round_robin"}
     labels = {}
     for number in range(40):
         for _ in range(3):
@@ -293,7 +292,6 @@ def test_policy_header_forces_a_policy_only_when_allowed() -> None:
     forced = route(allowed, chat("x"), backends, **{"x-kvroute-policy": "round_robin"})
     assert (forced.policy, forced.reason) == ("round_robin", "round_robin")
     assert route(allowed, chat("x"), backends, **{"x-kvroute-policy": "bogus"}).policy == "cache_aware"
-    assert "round_robin" in allowed.policy_names
     closed = RoutingEngine(Settings(policy="cache_aware"))
     assert route(closed, chat("x"), backends, **{"x-kvroute-policy": "round_robin"}).policy == "cache_aware"
 

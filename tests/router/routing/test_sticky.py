@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 from kvroute.router.fleet.backends import Backend
-from kvroute.router.routing.policies import CacheAware, RouteRequest, Sticky, WorkingSets
+from kvroute.router.routing.ledger import WorkingSets
+from kvroute.router.routing.policies import CacheAware, RouteRequest, Sticky
 from kvroute.router.routing.policies.sticky import rendezvous_score
 
 

@@ -1,0 +1,106 @@
+"""The conversation ledger: which conversation lives where, and the thrash model it prices with."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute.router.routing.ledger import WorkingSets, thrash_loss
+from tests.router.routing.ledger_helpers import settle
+
+
+class FakeClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_thrash_loss_model() -> None:
+    assert thrash_loss(10_000, 4, None) == 0
+    assert thrash_loss(10_000, 4, 10_000) == 0
+    assert thrash_loss(12_000, 4, 10_000) == 8_000  # each of 4 loses the 2K overflow
+    assert thrash_loss(40_000, 4, 10_000) == 40_000  # all of it: everything is re-prefilled
+
+
+def test_derived_conversation_is_found_by_its_previous_last_block() -> None:
+    working_sets = WorkingSets()
+    first = working_sets.find(None, [11, 12, 13], 0)
+    assert first is not None
+    working_sets.record(first, "http://b0", 48, 13)
+    # The next turn's prompt extends the previous one.
+    again = working_sets.find(None, [11, 12, 13, 14, 15], 48)
+    assert again is first
+    working_sets.record(again, "http://b0", 80, 15)
+    assert (again.turns, again.counted, working_sets.demand("http://b0")) == (2, True, (80, 1))
+    stranger = working_sets.find(None, [11, 12, 99], 32)
+    assert stranger is not first and stranger is not None and stranger.shared_tokens == 32
+
+
+def test_session_key_identifies_the_conversation_and_retries_are_not_turns() -> None:
+    working_sets = WorkingSets()
+    conversation = working_sets.find("s1", [1, 2], 0)
+    assert conversation is not None
+    working_sets.record(conversation, "http://b0", 32, 2)
+    working_sets.record(conversation, "http://b1", 32, 2)  # the same request, retried elsewhere
+    assert (conversation.turns, conversation.backend) == (1, "http://b1")
+    assert working_sets.find("s1", [7], 0) is conversation
+
+
+def test_conversation_private_size_excludes_the_shared_prefix() -> None:
+    working_sets = WorkingSets()
+    conversation = working_sets.find(None, [1, 2, 3], 2000)
+    assert conversation is not None
+    working_sets.record(conversation, "http://b0", 2500, 3)
+    working_sets.record(conversation, "http://b0", 2600, 4)
+    assert working_sets.demand("http://b0") == (600, 1)
+
+
+def test_moving_conversation_moves_its_demand() -> None:
+    working_sets = WorkingSets()
+    conversation = settle(working_sets, "s", "http://b0", 1000)
+    working_sets.record(conversation, "http://b1", 1100, None)
+    assert working_sets.demand("http://b0") == (0, 0)
+    assert working_sets.demand("http://b1") == (1100, 1)
+
+
+def test_idle_conversations_expire() -> None:
+    clock = FakeClock()
+    working_sets = WorkingSets(idle_s=60.0, clock=clock)
+    settle(working_sets, "old", "http://b0", 1000)
+    clock.now += 30
+    settle(working_sets, "young", "http://b0", 500)
+    clock.now += 45
+    working_sets.find("probe", [], 0)  # any lookup expires what is due
+    assert working_sets.demand("http://b0") == (500, 1)
+    assert len(working_sets) == 1
+
+
+def test_ledger_is_bounded() -> None:
+    working_sets = WorkingSets(max_conversations=100)
+    for number in range(1000):
+        settle(working_sets, f"s{number}", f"http://b{number % 4}", 100)
+    assert len(working_sets) == 100
+    assert sum(working_sets.demand(f"http://b{i}")[1] for i in range(4)) == 100
+
+
+def test_forgetting_a_backend_releases_its_conversations() -> None:
+    working_sets = WorkingSets()
+    conversation = settle(working_sets, "s", "http://b0", 1000)
+    working_sets.forget_backend("http://b0")
+    assert working_sets.demand("http://b0") == (0, 0)
+    assert conversation.backend is None
+    working_sets.record(conversation, "http://b1", 1200, None)
+    assert working_sets.demand("http://b1") == (1200, 1)
+
+
+@pytest.mark.parametrize("count", [2, 3, 8])
+def test_single_request_of_a_new_conversation_does_not_count(count: int) -> None:
+    working_sets = WorkingSets()
+    for number in range(count):
+        conversation = working_sets.find(None, [number + 100], 0)
+        assert conversation is not None
+        working_sets.record(conversation, "http://b0", 5000, number + 100)
+    assert working_sets.demand("http://b0") == (0, 0)
