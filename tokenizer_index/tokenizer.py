@@ -18,10 +18,19 @@ Whether cutting is exact for a given tokenizer is checked at construction on pro
 some pipelines (SentencePiece's Metaspace with ``prepend_scheme="first"``) look at a piece's
 position in the whole text, and for them the whole text is tokenized every time
 (:attr:`RequestTokenizer.incremental` is then ``False``).
+
+Parallel: a new piece longer than :data:`CHUNK_CHARS` (an agent's tool result, a pasted
+document) is cut further, at spaces between two letters, into chunks that the tokenizer
+encodes in one batch on all its threads, with the GIL released for all of it but the
+conversion of each chunk's ids: a 1M-token document tokenized in a worker thread never
+holds the GIL for long. Such a cut is exact when the tokenizer's pre-tokenizer splits words
+there and nothing before it looks across words: decided at construction from the
+pipeline's parts and checked on probe texts (:attr:`RequestTokenizer.chunks_long_pieces`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -46,6 +55,42 @@ _DEFAULT_DIRECTORY = Path(__file__).resolve().parent / "data" / "default"
 # emoji, CJK; each probe is tokenized whole and piece by piece, and the two must agree.
 _PROBE_CONTEXTS = ("x", " y", "\n", "  ", "Hé\u0301llo", "1", "\t😀 中文", "", " \n z ", "▁a")
 _PROBE_TOKENS_MAX = 48
+
+#: New pieces longer than this (characters) are tokenized in chunks of about this size, cut
+#: at spaces between words, in one parallel batch (where such cuts are exact).
+CHUNK_CHARS = 2048
+# Candidates for a cut: a space between two word characters that are not digits or "_";
+# str.isalpha() then keeps those between two letters (the \p{L} of pre-tokenizer regexes).
+_SPACE_BETWEEN_WORDS = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")
+# Normalizers that map characters one at a time or compose marks onto the letter before
+# them, so the text on either side of a space normalizes alone as it does inside the whole.
+_CHARACTER_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "BertNormalizer"})
+# Pre-tokenizers that split words apart at spaces (one of them is needed), and those that
+# only split further or map single characters (allowed beside them in a Sequence).
+_WORD_SPLITTERS = frozenset({"ByteLevel", "Split", "Metaspace", "Whitespace", "WhitespaceSplit", "BertPreTokenizer"})
+_FURTHER_SPLITTERS = frozenset({"ByteLevel", "Punctuation", "Digits", "UnicodeScripts"})
+# Probe words of every letter category (Lu, Ll, Lt, Lm, Lo), scripts with and without
+# case, combining marks, ligatures and contractions, around the spaces chunks are cut at.
+_CHUNK_PROBE_WORDS = (
+    "The", "quick", "BROWN", "fox's", "don't", "ǅemal", "ʰaspirated", "naïve", "café", "e\u0301clair",
+    "中文", "字符", "日本語", "カタカナ", "한국어", "한", "Ελληνικά", "русский", "שלום", "مرحبا", "ไทย",
+    "a", "I", "x1", "y_z", "ﬁne", "İstanbul", "straße", "ǈ", "ªb", "Ⅻx", "ß",
+)  # fmt: skip
+
+
+def _component_types(state: Any) -> list[dict[str, Any]]:
+    """A pipeline part's JSON description, a Sequence flattened into its members."""
+    if state is None:
+        return []
+    if state.get("type") == "Sequence":
+        members = state.get("normalizers") or state.get("pretokenizers") or []
+        return [part for member in members for part in _component_types(member)]
+    return [state]
+
+
+def _component_state(component: Any) -> Any:
+    """The JSON state of a normalizer or pre-tokenizer (None when the tokenizer has none)."""
+    return None if component is None else json.loads(component.__getstate__())
 
 
 def _trie_pattern(words: Iterable[str]) -> str:
@@ -112,6 +157,25 @@ def _ends_in_word_character(text: str) -> bool:
     return last.isalnum() or last == "_" or last > "\x7f"
 
 
+def _cut_at_word_spaces(text: str, size: int) -> list[str]:
+    """``text`` cut right before spaces between two letters into runs of at least ``size``
+    characters (the last may be shorter; ``text`` whole if it has no such space)."""
+    chunks: list[str] = []
+    start = 0
+    search = _SPACE_BETWEEN_WORDS.search
+    match = search(text, size)
+    while match is not None:
+        cut = match.start()
+        if text[cut - 1].isalpha() and text[cut + 1].isalpha():
+            chunks.append(text[start:cut])
+            start = cut
+            match = search(text, cut + size)
+        else:
+            match = search(text, cut + 1)
+    chunks.append(text[start:])
+    return chunks
+
+
 class RequestTokenizer:
     """Turns chat messages and completion prompts into the engine's prompt token ids.
 
@@ -128,6 +192,7 @@ class RequestTokenizer:
         name: str = "tokenizer",
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         incremental: bool | None = None,
+        chunk_chars: int = CHUNK_CHARS,
     ) -> None:
         """Wrap a ``tokenizers.Tokenizer``.
 
@@ -136,7 +201,8 @@ class RequestTokenizer:
         the shipped ChatML template is used. ``special_tokens`` are the template's variables
         (``bos_token``...). ``cache_bytes`` bounds the piece cache (0 disables it).
         ``incremental=None`` checks whether piecewise tokenization is exact for this tokenizer;
-        ``False`` forces whole-text tokenization.
+        ``False`` forces whole-text tokenization. New pieces longer than ``chunk_chars``
+        characters are tokenized in parallel chunks where that is exact (0: never).
         """
         tokenizer.no_truncation()
         tokenizer.no_padding()
@@ -159,6 +225,8 @@ class RequestTokenizer:
             self._incremental = self._piecewise_is_exact()
             if not self._incremental:
                 log.info("tokenizer %s: piecewise tokenization is not exact; tokenizing whole texts", name)
+        self._chunk_chars = chunk_chars
+        self._chunks_long_pieces = chunk_chars > 0 and self._incremental and self._word_cuts_are_exact()
         self._prompt_prefix: np.ndarray | None
         self._prompt_suffix: np.ndarray | None
         self._prompt_prefix, self._prompt_suffix = self._special_token_wrapping()
@@ -169,7 +237,7 @@ class RequestTokenizer:
     def from_pretrained(cls, name_or_path: str | os.PathLike[str], **options: Any) -> RequestTokenizer:
         """Load a Hugging Face tokenizer: a local directory, or a hub id via transformers.
 
-        ``options`` are passed to the constructor (``cache_bytes``, ``incremental``).
+        ``options`` are passed to the constructor (``cache_bytes``, ``incremental``, ``chunk_chars``).
         """
         files = hf_files.load(os.fspath(name_or_path))
         return cls(
@@ -255,6 +323,53 @@ class RequestTokenizer:
                 return False
         return True
 
+    def _word_cuts_are_exact(self) -> bool:
+        """Whether cutting a piece at a space between two letters leaves its ids unchanged.
+
+        The pipeline must split words at such a space (a word-splitting pre-tokenizer) and
+        nothing before that may look across it: no normalizer but per-character ones, no
+        added token that strips, matches whole words only or is looked for in normalized
+        text (each could span the cut). Then probe texts, cut at every such space, must
+        tokenize to the ids of the whole text.
+        """
+        normalizers = _component_types(_component_state(self._tokenizer.normalizer))
+        if any(part.get("type") not in _CHARACTER_NORMALIZERS for part in normalizers):
+            return False
+        pre_tokenizers = _component_types(_component_state(self._tokenizer.pre_tokenizer))
+        if any(part.get("type") not in _WORD_SPLITTERS | _FURTHER_SPLITTERS for part in pre_tokenizers):
+            return False
+        splits_words = any(
+            part["type"] in ("Split", "Whitespace", "WhitespaceSplit", "BertPreTokenizer")
+            or (part["type"] == "ByteLevel" and part.get("use_regex", True))
+            or (part["type"] == "Metaspace" and part.get("split", True))
+            for part in pre_tokenizers
+        )
+        added = self._tokenizer.get_added_tokens_decoder().values()
+        if not splits_words or any(
+            token.lstrip or token.rstrip or token.single_word or token.normalized for token in added
+        ):
+            return False
+        return self._chunk_probes_agree()
+
+    def _chunk_probes_agree(self) -> bool:
+        words = _CHUNK_PROBE_WORDS
+        probes = [
+            " ".join(words),
+            " ".join(reversed(words)),
+            " " + " ".join(words[::2]) + " ",
+            "x  " + " ".join(words[1::3]),
+        ]
+        probes += [f"{left} {right}" for left in words for right in words[:: max(1, len(words) // 8)]]
+        encode_batch = self._tokenizer.encode_batch_fast
+        for probe, whole in zip(probes, encode_batch(probes, add_special_tokens=False)):
+            joined: list[int] = []
+            for encoding in encode_batch(_cut_at_word_spaces(probe, 1), add_special_tokens=False):
+                joined += encoding.ids
+            if joined != whole.ids:
+                log.info("tokenizer %s: cuts between words are not exact; long pieces are tokenized whole", self.name)
+                return False
+        return True
+
     def _special_token_wrapping(self) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
         """The ids the post-processor puts around a completion prompt (e.g. ``[bos]``, ``[]``).
 
@@ -280,6 +395,11 @@ class RequestTokenizer:
     def incremental(self) -> bool:
         """Whether texts are tokenized piece by piece with memoisation (else whole)."""
         return self._incremental
+
+    @property
+    def chunks_long_pieces(self) -> bool:
+        """Whether long new pieces are tokenized in parallel chunks cut between words."""
+        return self._chunks_long_pieces
 
     @property
     def backend(self) -> Tokenizer:
@@ -490,16 +610,38 @@ class RequestTokenizer:
         found: list[Any] = cache.get_arrays(pieces) if arrays else cache.get_lists(pieces)
         missing = [index for index, ids in enumerate(found) if ids is None]
         if missing:
-            encodings = self._tokenizer.encode_batch_fast([pieces[i] for i in missing], add_special_tokens=False)
+            texts: list[str] = []
+            ends: list[int] = []  # where each missing piece's chunks end in texts
+            for index in missing:
+                piece = pieces[index]
+                if self._chunks_long_pieces and len(piece) > self._chunk_chars:
+                    texts += _cut_at_word_spaces(piece, self._chunk_chars)
+                else:
+                    texts.append(piece)
+                ends.append(len(texts))
+            encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)
             new_entries = []
-            for index, encoding in zip(missing, encodings):
-                ids = encoding.ids
-                array = frozen_ids(ids)
-                as_list = None if arrays else list(map(self._canonical_id, ids))
+            start = 0
+            for index, end in zip(missing, ends):
+                array, as_list = self._joined_ids(encodings[start:end], as_list=not arrays)
                 found[index] = array if arrays else as_list
                 new_entries.append((pieces[index], array, as_list))
+                start = end
             cache.put_many(new_entries)
         return found
+
+    def _joined_ids(self, encodings: list[Any], *, as_list: bool) -> tuple[np.ndarray, list[int] | None]:
+        """One piece's ids from its chunks' encodings: the cache's array, and the list form.
+
+        Each chunk's ids are converted on their own: converting a 1M-token piece's ids in one
+        call holds the GIL for ~70 ms; a few hundred short calls let other threads in between.
+        """
+        if len(encodings) == 1:
+            ids = encodings[0].ids
+            return frozen_ids(ids), list(map(self._canonical_id, ids)) if as_list else None
+        array = np.concatenate([np.array(encoding.ids, dtype=np.int64) for encoding in encodings])
+        array.flags.writeable = False
+        return array, self._canonical_list(array) if as_list else None
 
     def _canonical_list(self, ids: np.ndarray) -> list[int]:
         """``ids`` as a list of the vocabulary's shared int objects (what the cache keeps)."""
