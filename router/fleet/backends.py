@@ -1,8 +1,8 @@
 """Backends and the pool that holds them.
 
 A :class:`Backend` is one engine replica as the router sees it: its URL, the models it
-serves, its health, the load this router has put on it, and what the engine itself
-reports (set by the engine-stats scraper through :meth:`Backend.update_engine_stats`).
+serves, its health, the load this router has put on it (requests, and their work in
+tokens: :attr:`Backend.in_flight_work_tokens`), and what the engine itself reports (set by the engine-stats scraper through :meth:`Backend.update_engine_stats`).
 It implements ``kvroute.router.routing.policies.base.BackendView``, so policies read it directly.
 
 The :class:`BackendPool` is the registry: add, remove, drain, and the hot-path question
@@ -46,7 +46,7 @@ class BackendState:
     draining: bool
     models: list[str] | None
     in_flight: int
-    in_flight_tokens: int
+    in_flight_work_tokens: int
     capacity_tokens: int | None
     engine_running: int | None
     engine_waiting: int | None
@@ -82,7 +82,7 @@ class Backend:
         "engine_waiting",
         "healthy",
         "in_flight",
-        "in_flight_tokens",
+        "in_flight_work_tokens",
         "index_tokens",
         "kv_events_endpoint",
         "model_cards",
@@ -118,8 +118,12 @@ class Backend:
         self.models: frozenset[str] | None = None
         #: The engine's own model cards, re-served by the router's /v1/models.
         self.model_cards: tuple[dict[str, Any], ...] = ()
+        #: Requests this router has sent here and not yet seen finish.
         self.in_flight = 0
-        self.in_flight_tokens = 0
+        #: The load those requests put here, in tokens the engine computes: each one's
+        #: uncached prompt tokens (as the router predicted) plus its expected output tokens
+        #: (``RoutePlan.work_tokens``). Policies, metrics and the admin API read this one number.
+        self.in_flight_work_tokens = 0
         self.index_tokens = 0
         self.engine_running: int | None = None
         self.engine_waiting: int | None = None
@@ -175,7 +179,7 @@ class Backend:
             draining=self.draining,
             models=sorted(self.models) if self.models is not None else None,
             in_flight=self.in_flight,
-            in_flight_tokens=self.in_flight_tokens,
+            in_flight_work_tokens=self.in_flight_work_tokens,
             capacity_tokens=self.capacity_tokens,
             engine_running=self.engine_running,
             engine_waiting=self.engine_waiting,
@@ -317,18 +321,19 @@ class BackendPool:
             self._candidates[model] = eligible
         return eligible
 
-    def acquire(self, backend: Backend, tokens: int) -> None:
-        """A request was sent to ``backend``: count it as in flight (and as the breaker's probe)."""
+    def acquire(self, backend: Backend, work_tokens: int) -> None:
+        """A request of ``work_tokens`` was sent to ``backend``: count it as in flight (and as
+        the breaker's probe)."""
         backend.in_flight += 1
-        backend.in_flight_tokens += tokens
+        backend.in_flight_work_tokens += work_tokens
         breaker = backend.breaker
         if breaker.state is not BreakerState.CLOSED and breaker.on_dispatch():
             self._changed()
 
-    def release(self, backend: Backend, tokens: int) -> None:
+    def release(self, backend: Backend, work_tokens: int) -> None:
         """That request finished (in any way); a draining or removed backend leaves once idle."""
         backend.in_flight -= 1
-        backend.in_flight_tokens -= tokens
+        backend.in_flight_work_tokens -= work_tokens
         if backend.draining and backend.in_flight == 0:
             current = self._backends.get(backend.url)
             if current is backend:

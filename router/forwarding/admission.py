@@ -1,6 +1,8 @@
 """Admission control: how many requests run at once, and who waits how long for a turn.
 
-Two limits, both optional (``None``: unlimited, and this module costs nothing):
+Both limits count requests, not tokens (the load policies weigh is
+``Backend.in_flight_work_tokens``; here a slot is one request). Both are optional
+(``None``: unlimited, and this module costs nothing):
 
 * ``max_concurrency``: requests the router lets run at once, fleet-wide. A request holds
   its slot from admission until its answer is finished, retries included.
@@ -33,26 +35,28 @@ from kvroute.router.errors import RouterError
 log = logging.getLogger("kvroute.admission")
 
 
-class Loaded(Protocol):
-    """What admission reads of a backend."""
+class HoldsRequests(Protocol):
+    """What admission reads of a backend: its requests in flight."""
 
     @property
     def in_flight(self) -> int: ...
 
 
-B = TypeVar("B", bound=Loaded)
+B = TypeVar("B", bound=HoldsRequests)
 
 
 class _Waiter(Generic[B]):
     """One queued request: its wake-up future, what it waits for, and what it holds."""
 
-    __slots__ = ("eligible", "future", "needs_slot", "reserved")
+    __slots__ = ("eligible", "future", "needs_request_slot", "reserved")
 
-    def __init__(self, future: asyncio.Future[None], eligible: Callable[[], Sequence[B]], needs_slot: bool) -> None:
+    def __init__(
+        self, future: asyncio.Future[None], eligible: Callable[[], Sequence[B]], needs_request_slot: bool
+    ) -> None:
         self.future = future
         self.eligible = eligible
-        self.needs_slot = needs_slot
-        #: A global slot was counted for it when it was woken.
+        self.needs_request_slot = needs_request_slot
+        #: A global request slot was counted for it when it was woken.
         self.reserved = False
 
 
@@ -67,8 +71,8 @@ class AdmissionControl(Generic[B]):
         queue_size: int,
         queue_timeout_s: float,
     ) -> None:
-        self._max = max_concurrency
-        self._max_per_backend = max_backend_concurrency
+        self._max_requests = max_concurrency
+        self._max_requests_per_backend = max_backend_concurrency
         self._queue_size = queue_size
         self._timeout_s = queue_timeout_s
         self._waiters: deque[_Waiter[B]] = deque()
@@ -80,43 +84,44 @@ class AdmissionControl(Generic[B]):
     @property
     def limited(self) -> bool:
         """Whether any limit is configured (otherwise :meth:`admit` returns at once)."""
-        return self._max is not None or self._max_per_backend is not None
+        return self._max_requests is not None or self._max_requests_per_backend is not None
 
     @property
     def queued(self) -> int:
         """Requests waiting for a turn now."""
         return len(self._waiters)
 
-    def with_room(self, candidates: Sequence[B]) -> Sequence[B]:
-        """The candidates below the per-backend limit."""
-        limit = self._max_per_backend
+    def below_request_limit(self, candidates: Sequence[B]) -> Sequence[B]:
+        """The candidates with fewer requests in flight than the per-backend limit."""
+        limit = self._max_requests_per_backend
         if limit is None:
             return candidates
         return [backend for backend in candidates if backend.in_flight < limit]
 
-    async def admit(self, eligible: Callable[[], Sequence[B]], *, holds_slot: bool) -> Sequence[B]:
+    async def admit(self, eligible: Callable[[], Sequence[B]], *, holds_request_slot: bool) -> Sequence[B]:
         """Wait for this request's turn; return the eligible backends it may use now.
 
         ``eligible()`` lists the backends the request may go to (it is re-read after a
-        wait: backends come and go meanwhile). ``holds_slot``: the request already holds a
-        global slot (a retry); otherwise it takes one, to give back with :meth:`leave`.
+        wait: backends come and go meanwhile). ``holds_request_slot``: the request already
+        holds a global slot (a retry); otherwise it takes one, to give back with :meth:`leave`.
         An empty result means no backend can take the request at all (the caller answers
         404/503); a full queue or a timeout raises :class:`RouterError` 429.
         """
-        needs_slot = not holds_slot and self._max is not None
-        full = needs_slot and self._max is not None and self.active >= self._max
+        needs_request_slot = not holds_request_slot and self._max_requests is not None
+        full = needs_request_slot and self._max_requests is not None and self.active >= self._max_requests
         if not self._waiters and not full:
             candidates = eligible()
-            with_room = self.with_room(candidates)
-            if with_room or not candidates:
-                if needs_slot:
+            open_backends = self.below_request_limit(candidates)
+            if open_backends or not candidates:
+                if needs_request_slot:
                     self.active += 1
-                return with_room
-        return await self._wait(_Waiter(asyncio.get_running_loop().create_future(), eligible, needs_slot))
+                return open_backends
+        future = asyncio.get_running_loop().create_future()
+        return await self._wait(_Waiter(future, eligible, needs_request_slot))
 
     def leave(self) -> None:
         """An admitted request finished: give its global slot to the next waiter."""
-        if self._max is not None:
+        if self._max_requests is not None:
             self.active -= 1
         self.wake()
 
@@ -126,21 +131,21 @@ class AdmissionControl(Generic[B]):
         if not waiters:
             return
         for waiter in waiters:
-            if self._ready(waiter.eligible, waiter.needs_slot):
+            if self._ready(waiter.eligible, waiter.needs_request_slot):
                 waiters.remove(waiter)
-                if waiter.needs_slot:
+                if waiter.needs_request_slot:
                     # Counted now, so nobody overtakes it before it resumes.
                     self.active += 1
-                    waiter.needs_slot = False
+                    waiter.needs_request_slot = False
                     waiter.reserved = True
                 waiter.future.set_result(None)
                 return
 
     # --- internals -----------------------------------------------------------------------
-    def _ready(self, eligible: Callable[[], Sequence[B]], needs_slot: bool) -> bool:
-        if needs_slot and self._max is not None and self.active >= self._max:
+    def _ready(self, eligible: Callable[[], Sequence[B]], needs_request_slot: bool) -> bool:
+        if needs_request_slot and self._max_requests is not None and self.active >= self._max_requests:
             return False
-        limit = self._max_per_backend
+        limit = self._max_requests_per_backend
         if limit is None:
             return True
         candidates = eligible()
@@ -157,7 +162,7 @@ class AdmissionControl(Generic[B]):
             async with asyncio.timeout(self._timeout_s):
                 while True:
                     await waiter.future
-                    candidates = self.with_room(waiter.eligible())
+                    candidates = self.below_request_limit(waiter.eligible())
                     if candidates or not waiter.eligible():
                         return candidates
                     # A backend filled up between the wake-up and now: wait again, first in line.

@@ -9,8 +9,8 @@ dict lookups and integer additions per request (prometheus-client's own ``inc`` 
 rest of the bookkeeping together). Everything runs on the event loop thread, scrapes
 included, so no locking is needed.
 
-Per-backend gauges (in-flight requests, health, the engine's queue and hit ratio) are
-read from the live :class:`~kvroute.router.fleet.backends.Backend` objects at scrape time: they cannot
+Per-backend gauges (in-flight requests and their work in tokens, health, the engine's
+queue and hit ratio) are read from the live :class:`~kvroute.router.fleet.backends.Backend` objects at scrape time: they cannot
 drift from the router's own counters and vanish with the backend.
 
 Gauges other parts of the router set directly (``index_blocks``, ``index_bytes``,
@@ -164,6 +164,12 @@ class _BackendStateCollector:
             "Requests this router has in flight per backend.",
             labels=["backend"],
         )
+        work = GaugeMetricFamily(
+            "kvroute_backend_in_flight_work_tokens",
+            "The load this router has in flight per backend, in tokens: each request's uncached"
+            " prompt tokens (as predicted) plus its expected output tokens. What the policies weigh.",
+            labels=["backend"],
+        )
         healthy = GaugeMetricFamily(
             "kvroute_backend_healthy", "1 when the backend passes health checks, else 0.", labels=["backend"]
         )
@@ -194,6 +200,7 @@ class _BackendStateCollector:
         for backend in backends:
             engine.add_metric([backend.url, backend.engine.name, backend.engine_source], 1.0)
             in_flight.add_metric([backend.url], backend.in_flight)
+            work.add_metric([backend.url], backend.in_flight_work_tokens)
             healthy.add_metric([backend.url], 1.0 if backend.healthy else 0.0)
             breaker.add_metric([backend.url], int(backend.breaker.state))
             trips.add_metric([backend.url], backend.breaker.trips)
@@ -201,7 +208,7 @@ class _BackendStateCollector:
                 waiting.add_metric([backend.url], backend.engine_waiting)
             if backend.engine_prefix_cache_hit_ratio is not None:
                 hit_ratio.add_metric([backend.url], backend.engine_prefix_cache_hit_ratio)
-        yield from (in_flight, healthy, waiting, hit_ratio, breaker, trips, engine)
+        yield from (in_flight, work, healthy, waiting, hit_ratio, breaker, trips, engine)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,10 @@ headers are sent to the client together with its first chunk, so the whole prefi
 inside that window.) After that nothing is retried: a stream broken by its engine ends
 with an SSE error event and ``[DONE]``. Every attempt's outcome feeds the backend's
 circuit breaker (``kvroute.router.fleet.breaker``). Every attempt holds the backend's in-flight
-counters in a ``try/finally``, so a client hanging up (the handler is cancelled, the
-upstream connection is closed at once so the engine aborts) or any error returns them
-to zero.
+counters (one request, and the attempt's ``RoutePlan.work_tokens``: the load every policy,
+the metrics and the admin API read) in a ``try/finally``, so a client hanging up (the
+handler is cancelled, the upstream connection is closed at once so the engine aborts) or
+any error returns them to zero.
 
 The engine's ``usage`` (prompt and cached tokens) is read from every answer and fed to
 ``RoutingEngine.observe`` and the metrics; streams get ``include_usage`` injected when the
@@ -58,6 +59,7 @@ from kvroute.router.forwarding.upstream import (
 )
 from kvroute.router.routing.decisions import Outcome
 from kvroute.router.routing.policies.base import Decision, RouteRequest
+from kvroute.router.routing.policies.simple import load_of
 from kvroute.router.routing.request_info import Endpoint, ParsedRequest, body_with_usage_requested, parse_request
 from kvroute.router.routing.routing_engine import PreparedPrompt, RoutePlan, RoutingEngine
 
@@ -282,7 +284,7 @@ class Proxy:
         model = call.parsed.model
         admission = self._admission
         failed: list[Backend] = []
-        holds_slot = False
+        holds_request_slot = False
         last_error: RouterError | None = None
 
         path = call.endpoint.path
@@ -303,8 +305,8 @@ class Proxy:
             for attempt in range(2):
                 if admission.limited:
                     # May wait for a turn (or raise 429); only backends with room come back.
-                    candidates = list(await admission.admit(eligible, holds_slot=holds_slot))
-                    holds_slot = True
+                    candidates = list(await admission.admit(eligible, holds_request_slot=holds_request_slot))
+                    holds_request_slot = True
                     alternatives = len(eligible())
                 else:
                     candidates = eligible()
@@ -325,7 +327,7 @@ class Proxy:
                     log.debug("retrying %s elsewhere after %s failed: %s", call.request_id, backend.url, retry)
             raise last_error or RouterError(502, "no backend could take the request", code="backend_unavailable")
         finally:
-            if holds_slot:
+            if holds_request_slot:
                 admission.leave()
 
     async def _prepare(self, endpoint: Endpoint, parsed: ParsedRequest, size: int) -> PreparedPrompt | None:
@@ -348,12 +350,14 @@ class Proxy:
             )
         except Exception:
             log.exception("routing failed; falling back to the least loaded backend")
-            backend = min(candidates, key=lambda b: (b.in_flight, b.in_flight_tokens))
-            return RoutePlan(
-                decision=Decision(backend.url, "routing_error"),
-                policy="fallback",
-                request=RouteRequest(endpoint=call.endpoint.path, model=parsed.model),
+            backend = min(candidates, key=load_of)
+            request = RouteRequest(
+                endpoint=call.endpoint.path,
+                model=parsed.model,
+                session_key=parsed.session_key,
+                expected_output_tokens=parsed.expected_output_tokens,
             )
+            return RoutePlan(decision=Decision(backend.url, "routing_error"), policy="fallback", request=request)
 
     def _no_backend(self, model: str | None) -> RouterError:
         if model is not None and self._pool.healthy_count() and not self._pool.any_serves(model):
@@ -365,8 +369,8 @@ class Proxy:
     async def _attempt(self, attempt: _Attempt) -> web.StreamResponse:
         """One exchange with one backend, its in-flight counters held until it ends, however it ends."""
         backend = attempt.backend
-        tokens = (attempt.plan.request.prompt_tokens or 0) + attempt.call.parsed.expected_output_tokens
-        self._pool.acquire(backend, tokens)
+        work_tokens = attempt.plan.work_tokens
+        self._pool.acquire(backend, work_tokens)
         try:
             return await self._exchange(attempt)
         except asyncio.CancelledError:
@@ -374,9 +378,9 @@ class Proxy:
             self._pool.request_abandoned(backend)
             raise
         finally:
-            self._pool.release(backend, tokens)
+            self._pool.release(backend, work_tokens)
             if self._admission.limited:
-                self._admission.wake()  # a backend slot freed
+                self._admission.wake()  # a backend's request slot freed
             self._finish(attempt)
 
     async def _exchange(self, attempt: _Attempt) -> web.StreamResponse:

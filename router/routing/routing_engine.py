@@ -83,7 +83,7 @@ log = logging.getLogger("kvroute.routing")
 DEFAULT_BLOCK_SIZE = 16
 #: Index bound per backend whose cache size nobody told us (2M tokens: ~130K blocks of 16).
 UNKNOWN_CAPACITY_TOKENS = 1 << 21
-#: A plan the proxy never reported back on is forgotten (its work and shielded blocks) after this.
+#: A plan the proxy never reported back on stops counting as computing its blocks after this.
 UNOBSERVED_TTL_S = 900.0
 #: Request header that forces a policy when ``allow_policy_header`` is on.
 POLICY_HEADER = "x-kvroute-policy"
@@ -152,13 +152,9 @@ class RoutePlan:
 
     @property
     def work_tokens(self) -> int:
-        """Work this request adds to its backend: uncached prompt plus expected output tokens.
-
-        What ``BackendView.in_flight_tokens`` should sum, so that cached prefixes do not make
-        a backend look busy (0 prompt tokens when the prompt is unknown).
-        """
-        prompt = self.request.prompt_tokens or 0
-        return max(0, prompt - self.predicted_cached_tokens) + self.request.expected_output_tokens
+        """The load this attempt puts on its backend: uncached prompt plus expected output
+        tokens. The proxy counts it in ``Backend.in_flight_work_tokens`` while the attempt runs."""
+        return self.request.work_tokens(self.predicted_cached_tokens)
 
 
 @dataclass(slots=True)
@@ -175,14 +171,13 @@ class FeedbackStats:
 
 
 @dataclass(slots=True)
-class _InFlight:
-    """A routed attempt not yet observed: the work it adds and the blocks it is computing."""
+class _Computing:
+    """A routed attempt not yet observed that added blocks to its backend's index: it is
+    computing them from ``first_new`` = (position, hash) of the first one on."""
 
     routed_at: float
     backend: str
-    work: int
-    #: (position, hash) of the first block it added to its backend's index, if any.
-    first_new: tuple[int, int] | None
+    first_new: tuple[int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,10 +229,9 @@ class RoutingEngine:
         self._configured_tokens: dict[str, int] = {}
         self.cache_model = CacheModel()
         self._placement_listener: Callable[[Placement], None] | None = None
-        # Attempts routed and not yet observed, oldest first; per backend their summed work
-        # and the first block each is computing (serial -> (position, hash)).
-        self._in_flight: OrderedDict[int, _InFlight] = OrderedDict()
-        self._work: dict[str, int] = {}
+        # Attempts routed and not yet observed that added blocks, oldest first; per backend
+        # the first block each is computing (serial -> (position, hash)).
+        self._computing_attempts: OrderedDict[int, _Computing] = OrderedDict()
         self._computing: dict[str, dict[int, tuple[int, int]]] = {}
         self._serials = itertools.count(1)
         self.feedback = FeedbackStats()
@@ -252,10 +246,6 @@ class RoutingEngine:
     def working_sets(self) -> WorkingSets:
         """The conversation ledger (read-only use: tests, debugging)."""
         return self._working_sets
-
-    def queued_work(self, backend: BackendView) -> int:
-        """Tokens of work routed to ``backend`` and not yet observed: uncached prompt + output."""
-        return self._work.get(backend.url, 0)
 
     def index_tokens(self, url: str) -> int:
         """Tokens the prefix index believes ``url`` holds."""
@@ -434,9 +424,8 @@ class RoutingEngine:
         self._configured_tokens.pop(url, None)
         self.cache_model.forget(url)
         self._computing.pop(url, None)
-        self._work.pop(url, None)
-        for serial in [serial for serial, entry in self._in_flight.items() if entry.backend == url]:
-            del self._in_flight[serial]
+        for serial in [serial for serial, entry in self._computing_attempts.items() if entry.backend == url]:
+            del self._computing_attempts[serial]
         self._engine_block_sizes.pop(url, None)
         self._working_sets.forget_backend(url)
         for policy in self._policies.values():
@@ -452,7 +441,7 @@ class RoutingEngine:
     def _policy(self, label: str) -> Policy:
         policy = self._policies.get(label)
         if policy is None:
-            context = PolicyContext(self._settings, self._working_sets, self.queued_work)
+            context = PolicyContext(self._settings, self._working_sets)
             policy = self._policies[label] = make_policy(label, context)
             policy.explain = self.decisions.active
             if policy.needs_prefix_match and not self._tracking:
@@ -537,7 +526,7 @@ class RoutingEngine:
             self._capacities[key] = blocks
 
     def _learn(self, plan: RoutePlan, index: PrefixIndex, matched_blocks: int) -> None:
-        """Insert the request's blocks for its backend; track its work and what it computes."""
+        """Insert the request's blocks for its backend; track the blocks it computes."""
         backend = plan.backend
         prompt = plan.prompt
         assert prompt is not None
@@ -546,15 +535,11 @@ class RoutingEngine:
         request = plan.request
         still_computing = request.computing_tokens.get(backend, 0)
         plan.confirmed_cached_tokens = plan.predicted_cached_tokens - still_computing
-        computing = self._computing.setdefault(backend, {})
-        first_new = None
         if blocks > matched_blocks:
             first_new = (matched_blocks, prompt.hash_at(matched_blocks))
-            computing[plan.serial] = first_new
-        work = plan.work_tokens
-        self._work[backend] = self._work.get(backend, 0) + work
-        self._in_flight[plan.serial] = _InFlight(self._clock(), backend, work, first_new)
-        self._expire_in_flight()
+            self._computing.setdefault(backend, {})[plan.serial] = first_new
+            self._computing_attempts[plan.serial] = _Computing(self._clock(), backend, first_new)
+        self._expire_computing()
         if blocks:
             index.insert_hashes(backend, prompt.hashes)
             if blocks > matched_blocks and self._placement_listener is not None:
@@ -586,21 +571,19 @@ class RoutingEngine:
         return computing
 
     def _settle(self, serial: int) -> None:
-        """An attempt finished (or was given up on): its work and blocks are no longer pending."""
-        entry = self._in_flight.pop(serial, None)
+        """An attempt finished (or was given up on): its blocks are no longer being computed."""
+        entry = self._computing_attempts.pop(serial, None)
         if entry is None:
             return
-        self._work[entry.backend] = self._work.get(entry.backend, 0) - entry.work
-        if entry.first_new is not None:
-            computing = self._computing.get(entry.backend)
-            if computing is not None:
-                computing.pop(serial, None)
+        computing = self._computing.get(entry.backend)
+        if computing is not None:
+            computing.pop(serial, None)
 
-    def _expire_in_flight(self) -> None:
+    def _expire_computing(self) -> None:
         deadline = self._clock() - UNOBSERVED_TTL_S
-        in_flight = self._in_flight
-        while in_flight:
-            serial, entry = next(iter(in_flight.items()))
+        attempts = self._computing_attempts
+        while attempts:
+            serial, entry = next(iter(attempts.items()))
             if entry.routed_at >= deadline:
                 return
             self._settle(serial)

@@ -9,7 +9,7 @@ policy what it knows in the :class:`RouteRequest`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, Self
 
@@ -28,8 +28,8 @@ class BackendView(Protocol):
         """Requests this router has sent there and not yet seen finish."""
 
     @property
-    def in_flight_tokens(self) -> int:
-        """Prompt tokens plus expected decode tokens of those requests (0 when unknown)."""
+    def in_flight_work_tokens(self) -> int:
+        """The load those requests put there: the sum of their :meth:`RouteRequest.work_tokens`."""
 
     @property
     def capacity_tokens(self) -> int | None:
@@ -68,7 +68,8 @@ class RouteRequest:
     def work_tokens(self, matched_tokens: int) -> int:
         """The load this request puts on a backend holding ``matched_tokens`` of its prompt:
         the uncached prompt tokens plus the expected output tokens (no prompt tokens when
-        the prompt is unknown)."""
+        the prompt is unknown). Counted in ``BackendView.in_flight_work_tokens`` from dispatch
+        to finish."""
         return max(0, (self.prompt_tokens or 0) - matched_tokens) + self.expected_output_tokens
 
 
@@ -121,8 +122,6 @@ class PolicyContext:
 
     settings: Settings
     working_sets: WorkingSets
-    #: Work in flight per backend as the routing engine counts it (uncached prompt + output).
-    queued_work: Callable[[BackendView], float] | None = None
 
 
 def over_load_bound(in_flight: int, total_in_flight: int, candidates: int, factor: float) -> bool:

@@ -20,7 +20,7 @@ router's rule, which throws affinity away whenever load is a little uneven).
 ``queued_b``
     The work this router has in flight on ``b``: for each request routed there and not
     yet finished, its predicted *uncached* prompt tokens plus its expected output tokens
-    (the routing engine counts them from its own decisions; a cached prefix is no work,
+    (``BackendView.in_flight_work_tokens``; a cached prefix is no work,
     so counting whole prompts would make a replica that serves long cached histories look
     busy and chase conversations away from their caches). Plus, when the engine's
     ``/metrics`` were scraped, the requests waiting in the engine beyond those this router
@@ -148,7 +148,7 @@ choice), ``overload`` (the cheapest backend was over the load bound).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Self
 
 from kvroute.router.routing.ledger import WorkingSets
@@ -184,13 +184,10 @@ class CacheAware(Policy):
         *,
         load_weight: float = 0.5,
         overload_factor: float = 2.0,
-        queued_work: Callable[[BackendView], float] | None = None,
     ) -> None:
         self._working_sets = working_sets
         self._load_weight = load_weight
         self._overload_factor = overload_factor
-        # Work in flight per backend; the routing engine counts predicted uncached tokens.
-        self._queued_work = queued_work or (lambda backend: backend.in_flight_tokens)
         self._turn = 0
         self._mean_work = 0.0
 
@@ -201,7 +198,6 @@ class CacheAware(Policy):
             context.working_sets,
             load_weight=settings.load_weight,
             overload_factor=settings.overload_factor,
-            queued_work=context.queued_work,
         )
 
     def choose(self, request: RouteRequest, candidates: Sequence[BackendView]) -> Decision:
@@ -291,7 +287,7 @@ class CacheAware(Policy):
         return Decision(chosen.url, reason, chosen_match, explanation)
 
     def _queued_tokens(self, backend: BackendView) -> float:
-        queued = float(self._queued_work(backend))
+        queued = float(backend.in_flight_work_tokens)
         waiting = backend.engine_waiting
         if waiting is not None and waiting > backend.in_flight:
             queued += (waiting - backend.in_flight) * self._mean_work

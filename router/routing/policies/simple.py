@@ -32,12 +32,12 @@ class Random(Policy):
 
 
 def load_of(backend: BackendView) -> tuple[int, int]:
-    """Sort key for "least loaded": in-flight requests, then in-flight tokens."""
-    return (backend.in_flight, backend.in_flight_tokens)
+    """Sort key for "least loaded": requests in flight, then their work in tokens."""
+    return (backend.in_flight, backend.in_flight_work_tokens)
 
 
 class LeastLoad(Policy):
-    """The backend with the fewest requests in flight (ties: fewer tokens, then by rotation, never index 0)."""
+    """The backend with the fewest requests in flight (ties: less work in tokens, then by rotation)."""
 
     def __init__(self) -> None:
         self._counter = itertools.count()

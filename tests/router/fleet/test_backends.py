@@ -29,7 +29,7 @@ def healthy_backend(pool: BackendPool, url: str, *models: str) -> Backend:
 def test_backend_implements_the_policy_view() -> None:
     backend: BackendView = Backend("http://a:1/")
     assert backend.url == "http://a:1"
-    assert (backend.in_flight, backend.in_flight_tokens, backend.index_tokens) == (0, 0, 0)
+    assert (backend.in_flight, backend.in_flight_work_tokens) == (0, 0)
     assert backend.capacity_tokens is None
     assert backend.engine_waiting is None and backend.engine_running is None
 
@@ -91,7 +91,7 @@ def test_drain_removes_the_backend_once_its_last_request_finishes() -> None:
     pool.release(backend, 50)
     assert backend.url not in pool
     assert removed == [backend.url]
-    assert (backend.in_flight, backend.in_flight_tokens) == (0, 0)
+    assert (backend.in_flight, backend.in_flight_work_tokens) == (0, 0)
 
 
 def test_engine_stats_and_capacity_precedence() -> None:

@@ -41,19 +41,19 @@ async def test_no_limits_admits_everything_at_once() -> None:
     admission = control()
     backends = [FakeBackend("a", in_flight=10_000)]
     assert not admission.limited
-    assert await admission.admit(lambda: backends, holds_slot=False) == backends
+    assert await admission.admit(lambda: backends, holds_request_slot=False) == backends
 
 
 async def test_global_limit_queues_in_order_and_hands_over_slots() -> None:
     admission = control(max_concurrency=2)
     backends = [FakeBackend("a")]
     order: list[int] = []
-    await admission.admit(lambda: backends, holds_slot=False)
-    await admission.admit(lambda: backends, holds_slot=False)
+    await admission.admit(lambda: backends, holds_request_slot=False)
+    await admission.admit(lambda: backends, holds_request_slot=False)
     assert admission.active == 2
 
     async def waiter(number: int) -> None:
-        await admission.admit(lambda: backends, holds_slot=False)
+        await admission.admit(lambda: backends, holds_request_slot=False)
         order.append(number)
 
     tasks = [asyncio.create_task(waiter(n)) for n in range(3)]
@@ -78,11 +78,11 @@ async def test_global_limit_queues_in_order_and_hands_over_slots() -> None:
 async def test_full_queue_and_timeout_are_429_with_retry_after() -> None:
     admission = control(max_concurrency=1, queue_size=1, queue_timeout_s=0.1)
     backends = [FakeBackend("a")]
-    await admission.admit(lambda: backends, holds_slot=False)
-    queued = asyncio.create_task(admission.admit(lambda: backends, holds_slot=False))
+    await admission.admit(lambda: backends, holds_request_slot=False)
+    queued = asyncio.create_task(admission.admit(lambda: backends, holds_request_slot=False))
     await asyncio.sleep(0.01)
     with pytest.raises(RouterError) as full:
-        await admission.admit(lambda: backends, holds_slot=False)
+        await admission.admit(lambda: backends, holds_request_slot=False)
     assert full.value.status == 429
     assert full.value.headers is not None and int(full.value.headers["Retry-After"]) >= 1
     with pytest.raises(RouterError) as timed_out:
@@ -95,9 +95,9 @@ async def test_full_queue_and_timeout_are_429_with_retry_after() -> None:
 async def test_a_cancelled_waiter_leaves_and_passes_its_turn_on() -> None:
     admission = control(max_concurrency=1)
     backends = [FakeBackend("a")]
-    await admission.admit(lambda: backends, holds_slot=False)
-    first = asyncio.create_task(admission.admit(lambda: backends, holds_slot=False))
-    second = asyncio.create_task(admission.admit(lambda: backends, holds_slot=False))
+    await admission.admit(lambda: backends, holds_request_slot=False)
+    first = asyncio.create_task(admission.admit(lambda: backends, holds_request_slot=False))
+    second = asyncio.create_task(admission.admit(lambda: backends, holds_request_slot=False))
     await asyncio.sleep(0.01)
     admission.leave()  # the turn goes to `first` ...
     first.cancel()  # ... whose client hangs up before it resumes
@@ -109,11 +109,11 @@ async def test_a_cancelled_waiter_leaves_and_passes_its_turn_on() -> None:
 async def test_per_backend_limit_routes_among_backends_with_room_and_waits_when_all_are_full() -> None:
     admission = control(max_backend_concurrency=1)
     a, b = FakeBackend("a"), FakeBackend("b")
-    assert await admission.admit(lambda: [a, b], holds_slot=False) == [a, b]
+    assert await admission.admit(lambda: [a, b], holds_request_slot=False) == [a, b]
     a.in_flight = 1
-    assert await admission.admit(lambda: [a, b], holds_slot=False) == [b]
+    assert await admission.admit(lambda: [a, b], holds_request_slot=False) == [b]
     b.in_flight = 1
-    waiting = asyncio.create_task(admission.admit(lambda: [a, b], holds_slot=False))
+    waiting = asyncio.create_task(admission.admit(lambda: [a, b], holds_request_slot=False))
     await asyncio.sleep(0.01)
     assert not waiting.done()
     admission.wake()  # nothing freed yet: it keeps waiting
@@ -123,15 +123,15 @@ async def test_per_backend_limit_routes_among_backends_with_room_and_waits_when_
     admission.wake()
     assert await waiting == [b]
     # No candidate at all is not a reason to queue: the caller answers 503 at once.
-    assert await admission.admit(list, holds_slot=False) == []
+    assert await admission.admit(list, holds_request_slot=False) == []
 
 
 async def test_waiters_for_other_models_do_not_block_the_queue() -> None:
     admission = control(max_backend_concurrency=1)
     busy, idle = FakeBackend("busy", in_flight=1), FakeBackend("idle", in_flight=1)
-    stuck = asyncio.create_task(admission.admit(lambda: [busy], holds_slot=False))
+    stuck = asyncio.create_task(admission.admit(lambda: [busy], holds_request_slot=False))
     await asyncio.sleep(0.01)
-    other = asyncio.create_task(admission.admit(lambda: [idle], holds_slot=False))
+    other = asyncio.create_task(admission.admit(lambda: [idle], holds_request_slot=False))
     await asyncio.sleep(0.01)
     idle.in_flight = 0
     admission.wake()

@@ -247,12 +247,14 @@ def test_client_disconnect_mid_stream_releases_everything(sim_engines: Any, rout
         if received == 3:
             break
     assert router.metrics().value("kvroute_backend_in_flight_requests", backend=sim.url) == 1
+    # round_robin tokenizes nothing: the request's work is its output budget alone.
+    assert router.metrics().value("kvroute_backend_in_flight_work_tokens", backend=sim.url) == 2000
     assert sim.metrics().value(series(api, "running")) == 1
     stream.close()  # hang up mid-stream
     wait_until(lambda: router.metrics().value("kvroute_backend_in_flight_requests", backend=sim.url) == 0)
     wait_until(lambda: sim.metrics().value(series(api, "running")) == 0)
     backend = router.state.pool.get(sim.url)
-    assert (backend.in_flight, backend.in_flight_tokens) == (0, 0)
+    assert (backend.in_flight, backend.in_flight_work_tokens) == (0, 0)
     assert router.metrics().value("kvroute_requests_total", status="499") == 1
     assert chat(router).parse().choices  # and the router carries on
 

@@ -49,9 +49,9 @@ def test_cold_prompts_spread_evenly_and_never_pile_on_the_first_replica() -> Non
 
 def test_cold_prompt_goes_to_the_least_loaded_backend() -> None:
     fleet = backends(3)
-    fleet[0].in_flight, fleet[0].in_flight_tokens = 1, 5000
-    fleet[1].in_flight, fleet[1].in_flight_tokens = 1, 800
-    fleet[2].in_flight, fleet[2].in_flight_tokens = 1, 2000
+    fleet[0].in_flight, fleet[0].in_flight_work_tokens = 1, 5000
+    fleet[1].in_flight, fleet[1].in_flight_work_tokens = 1, 800
+    fleet[2].in_flight, fleet[2].in_flight_work_tokens = 1, 2000
     decision = policy().choose(request(1000), fleet)
     assert (decision.backend, decision.reason) == ("http://b1", "cold_spread")
 
@@ -67,28 +67,28 @@ def test_cold_tie_prefers_the_backend_with_the_emptiest_cache() -> None:
 
 def test_longest_match_wins_over_a_slight_imbalance() -> None:
     fleet = backends(2)
-    fleet[0].in_flight, fleet[0].in_flight_tokens = 2, 700
+    fleet[0].in_flight, fleet[0].in_flight_work_tokens = 2, 700
     decision = policy().choose(request(5000, {"http://b0": 4800}), fleet)
     assert (decision.backend, decision.reason, decision.matched_tokens) == ("http://b0", "prefix_match", 4800)
 
 
 def test_queued_work_outweighing_the_match_sends_it_elsewhere() -> None:
     fleet = backends(2)
-    fleet[0].in_flight, fleet[0].in_flight_tokens = 1, 9000
+    fleet[0].in_flight, fleet[0].in_flight_work_tokens = 1, 9000
     decision = policy().choose(request(2000, {"http://b0": 1500}), fleet)
     assert (decision.backend, decision.reason) == ("http://b1", "least_cost")
 
 
 def test_load_weight_scales_the_queue_against_the_match() -> None:
     fleet = backends(2)
-    fleet[0].in_flight, fleet[0].in_flight_tokens = 1, 3000
+    fleet[0].in_flight, fleet[0].in_flight_work_tokens = 1, 3000
     cheap_queue = policy(load_weight=0.25).choose(request(2000, {"http://b0": 1500}), fleet)
     dear_queue = policy(load_weight=1.0).choose(request(2000, {"http://b0": 1500}), fleet)
     assert (cheap_queue.backend, dear_queue.backend) == ("http://b0", "http://b1")
 
 
 def _queue(backend: Backend, requests: int, tokens: int) -> None:
-    backend.in_flight, backend.in_flight_tokens = requests, tokens
+    backend.in_flight, backend.in_flight_work_tokens = requests, tokens
 
 
 def test_deep_queues_keep_a_conversation_with_its_history() -> None:
@@ -157,7 +157,7 @@ def test_a_conversation_moves_only_when_the_move_pays_for_its_history_with_margi
     for advantage, expected in ((1.5 * history, "http://b0"), (3.5 * history, "http://b1")):
         fleet = backends(2)
         _queue(fleet[0], 1, int(advantage / 0.5))  # load weight 0.5, divided by 1 + busy (0.5)
-        fleet[0].in_flight_tokens = int(advantage * 1.5 / 0.5)
+        fleet[0].in_flight_work_tokens = int(advantage * 1.5 / 0.5)
         returning = request(5000, {"http://b0": history}, home)
         assert policy().choose(returning, fleet).backend == expected
 

@@ -18,6 +18,7 @@ from kvroute.router.fleet.engine_stats import EngineStats
 from kvroute.router.routing.request_info import ENDPOINTS, parse_request
 from kvroute.router.routing.routing_engine import RoutePlan, RoutingEngine
 from kvroute.tokenizer_index import RequestTokenizer
+from tests.servers import wait_until
 
 CHAT = "/v1/chat/completions"
 SYSTEM = " ".join(f"rule {n}: answer precisely and cite the manual section {n}." for n in range(120))
@@ -191,15 +192,13 @@ def test_siblings_behind_a_request_still_in_flight_are_no_evidence_of_drift() ->
     assert route(engine, chat("sibling 3"), backends).predicted_cached_tokens > 0
 
 
-def test_work_in_flight_counts_uncached_tokens_until_observed() -> None:
+def test_a_plans_work_is_its_uncached_prompt_plus_its_output_budget() -> None:
     engine = RoutingEngine(Settings(policy="cache_aware"))
     backends = fleet(1)
     served(engine, chat("warm up"), backends)
     plan = route(engine, chat("warm up", "ok", "next"), backends)
-    assert engine.queued_work(backends[0]) == plan.work_tokens
+    assert plan.predicted_cached_tokens > 0
     assert plan.work_tokens == plan.request.prompt_tokens - plan.predicted_cached_tokens + 8
-    engine.observe(plan, None)
-    assert engine.queued_work(backends[0]) == 0
 
 
 def test_prepare_in_advance_gives_the_same_plan() -> None:
@@ -440,6 +439,27 @@ def test_ab_split_is_stable_and_labelled_in_headers_and_metrics(sim_engines: Fac
     scrape = router.metrics()
     assert scrape.label_values("kvroute_requests_total", "policy") == {"cache_aware", "round_robin"}
     assert scrape.value("kvroute_routing_decisions_total") == 32
+
+
+def test_work_in_flight_is_the_uncached_prompt_plus_the_output_budget(
+    sim_engines: Factory, router_server: Factory
+) -> None:
+    """The load every policy weighs, counted on the backend from dispatch to finish and
+    exported as ``kvroute_backend_in_flight_work_tokens``."""
+    (sim,) = sim_engines(1, time_scale=1.0, decode_tokens_per_s=40.0)
+    router = router_server([sim], policy="cache_aware")
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "warm up"}]
+    ask(router.client(), history)
+    history += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "now at length"}]
+    body = {"model": "sim", "messages": history, "max_tokens": 500, "stream": True}
+    with httpx.stream("POST", router.v1 + "/chat/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()  # kept: a dropped iterator closes the stream (a hang-up)
+        next(lines)  # the first chunk: the request is in flight, decoding
+        uncached = int(response.headers["x-kvroute-prompt-tokens"]) - int(response.headers["x-kvroute-matched-tokens"])
+        assert 0 < uncached < int(response.headers["x-kvroute-prompt-tokens"])
+        work = router.metrics().value("kvroute_backend_in_flight_work_tokens", backend=sim.url)
+        assert work == uncached + 500
+    wait_until(lambda: router.metrics().value("kvroute_backend_in_flight_work_tokens", backend=sim.url) == 0)
 
 
 def test_predicted_and_observed_tokens_equal_the_engines_own_counters(
