@@ -12,12 +12,13 @@ connection handlers, in the same JSON form, without echoing the offending bytes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from aiohttp import web, web_server
+from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
@@ -179,9 +180,25 @@ class _JsonErrorRequestHandler(RequestHandler):
         return response
 
 
-class JsonErrorServer(web_server.Server):
-    """aiohttp's server with :class:`_JsonErrorRequestHandler` connections (see ``kvroute.router.http.app``)."""
+class JsonErrorServer(web.Server):
+    """aiohttp's low-level server, with a :class:`_JsonErrorRequestHandler` for each connection.
+
+    It serves what ``serving`` serves (its request handler and request factory, both public
+    attributes of :class:`aiohttp.web.Server`); ``connection_options`` are the keyword
+    arguments of aiohttp's ``RequestHandler`` (timeouts, size limits, access log).
+    """
+
+    def __init__(self, serving: web.Server, **connection_options: Any) -> None:
+        super().__init__(
+            serving.request_handler,
+            request_factory=serving.request_factory,
+            handler_cancellation=serving.handler_cancellation,
+            **connection_options,
+        )
+        # Kept here rather than read back from aiohttp's private attributes.
+        self._connection_loop = asyncio.get_running_loop()
+        self._connection_options = connection_options
 
     def __call__(self) -> RequestHandler:
-        # Server keeps the handler options in _kwargs and the loop in _loop (aiohttp 3.x).
-        return _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+        """A connection's protocol (a server is the protocol factory of ``loop.create_server``)."""
+        return _JsonErrorRequestHandler(self, loop=self._connection_loop, **self._connection_options)

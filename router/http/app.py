@@ -23,10 +23,10 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
-from aiohttp import web, web_server
+from aiohttp import web
 
 from kvroute.router.config import Settings
 from kvroute.router.errors import JSON_CONTENT_TYPE, JsonErrorServer, error_middleware, error_response, json_response
@@ -307,28 +307,35 @@ async def _admit_configured_backends(health: HealthChecker, settings: Settings) 
 
 # --- running ---------------------------------------------------------------------------
 class _RouterRunner(web.AppRunner):
-    """aiohttp's runner, serving with :class:`~kvroute.router.errors.JsonErrorServer` connections."""
+    """aiohttp's runner, serving the application through a :class:`~kvroute.router.errors.JsonErrorServer`."""
 
-    async def _make_server(self) -> web_server.Server:
-        server = await super()._make_server()
-        # Same server, same options; only its connections answer parse errors as JSON.
-        server.__class__ = JsonErrorServer
-        return server
+    def __init__(self, app: web.Application, connection_options: dict[str, Any], **runner_options: Any) -> None:
+        super().__init__(app, **runner_options)
+        self._connection_options = connection_options
+
+    async def _make_server(self) -> web.Server:
+        # The hook every aiohttp runner implements (abstract in BaseRunner). aiohttp's own
+        # server starts the application and wires its handler and request factory; the
+        # JSON-error server serves those, with the connection options.
+        return JsonErrorServer(await super()._make_server(), **self._connection_options)
 
 
 def make_runner(app: web.Application, settings: Settings) -> web.AppRunner:
     """The runner the router is served with (also used by tests that run it in-process)."""
-    return _RouterRunner(
-        app,
-        handle_signals=False,
-        handler_cancellation=True,  # a client hanging up cancels its handler: upstream closed at once
-        access_log=None,  # nothing per request at INFO: it costs more than the proxying
-        shutdown_timeout=settings.drain_timeout_s,
-        max_line_size=settings.max_header_bytes,
-        max_field_size=settings.max_header_bytes,
+    connection_options: dict[str, Any] = {
+        "access_log": None,  # nothing per request at INFO: it costs more than the proxying
+        "max_line_size": settings.max_header_bytes,
+        "max_field_size": settings.max_header_bytes,
         # Closes idle keep-alive connections and those whose request head never completes
         # (slowloris); aiohttp's default would keep them for an hour.
-        keepalive_timeout=settings.request_read_timeout_s,
+        "keepalive_timeout": settings.request_read_timeout_s,
+    }
+    return _RouterRunner(
+        app,
+        connection_options,
+        handle_signals=False,
+        handler_cancellation=True,  # a client hanging up cancels its handler: upstream closed at once
+        shutdown_timeout=settings.drain_timeout_s,
     )
 
 
