@@ -14,7 +14,8 @@ from typing import Any, ClassVar, Literal
 
 import orjson
 
-Endpoint = Literal["chat", "completion"]
+#: The OpenAI generation API a request came in on: /v1/chat/completions or /v1/completions.
+GenerationApi = Literal["chat", "completion"]
 DONE = b"data: [DONE]\n\n"
 MAX_ECHOED_CHARS = 200
 
@@ -97,12 +98,12 @@ def sglang_usage(cache_report: bool) -> Callable[[int, int, int], dict[str, Any]
     return report
 
 
-def new_id(endpoint: Endpoint) -> str:
+def new_id(endpoint: GenerationApi) -> str:
     return ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
 def full_response(
-    endpoint: Endpoint, response_id: str, model: str, texts: Iterable[str], usage_body: dict[str, Any]
+    endpoint: GenerationApi, response_id: str, model: str, texts: Iterable[str], usage_body: dict[str, Any]
 ) -> bytes:
     """A non-streaming chat.completion / text_completion body, one choice per text."""
     if endpoint == "chat":
@@ -148,7 +149,7 @@ class StreamFormatter:
     _MIDDLE = b',"logprobs":null,"finish_reason":null}]}\n\n'
     _LAST = b',"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
 
-    def __init__(self, endpoint: Endpoint, response_id: str, model: str) -> None:
+    def __init__(self, endpoint: GenerationApi, response_id: str, model: str) -> None:
         kind = b"chat.completion.chunk" if endpoint == "chat" else b"text_completion"
         self._head = (
             b'data: {"id":"' + response_id.encode() + b'","object":"' + kind

@@ -87,7 +87,7 @@ def _report_crash(task: asyncio.Task[None]) -> None:
 
 
 @dataclass(slots=True)
-class EngineStats:
+class SchedulerTotals:
     """Totals for ``GET /sim/stats``."""
 
     requests_served: int = 0
@@ -121,7 +121,7 @@ class Scheduler:
         self._prefilling = 0  # running requests whose prompt is not fully computed yet
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.stats = EngineStats()
+        self.totals = SchedulerTotals()
 
     # --- state ----------------------------------------------------------------------
 
@@ -183,7 +183,7 @@ class Scheduler:
         else:
             with contextlib.suppress(ValueError):
                 self._waiting.remove(request)
-        self.stats.requests_aborted += 1
+        self.totals.requests_aborted += 1
         self._publish_gauges()
         request._wake()
         self._wake.set()
@@ -274,7 +274,7 @@ class Scheduler:
             finished.append(request)
         if prefilled == 0 and not decoding and not produced:
             return 0.0
-        self.stats.steps += 1
+        self.totals.steps += 1
         step_s = prefilled / self._prefill_rate
         if decoding:
             step_s += self._decode_step_s
@@ -292,7 +292,7 @@ class Scheduler:
             if request.generated >= request.max_tokens:
                 self._finish(request)
                 finished.append(request)
-        self.stats.steps += steps
+        self.totals.steps += steps
         return steps * self._decode_step_s
 
     def _admit(self) -> None:
@@ -328,8 +328,8 @@ class Scheduler:
         metrics.prefix_hits.inc(cached)
         metrics.prompt_tokens.inc(request.prompt_len)
         metrics.prompt_tokens_cached.inc(cached)
-        self.stats.prompt_tokens += request.prompt_len
-        self.stats.cached_tokens += cached
+        self.totals.prompt_tokens += request.prompt_len
+        self.totals.cached_tokens += cached
 
     def _grow_kv(self, request: SimRequest) -> None:
         """Account the KV blocks a sequence references after it grew."""
@@ -351,8 +351,8 @@ class Scheduler:
             self._cache.store(self._cache.hashes(sequence, request.key), sequence, full_blocks, request.key)
         else:
             self._cache.store(request.hashes, sequence, full_blocks, request.key)
-        self.stats.requests_served += 1
-        self.stats.generation_tokens += request.generated
+        self.totals.requests_served += 1
+        self.totals.generation_tokens += request.generated
         self._metrics.generation_tokens.inc(request.generated)
         self._metrics.request_success.inc()
 

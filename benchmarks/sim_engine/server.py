@@ -36,7 +36,7 @@ from kvroute.benchmarks.sim_engine.metrics import EngineMetrics
 from kvroute.benchmarks.sim_engine.protocol import (
     DONE,
     APIError,
-    Endpoint,
+    GenerationApi,
     StreamFormatter,
     full_response,
     new_id,
@@ -255,7 +255,7 @@ class Handlers:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
 
-    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, endpoint: GenerationApi) -> web.StreamResponse:
         engine = self.engine
         try:
             body = await _read_object(request)
@@ -529,7 +529,7 @@ class Handlers:
         scheduler = engine.scheduler
         cache = engine.cache
         assert scheduler is not None and cache is not None
-        totals = scheduler.stats
+        totals = scheduler.totals
         publisher = engine.publisher
         return _json(
             {

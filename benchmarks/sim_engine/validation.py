@@ -42,7 +42,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvroute.benchmarks.sim_engine.protocol import APIError, Endpoint, field_error, summarize
+from kvroute.benchmarks.sim_engine.protocol import APIError, GenerationApi, field_error, summarize
 
 # vLLM's defaults (environment variables and model config there).
 MAX_N_SEQUENCES = 16384  # VLLM_MAX_N_SEQUENCES
@@ -230,7 +230,7 @@ class Sampling:
 class GenerationParams:
     """A validated chat or completion request: what shapes the simulation and the answer."""
 
-    endpoint: Endpoint
+    endpoint: GenerationApi
     model: str | None  # None: the first served model, as vLLM serves a request without one
     stream: bool
     include_usage: bool
@@ -244,7 +244,7 @@ class GenerationParams:
     suffix: str | None  # completions (chat: None)
 
 
-def parse_generation(body: dict[str, Any], endpoint: Endpoint) -> GenerationParams:
+def parse_generation(body: dict[str, Any], endpoint: GenerationApi) -> GenerationParams:
     """Stages 1 and 2: the request's own rules and field types (a 400 for the first broken one)."""
     _check_before(body, endpoint)
     try:
@@ -442,7 +442,7 @@ def parse_embeddings(body: dict[str, Any]) -> EmbeddingParams:
 
 
 # --- stage 1: vLLM's "before" validators -----------------------------------------------------
-def _check_before(body: dict[str, Any], endpoint: Endpoint) -> None:
+def _check_before(body: dict[str, Any], endpoint: GenerationApi) -> None:
     cache_salt = body.get("cache_salt")
     if cache_salt is not None:
         if not isinstance(cache_salt, str) or not cache_salt:

@@ -329,7 +329,7 @@ async def test_concurrent_generations_share_decode_steps() -> None:
         )
         assert all(completion.usage.completion_tokens == 300 for completion in completions)  # type: ignore[union-attr]
         assert engine.scheduler is not None
-        assert 300 <= engine.scheduler.stats.steps < 2 * 300
+        assert 300 <= engine.scheduler.totals.steps < 2 * 300
 
 
 # --- metrics --------------------------------------------------------------------------
@@ -381,7 +381,7 @@ async def test_client_disconnect_mid_stream_aborts_the_request() -> None:
             return (await metrics_of(url))["vllm:num_requests_running"] == 0
 
         await eventually(drained)
-        assert engine.scheduler is not None and engine.scheduler.stats.requests_aborted == 1
+        assert engine.scheduler is not None and engine.scheduler.totals.requests_aborted == 1
 
 
 async def test_client_disconnect_while_waiting_for_non_streaming_answer() -> None:
@@ -529,7 +529,7 @@ async def test_n_choices_differ_and_the_prompt_is_counted_once() -> None:
         assert [streamed[index] for index in range(3)] == texts
         assert roles == {0, 1, 2}
         assert usage is not None and usage.completion_tokens == 18
-        assert engine.scheduler is not None and engine.scheduler.stats.requests_served == 1 + 3 + 3
+        assert engine.scheduler is not None and engine.scheduler.totals.requests_served == 1 + 3 + 3
 
 
 async def test_completion_batches_answer_every_prompt_n_times() -> None:
