@@ -10,11 +10,13 @@ tool's result of ``--new-tokens`` tokens) grows to ``--prompt-tokens``. Every tu
 routed, so the tokenizer's piece cache and the prefix index hold its previous prompt; the
 index holds ``--index-blocks`` blocks over 16 backends, each filled to its capacity with
 conversations behind shared system prompts, so every insert evicts. Each repetition appends
-a turn and routes it with the calls the routing engine makes (``RoutingEngine.prepare``, then
-``route``), one stage at a time: render the chat template, tokenize the text
-(``encode_text_array``), hash the blocks, match, insert (wall time and thread CPU). Beside it:
+a possible next turn (each repetition another one: the prompt stays ~100K tokens) and
+routes it with the calls the routing engine makes (``RoutingEngine.prepare``, then
+``route``), one stage at a time: render the chat template (``render_chat``), tokenize the
+text (``encode_rendered_chat_array``: with ``render_chat``, what ``encode_chat_array`` does),
+hash the blocks, match, insert (wall time and the process's CPU time). Beside it:
 
-* ``cold``: the same turn on a tokenizer whose piece cache was just emptied (render and
+* ``cold``: the same turn on a tokenizer whose caches were just emptied (render and
   tokenize every piece): the denominator of the 5 % target;
 * ``whole``: the plain ``tokenizers`` library on the rendered text, the reference the
   router's ids must equal (checked every repetition);
@@ -256,7 +258,7 @@ def measure_turns(
         body = agent.next_turn_body(seed + 1 + repetition)
         messages, tools = body["messages"], body["tools"]
         text = samples.time("render", tokenizer.render_chat, messages, tools=tools)
-        turn_ids = samples.time("tokenize", tokenizer.encode_text_array, text)
+        turn_ids = samples.time("tokenize", tokenizer.encode_rendered_chat_array, text, messages)
         hashes = samples.time("hash", block_hashes, turn_ids, BLOCK_SIZE, salt)
         found = samples.time("match", index.match_hashes, hashes)
         samples.time("insert", index.insert_hashes, backend, hashes)

@@ -26,6 +26,11 @@ conversion of each chunk's ids: a 1M-token document tokenized in a worker thread
 holds the GIL for long. Such a cut is exact when the tokenizer's pre-tokenizer splits words
 there and nothing before it looks across words: decided at construction from the
 pipeline's parts and checked on probe texts (:attr:`RequestTokenizer.chunks_long_pieces`).
+
+Remembered: a chat prompt of :data:`MEMO_MIN_CHARS` or more is kept with its ids
+(:mod:`kvroute.tokenizer_index.prompt_memo`); the conversation's next turn, which starts with
+that text, takes the ids of all of it but its last few added tokens as one slice, and only
+the rest is cut into pieces and looked up.
 """
 
 from __future__ import annotations
@@ -46,10 +51,20 @@ from kvroute.tokenizer_index import hf_files
 from kvroute.tokenizer_index.chat_messages import conversation_from_request, tools_from_request
 from kvroute.tokenizer_index.chat_template import ChatTemplate
 from kvroute.tokenizer_index.piece_cache import PieceCache, PieceCacheStats, frozen_ids
+from kvroute.tokenizer_index.prompt_memo import PromptMemo, PromptMemoStats, RememberedPrompt
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+DEFAULT_MEMO_BYTES = 32 * 1024 * 1024
+#: Chat prompts at least this long (characters, ~4K tokens) are remembered for their next turn.
+MEMO_MIN_CHARS = 16_384
+#: The last messages of a request whose text may name the turn before it.
+MEMO_PROBE_MESSAGES = 8
+#: How far back from a remembered prompt's end its pieces are tried as the common prefix,
+#: when a new prompt does not start with all of it (a template that renders the generation
+#: prompt and the message that answers it differently).
+MEMO_LOOK_BACK_PIECES = 4
 _DEFAULT_DIRECTORY = Path(__file__).resolve().parent / "data" / "default"
 # Texts around added tokens in the probes: spaces, newlines, digits, accents, combining marks,
 # emoji, CJK; each probe is tokenized whole and piece by piece, and the two must agree.
@@ -157,6 +172,20 @@ def _ends_in_word_character(text: str) -> bool:
     return last.isalnum() or last == "_" or last > "\x7f"
 
 
+_NO_IDS = np.empty(0, dtype=np.int64)
+
+
+def _memo_keys(messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Keys a chat prompt is remembered and looked up by: hashes of its last messages' texts,
+    the last message first (its next turn finds it among the messages it repeats)."""
+    keys = []
+    for message in reversed(messages[-MEMO_PROBE_MESSAGES:]):
+        content = message.get("content")
+        if isinstance(content, str) and content:
+            keys.append(hash(content))
+    return keys
+
+
 def _cut_at_word_spaces(text: str, size: int) -> list[str]:
     """``text`` cut right before spaces between two letters into runs of at least ``size``
     characters (the last may be shorter; ``text`` whole if it has no such space)."""
@@ -193,6 +222,7 @@ class RequestTokenizer:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         incremental: bool | None = None,
         chunk_chars: int = CHUNK_CHARS,
+        memo_bytes: int = DEFAULT_MEMO_BYTES,
     ) -> None:
         """Wrap a ``tokenizers.Tokenizer``.
 
@@ -203,6 +233,7 @@ class RequestTokenizer:
         ``incremental=None`` checks whether piecewise tokenization is exact for this tokenizer;
         ``False`` forces whole-text tokenization. New pieces longer than ``chunk_chars``
         characters are tokenized in parallel chunks where that is exact (0: never).
+        ``memo_bytes`` bounds the long chat prompts remembered for their next turn (0: none).
         """
         tokenizer.no_truncation()
         tokenizer.no_padding()
@@ -220,6 +251,12 @@ class RequestTokenizer:
         self._canonical_id = list(range(max(vocab.values(), default=-1) + 1)).__getitem__
         self._cache = PieceCache(cache_bytes, to_list=self._canonical_list)
         self._boundary_re, self._non_boundaries, self._boundary_tokens = self._boundary_matcher()
+        # A scan for added tokens reads at most this many characters from where it tries one.
+        self._longest_added_token = max(
+            (len(token.content) for token in tokenizer.get_added_tokens_decoder().values() if not token.normalized),
+            default=0,
+        )
+        self._memo = PromptMemo(memo_bytes)
         self._incremental = False
         if incremental is not False and self._boundary_re is not None:
             self._incremental = self._piecewise_is_exact()
@@ -237,7 +274,8 @@ class RequestTokenizer:
     def from_pretrained(cls, name_or_path: str | os.PathLike[str], **options: Any) -> RequestTokenizer:
         """Load a Hugging Face tokenizer: a local directory, or a hub id via transformers.
 
-        ``options`` are passed to the constructor (``cache_bytes``, ``incremental``, ``chunk_chars``).
+        ``options`` are passed to the constructor (``cache_bytes``, ``incremental``,
+        ``chunk_chars``, ``memo_bytes``).
         """
         files = hf_files.load(os.fspath(name_or_path))
         return cls(
@@ -421,9 +459,14 @@ class RequestTokenizer:
         """Size and hit counters of the piece cache."""
         return self._cache.stats()
 
+    def memo_stats(self) -> PromptMemoStats:
+        """Size and counters of the remembered long prompts."""
+        return self._memo.stats()
+
     def clear_cache(self) -> None:
-        """Forget every memoised piece."""
+        """Forget every memoised piece and remembered prompt."""
         self._cache.clear()
+        self._memo.clear()
 
     # --- chat ------------------------------------------------------------------------------
 
@@ -513,7 +556,11 @@ class RequestTokenizer:
         documents: Sequence[Mapping[str, Any]] | None = None,
         continue_final_message: bool = False,
     ) -> np.ndarray:
-        """:meth:`encode_chat` as a new contiguous int64 array (what the block hasher takes)."""
+        """:meth:`encode_chat` as a new contiguous int64 array (what the block hasher takes).
+
+        A long prompt is remembered, and one that starts with a remembered prompt of its
+        conversation reuses that prefix's ids (see the module docstring).
+        """
         text = self.render_chat(
             messages,
             tools=tools,
@@ -522,6 +569,15 @@ class RequestTokenizer:
             documents=documents,
             continue_final_message=continue_final_message,
         )
+        return self.encode_rendered_chat_array(text, messages)
+
+    def encode_rendered_chat_array(self, text: str, messages: Sequence[Mapping[str, Any]]) -> np.ndarray:
+        """The ids of ``text``, which :meth:`render_chat` rendered from ``messages``: the second
+        half of :meth:`encode_chat_array` (``messages`` name the conversation in the memo)."""
+        if len(text) >= MEMO_MIN_CHARS and self._memo.max_bytes and self._incremental and self._boundary_re:
+            keys = _memo_keys(messages)
+            if keys:
+                return self._encode_remembering(text, keys)
         return self.encode_text_array(text)
 
     # --- completions -----------------------------------------------------------------------
@@ -586,15 +642,67 @@ class RequestTokenizer:
         ids = encoding.ids
         return np.array(ids, dtype=np.int64) if array else ids
 
-    def _pieces(self, text: str) -> list[str]:
-        """``text`` cut right after each added token the tokenizer itself cuts at."""
+    def _encode_remembering(self, text: str, keys: list[int]) -> np.ndarray:
+        """``text``'s ids, from the longest usable prefix a remembered prompt gives and the
+        pieces after it; then ``text`` is remembered under ``keys[0]`` (its last message)."""
+        start = reused_tokens = 0
+        kept = -1  # the last of the remembered prompt's pieces that is reused
+        previous = None
+        for candidate in self._memo.candidates(keys):
+            kept = self._reusable_pieces(candidate, text)
+            if kept >= 0:
+                previous = candidate
+                self._memo.reused()
+                break
+        if previous is not None:
+            start = int(previous.piece_ends[kept])
+            reused_tokens = int(previous.token_ends[kept])
+        pieces = self._pieces(text, start)
+        parts = self._piece_ids(pieces, arrays=True)
+        prefix = previous.ids[:reused_tokens] if previous is not None else _NO_IDS
+        ids = np.concatenate([prefix, *parts])
+        piece_ends = start + np.cumsum([len(piece) for piece in pieces], dtype=np.int64)
+        token_ends = reused_tokens + np.cumsum([len(part) for part in parts], dtype=np.int64)
+        if previous is not None:
+            piece_ends = np.concatenate((previous.piece_ends[: kept + 1], piece_ends))
+            token_ends = np.concatenate((previous.token_ends[: kept + 1], token_ends))
+        kept_ids = ids.copy()  # the caller owns ids and may change them
+        kept_ids.flags.writeable = False
+        self._memo.remember(keys[0], RememberedPrompt(text, piece_ends, token_ends, kept_ids))
+        return ids
+
+    def _reusable_pieces(self, previous: RememberedPrompt, text: str) -> int:
+        """Index of the last of ``previous``'s pieces whose ids ``text`` may reuse (-1: none).
+
+        ``text`` must start with those pieces, and a scan of ``text`` for added tokens must
+        find the same ones there: it does up to the last piece ending at least one added
+        token's length before where the two texts may part, because the scan decides each
+        position from the characters that follow it, no more than that length.
+        """
+        old = previous.text
+        ends = previous.piece_ends
+        if text.startswith(old):
+            common = len(old)
+        else:
+            common = -1
+            for index in range(len(ends) - 2, max(-1, len(ends) - 2 - MEMO_LOOK_BACK_PIECES), -1):
+                end = int(ends[index])
+                if text.startswith(old[:end]):
+                    common = end
+                    break
+            if common < 0:
+                return -1
+        return int(np.searchsorted(ends, common - self._longest_added_token, side="right")) - 1
+
+    def _pieces(self, text: str, start: int = 0) -> list[str]:
+        """``text`` from ``start`` (where a piece ends) cut right after each added token the
+        tokenizer itself cuts at."""
         pattern = self._boundary_re
         if pattern is None:
-            return [text]
+            return [text[start:]]
         pieces: list[str] = []
-        start = 0
         non_boundaries = self._non_boundaries
-        for match in pattern.finditer(text):
+        for match in pattern.finditer(text, start):
             end = match.end()
             if end == match.start() or (non_boundaries and match.group() in non_boundaries):
                 continue

@@ -1,0 +1,135 @@
+"""Remembered prompts: a next turn that reuses its previous turn's ids equals the whole text's.
+
+The memo's threshold is patched to 0 so that short hypothesis conversations are remembered;
+each test tokenizes turn after turn (and branches) and compares every result with the plain
+``tokenizers`` library on the rendered text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvroute.tokenizer_index import RequestTokenizer
+from kvroute.tokenizer_index import tokenizer as tokenizer_module
+from kvroute.tokenizer_index.prompt_memo import PER_KEY, PromptMemo, RememberedPrompt
+from tests.tokenizer_index.tokenizers_fixtures import llama3_style_dir
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+CHATML = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+GENERATION = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+TEMPLATES = {
+    # Every turn's text starts with the previous turn's, generation prompt included.
+    "prefix_stable": CHATML + GENERATION,
+    # The first line changes every turn: nothing can be reused.
+    "counted": "{{ messages | length }}\n" + CHATML + GENERATION,
+    # The last message renders differently from the same message earlier.
+    "marks_last": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}{% if loop.last %} (latest){% endif %}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}" + GENERATION
+    ),
+    # Messages joined as they are: a turn may end inside an added token the next one completes.
+    "raw": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    # The generation prompt is not how the answer it asks for is rendered next turn.
+    "thinking_prompt": CHATML + "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}",
+}
+
+contents = st.lists(
+    st.sampled_from(
+        ["the router", " cache", "中文", "e\u0301", "😀", "\n", "  ", "<|im_end|>", "<|im_start|>", "<|im_", "end|>", "|>"]
+    )
+    | st.text(max_size=6),
+    min_size=1,
+    max_size=12,
+).map("".join)
+turns = st.lists(st.tuples(st.sampled_from(["user", "assistant", "tool"]), contents), min_size=1, max_size=8)
+
+
+@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+def templated(request: pytest.FixtureRequest) -> RequestTokenizer:
+    backend = RequestTokenizer.default().backend
+    return RequestTokenizer(backend, chat_templates={"default": TEMPLATES[request.param]}, memo_bytes=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> RequestTokenizer:
+    return RequestTokenizer.from_pretrained(llama3_style_dir(tmp_path_factory.mktemp("llama3")))
+
+
+def _expected(tok: RequestTokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    return tok.backend.encode(tok.render_chat(messages), add_special_tokens=False).ids  # type: ignore[no-any-return]
+
+
+def _conversation(pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    return [{"role": role, "content": content} for role, content in pairs]
+
+
+@SETTINGS
+@given(history=turns, branches=st.lists(turns, min_size=1, max_size=3))
+def test_each_turn_and_branch_equals_the_whole_text(
+    templated: RequestTokenizer, history: list[tuple[str, str]], branches: list[list[tuple[str, str]]]
+) -> None:
+    templated.clear_cache()
+    with mock.patch.object(tokenizer_module, "MEMO_MIN_CHARS", 0):
+        messages = _conversation(history)
+        for end in range(1, len(messages) + 1):
+            turn = messages[:end]
+            assert templated.encode_chat_array(turn).tolist() == _expected(templated, turn)
+        for branch in branches:  # siblings of the last turn, each from the same remembered prefix
+            turn = messages + _conversation(branch)
+            array = templated.encode_chat_array(turn)
+            assert array.tolist() == _expected(templated, turn)
+            assert array.flags.writeable and array.flags.owndata
+
+
+def test_a_growing_conversation_reuses_its_previous_turn(llama: RequestTokenizer) -> None:
+    rng = np.random.default_rng(5)
+    words = ["prefix", "cache", "agent", "tool", "result", "naïve", "中文", "don't"]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You route requests. " * 900}]
+    llama.clear_cache()
+    for turn in range(6):
+        messages.append({"role": "user", "content": " ".join(rng.choice(words, 3_000))})
+        array = llama.encode_chat_array(messages)
+        assert array.tolist() == _expected(llama, messages)
+        messages.append({"role": "assistant", "content": f"answer {turn}"})
+    stats = llama.memo_stats()
+    assert stats.lookups == 6 and stats.reused == 5 and 0 < stats.bytes <= stats.max_bytes
+
+
+def test_conversations_sharing_a_last_message_stay_apart() -> None:
+    tok = RequestTokenizer.default()
+    with mock.patch.object(tokenizer_module, "MEMO_MIN_CHARS", 0):
+        first = [{"role": "system", "content": "one " * 50}, {"role": "user", "content": "continue"}]
+        second = [{"role": "system", "content": "two " * 50}, {"role": "user", "content": "continue"}]
+        for messages in (first, second, first + [{"role": "assistant", "content": "ok"}], second):
+            assert tok.encode_chat_array(messages).tolist() == _expected(tok, messages)
+
+
+def _prompt(text: str, size: int) -> RememberedPrompt:
+    ends = np.array([len(text)], dtype=np.int64)
+    return RememberedPrompt(text, ends, np.array([size], dtype=np.int64), np.zeros(size, dtype=np.int64))
+
+
+def test_memo_keeps_a_few_prompts_per_key_within_its_bound() -> None:
+    memo = PromptMemo(max_bytes=60_000)
+    for number in range(PER_KEY + 2):
+        memo.remember(1, _prompt(f"text {number}", 100))
+    assert [prompt.text for prompt in memo.candidates([1])] == [f"text {n}" for n in range(PER_KEY + 1, 1, -1)]
+    memo.remember(1, _prompt(f"text {PER_KEY + 1}", 100))  # the same text replaces its entry
+    assert len(memo.candidates([1])) == PER_KEY
+    for key in range(2, 200):
+        memo.remember(key, _prompt(f"other {key}", 1_000))
+        assert memo.stats().bytes <= memo.max_bytes
+    assert memo.candidates([1]) == [] and memo.candidates([199])
+    memo.remember(7, _prompt("too big", 10_000))  # larger than the whole bound: not kept
+    assert memo.candidates([7]) == []
+    memo.clear()
+    assert memo.stats().entries == 0 and memo.stats().bytes == 0
+    with pytest.raises(ValueError):
+        PromptMemo(-1)

@@ -1,0 +1,126 @@
+"""Recent long prompts and their ids, so a conversation's next turn skips what it repeats.
+
+Turn N+1 of a conversation re-sends turn N's messages, and its rendered text starts with
+turn N's text. The piece cache (:mod:`kvroute.tokenizer_index.piece_cache`) already spares
+tokenizing that text again, but finding, hashing and looking up its hundreds of pieces and
+joining their arrays still costs about 1 ms per 100K tokens. The request tokenizer keeps
+its last long prompts here, each with where its pieces end and its ids; when a new prompt
+starts with one of them it takes that prefix's ids as one slice and cuts and looks up only
+the rest (:meth:`kvroute.tokenizer_index.tokenizer.RequestTokenizer.encode_chat_array`).
+
+A prompt is filed under a key its conversation's next request can compute (a hash of its
+last message's text); a key only proposes candidates, and the caller compares texts, so a
+collision costs a comparison, never a wrong id. Entries are evicted least recently used
+first, within a byte bound. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Candidates kept per key (the most recent first): conversations that share a last message.
+PER_KEY = 4
+# Bytes an entry costs beyond its text and arrays (objects, dict slots).
+ENTRY_OVERHEAD_BYTES = 400
+
+
+@dataclass(frozen=True, slots=True)
+class RememberedPrompt:
+    """A prompt's text, where its pieces end, and its ids (read-only)."""
+
+    text: str
+    #: Character offset where each piece of ``text`` ends (int64, increasing; the last is ``len(text)``).
+    piece_ends: np.ndarray
+    #: How many ids the pieces up to each of those ends have (int64).
+    token_ends: np.ndarray
+    ids: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        """What it is charged against the memo's bound."""
+        arrays = self.piece_ends.nbytes + self.token_ends.nbytes + self.ids.nbytes
+        return ENTRY_OVERHEAD_BYTES + sys.getsizeof(self.text) + arrays
+
+
+@dataclass(frozen=True, slots=True)
+class PromptMemoStats:
+    """A snapshot of the memo's size and counters."""
+
+    entries: int
+    bytes: int
+    max_bytes: int
+    #: Lookups that found a candidate whose text the new prompt starts with.
+    reused: int
+    lookups: int
+
+
+class PromptMemo:
+    """Long prompts by key, at most ``max_bytes`` of them (0 disables it)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._by_key: OrderedDict[int, list[RememberedPrompt]] = OrderedDict()  # in LRU order
+        self._bytes = 0
+        self._reused = 0
+        self._lookups = 0
+        self._lock = threading.Lock()
+
+    def candidates(self, keys: Iterable[int]) -> list[RememberedPrompt]:
+        """The prompts filed under these keys, in key order, most recent first per key."""
+        found: list[RememberedPrompt] = []
+        with self._lock:
+            self._lookups += 1
+            for key in keys:
+                prompts = self._by_key.get(key)
+                if prompts is not None:
+                    self._by_key.move_to_end(key)
+                    found += prompts
+        return found
+
+    def reused(self) -> None:
+        """Count a lookup whose candidate the caller could use."""
+        with self._lock:
+            self._reused += 1
+
+    def remember(self, key: int, prompt: RememberedPrompt) -> None:
+        """File ``prompt`` under ``key`` (it replaces an entry of the same text), then evict."""
+        cost = prompt.nbytes
+        if cost > self.max_bytes:
+            return
+        with self._lock:
+            prompts = self._by_key.pop(key, [])
+            kept = [prompt]
+            for old in prompts:
+                if len(kept) < PER_KEY and old.text != prompt.text:
+                    kept.append(old)
+                else:
+                    self._bytes -= old.nbytes
+            self._by_key[key] = kept
+            self._bytes += cost
+            while self._bytes > self.max_bytes and self._by_key:
+                _, evicted = self._by_key.popitem(last=False)
+                self._bytes -= sum(old.nbytes for old in evicted)
+
+    def clear(self) -> None:
+        """Forget every prompt (the counters are kept)."""
+        with self._lock:
+            self._by_key.clear()
+            self._bytes = 0
+
+    def stats(self) -> PromptMemoStats:
+        with self._lock:
+            return PromptMemoStats(
+                entries=sum(len(prompts) for prompts in self._by_key.values()),
+                bytes=self._bytes,
+                max_bytes=self.max_bytes,
+                reused=self._reused,
+                lookups=self._lookups,
+            )
