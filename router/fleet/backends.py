@@ -52,7 +52,6 @@ class BackendState:
     engine_waiting: int | None
     engine_kv_usage: float | None
     engine_prefix_cache_hit_ratio: float | None
-    index_tokens: int
     consecutive_failures: int
     breaker: str
     breaker_trips: int
@@ -83,7 +82,6 @@ class Backend:
         "healthy",
         "in_flight",
         "in_flight_work_tokens",
-        "index_tokens",
         "kv_events_endpoint",
         "model_cards",
         "models",
@@ -124,7 +122,6 @@ class Backend:
         #: uncached prompt tokens (as the router predicted) plus its expected output tokens
         #: (``RoutePlan.work_tokens``). Policies, metrics and the admin API read this one number.
         self.in_flight_work_tokens = 0
-        self.index_tokens = 0
         self.engine_running: int | None = None
         self.engine_waiting: int | None = None
         self.engine_kv_usage: float | None = None
@@ -185,7 +182,6 @@ class Backend:
             engine_waiting=self.engine_waiting,
             engine_kv_usage=self.engine_kv_usage,
             engine_prefix_cache_hit_ratio=self.engine_prefix_cache_hit_ratio,
-            index_tokens=self.index_tokens,
             consecutive_failures=self.consecutive_failures,
             breaker=self.breaker.state.name.lower(),
             breaker_trips=self.breaker.trips,

@@ -36,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from kvroute.router.fleet.backends import Backend
+from kvroute.router.routing.decisions import AttemptOutcome
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -324,35 +325,25 @@ class RouterMetrics:
         self.registry.register(_PeerExchangeCollector(counts))
 
     # --- hot path ----------------------------------------------------------------------
-    def record_request(
-        self,
-        backend: str,
-        policy: str,
-        endpoint: str,
-        status: str,
-        duration_s: float,
-        ttft_s: float | None,
-        prompt_tokens: int | None,
-        predicted_cached_tokens: int,
-        observed_cached_tokens: int | None,
-    ) -> None:
-        """Count one finished attempt. Token counters move only when the engine reported usage,
-        so predicted and observed hit rates are ratios over the same requests."""
-        key = (backend, policy, endpoint, status)
+    def record_request(self, outcome: AttemptOutcome) -> None:
+        """Count one finished attempt. Token counters move only when the engine reported its
+        prompt and cached tokens, so predicted and observed hit rates are ratios over the
+        same requests."""
+        key = (outcome.backend, outcome.policy, outcome.endpoint, outcome.status)
         requests = self.requests
         requests[key] = requests.get(key, 0) + 1
-        pair_key = (backend, policy)
+        pair_key = (outcome.backend, outcome.policy)
         pair = self.pairs.get(pair_key)
         if pair is None:
             pair = self.pairs[pair_key] = _PairStats()
-        pair.duration.observe(duration_s)
-        if ttft_s is not None:
-            pair.ttft.observe(ttft_s)
-        if prompt_tokens is not None:
+        pair.duration.observe(outcome.duration_s)
+        if outcome.ttft_s is not None:
+            pair.ttft.observe(outcome.ttft_s)
+        prompt_tokens, cached_tokens = outcome.prompt_tokens, outcome.cached_tokens
+        if prompt_tokens is not None and cached_tokens is not None:
             pair.prompt_tokens += prompt_tokens
-            pair.predicted_cached += min(predicted_cached_tokens, prompt_tokens)
-            if observed_cached_tokens:
-                pair.observed_cached += observed_cached_tokens
+            pair.predicted_cached += min(outcome.predicted_cached_tokens, prompt_tokens)
+            pair.observed_cached += cached_tokens
 
     def record_decision(self, policy: str, reason: str) -> None:
         """Count one routing decision."""

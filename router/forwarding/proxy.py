@@ -57,7 +57,7 @@ from kvroute.router.forwarding.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from kvroute.router.routing.decisions import Outcome
+from kvroute.router.routing.decisions import AttemptOutcome
 from kvroute.router.routing.policies.base import Decision, RouteRequest
 from kvroute.router.routing.policies.simple import load_of
 from kvroute.router.routing.request_info import Endpoint, ParsedRequest, body_with_usage_requested, parse_request
@@ -84,13 +84,13 @@ HOP_BY_HOP = frozenset(
     }
 )
 # Recomputed for each hop, or set by the router itself.
-_REQUEST_SKIP = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-request-id"}
-_RESPONSE_SKIP = HOP_BY_HOP | {b"content-length", b"x-request-id"}
-# The request headers not forwarded, by (the backend's credential goes instead of the client's,
-# the router reads the stream and asks for it unencoded): the router sends its own
-# Authorization / Accept-Encoding.
-_REQUEST_SKIPS = {
-    (own_key, identity): _REQUEST_SKIP
+_PER_HOP_REQUEST_HEADERS = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-request-id"}
+_PER_HOP_RESPONSE_HEADERS = HOP_BY_HOP | {b"content-length", b"x-request-id"}
+# The request headers not forwarded, by (the backend's credential goes instead of the
+# client's, the router reads the stream and asks for it unencoded): the per-hop ones, and
+# the client's Authorization / Accept-Encoding when the router sends its own.
+_DROPPED_REQUEST_HEADERS = {
+    (own_key, identity): _PER_HOP_REQUEST_HEADERS
     | ({b"authorization"} if own_key else frozenset())
     | ({b"accept-encoding"} if identity else frozenset())
     for own_key in (False, True)
@@ -507,7 +507,7 @@ class Proxy:
         call = attempt.call
         access = attempt.backend.access
         own_credential = access.proxy_credential(call.request.headers)
-        skip = _REQUEST_SKIPS[own_credential, call.usage_injected]
+        skip = _DROPPED_REQUEST_HEADERS[own_credential, call.usage_injected]
         if access.header_names:
             skip = skip | access.header_names
         drop_prefix = b"x-kvroute-" if self._strip_kvroute_headers else None
@@ -525,7 +525,7 @@ class Proxy:
         response's own header map (a map passed to the constructor would be copied)."""
         headers = response.headers
         add = headers.add
-        for name, value in _forwarded(upstream.raw_headers, _RESPONSE_SKIP):
+        for name, value in _forwarded(upstream.raw_headers, _PER_HOP_RESPONSE_HEADERS):
             add(name.decode("latin-1"), value.decode("latin-1"))
         plan = attempt.plan
         headers["x-kvroute-backend"] = plan.backend
@@ -542,25 +542,23 @@ class Proxy:
         """Metrics, routing feedback and the decision log for one finished attempt."""
         plan = attempt.plan
         usage = attempt.usage
-        prompt_tokens = usage.prompt_tokens if usage is not None else None
         # What the engine's report means is its engine module's to say (SGLang: null = 0
         # with --enable-cache-report; a generic server: nothing to learn from).
         backend = attempt.backend
         cached_tokens = backend.engine.observed(usage, backend.engine_facts)
-        duration = time.monotonic() - attempt.call.started
-        endpoint = attempt.call.endpoint.name
-        self._metrics.record_request(
-            plan.backend,
-            plan.policy,
-            endpoint,
-            attempt.status,
-            duration,
-            attempt.ttft_s,
-            # Predicted and observed count over the same requests: those with a cache report.
-            prompt_tokens if cached_tokens is not None else None,
-            plan.predicted_cached_tokens,
-            cached_tokens,
+        outcome = AttemptOutcome(
+            request_id=attempt.call.request_id,
+            backend=plan.backend,
+            policy=plan.policy,
+            endpoint=attempt.call.endpoint.name,
+            status=attempt.status,
+            duration_s=time.monotonic() - attempt.call.started,
+            ttft_s=attempt.ttft_s,
+            prompt_tokens=usage.prompt_tokens if usage is not None else None,
+            predicted_cached_tokens=plan.predicted_cached_tokens,
+            cached_tokens=cached_tokens,
         )
+        self._metrics.record_request(outcome)
         self._metrics.record_decision(plan.policy, plan.reason)
         try:
             self._routing.observe(plan, cached_tokens)
@@ -568,15 +566,4 @@ class Proxy:
             log.exception("routing feedback failed")
         decisions = self._routing.decisions
         if decisions.active:
-            decisions.record(
-                plan,
-                Outcome(
-                    attempt.call.request_id,
-                    endpoint,
-                    attempt.status,
-                    prompt_tokens,
-                    cached_tokens,
-                    attempt.ttft_s,
-                    duration,
-                ),
-            )
+            decisions.record(plan, outcome)

@@ -3,7 +3,8 @@
 Enabled only when ``admin_token`` is set (without it the paths do not exist: 404).
 Every call needs ``Authorization: Bearer <admin_token>``, compared in constant time.
 
-* ``GET    /admin/backends``         -> ``{"backends": [BackendState, ...]}``
+* ``GET    /admin/backends``         -> ``{"backends": [BackendState + index_tokens, ...]}``
+  (``index_tokens``: what the routing engine's prefix index holds of the backend)
 * ``POST   /admin/backends``         ``{"url", "api_key"?, "capacity_tokens"?, "kv_events_endpoint"?}``
   (or any other per-backend setting of the config file: ``headers``, ``ca_file``, ``verify``, ...)
   -> 201 with the new backend's state (probed once first; 409 if already there)
@@ -22,6 +23,7 @@ import hmac
 import ipaddress
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -32,7 +34,7 @@ from pydantic import ValidationError
 from kvroute.router.backend_url import parse_backend_url
 from kvroute.router.config import BackendConfig, Settings
 from kvroute.router.errors import RouterError, json_response
-from kvroute.router.fleet.backends import BackendPool
+from kvroute.router.fleet.backends import Backend, BackendPool
 from kvroute.router.fleet.health import HealthChecker
 from kvroute.router.routing.decisions import DecisionRecorder
 
@@ -50,9 +52,12 @@ class AdminAPI:
         *,
         on_secret: Callable[[str], None] | None = None,
         decisions: DecisionRecorder | None = None,
+        index_tokens: Callable[[str], int] | None = None,
     ) -> None:
         """``on_secret`` hears of every engine API key added at run time (log redaction);
-        ``decisions`` holds the recent routing decisions ``GET /admin/decisions`` returns."""
+        ``decisions`` holds the recent routing decisions ``GET /admin/decisions`` returns;
+        ``index_tokens(url)`` says what the routing engine's prefix index holds of a backend
+        (``RoutingEngine.index_tokens``; without it backends list ``"index_tokens": null``)."""
         if not settings.admin_token:
             raise ValueError("the admin API needs an admin token")
         self._token = settings.admin_token.encode()
@@ -60,6 +65,7 @@ class AdminAPI:
         self._health = health
         self._on_secret = on_secret
         self._decisions = decisions
+        self._index_tokens = index_tokens
         self._allowed_networks = [ipaddress.ip_network(net, strict=False) for net in settings.admin_allowed_networks]
 
     def add_routes(self, app: web.Application) -> None:
@@ -92,7 +98,7 @@ class AdminAPI:
     # --- handlers --------------------------------------------------------------------
     async def list_backends(self, request: web.Request) -> web.Response:
         """All backends with their state."""
-        return json_response({"backends": [backend.state() for backend in self._pool]})
+        return json_response({"backends": [self._state(backend) for backend in self._pool]})
 
     async def list_decisions(self, request: web.Request) -> web.Response:
         """The last ``?last=N`` routing decisions, oldest first."""
@@ -119,7 +125,7 @@ class AdminAPI:
             backend = await self._health().admit(config)
         except ValueError as exc:  # added concurrently while we probed
             raise RouterError(409, str(exc), code="backend_exists") from None
-        return json_response(backend.state(), status=201)
+        return json_response(self._state(backend), status=201)
 
     async def remove_backend(self, request: web.Request) -> web.Response:
         """Remove a backend now (requests already running there finish)."""
@@ -127,7 +133,7 @@ class AdminAPI:
         backend = self._pool.remove(url)
         if backend is None:
             raise RouterError(404, f"no backend {url}", code="backend_not_found")
-        return json_response(backend.state())
+        return json_response(self._state(backend))
 
     async def drain_backend(self, request: web.Request) -> web.Response:
         """Stop routing to a backend; it leaves once idle."""
@@ -135,9 +141,15 @@ class AdminAPI:
         backend = self._pool.drain(url)
         if backend is None:
             raise RouterError(404, f"no backend {url}", code="backend_not_found")
-        return json_response(backend.state(), status=202)
+        return json_response(self._state(backend), status=202)
 
     # --- helpers ---------------------------------------------------------------------
+    def _state(self, backend: Backend) -> dict[str, Any]:
+        """The backend's own state and what the routing engine's prefix index holds of it."""
+        state = asdict(backend.state())
+        state["index_tokens"] = self._index_tokens(backend.url) if self._index_tokens is not None else None
+        return state
+
     async def _target_url(self, request: web.Request) -> str:
         url = request.query.get("url")
         if url is None:

@@ -31,16 +31,25 @@ RING_SIZE = 1024
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
-    """What one attempt's response said, next to its decision."""
+class AttemptOutcome:
+    """One finished attempt: where it went and what its response said. Built once by the
+    proxy, read by the metrics (``RouterMetrics.record_request``) and the decision records."""
 
     request_id: str
+    backend: str
+    policy: str
+    #: The endpoint's short name (``chat``, ``completions``, ...), a metrics label.
     endpoint: str
+    #: The HTTP status the client got, as a label ("499": the client went away).
     status: str
-    prompt_tokens: int | None
-    cached_tokens: int | None
-    ttft_s: float | None
     duration_s: float
+    ttft_s: float | None
+    #: The engine's ``usage.prompt_tokens`` (None: no usage reported).
+    prompt_tokens: int | None
+    #: Prompt tokens the router predicted to be cached on ``backend``.
+    predicted_cached_tokens: int
+    #: The engine's cached prompt tokens, as its engine module reads them (None: not reported).
+    cached_tokens: int | None
 
 
 class DecisionRecorder:
@@ -59,7 +68,7 @@ class DecisionRecorder:
     def ring_enabled(self) -> bool:
         return self._ring is not None
 
-    def record(self, plan: RoutePlan, outcome: Outcome) -> None:
+    def record(self, plan: RoutePlan, outcome: AttemptOutcome) -> None:
         """One finished attempt of ``plan``."""
         if not self.active:
             return
@@ -77,7 +86,7 @@ class DecisionRecorder:
         return list(ring)[-count:]
 
 
-def build_record(plan: RoutePlan, outcome: Outcome) -> dict[str, Any]:
+def build_record(plan: RoutePlan, outcome: AttemptOutcome) -> dict[str, Any]:
     """The JSON-ready record of one decision and its outcome."""
     request = plan.request
     decision = plan.decision

@@ -114,8 +114,8 @@ def _with_port(endpoint: str, port: int) -> str:
 
 
 @dataclass(slots=True)
-class PreparedRequest:
-    """A request's block hashes, once per block size the precise index uses."""
+class PreciseHashes:
+    """A request's prompt hashed for the precise index: once per block size it uses."""
 
     tokens: Sequence[int] | np.ndarray
     salt: str | None
@@ -287,17 +287,17 @@ class PreciseIndex:
         *,
         model: str | None = None,
         cache_salt: str | None = None,
-    ) -> PreparedRequest:
+    ) -> PreciseHashes:
         """Hash a request once per block size in use. ``model`` counts as a LoRA adapter
         when an engine announced blocks of an adapter by that name."""
         lora_name = model if model in self._lora_names else None
-        prepared = PreparedRequest(tokens, precise_salt(lora_name, cache_salt))
+        prepared = PreciseHashes(tokens, precise_salt(lora_name, cache_salt))
         # A snapshot of the sizes: prepare may run in a worker thread (routing.prepare).
         for block_size in tuple(self._exact):
             prepared.hashes[block_size] = block_hashes(tokens, block_size, prepared.salt)
         return prepared
 
-    def match(self, prepared: PreparedRequest, approximate: Mapping[str, int]) -> dict[str, int]:
+    def match(self, prepared: PreciseHashes, approximate: Mapping[str, int]) -> dict[str, int]:
         """Matched prompt tokens per backend: from events for backends with a usable stream
         (exact or speculative, whichever is longer), from ``approximate`` (the routing
         engine's index) for the others, and the longest of all three while ``PARTIAL``."""
@@ -326,7 +326,7 @@ class PreciseIndex:
                 matched[backend] = tokens
         return matched
 
-    def speculate(self, backend: str, prepared: PreparedRequest) -> None:
+    def speculate(self, backend: str, prepared: PreciseHashes) -> None:
         """The request was routed to ``backend``: hold its blocks there until the engine's
         events confirm them or ``speculative_ttl_s`` passes."""
         known = self._backends.get(backend)

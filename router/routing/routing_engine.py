@@ -74,7 +74,7 @@ from kvroute.router.routing.policies import (
     TrafficSplit,
     make_policy,
 )
-from kvroute.router.routing.precise_index import PreciseIndex, PreparedRequest
+from kvroute.router.routing.precise_index import PreciseHashes, PreciseIndex
 from kvroute.tokenizer_index import PrefixIndex, RequestTokenizer
 from kvroute.tokenizer_index.hashing import block_hashes, request_salt
 
@@ -99,7 +99,7 @@ class PreparedPrompt:
     hashes: np.ndarray
     block_size: int
     #: The same prompt hashed for the precise index (``--kv-events``), else None.
-    precise: PreparedRequest | None = None
+    precise: PreciseHashes | None = None
     _hash_list: list[int] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -181,8 +181,9 @@ class _Computing:
 
 
 @dataclass(frozen=True, slots=True)
-class IndexStats:
-    """Size of the prefix index, for ``kvroute_index_blocks{backend}`` and ``kvroute_index_bytes``."""
+class RoutingIndexStats:
+    """Size of the routing engine's indexes (every block size, and the precise index), for
+    ``kvroute_index_blocks{backend}`` and ``kvroute_index_bytes``."""
 
     blocks: dict[str, int] = field(default_factory=dict)
     bytes: int = 0
@@ -253,7 +254,7 @@ class RoutingEngine:
             return self._precise.tokens(url)
         return sum(index.blocks(url) * size for size, index in self._indexes.items())
 
-    def index_stats(self) -> IndexStats:
+    def index_stats(self) -> RoutingIndexStats:
         """Blocks per backend and the index's memory, over every block size in use."""
         blocks: dict[str, int] = {}
         total_bytes = 0
@@ -267,7 +268,7 @@ class RoutingEngine:
                 if state is not KVEventsState.APPROXIMATE:
                     blocks[url] = self._precise.blocks(url)
             total_bytes += self._precise.nbytes
-        return IndexStats(blocks=blocks, bytes=total_bytes)
+        return RoutingIndexStats(blocks=blocks, bytes=total_bytes)
 
     # --- the hot path ------------------------------------------------------------------
     def prepare(self, endpoint: str, body: Mapping[str, Any]) -> PreparedPrompt | None:

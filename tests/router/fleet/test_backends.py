@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -9,6 +10,7 @@ import pytest
 
 from kvroute.router.fleet.backends import Backend, BackendPool
 from kvroute.router.forwarding.metrics import RouterMetrics
+from kvroute.router.routing.decisions import AttemptOutcome
 from kvroute.router.routing.policies.base import BackendView
 from tests.servers import wait_until
 
@@ -123,8 +125,9 @@ def test_removed_backends_leave_no_metric_series() -> None:
     a = healthy_backend(pool, "http://a:1")
     b = healthy_backend(pool, "http://b:1")
     for url in (a.url, b.url):
-        metrics.record_request(url, "round_robin", "chat", "200", 0.1, 0.01, 100, 50, 40)
-        metrics.record_request(url, "round_robin", "chat", "502", 0.1, None, None, 0, None)
+        answered = AttemptOutcome("r1", url, "round_robin", "chat", "200", 0.1, 0.01, 100, 50, 40)
+        metrics.record_request(answered)
+        metrics.record_request(replace(answered, status="502", ttft_s=None, prompt_tokens=None, cached_tokens=None))
         metrics.index_blocks.labels(url).set(5)
     pool.remove(a.url)
     text = metrics.render().decode()

@@ -7,8 +7,10 @@ from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 
-from tests.servers import RouterServer, SimServer, wait_until
+from kvroute.router.http.admin import AdminAPI
+from tests.servers import RouterServer, ServerLoop, SimServer, start_server, wait_until
 
 TOKEN = "admin-secret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -81,6 +83,34 @@ def test_list_add_and_remove(sim_engines: Any, router_server: Any) -> None:
         ]
         for _ in range(3)
     } == {second.url}
+
+
+def test_backends_list_the_tokens_the_prefix_index_holds_of_them(
+    sim_engines: Any, router_server: Any, server_loop: ServerLoop
+) -> None:
+    """``index_tokens`` is what the routing engine's index holds (a multiple of the block
+    size, as ``kvroute_index_blocks`` counts it), not a field nobody sets."""
+    engines = sim_engines(2)
+    router = router_server(engines, policy="cache_aware", admin_token=TOKEN)
+    client = router.client()
+    for user in range(4):
+        history = [{"role": "user", "content": f"user {user}: " + " ".join(["a long question"] * 40)}]
+        client.chat.completions.create(model="sim", messages=history, max_tokens=2)
+    state = router.state
+    # The router's own app does not pass the routing engine to its AdminAPI yet (http/app.py):
+    # this one, over the same live pool and routing engine, serves what it will serve.
+    api = AdminAPI(state.settings, state.pool, lambda: state.health, index_tokens=state.routing.index_tokens)
+    app = web.Application()
+    api.add_routes(app)
+    runner, url = server_loop.run(start_server(app))
+    try:
+        listed = httpx.get(url + "/admin/backends", headers=AUTH, timeout=30).json()["backends"]
+    finally:
+        server_loop.run(runner.cleanup())
+    held = {backend["url"]: backend["index_tokens"] for backend in listed}
+    scrape = router.metrics()
+    assert held == {engine.url: scrape.value("kvroute_index_blocks", backend=engine.url) * 16 for engine in engines}
+    assert sum(held.values()) > 0
 
 
 def test_adding_an_unreachable_backend_keeps_it_unhealthy(router_server: Any) -> None:
