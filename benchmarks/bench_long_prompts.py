@@ -31,7 +31,9 @@ after another. Each way of routing them (``--modes``) runs on its own engine:
 
 * ``sync``: parse and route on the loop;
 * ``thread``: the proxy's way for bodies of ``THREAD_PREPARE_BYTES`` or more: parse on the
-  loop, ``RoutingEngine.prepare`` in a worker thread, the rest of ``route`` on the loop.
+  loop, ``RoutingEngine.prepare`` in a worker thread, the rest of ``route`` on the loop;
+* ``thread-1ms``: the same with the interpreter's switch interval at 1 ms instead of 5 (how
+  long the loop's thread may wait for the GIL while the worker runs Python code).
 
 Reported: the loop's worst stall (how late a 1 ms ticker ran), the small chats' latency from
 their due time (p50, p99, max) before and while huge prompts arrive, and each huge prompt's
@@ -87,6 +89,8 @@ TARGET_COLD_SHARE = 0.05
 #: A stall of the event loop longer than this is worth a design change (the lead's bar).
 STALL_BAR_MS = 50.0
 STAGES = ("render", "tokenize", "hash", "match", "insert")
+MODES = ("sync", "thread", "thread-1ms")
+SHORT_SWITCH_INTERVAL_S = 0.001
 
 
 # --- figures ---------------------------------------------------------------------------------
@@ -234,6 +238,11 @@ def measure_turns(
 
     tokenizer = RequestTokenizer.from_pretrained(path)
     cold = RequestTokenizer.from_pretrained(path)
+    # Run on a tree from before encode_rendered_chat_array (a baseline), encode_chat_array then
+    # went on with encode_text_array after rendering.
+    tokenize_rendered = getattr(tokenizer, "encode_rendered_chat_array", None) or (
+        lambda text, _messages: tokenizer.encode_text_array(text)
+    )
     backend = names[0]
 
     def route_here(body: dict[str, Any]) -> np.ndarray:
@@ -258,7 +267,7 @@ def measure_turns(
         body = agent.next_turn_body(seed + 1 + repetition)
         messages, tools = body["messages"], body["tools"]
         text = samples.time("render", tokenizer.render_chat, messages, tools=tools)
-        turn_ids = samples.time("tokenize", tokenizer.encode_rendered_chat_array, text, messages)
+        turn_ids = samples.time("tokenize", tokenize_rendered, text, messages)
         hashes = samples.time("hash", block_hashes, turn_ids, BLOCK_SIZE, salt)
         found = samples.time("match", index.match_hashes, hashes)
         samples.time("insert", index.insert_hashes, backend, hashes)
@@ -380,19 +389,20 @@ async def _stall_run(
     route_ms, loop_ms = [], []
     for raw in huge:
         begin = time.perf_counter()
-        if mode == "thread" and len(raw) >= THREAD_PREPARE_BYTES:
-            parse_start = time.perf_counter()
+        if mode.startswith("thread") and len(raw) >= THREAD_PREPARE_BYTES:
             parsed = parse_request(raw, CHAT, {}, SESSION_HEADER)
-            on_loop = time.perf_counter() - parse_start
+            on_loop = time.perf_counter() - begin
             prepared = await asyncio.to_thread(engine.prepare, CHAT.path, parsed.body)
             route_start = time.perf_counter()
             plan = engine.route(CHAT.path, parsed.body, {}, candidates, prepared=prepared, parsed=parsed)
             engine.observe(plan, None)
-            on_loop += time.perf_counter() - route_start
+            end = time.perf_counter()
+            on_loop += end - route_start
         else:
             route(raw)
-            on_loop = time.perf_counter() - begin
-        route_ms.append(round((time.perf_counter() - begin) * 1000, 1))
+            end = time.perf_counter()
+            on_loop = end - begin
+        route_ms.append(round((end - begin) * 1000, 1))
         loop_ms.append(round(on_loop * 1000, 1))
         await asyncio.sleep(quiet_s / 2)
     stopping = True
@@ -424,7 +434,12 @@ def measure_stalls(
     results = []
     for number, mode in enumerate(modes):
         huge = [huge_body(huge_tokens, seed + 1 + number * huge_prompts + k) for k in range(huge_prompts)]
-        result = asyncio.run(_stall_run(path, mode, huge, small, rate, quiet_s))
+        default_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SHORT_SWITCH_INTERVAL_S if mode.endswith("-1ms") else default_interval)
+        try:
+            result = asyncio.run(_stall_run(path, mode, huge, small, rate, quiet_s))
+        finally:
+            sys.setswitchinterval(default_interval)
         results.append(replace(result, huge_tokens=tokens))
     return results
 
@@ -484,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="agent turns timed per size")
     parser.add_argument("--huge-tokens", type=int, default=1_000_000, help="0 skips the stall measurement")
     parser.add_argument("--huge-prompts", type=int, default=2, help="huge prompts per mode")
-    parser.add_argument("--modes", default="sync,thread", help="ways to route the huge prompts")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"ways to route the huge prompts, of {MODES}")
     parser.add_argument("--small-rate", type=float, default=200.0, help="small chats per second")
     parser.add_argument("--quiet-s", type=float, default=1.0, help="small chats alone before the huge prompts")
     parser.add_argument("--seed", type=int, default=0)

@@ -24,7 +24,7 @@ def test_tiny_long_prompt_run(tmp_path: Path) -> None:
         assert 0 < turn["total"]["low"] <= turn["total"]["median"] <= turn["total"]["high"]
     assert [turn["result_tokens"] for turn in report["turns"]] == [300, 1000]
     by_mode = {stall["mode"]: stall for stall in report["stalls"]}
-    assert set(by_mode) == {"sync", "thread"}
+    assert set(by_mode) == set(bench_long_prompts.MODES)
     # sync routes wholly on the loop; thread prepares off it, so less of its time is the loop's.
     assert by_mode["sync"]["huge_loop_ms"] == by_mode["sync"]["huge_route_ms"]
     assert by_mode["thread"]["huge_loop_ms"][0] < by_mode["thread"]["huge_route_ms"][0]
