@@ -46,7 +46,6 @@ class SGLangMetrics:
         self.running = gauge("sglang:num_running_reqs", "The number of running requests.")
         self.waiting = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
         self.kv_usage = gauge("sglang:token_usage", "The token usage.")
-        self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate (last prefill batch).")
         self.prefix_queries = counter("sglang:prompt_tokens", "Number of prefill tokens processed.")
         self.prefix_hits = counter("sglang:cached_tokens", "Number of cached prompt tokens.")
         self.prompt_tokens = _Unexported()

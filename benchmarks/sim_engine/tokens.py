@@ -39,41 +39,24 @@ class SimTokenizer:
         """A local Hugging Face tokenizer directory, or the router's offline default."""
         return cls(RequestTokenizer.default() if path is None else RequestTokenizer.from_pretrained(path))
 
-    def encode_chat_body(self, body: dict[str, Any], *, add_generation_prompt: bool | None = None) -> np.ndarray:
-        """The prompt of a chat request: its messages through the model's chat template.
+    def encode_chat_body(self, body: dict[str, Any], *, add_generation_prompt: bool) -> np.ndarray:
+        """The prompt of a validated chat request: its messages through the model's chat template.
 
-        ``add_generation_prompt`` overrides the body's (a generation request passes the value
-        validation already read, ``"yes"`` included).
+        Validation has typed the body's fields; ``add_generation_prompt`` is the value it read
+        (``"yes"`` included).
         """
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise TokenizationError("'messages' must be a non-empty list")
-        if not all(isinstance(message, dict) for message in messages):
-            raise TokenizationError("every message must be an object")
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise TokenizationError("'tools' must be a list")
-        kwargs = body.get("chat_template_kwargs")
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise TokenizationError("'chat_template_kwargs' must be an object")
-        if add_generation_prompt is None:
-            add_generation_prompt = body.get("add_generation_prompt", True)
-        if not isinstance(add_generation_prompt, bool):
-            raise TokenizationError("'add_generation_prompt' must be a boolean")
         try:
             return self._encoder.encode_chat_array(
-                messages,
-                tools=tools,
+                body["messages"],
+                tools=body.get("tools"),
                 add_generation_prompt=add_generation_prompt,
-                chat_template_kwargs=kwargs,
+                chat_template_kwargs=body.get("chat_template_kwargs"),
             )
         except _CLIENT_ERRORS as exc:
             raise TokenizationError(f"cannot apply the chat template: {exc}") from None
 
-    def encode_prompt(self, prompt: Any) -> np.ndarray:
-        """One completion prompt: text or token ids (of a batch, the first; generation encodes each)."""
-        if not isinstance(prompt, str | list):
-            raise TokenizationError("'prompt' must be a string or a list of token ids")
+    def encode_prompt(self, prompt: str | list[int]) -> np.ndarray:
+        """One validated completion prompt: text or token ids (of a batch, the first; generation encodes each)."""
         try:
             ids = self._encoder.encode_prompt_array(prompt)
         except (*_CLIENT_ERRORS, OverflowError) as exc:
