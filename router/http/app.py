@@ -75,9 +75,7 @@ class RouterState:
 STATE = web.AppKey("kvroute_state", RouterState)
 
 
-def build_app(
-    settings: Settings, routing: RoutingEngine | None = None, *, redactor: SecretRedactor | None = None
-) -> web.Application:
+def build_app(settings: Settings, *, redactor: SecretRedactor | None = None) -> web.Application:
     """The router as an aiohttp application (not yet started).
 
     ``redactor``: the log filter of ``kvroute serve``; engine API keys given to the admin
@@ -99,7 +97,7 @@ def build_app(
     gate = ClientGate(settings)
     metrics = RouterMetrics(lambda: pool, lambda: _runtime_stats(admission, gate))
     precise = _precise_index(settings, pool, metrics) if settings.kv_events else None
-    routing = routing or RoutingEngine(settings, precise=precise)
+    routing = RoutingEngine(settings, precise=precise)
     pool.on_removed(lambda backend: routing.forget_backend(backend.url))
     pool.on_removed(lambda backend: metrics.forget_backend(backend.url))
     if admission.limited:
@@ -339,9 +337,9 @@ def make_runner(app: web.Application, settings: Settings) -> web.AppRunner:
     )
 
 
-async def serve(settings: Settings, app: web.Application | None = None) -> None:
+async def serve(settings: Settings, app: web.Application) -> None:
     """Run the router until SIGTERM/SIGINT, then drain in-flight work and return."""
-    runner = make_runner(app or build_app(settings), settings)
+    runner = make_runner(app, settings)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -361,7 +359,7 @@ async def serve(settings: Settings, app: web.Application | None = None) -> None:
     log.info("kvroute stopped")
 
 
-def run(settings: Settings, app: web.Application | None = None) -> None:
+def run(settings: Settings, app: web.Application) -> None:
     """Run :func:`serve` on uvloop (when installed)."""
     try:
         import uvloop

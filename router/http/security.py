@@ -47,12 +47,11 @@ def bearer_token(request: web.Request) -> str | None:
 
 
 class TokenBucketLimiter:
-    """Per-key token buckets: ``rate`` requests per second, bursts up to ``burst``."""
+    """Per-key token buckets: ``rate`` requests per second, bursts of one second's worth (at least one)."""
 
     def __init__(
         self,
         rate: float,
-        burst: float | None = None,
         *,
         max_keys: int = MAX_TRACKED_CLIENTS,
         clock: Callable[[], float] = time.monotonic,
@@ -60,8 +59,7 @@ class TokenBucketLimiter:
         if rate <= 0:
             raise ValueError("rate must be > 0")
         self.rate = rate
-        # One second's worth by default, and at least one request.
-        self.burst = burst if burst is not None else max(1.0, rate)
+        self.burst = max(1.0, rate)
         self._max_keys = max_keys
         self._clock = clock
         # key -> (tokens left, when they were counted)
