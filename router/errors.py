@@ -55,7 +55,6 @@ class RouterError(Exception):
         message: str,
         *,
         code: str | None = None,
-        error_type: str | None = None,
         headers: dict[str, str] | None = None,
         close: bool = False,
     ) -> None:
@@ -63,16 +62,13 @@ class RouterError(Exception):
         self.status = status
         self.message = message
         self.code = code
-        self.error_type = error_type or _TYPE_BY_STATUS.get(status, "server_error")
         self.headers = headers
         #: Close the connection after answering (the rest of the request was not read).
         self.close = close
 
     def to_response(self) -> web.Response:
         """The JSON response for this error."""
-        response = error_response(
-            self.status, self.message, code=self.code, error_type=self.error_type, headers=self.headers
-        )
+        response = error_response(self.status, self.message, code=self.code, headers=self.headers)
         if self.close:
             response.force_close()
         return response
@@ -88,11 +84,10 @@ def error_response(
     message: str,
     *,
     code: str | None = None,
-    error_type: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
-    """An OpenAI-style JSON error response."""
-    body = error_body(message, error_type=error_type or _TYPE_BY_STATUS.get(status, "server_error"), code=code)
+    """An OpenAI-style JSON error response (its ``type`` follows the status)."""
+    body = error_body(message, error_type=_TYPE_BY_STATUS.get(status, "server_error"), code=code)
     return web.Response(status=status, body=body, content_type=JSON_CONTENT_TYPE, headers=headers)
 
 
