@@ -154,7 +154,7 @@ def test_absurd_max_tokens(router: RouterServer, max_tokens: int) -> None:
     body = b'{"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": %d}' % max_tokens
     assert_client_error(post(router, body))
     backend = next(iter(router.state.pool))
-    assert (backend.in_flight, backend.in_flight_tokens) == (0, 0), "an absurd estimate must not stick"
+    assert (backend.in_flight, backend.in_flight_work_tokens) == (0, 0), "an absurd estimate must not stick"
     still_serves(router)
 
 
