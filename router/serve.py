@@ -1,13 +1,9 @@
 """``kvroute serve``: command-line flags -> :class:`~kvroute.router.config.Settings` -> the running router.
 
-Every user-tunable field of ``Settings`` has a flag, generated from the model itself so
-the two never drift apart: the field name in kebab case (``--health-interval-s``,
-``--allow-policy-header`` / ``--no-allow-policy-header``, ...). A few read better by hand:
-``--backend URL`` (repeatable), ``--kv-events-endpoint`` and
-``--kv-events-replay-endpoint BACKEND_URL=tcp://host:port``, ``--engine BACKEND_URL=sglang``
-(repeatable) and ``--config FILE`` (YAML). Only flags actually given reach
-:func:`~kvroute.router.config.load_settings`, so precedence is flags > ``KVROUTE_*`` env > file >
-defaults. An invalid configuration exits with status 2 and a message naming the field.
+The flags are generated from the ``Settings`` model, so the two never drift apart: each
+field in kebab case (booleans also get ``--no-``), except the few written by hand below.
+Flags not given stay out of the parsed namespace (``argparse.SUPPRESS``), so the
+environment and the config file can still supply those fields.
 """
 
 from __future__ import annotations
@@ -123,26 +119,19 @@ def _with_backend_field(settings: Settings, field: str, pairs: list[str]) -> Set
     return settings.model_copy(update={"backends": backends})
 
 
-def configure_logging(level: str, redactor: SecretRedactor | None = None) -> None:
-    """Plain one-line logs on stderr, with secrets blanked out by ``redactor``."""
-    logging.basicConfig(
-        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if redactor is not None:
-        install_redaction(redactor)
-
-
 def main(argv: list[str]) -> int:
     """Entry point of ``kvroute serve``."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     redactor = SecretRedactor(settings_secrets(settings))
-    configure_logging(settings.log_level, redactor)
+    install_redaction(redactor)
 
     from prometheus_client import disable_created_metrics
 
@@ -167,12 +156,11 @@ GC_YOUNG_THRESHOLD = 10_000
 def settle_garbage_collector() -> None:
     """Keep the cycle collector off the hot path once the router is built.
 
-    Everything allocated so far (modules, the tokenizer, compiled templates and kernels:
-    ~160K objects) lives as long as the process: frozen, no collection walks it again. A
-    request's objects die by reference counting; 700 net allocations, CPython's trigger,
-    are crossed by the requests merely in flight together (every ~60 requests at 32
-    clients, ~14 us of collection per request), 10,000 rarely. Cycles still get
-    collected, in batches of at most that many objects.
+    What exists now (modules, the tokenizer, compiled templates and kernels) lives as long
+    as the process: frozen, no collection walks it again. A request's objects die by
+    reference counting, yet the requests merely in flight together cross CPython's young
+    trigger of 700 net allocations every few dozen requests; 10,000 rarely. Cycles are
+    still collected, in batches of at most that many objects.
     """
     gc.collect()
     gc.freeze()

@@ -202,8 +202,8 @@ class SecretRedactor(logging.Filter):
         return True
 
 
-def install_redaction(redactor: SecretRedactor, logger: logging.Logger | None = None) -> None:
-    """Attach ``redactor`` to every handler of ``logger`` (default: the root logger)."""
-    for handler in (logger or logging.getLogger()).handlers:
+def install_redaction(redactor: SecretRedactor) -> None:
+    """Attach ``redactor`` to every handler of the root logger."""
+    for handler in logging.getLogger().handlers:
         if redactor not in handler.filters:
             handler.addFilter(redactor)
