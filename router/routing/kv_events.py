@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 import zmq
@@ -137,8 +137,13 @@ class DecodeStats:
     unknown_events: int = 0
 
 
-def _payload_type(name: str, events: Any, array_like: bool) -> type[msgspec.Struct]:
-    fields = [("ts", float), ("events", events), ("data_parallel_rank", int | None, None)]
+def _payload_type(name: str, events: Any, array_like: bool) -> Any:
+    """A batch struct (``ts``, ``events``, ``data_parallel_rank``) made at run time, hence ``Any``."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
+        ("ts", float),
+        ("events", events),
+        ("data_parallel_rank", int | None, None),
+    ]
     return msgspec.defstruct(name, fields, array_like=array_like, gc=False)
 
 
@@ -182,7 +187,7 @@ class KVEventDecoder:
             )
             for batch_array in (True, False)
         }
-        self._event = {
+        self._event: dict[bool, msgspec.msgpack.Decoder[_ArrayEvent] | msgspec.msgpack.Decoder[_MapEvent]] = {
             True: msgspec.msgpack.Decoder(_ArrayEvent),
             False: msgspec.msgpack.Decoder(_MapEvent),
         }
@@ -404,7 +409,7 @@ class KVEventSubscriber:
             while True:
                 frames = await sub.recv_multipart()
                 await self.handle_message(frames)
-                if not sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if not cast(int, sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     self._sink.flush()  # a burst is over: write it to the index in one go
                 await self._maybe_yield()
         finally:

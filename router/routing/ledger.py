@@ -99,9 +99,9 @@ class WorkingSets:
         # Walk back from the end: a continuing turn finds its previous leaf within the
         # few blocks it appended, so the walk is long only for prompts seen for the first time.
         for position in range(len(hashes) - 1, -1, -1):
-            key = leaves.get(hashes[position])
-            if key is not None:
-                found = conversations.get(key)
+            leaf_of = leaves.get(hashes[position])
+            if leaf_of is not None:
+                found = conversations.get(leaf_of)
                 if found is not None:
                     return found
         if not hashes:
@@ -166,9 +166,10 @@ class WorkingSets:
         conversation.backend = backend
         conversation.tokens = size
         conversation.last_seen = now
-        if leaf != conversation.leaf:
-            if self._leaves.get(conversation.leaf) == conversation.key:  # type: ignore[arg-type]
-                del self._leaves[conversation.leaf]  # type: ignore[arg-type]
+        previous = conversation.leaf
+        if leaf != previous:
+            if previous is not None and self._leaves.get(previous) == conversation.key:
+                del self._leaves[previous]
             conversation.leaf = leaf
             if leaf is not None and not conversation.key.startswith("session:"):
                 self._leaves[leaf] = conversation.key
@@ -189,10 +190,11 @@ class WorkingSets:
         self._members.pop(backend, None)
 
     def _uncount(self, conversation: Conversation) -> None:
-        members = self._members.get(conversation.backend)  # type: ignore[arg-type]
-        if members is None or members.pop(conversation.key, None) is None:
+        backend = conversation.backend
+        members = self._members.get(backend) if backend is not None else None
+        if backend is None or members is None or members.pop(conversation.key, None) is None:
             return
-        self._tokens[conversation.backend] -= conversation.tokens  # type: ignore[index]
+        self._tokens[backend] -= conversation.tokens
 
     def _drop(self, conversation: Conversation) -> None:
         if conversation.counted:

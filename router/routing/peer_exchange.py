@@ -138,7 +138,7 @@ class PeerExchange:
     async def start(self) -> None:
         if self._bind is not None:
             # A plain (non-asyncio) socket: publishing never blocks and needs no loop.
-            pub = zmq.Context.instance().socket(zmq.PUB)
+            pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
             pub.setsockopt(zmq.LINGER, 0)
             pub.setsockopt(zmq.SNDHWM, SEND_HWM)
             pub.bind(self._bind)

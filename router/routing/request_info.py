@@ -79,7 +79,7 @@ def _asked_for_usage(body: dict[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-def expected_output_tokens_of(body: dict[str, Any]) -> int:
+def expected_output_tokens_of(body: Mapping[str, Any]) -> int:
     value = body.get("max_completion_tokens")
     if value is None:
         value = body.get("max_tokens")
@@ -91,7 +91,7 @@ def expected_output_tokens_of(body: dict[str, Any]) -> int:
     return DEFAULT_EXPECTED_OUTPUT_TOKENS
 
 
-def session_key_of(body: dict[str, Any], headers: Mapping[str, str], session_header: str) -> str | None:
+def session_key_of(body: Mapping[str, Any], headers: Mapping[str, str], session_header: str) -> str | None:
     key = headers.get(session_header)
     if key:
         return key

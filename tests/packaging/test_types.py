@@ -22,6 +22,7 @@ PACKAGES = [
     "kvroute.router.fleet",
     "kvroute.router.forwarding",
     "kvroute.router.http",
+    "kvroute.router.routing",
 ]
 MODULES = ["kvroute.router.config", "kvroute.router.errors", "kvroute.router.backend_url", "kvroute.router.serve",
            "kvroute.router.cli"]  # fmt: skip

@@ -35,7 +35,7 @@ LOAD_ONLY_POLICIES: frozenset[str] = frozenset(
 
 def make_policy(name: str, context: PolicyContext) -> Policy:
     """A new policy instance by its ``--policy`` name."""
-    policy = POLICIES.get(name)  # type: ignore[call-overload]
+    policy = next((policy for known, policy in POLICIES.items() if known == name), None)
     if policy is None:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     return policy.build(context)
