@@ -22,6 +22,16 @@ E2E_BUCKETS = (
 )  # fmt: skip
 
 
+class Unexported:
+    """A series the engine played does not export: the scheduler's updates go nowhere."""
+
+    def inc(self, amount: float = 1.0) -> None:
+        return None
+
+    def set(self, value: float) -> None:
+        return None
+
+
 class EngineMetrics:
     """The replica's metrics; label children are bound once so updates stay cheap."""
 
@@ -44,6 +54,7 @@ class EngineMetrics:
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
         self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached", "Prompt tokens served from the prefix cache.")
+        self.prefill_hit_rate = Unexported()  # SGLang's cache_hit_rate; vLLM has no such gauge
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.request_success = Counter(
             "vllm:request_success",

@@ -301,6 +301,7 @@ class Scheduler:
         capacity = self._cache.num_blocks
         size = self._block_size
         admitted = False
+        batch_prompt = batch_cached = 0
         while self._waiting and len(self._running) < max_seqs:
             request = self._waiting[0]
             need = -(-request.prompt_len // size)
@@ -308,10 +309,15 @@ class Scheduler:
                 break
             self._waiting.popleft()
             self._lookup_prefix(request)
+            batch_prompt += request.prompt_len
+            batch_cached += request.cached_tokens
             self._grow_kv(request)
             self._running.append(request)
             self._prefilling += 1  # even a fully cached prompt computes its last token
             admitted = True
+        if batch_prompt:
+            # Requests admitted together prefill together: SGLang's "last prefill batch".
+            self._metrics.prefill_hit_rate.set(batch_cached / batch_prompt)
         if admitted:
             self._publish_gauges()
 

@@ -4,7 +4,7 @@ Sources (sgl-project/sglang, python/sglang/srt/): ``metrics/collector.py`` (newe
 ``observability/metrics_collector.py``). The attributes mirror
 :class:`kvroute.benchmarks.sim_engine.metrics.EngineMetrics`, so the scheduler updates either
 without knowing which engine it plays; the vLLM-only pairs SGLang has no series for are
-:class:`_Unexported`.
+:class:`~kvroute.benchmarks.sim_engine.metrics.Unexported`.
 """
 
 from __future__ import annotations
@@ -18,14 +18,7 @@ from prometheus_client import (
 )
 
 from kvroute.benchmarks.sim_engine.config import SimEngineConfig
-from kvroute.benchmarks.sim_engine.metrics import E2E_BUCKETS, TTFT_BUCKETS
-
-
-class _Unexported:
-    """A counter SGLang does not export (vLLM's duplicates of the prefix-cache counters)."""
-
-    def inc(self, amount: float = 1.0) -> None:
-        return None
+from kvroute.benchmarks.sim_engine.metrics import E2E_BUCKETS, TTFT_BUCKETS, Unexported
 
 
 class SGLangMetrics:
@@ -48,8 +41,9 @@ class SGLangMetrics:
         self.kv_usage = gauge("sglang:token_usage", "The token usage.")
         self.prefix_queries = counter("sglang:prompt_tokens", "Number of prefill tokens processed.")
         self.prefix_hits = counter("sglang:cached_tokens", "Number of cached prompt tokens.")
-        self.prompt_tokens = _Unexported()
-        self.prompt_tokens_cached = _Unexported()
+        self.prefill_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate (last prefill batch).")
+        self.prompt_tokens = Unexported()
+        self.prompt_tokens_cached = Unexported()
         self.generation_tokens = counter("sglang:generation_tokens", "Number of generation tokens processed.")
         self.request_success = counter("sglang:num_requests", "Number of requests processed.")
         self.ttft = Histogram(

@@ -129,6 +129,7 @@ def test_sglang_metric_names_and_flush_cache(sim_engines: Any) -> None:
     scrape = sim.metrics()
     assert scrape.value("sglang:prompt_tokens_total") == 40
     assert scrape.value("sglang:cached_tokens_total") == 19
+    assert scrape.value("sglang:cache_hit_rate") == pytest.approx(19 / 20)  # the last prefill batch
     assert scrape.value("sglang:num_requests_total") == 2
     assert scrape.value("sglang:max_total_num_tokens") == 65536
     assert scrape.label_values("sglang:cache_config_info", "page_size") == {"1"}
