@@ -40,11 +40,22 @@ TEMPLATES = {
     "thinking_prompt": CHATML + "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}",
 }
 
+# Added tokens whole and in parts: a message may end inside one that the next completes.
+FRAGMENTS = [
+    "the router",
+    " cache",
+    "中文",
+    "e\u0301",
+    "😀",
+    "\n",
+    "  ",
+    "<|im_end|>",
+    "<|im_start|>",
+    "<|im_",
+    "end|>",
+]
 contents = st.lists(
-    st.sampled_from(
-        ["the router", " cache", "中文", "e\u0301", "😀", "\n", "  ", "<|im_end|>", "<|im_start|>", "<|im_", "end|>", "|>"]
-    )
-    | st.text(max_size=6),
+    st.sampled_from(FRAGMENTS) | st.text(max_size=6),
     min_size=1,
     max_size=12,
 ).map("".join)
