@@ -687,7 +687,10 @@ class RequestTokenizer:
             common = -1
             for index in range(len(ends) - 2, max(-1, len(ends) - 2 - MEMO_LOOK_BACK_PIECES), -1):
                 end = int(ends[index])
-                if text.startswith(old[:end]):
+                begin = int(ends[index - 1]) if index else 0
+                # The piece that ends there first: it sets other conversations' prompts aside
+                # without copying the whole prefix for the comparison.
+                if text.startswith(old[begin:end], begin) and text.startswith(old[:end]):
                     common = end
                     break
             if common < 0:
