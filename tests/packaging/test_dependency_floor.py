@@ -26,6 +26,7 @@ SUITES = [
     "tests/tokenizer_index/test_prefix_index.py",
     "tests/tokenizer_index/test_kernels.py",
     "tests/router/forwarding/test_proxy.py",
+    "tests/router/test_bad_input.py",
 ]
 TEST_TOOLS = ["pytest", "pytest-asyncio", "pytest-timeout", "openai", "httpx", "hypothesis"]
 
