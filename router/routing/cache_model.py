@@ -31,6 +31,8 @@ MIN_SCALE = 0.25
 MAX_DROP = 0.25
 #: Share of the configured capacity regained per confirmed prediction.
 GROW = 0.01
+#: Weight of the newest answer in a backend's running eviction rate (about the last ten).
+EVICTION_RATE_WEIGHT = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,17 @@ class CacheModel:
 
     def __init__(self) -> None:
         self._scales: dict[str, float] = {}
+        self._eviction_rates: dict[str, float] = {}
+
+    def eviction_rate(self, backend: str) -> float | None:
+        """The recent share of ``backend``'s answers that showed an eviction the index did not
+        foresee (a running mean); None before its first answer with a prediction to check."""
+        return self._eviction_rates.get(backend)
+
+    def answered(self, backend: str, *, evicted: bool) -> None:
+        """An answer checked a prediction: the engine evicted part of it, or held all of it."""
+        rate = self._eviction_rates.get(backend, 0.0)
+        self._eviction_rates[backend] = rate + EVICTION_RATE_WEIGHT * (float(evicted) - rate)
 
     def scale(self, backend: str) -> float:
         return self._scales.get(backend, 1.0)
@@ -75,3 +88,4 @@ class CacheModel:
 
     def forget(self, backend: str) -> None:
         self._scales.pop(backend, None)
+        self._eviction_rates.pop(backend, None)

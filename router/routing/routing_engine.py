@@ -342,6 +342,7 @@ class RoutingEngine:
             request.matched_tokens = {url: min(tokens, cacheable) for url, tokens in raw_matches.items()}
             request.computing_tokens = self._computing_tokens(request.matched_tokens, prepared)
             request.index_tokens = {backend.url: self.index_tokens(backend.url) for backend in candidates}
+            request.eviction_rates = self._eviction_rates(candidates)
             shared = max(raw_matches.values(), default=0)
             # A session key names the conversation; without one the ledger follows the
             # prompt chain, the one reader of every hash as an int.
@@ -375,7 +376,10 @@ class RoutingEngine:
         size = prompt.block_size
         backend = plan.backend
         precise = self._precise is not None and self._precise.state(backend) is not KVEventsState.APPROXIMATE
-        if plan.confirmed_cached_tokens - cached_tokens < size:
+        drifted = plan.confirmed_cached_tokens - cached_tokens >= size
+        if plan.confirmed_cached_tokens >= size and not precise:
+            self.cache_model.answered(backend, evicted=drifted)
+        if not drifted:
             if plan.confirmed_cached_tokens >= size and not precise:
                 self.cache_model.confirmed(backend)
             return
@@ -550,6 +554,19 @@ class RoutingEngine:
         conversation = request.conversation
         if conversation is not None:
             self._working_sets.record(conversation, backend, prompt.tokens, prompt.hash_at(-1) if blocks else None)
+
+    def _eviction_rates(self, candidates: Sequence[BackendView]) -> dict[str, float]:
+        """Per candidate whose answers check the index (not those on KV events: their index
+        is exact, so an eviction never shows as a shortfall), its recent eviction rate."""
+        rates: dict[str, float] = {}
+        for backend in candidates:
+            url = backend.url
+            if self._precise is not None and self._precise.state(url) is not KVEventsState.APPROXIMATE:
+                continue
+            rate = self.cache_model.eviction_rate(url)
+            if rate is not None:
+                rates[url] = rate
+        return rates
 
     def _computing_tokens(self, matched: Mapping[str, int], prompt: PreparedPrompt) -> dict[str, int]:
         """Per backend, the tokens of this match that requests in flight there are computing.

@@ -62,6 +62,10 @@ class RouteRequest:
     computing_tokens: Mapping[str, int] = field(default_factory=dict)
     #: Tokens the prefix index holds per candidate backend, whatever the prompt.
     index_tokens: Mapping[str, int] = field(default_factory=dict)
+    #: Per candidate whose answers check the index's predictions, the recent share of them
+    #: that showed an eviction the index did not foresee (0..1). Absent: no evidence yet, or
+    #: the backend's index follows its KV events.
+    eviction_rates: Mapping[str, float] = field(default_factory=dict)
     #: The conversation this request continues or begins (the ledger's entry; read only).
     conversation: Conversation | None = None
 

@@ -55,6 +55,10 @@ MOVE_MARGIN = 2.0
 #: A session's first request goes only to a backend at most this many requests busier than
 #: the least busy one.
 NEW_SESSION_SLACK = 1
+#: The ledger's thrash estimate counts in full on a backend once this share of its recent
+#: answers showed evictions the index did not foresee; with fewer, in proportion; with none
+#: (its engine held every prediction), not at all. Unknown rates count in full.
+EVICTION_RATE_FULL = 0.2
 
 
 @dataclass(slots=True)
@@ -65,6 +69,7 @@ class Pricing:
     matched: Mapping[str, int]
     computing: Mapping[str, int]
     index_tokens: Mapping[str, int]
+    eviction_rates: Mapping[str, float]
     conversation: Conversation | None
     #: The longest match any candidate holds.
     best_match: int
@@ -146,6 +151,7 @@ class CacheAware(Policy):
             for backend in candidates:
                 if backend.url == home:
                     relief = self._working_sets.relief(conversation, backend.capacity_tokens)
+                    relief = int(relief * thrash_weight(request.eviction_rates, home))
                     break
         count = len(candidates)
         total_in_flight = sum(backend.in_flight for backend in candidates)
@@ -166,6 +172,7 @@ class CacheAware(Policy):
             matched=matched,
             computing=request.computing_tokens,
             index_tokens=request.index_tokens,
+            eviction_rates=request.eviction_rates,
             conversation=conversation,
             best_match=best_match,
             load_weight=load_weight,
@@ -189,7 +196,8 @@ class CacheAware(Policy):
         capacity = 0
         conversation = pricing.conversation
         if conversation is not None and capacity_tokens:
-            capacity = self._working_sets.placement_cost(conversation, pricing.prompt, url, capacity_tokens)
+            thrash = self._working_sets.placement_cost(conversation, pricing.prompt, url, capacity_tokens)
+            capacity = int(thrash * thrash_weight(pricing.eviction_rates, url))
             cost += capacity
         if pricing.home is not None and url != pricing.home:
             capacity += pricing.relief
@@ -210,6 +218,19 @@ class CacheAware(Policy):
         if waiting is not None and waiting > backend.in_flight:
             queued += (waiting - backend.in_flight) * self._mean_work
         return queued
+
+
+def thrash_weight(eviction_rates: Mapping[str, float], backend: str) -> float:
+    """How much the ledger's thrash estimate counts on ``backend`` (0..1).
+
+    The estimate assumes conversations cycle through an LRU cache in lockstep; with think
+    times, sessions that end and arrivals spread out, an engine whose working set the ledger
+    puts over its capacity often evicts only blocks nobody asks for again. Its answers say
+    which: evictions the index did not foresee show as cached-token shortfalls."""
+    rate = eviction_rates.get(backend)
+    if rate is None:
+        return 1.0
+    return min(1.0, rate / EVICTION_RATE_FULL)
 
 
 def reason_for(costs: Sequence[BackendCost], best_match: int) -> tuple[BackendCost, str]:

@@ -13,6 +13,7 @@ from collections import Counter
 from kvroute.router.fleet.backends import Backend
 from kvroute.router.routing.ledger import Conversation, WorkingSets
 from kvroute.router.routing.policies import CacheAware, RouteRequest
+from kvroute.router.routing.policies.cache_aware import EVICTION_RATE_FULL, thrash_weight
 from tests.router.routing.ledger_helpers import settle
 
 
@@ -243,6 +244,31 @@ def test_conversation_that_fits_stays_home_even_with_a_match_elsewhere() -> None
         request(3300, {"http://b0": 3000, "http://b1": 1000}, conversation=home), fleet
     )
     assert (decision.backend, decision.reason) == ("http://b0", "prefix_match")
+
+
+def test_a_backend_whose_engine_evicts_nothing_unforeseen_keeps_its_conversations() -> None:
+    """The ledger puts b0 over its cache, but b0's answers held every prediction (sessions
+    that ended hold the blocks its LRU evicts): the thrash estimate counts for nothing there,
+    so the conversation stays with its history. Once b0's answers show evictions, it moves."""
+    working_sets = WorkingSets()
+    fleet = backends(2, capacity=10_000)
+    mover = settle(working_sets, "mover", "http://b0", 3000)
+    for key in ("a", "b", "c"):
+        settle(working_sets, key, "http://b0", 3000)
+    quiet = request(3200, {"http://b0": 1000}, conversation=mover)
+    quiet.eviction_rates = {"http://b0": 0.0, "http://b1": 0.0}
+    assert CacheAware(working_sets).choose(quiet, fleet).backend == "http://b0"
+    evicting = request(3200, {"http://b0": 1000}, conversation=mover)
+    evicting.eviction_rates = {"http://b0": EVICTION_RATE_FULL, "http://b1": 0.0}
+    decision = CacheAware(working_sets).choose(evicting, fleet)
+    assert (decision.backend, decision.reason) == ("http://b1", "capacity")
+
+
+def test_thrash_weight_grows_with_the_eviction_rate_and_trusts_the_model_without_evidence() -> None:
+    assert thrash_weight({}, "http://b0") == 1.0
+    assert thrash_weight({"http://b0": 0.0}, "http://b0") == 0.0
+    assert thrash_weight({"http://b0": EVICTION_RATE_FULL / 2}, "http://b0") == 0.5
+    assert thrash_weight({"http://b0": 0.9}, "http://b0") == 1.0
 
 
 def test_conversations_that_fit_nowhere_gather_on_a_backend_that_thrashes_anyway() -> None:

@@ -167,6 +167,22 @@ def test_confirmed_predictions_grow_the_modelled_cache_back() -> None:
     assert shrunk < engine.cache_model.scale(backends[0].url) <= 1.0
 
 
+def test_each_answer_updates_the_backends_eviction_rate_and_the_next_request_carries_it() -> None:
+    engine = RoutingEngine(Settings(policy="cache_aware"))
+    backends = fleet(1, capacity=4096)
+    url = backends[0].url
+    served(engine, chat("q"), backends)
+    plan = route(engine, chat("q", "a", "q2"), backends)
+    assert engine.cache_model.eviction_rate(url) is None  # no prediction checked yet
+    engine.observe(plan, 0)  # evicted
+    evicted = engine.cache_model.eviction_rate(url)
+    assert evicted is not None and evicted > 0
+    held = route(engine, chat("q", "a", "q2", "a2", "q3"), backends)
+    assert held.request.eviction_rates == {url: evicted}
+    engine.observe(held, held.confirmed_cached_tokens)  # held all of it
+    assert engine.cache_model.eviction_rate(url) < evicted
+
+
 def test_a_shortfall_with_unknown_capacity_corrects_nothing() -> None:
     engine = RoutingEngine(Settings(policy="cache_aware"))
     backends = fleet(1)
