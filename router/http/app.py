@@ -128,7 +128,12 @@ def build_app(settings: Settings, *, redactor: SecretRedactor | None = None) -> 
     if settings.admin_token:
         on_secret = redactor.add if redactor is not None else None
         AdminAPI(
-            settings, pool, lambda: _started(state.health), on_secret=on_secret, decisions=routing.decisions
+            settings,
+            pool,
+            lambda: _started(state.health),
+            on_secret=on_secret,
+            decisions=routing.decisions,
+            index_tokens=routing.index_tokens,
         ).add_routes(app)
     app.cleanup_ctx.append(_lifecycle)
     return app

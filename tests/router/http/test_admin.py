@@ -7,10 +7,8 @@ from typing import Any
 
 import httpx
 import pytest
-from aiohttp import web
 
-from kvroute.router.http.admin import AdminAPI
-from tests.servers import RouterServer, ServerLoop, SimServer, start_server, wait_until
+from tests.servers import RouterServer, SimServer, wait_until
 
 TOKEN = "admin-secret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -85,9 +83,7 @@ def test_list_add_and_remove(sim_engines: Any, router_server: Any) -> None:
     } == {second.url}
 
 
-def test_backends_list_the_tokens_the_prefix_index_holds_of_them(
-    sim_engines: Any, router_server: Any, server_loop: ServerLoop
-) -> None:
+def test_backends_list_the_tokens_the_prefix_index_holds_of_them(sim_engines: Any, router_server: Any) -> None:
     """``index_tokens`` is what the routing engine's index holds (a multiple of the block
     size, as ``kvroute_index_blocks`` counts it), not a field nobody sets."""
     engines = sim_engines(2)
@@ -96,17 +92,7 @@ def test_backends_list_the_tokens_the_prefix_index_holds_of_them(
     for user in range(4):
         history = [{"role": "user", "content": f"user {user}: " + " ".join(["a long question"] * 40)}]
         client.chat.completions.create(model="sim", messages=history, max_tokens=2)
-    state = router.state
-    # The router's own app does not pass the routing engine to its AdminAPI yet (http/app.py):
-    # this one, over the same live pool and routing engine, serves what it will serve.
-    api = AdminAPI(state.settings, state.pool, lambda: state.health, index_tokens=state.routing.index_tokens)
-    app = web.Application()
-    api.add_routes(app)
-    runner, url = server_loop.run(start_server(app))
-    try:
-        listed = httpx.get(url + "/admin/backends", headers=AUTH, timeout=30).json()["backends"]
-    finally:
-        server_loop.run(runner.cleanup())
+    listed = admin(router, "GET").json()["backends"]
     held = {backend["url"]: backend["index_tokens"] for backend in listed}
     scrape = router.metrics()
     assert held == {engine.url: scrape.value("kvroute_index_blocks", backend=engine.url) * 16 for engine in engines}
