@@ -10,16 +10,19 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, FilePath, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvroute.router.backend_url import parse_backend_url
+from kvroute.router.policy_catalog import POLICY_NAMES
 
-PolicyName = Literal["round_robin", "least_load", "random", "power_of_two", "sticky", "cache_aware"]
-POLICY_NAMES: tuple[str, ...] = PolicyName.__args__  # type: ignore[attr-defined]
+if TYPE_CHECKING:
+    PolicyName = str
+else:  # the registered names, as choices pydantic checks and the CLI lists
+    PolicyName = Literal[POLICY_NAMES]
 
 
 class ConfigError(ValueError):

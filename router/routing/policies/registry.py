@@ -1,31 +1,32 @@
-"""The policy registry: every policy by its ``--policy`` name, one line each.
+"""The policy registry: every policy class by its ``--policy`` name.
 
-Adding a policy: its class in a module of this package (a subclass of
-:class:`~kvroute.router.routing.policies.base.Policy`; the first line of its docstring is
-its row in the README), and one line in :data:`POLICIES`. :data:`LOAD_ONLY_POLICIES`, the
-README's policy table (``python -m kvroute.router.routing.policies``) and the
-policies the routing engine builds come from here; the name also goes into
-``PolicyName`` in :mod:`kvroute.router.config`, the layer below this room, which cannot
-import it (mypy checks the keys below against it, and a test the order).
+The names and where each class lives are one line each in
+:data:`kvroute.router.policy_catalog.POLICY_CLASSES` (the base layer, so that configuration
+offers exactly them); this module imports the classes. :data:`LOAD_ONLY_POLICIES`, the
+README's policy table (``python -m kvroute.router.routing.policies``) and the policies the
+routing engine builds come from here.
 """
 
 from __future__ import annotations
 
-from kvroute.router.config import PolicyName, Settings
-from kvroute.router.routing.policies.base import Policy, PolicyContext
-from kvroute.router.routing.policies.cache_aware import CacheAware
-from kvroute.router.routing.policies.simple import LeastLoad, PowerOfTwo, Random, RoundRobin
-from kvroute.router.routing.policies.sticky import Sticky
+import importlib
 
-#: Every policy by its ``--policy`` name, in the order ``kvroute serve --help`` lists them.
-POLICIES: dict[PolicyName, type[Policy]] = {
-    "round_robin": RoundRobin,
-    "least_load": LeastLoad,
-    "random": Random,
-    "power_of_two": PowerOfTwo,
-    "sticky": Sticky,
-    "cache_aware": CacheAware,
-}
+from kvroute.router.config import Settings
+from kvroute.router.policy_catalog import POLICY_CLASSES
+from kvroute.router.routing.policies.base import Policy, PolicyContext
+
+
+def load(location: str) -> type[Policy]:
+    """The policy class at ``"module:Class"``."""
+    module_name, _, class_name = location.partition(":")
+    policy = getattr(importlib.import_module(module_name), class_name)
+    if not (isinstance(policy, type) and issubclass(policy, Policy)):
+        raise TypeError(f"{location} is not a Policy subclass")
+    return policy
+
+
+#: Every policy by its ``--policy`` name, in the catalog's order.
+POLICIES: dict[str, type[Policy]] = {name: load(location) for name, location in POLICY_CLASSES.items()}
 
 #: Policies that look at load only; they need neither the tokenizer nor the prefix index.
 LOAD_ONLY_POLICIES: frozenset[str] = frozenset(

@@ -5,6 +5,7 @@ router over sim engines."""
 from __future__ import annotations
 
 import re
+import sys
 import types
 from typing import Any
 
@@ -24,15 +25,17 @@ def example_blocks() -> list[str]:
 
 
 def registered_example(monkeypatch: pytest.MonkeyPatch) -> tuple[str, type[Policy]]:
-    """Run the example's module, then its registry line against the real registry."""
-    module_source, registry_line = example_blocks()
+    """Run the example's module, then resolve its catalog line through the real registry."""
+    module_source, catalog_line = example_blocks()
     assert len(module_source.splitlines()) <= 30, "the example stays short enough to read at a glance"
-    module = types.ModuleType("kvroute.router.routing.policies.longest_match")
+    entry: dict[str, str] = eval("{" + catalog_line + "}")
+    ((name, location),) = entry.items()
+    module = types.ModuleType(location.partition(":")[0])
     exec(compile(module_source, "CONTRIBUTING.md", "exec"), module.__dict__)
-    entry: dict[str, type[Policy]] = eval("{" + registry_line + "}", dict(module.__dict__))
-    ((name, policy),) = entry.items()
-    assert issubclass(policy, Policy) and name not in registry.POLICIES
-    monkeypatch.setitem(registry.POLICIES, name, policy)  # type: ignore[arg-type]
+    monkeypatch.setitem(sys.modules, module.__name__, module)  # as if it were a file of the package
+    policy = registry.load(location)
+    assert name not in registry.POLICIES
+    monkeypatch.setitem(registry.POLICIES, name, policy)
     return name, policy
 
 
