@@ -224,7 +224,7 @@ class BackendPool:
         self._breaker_deadline: float | None = None
         # model -> eligible backends; only models some backend serves are cached, so
         # clients sending random model names cannot grow it.
-        self._candidates: dict[str | None, list[Backend]] = {}
+        self._candidates: dict[tuple[str | None, str | None], list[Backend]] = {}
         self._on_added: list[BackendListener] = []
         self._on_removed: list[BackendListener] = []
         self._on_changed: list[Callable[[], None]] = []
@@ -301,21 +301,31 @@ class BackendPool:
         return backend
 
     # --- the hot path ------------------------------------------------------------------
-    def candidates(self, model: str | None) -> list[Backend]:
+    def candidates(self, model: str | None, path: str | None = None) -> list[Backend]:
         """Healthy, non-draining backends serving ``model`` whose breaker admits requests,
-        in pool order. Do not mutate."""
+        in pool order; with ``path``, those whose engine serves it (a mixed fleet: SGLang's
+        ``/generate`` goes to SGLang replicas) unless none does. Cached until the pool or a
+        backend's engine changes. Do not mutate."""
         deadline = self._breaker_deadline
         if deadline is not None and time.monotonic() >= deadline:
             self._tick_breakers()
-        cached = self._candidates.get(model)
+        key = (model, path)
+        cached = self._candidates.get(key)
         if cached is not None:
             return cached
         eligible = [
             b for b in self._backends.values() if b.healthy and not b.draining and b.breaker.admits and b.serves(model)
         ]
+        if path is not None:
+            eligible = [backend for backend in eligible if path in backend.engine.paths] or eligible
         if eligible:
-            self._candidates[model] = eligible
+            self._candidates[key] = eligible
         return eligible
+
+    def set_engine(self, backend: Backend, engine: EngineAPI, facts: EngineFacts) -> None:
+        """What a probe learnt about ``backend``'s engine (which paths it serves among them)."""
+        backend.set_engine(engine, facts)
+        self._changed()
 
     def acquire(self, backend: Backend, work_tokens: int) -> None:
         """A request of ``work_tokens`` was sent to ``backend``: count it as in flight (and as

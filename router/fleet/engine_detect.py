@@ -26,7 +26,7 @@ from kvroute.router.engines import ENGINES, EngineAPI, EngineFacts
 from kvroute.router.engines.generic import GENERIC
 from kvroute.router.engines.sglang import SGLANG, facts_from_server_info
 from kvroute.router.engines.vllm import VLLM
-from kvroute.router.fleet.backends import Backend
+from kvroute.router.fleet.backends import Backend, BackendPool
 
 log = logging.getLogger("kvroute.engines")
 
@@ -39,15 +39,17 @@ def needs_probe(backend: Backend) -> bool:
     return backend.engine_facts.detected_by is None and backend.engine_setting in ("auto", "sglang")
 
 
-async def learn_engine(session: aiohttp.ClientSession, backend: Backend, timeout: aiohttp.ClientTimeout) -> None:
-    """Probe ``backend`` and record its engine (``auto``) and facts; logs the outcome once."""
+async def learn_engine(
+    session: aiohttp.ClientSession, pool: BackendPool, backend: Backend, timeout: aiohttp.ClientTimeout
+) -> None:
+    """Probe ``backend`` and record its engine (``auto``) and facts in ``pool``; logs the outcome once."""
     engine, facts = await detect(session, backend, timeout)
     if backend.engine_setting != "auto":
         engine = ENGINES[backend.engine_setting]
         if engine is not SGLANG:
             return
         facts = replace(facts, detected_by=facts.detected_by or "configured")
-    backend.set_engine(engine, facts)
+    pool.set_engine(backend, engine, facts)
     log.info(
         "backend %s: engine %s (%s by %s; page size %s, KV capacity %s tokens, cache report %s)",
         backend.url,

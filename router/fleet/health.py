@@ -109,7 +109,7 @@ class HealthChecker:
         if cards is not None:
             self._pool.set_models(backend, cards)
         if needs_probe(backend):  # engine: auto (or sglang's /server_info facts), once
-            await learn_engine(self._session, backend, self._timeout)
+            await learn_engine(self._session, self._pool, backend, self._timeout)
         return True
 
     async def check(self, backend: Backend) -> bool:

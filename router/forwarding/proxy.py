@@ -290,10 +290,7 @@ class Proxy:
         path = call.endpoint.path
 
         def eligible() -> list[Backend]:
-            candidates = pool.candidates(model)
-            if any(path not in backend.engine.paths for backend in candidates):
-                # A mixed fleet: e.g. SGLang's /generate goes to SGLang replicas (if any is up).
-                candidates = [backend for backend in candidates if path in backend.engine.paths] or candidates
+            candidates = pool.candidates(model, path)
             if not failed:
                 return candidates
             others = [backend for backend in candidates if backend not in failed]

@@ -8,6 +8,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from kvroute.router.engines import EngineFacts
+from kvroute.router.engines.sglang import SGLANG
 from kvroute.router.fleet.backends import Backend, BackendPool
 from kvroute.router.forwarding.metrics import RouterMetrics
 from kvroute.router.routing.decisions import AttemptOutcome
@@ -34,6 +36,16 @@ def test_backend_implements_the_policy_view() -> None:
     assert (backend.in_flight, backend.in_flight_work_tokens) == (0, 0)
     assert backend.capacity_tokens is None
     assert backend.engine_waiting is None and backend.engine_running is None
+
+
+def test_candidates_for_a_path_prefer_engines_serving_it_until_an_engine_changes() -> None:
+    pool = BackendPool()
+    vllm = healthy_backend(pool, "http://a:1")
+    sglang = healthy_backend(pool, "http://b:1")
+    assert pool.candidates(None, "/generate") == [vllm, sglang]  # none serves it: any may try
+    pool.set_engine(sglang, SGLANG, EngineFacts(detected_by="/server_info"))
+    assert pool.candidates(None, "/generate") == [sglang]
+    assert pool.candidates(None, "/v1/chat/completions") == [vllm, sglang]
 
 
 def test_candidates_follow_health_drain_and_models() -> None:
