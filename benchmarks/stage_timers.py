@@ -29,6 +29,8 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     ("kvroute.router.forwarding.proxy", "parse_request", "parse"),
     ("kvroute.tokenizer_index.tokenizer", "RequestTokenizer.render_chat", "render"),
     ("kvroute.tokenizer_index.tokenizer", "RequestTokenizer.encode_text_array", "tokenize"),
+    # Long chat prompts the memo knows skip encode_text_array (the two never nest).
+    ("kvroute.tokenizer_index.tokenizer", "RequestTokenizer._encode_remembering", "tokenize"),
     ("kvroute.router.routing.routing_engine", "block_hashes", "hash"),
     ("kvroute.router.routing.routing_engine", "RoutingEngine.prepare", "prepare (render+tokenize+hash)"),
     ("kvroute.tokenizer_index.prefix_index", "PrefixIndex.match_hashes", "index match"),
