@@ -553,6 +553,7 @@ async def run_overhead(
     upstreams = [start_upstream() for _ in range(backends)]
     fronts: dict[str, ManagedProcess | fleets.PeerRouter] = {}
     urls = [upstream.url for upstream in upstreams]
+    baseline_environment = baseline_env(baseline) if baseline is not None else None
     try:
         await asyncio.gather(*(upstream.wait_ready() for upstream in upstreams))
         for policy in policies:
@@ -560,9 +561,9 @@ async def run_overhead(
                 name = policy if count == 1 else f"{policy} x{count}"
                 extra = () if count == 1 else ("--workers", str(count))
                 fronts[name] = await fleets.start_router(policy, urls, extra_args=extra)
-                if baseline is not None:
+                if baseline_environment is not None:
                     fronts[f"{name}@baseline"] = await fleets.start_router(
-                        policy, urls, extra_args=extra, env=baseline_env(baseline)
+                        policy, urls, extra_args=extra, env=baseline_environment
                     )
         for peer in peers:
             for peer_policy in peer_policies:

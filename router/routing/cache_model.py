@@ -57,9 +57,13 @@ class CacheModel:
         return self._eviction_rates.get(backend)
 
     def answered(self, backend: str, *, evicted: bool) -> None:
-        """An answer checked a prediction: the engine evicted part of it, or held all of it."""
+        """An answer checked a prediction: the engine evicted part of it (a :meth:`shortfall`
+        follows where the capacity is known), or held all of it, and the modelled cache
+        creeps back towards the configured size."""
         rate = self._eviction_rates.get(backend, 0.0)
         self._eviction_rates[backend] = rate + EVICTION_RATE_WEIGHT * (float(evicted) - rate)
+        if not evicted:
+            self._grow(backend)
 
     def scale(self, backend: str) -> float:
         return self._scales.get(backend, 1.0)
@@ -76,8 +80,7 @@ class CacheModel:
         self._scales[backend] = after
         return Correction(backend, before, after)
 
-    def confirmed(self, backend: str) -> None:
-        """The engine held what the index said: creep back towards the configured size."""
+    def _grow(self, backend: str) -> None:
         before = self._scales.get(backend)
         if before is not None:
             after = min(1.0, before + GROW)

@@ -380,8 +380,6 @@ class RoutingEngine:
         if plan.confirmed_cached_tokens >= size and not precise:
             self.cache_model.answered(backend, evicted=drifted)
         if not drifted:
-            if plan.confirmed_cached_tokens >= size and not precise:
-                self.cache_model.confirmed(backend)
             return
         feedback.drifts += 1
         index = self._indexes.get(size)

@@ -36,7 +36,7 @@ LOAD_ONLY_POLICIES: frozenset[str] = frozenset(
 
 def make_policy(name: str, context: PolicyContext) -> Policy:
     """A new policy instance by its ``--policy`` name."""
-    policy = next((policy for known, policy in POLICIES.items() if known == name), None)
+    policy = POLICIES.get(name)
     if policy is None:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     return policy.build(context)
