@@ -58,6 +58,7 @@ from kvroute.benchmarks.results import (
     shares,
     write_json,
 )
+from kvroute.benchmarks.virtual_fleet import VirtualFleet
 from kvroute.benchmarks.workloads import (
     CHAT_ENDPOINT,
     WORKLOAD_KINDS,
@@ -65,7 +66,7 @@ from kvroute.benchmarks.workloads import (
     WorkloadOptions,
     make_workloads,
 )
-from kvroute.router.config import POLICY_NAMES
+from kvroute.router.config import POLICY_NAMES, Settings
 from kvroute.router.routing.policies import LOAD_ONLY_POLICIES
 
 #: Each sim engine's KV cache when ``--kv-capacity-tokens`` is not given.
@@ -101,6 +102,10 @@ def unbounded_hit_rate(workload: Workload, block_size: int, tokenizer_path: str 
 def sent_order(run: ReplayResult) -> list[int]:
     """Indices of the workload's requests in the order this run sent them."""
     return sorted(range(len(run.records)), key=lambda index: (run.records[index].sent_s, index))
+
+
+#: Every fleet the bench runs: started sims, running engines, or sims in virtual time.
+AnyFleet = Fleet | VirtualFleet
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,15 +213,42 @@ async def run_target(
         front.stop()
     deltas = {url: engines_after[url] - engines_before[url] for url in fleet.urls}
     result = summarize(target, workload, run, deltas, router_delta)
+    await asyncio.to_thread(_complete, result, run, fleet, settings, prompts)
+    return result
+
+
+def run_virtual_target(
+    target: str,
+    workload: Workload,
+    fleet: VirtualFleet,
+    settings: RunSettings,
+    tokenizer: str | None,
+    prompts: Sequence[Prompt] | None = None,
+) -> TargetResult:
+    """One policy x workload in virtual time (:mod:`kvroute.benchmarks.virtual_fleet`)."""
+    router = Settings(
+        policy=target, block_size=fleets.router_block_size(fleet.api, fleet.block_size), tokenizer=tokenizer
+    )
+    virtual = fleet.replay(workload, router)
+    predicts = target not in LOAD_ONLY_POLICIES
+    result = summarize(target, workload, virtual.result, virtual.engines, virtual.router if predicts else None)
+    _complete(result, virtual.result, fleet, settings, prompts)
+    return result
+
+
+def _complete(
+    result: TargetResult, run: ReplayResult, fleet: AnyFleet, settings: RunSettings, prompts: Sequence[Prompt] | None
+) -> None:
+    """The run's setting, and with the workload's ``prompts`` the offline caches over the
+    order this run sent the requests (:func:`attach_bounds`)."""
     result.time_scale = settings.time_scale
     result.setting = settings.setting
     if prompts is not None:
         ordered = [prompts[index] for index in sent_order(run)]
-        await asyncio.to_thread(attach_bounds, result, ordered, fleet_capacity_blocks(fleet))
-    return result
+        attach_bounds(result, ordered, fleet_capacity_blocks(fleet))
 
 
-def fleet_capacity_blocks(fleet: Fleet) -> int | None:
+def fleet_capacity_blocks(fleet: AnyFleet) -> int | None:
     """The fleet's total KV capacity in blocks; None when the engines' size is unknown."""
     if fleet.capacity_tokens is None:
         return None
@@ -284,7 +316,7 @@ def _not_run(target: str, workload: Workload, status: str, setting: str = "") ->
 
 async def run_bench(
     workloads: Sequence[Workload],
-    fleet: Fleet,
+    fleet: AnyFleet,
     targets: Sequence[str],
     settings: RunSettings,
     *,
@@ -315,6 +347,17 @@ async def run_bench(
                 if target in missing:
                     if repeat == 0:
                         results.append(_not_run(target, workload, "not installed", settings.setting))
+                    continue
+                if isinstance(fleet, VirtualFleet):
+                    if target.startswith(PEER_PREFIX):
+                        if repeat == 0:
+                            results.append(_not_run(target, workload, "not in virtual time", settings.setting))
+                        continue
+                    result = await asyncio.to_thread(
+                        run_virtual_target, target, workload, fleet, settings, tokenizer, prompts
+                    )
+                    result.repeat = repeat
+                    results.append(result)
                     continue
                 try:
                     result = await run_target(target, workload, fleet, settings, tokenizer, prompts=prompts)
@@ -406,7 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     where = parser.add_argument_group("fleet")
     where.add_argument(
-        "--engine", default="sim", help="'sim' to start simulated replicas, or URL,URL,... of running engines"
+        "--engine",
+        default="sim",
+        help="'sim' to start simulated replicas, 'virtual' to replay against the sims' scheduler "
+        "in virtual time (deterministic, seconds per run, routing only), or URL,URL,... of running engines",
     )
     where.add_argument("--replicas", type=int, default=4)
     where.add_argument(
@@ -480,8 +526,9 @@ def default_block_size(api: str) -> int:
     return 1 if api == "sglang" else 16
 
 
-def _sim_fleet(args: argparse.Namespace, time_scale: float, prefill: float) -> SimFleet:
-    return SimFleet(
+def _sim_fleet(args: argparse.Namespace, time_scale: float, prefill: float) -> SimFleet | VirtualFleet:
+    fleet = VirtualFleet if args.engine == "virtual" else SimFleet
+    return fleet(
         SimSpec(
             replicas=args.replicas,
             model=args.model or "sim",
@@ -510,7 +557,8 @@ async def _main(args: argparse.Namespace) -> int:
         print(f"kvroute bench: unknown policies {unknown}; known: {', '.join(POLICY_NAMES)}", file=sys.stderr)
         return 2
     peers = list(PEERS) if "all" in args.peer else list(dict.fromkeys(args.peer))
-    sim = args.engine == "sim"
+    virtual = args.engine == "virtual"
+    sim = args.engine == "sim" or virtual
     if args.block_size is None:
         args.block_size = default_block_size(args.api)
     points = _sweep_points(args)
@@ -573,9 +621,10 @@ async def _main(args: argparse.Namespace) -> int:
     if args.repeat > 1:
         print()
         print(format_repeats(results))
-    scales = {point[0] for point in points} if sim else {1.0}
+    scales = {point[0] for point in points} if sim and not virtual else {1.0}
+    clock = "modelled engine seconds (virtual time)" if virtual else "wall seconds"
     print(
-        f"\n({time.monotonic() - started:.0f} s; TTFT and latency in wall seconds"
+        f"\n({time.monotonic() - started:.0f} s; TTFT and latency in {clock}"
         + (
             " of sims running " + "/".join(f"{scale:g}" for scale in sorted(scales)) + "x real time)"
             if scales != {1.0}

@@ -215,7 +215,7 @@ class Scheduler:
             while wall < min_wall:
                 # Decode steps that fit in what is left of this sleep's minimum.
                 decode_steps = max(1, int((min_wall - wall) * scale / self._decode_step_s))
-                step_s = self._step(produced, finished, decode_steps)
+                step_s = self.step(produced, finished, decode_steps)
                 if step_s <= 0.0:
                     break
                 wall += step_s / scale
@@ -234,7 +234,7 @@ class Scheduler:
                 await asyncio.sleep(delay)
             self._deliver(produced, finished, loop.time())
 
-    def _step(self, produced: dict[SimRequest, None], finished: list[SimRequest], decode_steps: int = 1) -> float:
+    def step(self, produced: dict[SimRequest, None], finished: list[SimRequest], decode_steps: int = 1) -> float:
         """One engine iteration; returns its cost in engine seconds (0: nothing to do).
 
         When every running request is decoding, up to ``decode_steps`` iterations are taken
