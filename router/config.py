@@ -155,6 +155,12 @@ class Settings(BaseSettings):
     # --- listening -------------------------------------------------------------------
     host: str = Field(default="0.0.0.0", description="address to listen on")
     port: int = Field(default=8000, ge=0, le=65535, description="port to listen on (0: any free port)")
+    workers: int = Field(
+        default=1,
+        ge=1,
+        description="router processes sharing the port (SO_REUSEPORT); over 1 they exchange placements, "
+        "sum their metrics and apply admin writes to all; see Workers",
+    )
 
     # --- backends and discovery ------------------------------------------------------
     backends: list[BackendConfig] = Field(
@@ -399,6 +405,14 @@ class Settings(BaseSettings):
                 raise ValueError("ab: weights must be >= 0 and sum to more than 0")
         if self.discovery == "file" and self.backends_file is None:
             raise ValueError("discovery 'file' needs backends_file (--backends-file)")
+        if self.workers > 1 and self.peer_bind is not None:
+            # Each worker publishes on its own private endpoint; one external endpoint would
+            # need a forwarder in the supervisor, which is not built.
+            raise ValueError(
+                "peer_bind: cannot be combined with workers > 1 (each worker publishes its placements "
+                "on its own private endpoint); run one router per --peer-bind, or give the other "
+                "routers' endpoints with --peers only"
+            )
         return self
 
 

@@ -13,14 +13,18 @@ import gc
 import logging
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from kvroute.router.config import BackendConfig, ConfigError, Settings, load_settings
 from kvroute.router.http.security import SecretRedactor, install_redaction, settings_secrets
+
+if TYPE_CHECKING:
+    from kvroute.router.http.workers import WorkerGroup
 
 # Fields whose flag is written by hand below, or that only a config file can express.
 _CUSTOM_FLAGS = {"backends", "models"}
@@ -127,11 +131,38 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
+    if settings.workers > 1:
+        from kvroute.router.workers import supervise
+
+        configure_logging(settings)
+        return supervise(settings)
+    return run_router(settings)
+
+
+def configure_logging(settings: Settings, name: str = "") -> SecretRedactor:
+    """Log to stderr at ``log_level``, with every secret of ``settings`` redacted.
+
+    ``name`` (e.g. ``worker 1``) prefixes each line, so workers' lines can be told apart.
+    """
+    prefix = f"[{name}] " if name else ""
     logging.basicConfig(
-        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=settings.log_level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s",
     )
     redactor = SecretRedactor(settings_secrets(settings))
     install_redaction(redactor)
+    return redactor
+
+
+def run_router(
+    settings: Settings,
+    *,
+    workers: WorkerGroup | None = None,
+    on_listening: Callable[[], None] | None = None,
+) -> int:
+    """Build the router and serve it until SIGTERM (one process, or one worker of several)."""
+    redactor = configure_logging(settings, f"worker {workers.index}" if workers is not None else "")
 
     from prometheus_client import disable_created_metrics
 
@@ -140,12 +171,13 @@ def main(argv: list[str]) -> int:
     # *_created series double the exposition size and say nothing a dashboard uses.
     disable_created_metrics()
     try:
-        app = build_app(settings, redactor=redactor)
+        app = build_app(settings, redactor=redactor, workers=workers)
     except (ConfigError, ValueError, OSError) as exc:
-        print(f"kvroute serve: cannot start: {exc}", file=sys.stderr)
+        who = f"worker {workers.index}: " if workers is not None else ""
+        print(f"kvroute serve: {who}cannot start: {exc}", file=sys.stderr)
         return 2
     settle_garbage_collector()
-    run(settings, app)
+    run(settings, app, workers=workers, on_listening=on_listening)
     return 0
 
 

@@ -14,6 +14,12 @@ Every call needs ``Authorization: Bearer <admin_token>``, compared in constant t
 * ``GET    /admin/decisions?last=N`` -> ``{"decisions": [...]}``: the last N (default 100)
   routing decisions, oldest first, each with every candidate's cost terms
   (:mod:`kvroute.router.routing.decisions`)
+
+With ``kvroute serve --workers N`` the writes (add, remove, drain) are applied by the
+worker that received them, then forwarded to every sibling over their Unix sockets
+(:mod:`kvroute.router.http.workers`); ``x-kvroute-workers-applied: K/N`` says how many
+applied it (a sibling's failure is logged). A write refused here (400, 403, 404, 409) is
+not forwarded. The reads (``GET``) answer for the worker the connection reached.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import logging
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
@@ -36,7 +43,10 @@ from kvroute.router.config import BackendConfig, Settings
 from kvroute.router.errors import RouterError, json_response
 from kvroute.router.fleet.backends import Backend, BackendPool
 from kvroute.router.fleet.health import HealthChecker
+from kvroute.router.http.workers import Siblings
 from kvroute.router.routing.decisions import DecisionRecorder
+
+log = logging.getLogger("kvroute")
 
 AdminHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -53,11 +63,14 @@ class AdminAPI:
         on_secret: Callable[[str], None] | None = None,
         decisions: DecisionRecorder | None = None,
         index_tokens: Callable[[str], int] | None = None,
+        siblings: Siblings | None = None,
     ) -> None:
         """``on_secret`` hears of every engine API key added at run time (log redaction);
         ``decisions`` holds the recent routing decisions ``GET /admin/decisions`` returns;
         ``index_tokens(url)`` says what the routing engine's prefix index holds of a backend
-        (``RoutingEngine.index_tokens``; without it backends list ``"index_tokens": null``)."""
+        (``RoutingEngine.index_tokens``; without it backends list ``"index_tokens": null``);
+        ``siblings``: the other workers of ``kvroute serve --workers N``, which every write
+        is forwarded to."""
         if not settings.admin_token:
             raise ValueError("the admin API needs an admin token")
         self._token = settings.admin_token.encode()
@@ -66,15 +79,23 @@ class AdminAPI:
         self._on_secret = on_secret
         self._decisions = decisions
         self._index_tokens = index_tokens
+        self._siblings = siblings
         self._allowed_networks = [ipaddress.ip_network(net, strict=False) for net in settings.admin_allowed_networks]
 
     def add_routes(self, app: web.Application) -> None:
         """Register the admin routes on ``app``."""
         app.router.add_get("/admin/backends", self._guard(self.list_backends))
-        app.router.add_post("/admin/backends", self._guard(self.add_backend))
-        app.router.add_delete("/admin/backends", self._guard(self.remove_backend))
-        app.router.add_post("/admin/backends/drain", self._guard(self.drain_backend))
+        app.router.add_post("/admin/backends", self._guard(self._everywhere(self.add_backend)))
+        app.router.add_delete("/admin/backends", self._guard(self._everywhere(self.remove_backend)))
+        app.router.add_post("/admin/backends/drain", self._guard(self._everywhere(self.drain_backend)))
         app.router.add_get("/admin/decisions", self._guard(self.list_decisions))
+
+    def add_local_routes(self, app: web.Application) -> None:
+        """The writes, unguarded and applied here only: a worker's internal application,
+        reachable only through its private Unix socket, where a sibling forwards them."""
+        app.router.add_post("/admin/backends", self.add_backend)
+        app.router.add_delete("/admin/backends", self.remove_backend)
+        app.router.add_post("/admin/backends/drain", self.drain_backend)
 
     def _guard(self, handler: AdminHandler) -> AdminHandler:
         async def guarded(request: web.Request) -> web.StreamResponse:
@@ -82,6 +103,32 @@ class AdminAPI:
             return await handler(request)
 
         return guarded
+
+    def _everywhere(self, handler: AdminHandler) -> AdminHandler:
+        """Apply a write here, then (with workers) on every sibling."""
+        siblings = self._siblings
+        if siblings is None:
+            return handler
+
+        async def everywhere(request: web.Request) -> web.StreamResponse:
+            response = await handler(request)  # a refusal raises: nothing is forwarded
+            body = await request.read()  # aiohttp keeps the body the handler read
+            answers = await siblings.each(request.method, request.path, query=dict(request.query), body=body)
+            applied = 1
+            for answer in answers:
+                # 409 on an add: that worker has the backend already (e.g. discovered it).
+                if answer.ok or (
+                    answer.status == 409 and request.method == "POST" and request.path == "/admin/backends"
+                ):
+                    applied += 1
+                else:
+                    detail = answer.error or f"{answer.status} {answer.body[:300].decode(errors='replace')}"
+                    log.warning("admin %s %s: worker %d did not apply it: %s", request.method, request.path,
+                                answer.index, detail)  # fmt: skip
+            response.headers["x-kvroute-workers-applied"] = f"{applied}/{siblings.group.count}"
+            return response
+
+        return everywhere
 
     def _authorize(self, request: web.Request) -> None:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")

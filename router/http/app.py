@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvroute.router.config import Settings
 from kvroute.router.errors import JSON_CONTENT_TYPE, JsonErrorServer, error_middleware, error_response, json_response
@@ -34,6 +35,7 @@ from kvroute.router.fleet.backends import Backend, BackendPool
 from kvroute.router.fleet.discovery import build_discovery, check_discovery
 from kvroute.router.fleet.engine_stats import EngineScraper, scrape_loop
 from kvroute.router.fleet.health import HealthChecker
+from kvroute.router.forwarding import metrics_merge
 from kvroute.router.forwarding.admission import AdmissionControl
 from kvroute.router.forwarding.metrics import CONTENT_TYPE, RouterMetrics, RuntimeStats
 from kvroute.router.forwarding.proxy import Proxy
@@ -41,6 +43,7 @@ from kvroute.router.forwarding.upstream import KEEPALIVE_S, UpstreamClient
 from kvroute.router.http.admin import AdminAPI
 from kvroute.router.http.openapi import openapi_document
 from kvroute.router.http.security import ClientGate, SecretRedactor
+from kvroute.router.http.workers import Siblings, WorkerGroup
 from kvroute.router.routing.peer_exchange import PeerExchange, Placement
 from kvroute.router.routing.precise_index import PreciseIndex
 from kvroute.router.routing.request_info import ENDPOINTS, Endpoint
@@ -70,16 +73,25 @@ class RouterState:
     precise: PreciseIndex | None = None
     #: Placements shared with the other router replicas (``--peer-bind`` / ``--peers``).
     exchange: PeerExchange | None = None
+    #: ``kvroute serve --workers N``: this worker's siblings (their internal Unix sockets).
+    siblings: Siblings | None = None
 
 
 STATE = web.AppKey("kvroute_state", RouterState)
+#: With workers: the internal application this worker serves its siblings on a Unix socket.
+INTERNAL_APP = web.AppKey("kvroute_internal_app", web.Application)
 
 
-def build_app(settings: Settings, *, redactor: SecretRedactor | None = None) -> web.Application:
+def build_app(
+    settings: Settings, *, redactor: SecretRedactor | None = None, workers: WorkerGroup | None = None
+) -> web.Application:
     """The router as an aiohttp application (not yet started).
 
     ``redactor``: the log filter of ``kvroute serve``; engine API keys given to the admin
-    API at run time are added to it.
+    API at run time are added to it. ``workers``: this process is one worker of
+    ``kvroute serve --workers N``: ``/metrics`` merges every worker's, admin writes reach
+    every worker, and ``app[INTERNAL_APP]`` is what :func:`serve` offers the siblings
+    (:mod:`kvroute.router.http.workers`).
     """
     check_discovery(settings)  # e.g. --discovery k8s without kvroute[k8s]: an error now, not a dead task later
     pool = BackendPool(
@@ -111,6 +123,7 @@ def build_app(settings: Settings, *, redactor: SecretRedactor | None = None) -> 
         gate=gate,
         precise=precise,
         exchange=_peer_exchange(settings, pool, routing),
+        siblings=Siblings(workers) if workers is not None else None,
     )
     if state.exchange is not None:
         exchange = state.exchange
@@ -125,18 +138,36 @@ def build_app(settings: Settings, *, redactor: SecretRedactor | None = None) -> 
     app.router.add_get("/livez", _livez)
     app.router.add_get("/metrics", _metrics_handler(state))
     app.router.add_get("/openapi.json", _openapi_handler(settings))
+    admin: AdminAPI | None = None
     if settings.admin_token:
         on_secret = redactor.add if redactor is not None else None
-        AdminAPI(
+        admin = AdminAPI(
             settings,
             pool,
             lambda: _started(state.health),
             on_secret=on_secret,
             decisions=routing.decisions,
             index_tokens=routing.index_tokens,
-        ).add_routes(app)
+            siblings=state.siblings,
+        )
+        admin.add_routes(app)
+    if workers is not None:
+        app[INTERNAL_APP] = _internal_app(state, admin)
     app.cleanup_ctx.append(_lifecycle)
     return app
+
+
+def _internal_app(state: RouterState, admin: AdminAPI | None) -> web.Application:
+    """What this worker answers its siblings on its Unix socket: its own metrics, admin writes."""
+    internal = web.Application(middlewares=[error_middleware], client_max_size=state.settings.max_body_bytes)
+
+    async def local_metrics(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=_local_exposition(state), headers={"Content-Type": CONTENT_TYPE})
+
+    internal.router.add_get("/metrics", local_metrics)
+    if admin is not None:
+        admin.add_local_routes(internal)
+    return internal
 
 
 def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine) -> PeerExchange | None:
@@ -215,15 +246,51 @@ async def _livez(request: web.Request) -> web.StreamResponse:
     return json_response({"status": "alive"})
 
 
+def _local_exposition(state: RouterState) -> bytes:
+    """This process's own metrics."""
+    index = state.routing.index_stats()
+    for url, blocks in index.blocks.items():
+        state.metrics.index_blocks.labels(url).set(blocks)
+    state.metrics.index_bytes.set(index.bytes)
+    return state.metrics.render()
+
+
 def _metrics_handler(state: RouterState) -> Handler:
     async def metrics(request: web.Request) -> web.StreamResponse:
-        index = state.routing.index_stats()
-        for url, blocks in index.blocks.items():
-            state.metrics.index_blocks.labels(url).set(blocks)
-        state.metrics.index_bytes.set(index.bytes)
-        return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        own = _local_exposition(state)
+        if state.siblings is not None:
+            own = await _merged_exposition(state.siblings, own)
+        return web.Response(body=own, headers={"Content-Type": CONTENT_TYPE})
 
     return metrics
+
+
+async def _merged_exposition(siblings: Siblings, own: bytes) -> bytes:
+    """Every worker's metrics merged (a sibling that does not answer in time is left out)."""
+    answers = await siblings.each("GET", "/metrics")
+    parsed = [(siblings.group.index, metrics_merge.parse(own.decode()))]
+    missing = 0
+    for answer in answers:
+        if answer.ok:
+            parsed.append((answer.index, metrics_merge.parse(answer.body.decode())))
+        else:
+            missing += 1
+            log.warning("metrics: worker %d did not answer: %s", answer.index, answer.error or answer.status)
+    parsed.sort(key=lambda item: item[0])
+    families = metrics_merge.merge(families for _, families in parsed)
+    workers = GaugeMetricFamily("kvroute_workers", "Router worker processes (kvroute serve --workers).")
+    workers.add_metric([], siblings.group.count)
+    answered = GaugeMetricFamily(
+        "kvroute_workers_unreachable", "Sibling workers whose metrics this scrape could not include."
+    )
+    answered.add_metric([], missing)
+    failures = CounterMetricFamily(
+        "kvroute_worker_scrape_failures",
+        "Calls from the answering worker to a sibling that failed (timeout, refused).",
+    )
+    failures.add_metric([], siblings.failures)
+    families += [workers, answered, failures, metrics_merge.worker_requests(parsed)]
+    return metrics_merge.render(families)
 
 
 def _openapi_handler(settings: Settings) -> Handler:
@@ -282,7 +349,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if state.precise is not None:
             await state.precise.start()
         if state.exchange is not None:
-            await state.exchange.start()
+            siblings = state.siblings
+            wait_for = [siblings.group.placements_endpoint(i) for i in siblings.group.siblings] if siblings else []
+            if not await state.exchange.start(wait_for=wait_for):
+                log.warning("placement exchange: not every sibling worker subscribed within 10 s")
         yield
     finally:
         if state.exchange is not None:
@@ -297,6 +367,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         state.tasks.clear()
         upstream.close()
         await session.close()
+        if state.siblings is not None:
+            await state.siblings.close()
 
 
 async def _admit_configured_backends(health: HealthChecker, settings: Settings) -> None:
@@ -342,33 +414,64 @@ def make_runner(app: web.Application, settings: Settings) -> web.AppRunner:
     )
 
 
-async def serve(settings: Settings, app: web.Application) -> None:
-    """Run the router until SIGTERM/SIGINT, then drain in-flight work and return."""
+async def serve(
+    settings: Settings,
+    app: web.Application,
+    *,
+    workers: WorkerGroup | None = None,
+    on_listening: Callable[[], None] | None = None,
+) -> None:
+    """Run the router until SIGTERM/SIGINT, then drain in-flight work and return.
+
+    ``workers``: this process is one worker of several on the same port (SO_REUSEPORT);
+    it also serves ``app[INTERNAL_APP]`` on its Unix socket. ``on_listening`` is called
+    in the loop once every socket listens.
+    """
     runner = make_runner(app, settings)
     await runner.setup()
+    internal: web.AppRunner | None = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
-        site = web.TCPSite(runner, settings.host, settings.port, backlog=2048)
+        site = web.TCPSite(runner, settings.host, settings.port, backlog=2048, reuse_port=workers is not None)
         await site.start()
         host, port = runner.addresses[0][:2]
-        log.info("kvroute listening on http://%s:%d (policy %s)", host, port, settings.policy)
+        if workers is None:
+            log.info("kvroute listening on http://%s:%d (policy %s)", host, port, settings.policy)
+        else:
+            internal = web.AppRunner(app[INTERNAL_APP], handle_signals=False, access_log=None)
+            await internal.setup()
+            path = workers.socket_path(workers.index)
+            path.unlink(missing_ok=True)  # left by a worker this one replaces
+            await web.UnixSite(internal, str(path)).start()
+            log.info("worker %d of %d listening on http://%s:%d", workers.index, workers.count, host, port)
+        if on_listening is not None:
+            on_listening()
         await stop.wait()
         log.info("shutting down: draining in-flight requests for up to %.1f s", settings.drain_timeout_s)
     finally:
         await runner.cleanup()
+        if internal is not None:
+            await internal.cleanup()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
     log.info("kvroute stopped")
 
 
-def run(settings: Settings, app: web.Application) -> None:
+def run(
+    settings: Settings,
+    app: web.Application,
+    *,
+    workers: WorkerGroup | None = None,
+    on_listening: Callable[[], None] | None = None,
+) -> None:
     """Run :func:`serve` on uvloop (when installed)."""
+    main = serve(settings, app, workers=workers, on_listening=on_listening)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        asyncio.run(serve(settings, app))
+        asyncio.run(main)
     else:
-        uvloop.run(serve(settings, app))
+        uvloop.run(main)

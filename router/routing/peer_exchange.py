@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,12 @@ class PeerExchange:
             return None
         return self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    async def start(self) -> None:
+    async def start(self, *, wait_for: Sequence[str] = (), timeout_s: float = 10.0) -> bool:
+        """Bind and subscribe. ``wait_for``: peers whose subscription must have completed
+        its handshake before this returns (False after ``timeout_s``): a PUB socket sends
+        nothing to a subscriber it has not heard from yet, so what is published before
+        that is lost to it. The workers of ``kvroute serve --workers N`` wait for their
+        siblings so, before they report ready."""
         if self._bind is not None:
             # A plain (non-asyncio) socket: publishing never blocks and needs no loop.
             pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
@@ -143,8 +149,29 @@ class PeerExchange:
             pub.setsockopt(zmq.SNDHWM, SEND_HWM)
             pub.bind(self._bind)
             self._pub = pub
-        if self._peers:
+        if not self._peers:
+            return True
+        if not wait_for:
             self.connect(self._peers)
+            return True
+        self.connect([])
+        assert self._sub is not None
+        monitor = self._sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            self.connect(self._peers)
+            pending = set(wait_for)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            while pending:
+                left = deadline - loop.time()
+                if left <= 0 or not await monitor.poll(left * 1000):
+                    return False
+                event = parse_monitor_message(await monitor.recv_multipart())
+                pending.discard(event["endpoint"].decode())
+            return True
+        finally:
+            self._sub.disable_monitor()
+            monitor.close(linger=0)
 
     def connect(self, peers: Sequence[str]) -> None:
         """Subscribe to more peers (their ``--peer-bind`` endpoints)."""

@@ -1,7 +1,7 @@
 """The rooms import one way: a change in a lower room never needs a higher one.
 
 ``tokenizer_index`` imports nothing of ours; inside ``router`` the order is
-process (cli, serve) -> http -> forwarding -> routing -> fleet -> engines -> base (config,
+process (cli, serve, workers) -> http -> forwarding -> routing -> fleet -> engines -> base (config,
 errors, backend_url). The repository's folders are installed as ``kvroute.*`` only, so no
 code or test may import them by their folder names.
 """
@@ -40,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     },
 }
 ROOMS = {"http", "forwarding", "routing", "fleet", "engines"}
-PROCESS = {"cli", "serve"}
+PROCESS = {"cli", "serve", "workers"}
 FOLDERS = ("router", "tokenizer_index", "benchmarks")
 
 

@@ -25,6 +25,7 @@ PACKAGES = [
     "kvroute.router.routing",
 ]
 MODULES = ["kvroute.router.config", "kvroute.router.errors", "kvroute.router.backend_url", "kvroute.router.serve",
+           "kvroute.router.workers",
            "kvroute.router.cli"]  # fmt: skip
 
 
