@@ -75,6 +75,9 @@ class WorkingSets:
         self._tokens: dict[str, int] = {}
         # Per backend its counted conversations in the order they joined it (key -> it).
         self._members: dict[str, dict[str, Conversation]] = {}
+        # Per backend the tracked conversations whose latest request went there, new ones
+        # included (a first turn counts here, not yet in the working set).
+        self._hosted: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._conversations)
@@ -82,6 +85,10 @@ class WorkingSets:
     def demand(self, backend: str) -> tuple[int, int]:
         """``(tokens, conversations)`` counted on ``backend``."""
         return self._tokens.get(backend, 0), len(self._members.get(backend, ()))
+
+    def hosted(self, backend: str) -> int:
+        """Conversations (seen within the idle time) whose latest request went to ``backend``."""
+        return self._hosted.get(backend, 0)
 
     def find(self, session_key: str | None, hashes: Sequence[int], shared_tokens: int) -> Conversation | None:
         """The conversation this request continues, or a new one (recorded by :meth:`record`).
@@ -163,6 +170,11 @@ class WorkingSets:
         elif conversation.counted:
             self._tokens[backend] = self._tokens.get(backend, 0) + size
             self._members.setdefault(backend, {})[conversation.key] = conversation
+        tracked = self._conversations.get(conversation.key) is conversation
+        if not tracked or conversation.backend != backend:
+            if tracked and conversation.backend is not None:
+                self._hosted[conversation.backend] -= 1
+            self._hosted[backend] = self._hosted.get(backend, 0) + 1
         conversation.backend = backend
         conversation.tokens = size
         conversation.last_seen = now
@@ -187,6 +199,7 @@ class WorkingSets:
             if conversation.backend == backend:
                 conversation.backend = None
         self._tokens.pop(backend, None)
+        self._hosted.pop(backend, None)
         self._members.pop(backend, None)
 
     def _uncount(self, conversation: Conversation) -> None:
@@ -201,6 +214,8 @@ class WorkingSets:
             self._uncount(conversation)
         if conversation.leaf is not None and self._leaves.get(conversation.leaf) == conversation.key:
             del self._leaves[conversation.leaf]
+        if conversation.backend is not None:
+            self._hosted[conversation.backend] -= 1
         del self._conversations[conversation.key]
 
     def _expire(self, now: float) -> None:

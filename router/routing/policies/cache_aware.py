@@ -10,7 +10,8 @@ For every eligible backend ``b`` the policy prices the request in prompt tokens
 
 and picks the cheapest backend within the load bound
 (:func:`~kvroute.router.routing.policies.base.over_load_bound`; a session's first request
-also skips backends more than ``NEW_SESSION_SLACK`` requests busier than the least busy),
+also skips backends more than ``NEW_SESSION_SLACK`` requests busier than the least busy,
+and those hosting more conversations than the fewest unless they hold more of its prompt),
 ties to the backend whose index fills the smallest share of its cache, then by rotation.
 ``weight`` is ``load_weight``, divided by ``1 + mean in-flight requests per candidate`` when
 a backend holds at least half the prompt as the request's own history. ``queued_b`` is
@@ -86,6 +87,10 @@ class Pricing:
     candidates: int
     total_in_flight: int
     least_in_flight: int
+    #: For a session's first request: the shortest match any candidate holds, and the fewest
+    #: conversations any candidate hosts.
+    least_match: int = 0
+    fewest_hosted: int = 0
 
 
 @dataclass(slots=True)
@@ -167,6 +172,10 @@ class CacheAware(Policy):
         load_weight = self._load_weight
         if history and 2 * history >= prompt:
             load_weight /= 1.0 + total_in_flight / count
+        least_match = fewest_hosted = 0
+        if starts_session:
+            least_match = min(matched.get(backend.url, 0) for backend in candidates)
+            fewest_hosted = min(self._working_sets.hosted(backend.url) for backend in candidates)
         return Pricing(
             prompt=prompt,
             matched=matched,
@@ -183,6 +192,8 @@ class CacheAware(Policy):
             candidates=count,
             total_in_flight=total_in_flight,
             least_in_flight=min(backend.in_flight for backend in candidates),
+            least_match=least_match,
+            fewest_hosted=fewest_hosted,
         )
 
     def cost_of(self, backend: BackendView, pricing: Pricing) -> BackendCost:
@@ -208,9 +219,18 @@ class CacheAware(Policy):
         held = pricing.index_tokens.get(url, 0)
         fill = held / capacity_tokens if capacity_tokens else float(held)
         over = over_load_bound(backend.in_flight, pricing.total_in_flight, pricing.candidates, self._overload_factor)
-        if pricing.starts_session and backend.in_flight > pricing.least_in_flight + NEW_SESSION_SLACK:
+        if pricing.starts_session and self._refuses_new_session(backend, matched, pricing):
             over = True
         return BackendCost(backend, matched, queued, plain, capacity, stay, cost, fill, over)
+
+    def _refuses_new_session(self, backend: BackendView, matched: int, pricing: Pricing) -> bool:
+        """Whether ``backend`` is too busy to start a session: more than NEW_SESSION_SLACK
+        requests busier than the least busy, or, unless it holds more of the prompt than
+        another backend (a prefix the session would share there), hosting more conversations
+        than the fewest any backend hosts: a session brings all its future turns."""
+        if backend.in_flight > pricing.least_in_flight + NEW_SESSION_SLACK:
+            return True
+        return matched <= pricing.least_match and self._working_sets.hosted(backend.url) > pricing.fewest_hosted
 
     def _queued_tokens(self, backend: BackendView) -> float:
         queued = float(backend.in_flight_work_tokens)

@@ -34,7 +34,7 @@ def request(
 
 
 def policy(working_sets: WorkingSets | None = None, **options: float) -> CacheAware:
-    return CacheAware(working_sets or WorkingSets(), **options)
+    return CacheAware(working_sets if working_sets is not None else WorkingSets(), **options)
 
 
 # --- the cost: match against load --------------------------------------------------------
@@ -148,6 +148,25 @@ def test_a_burst_of_new_sessions_spreads_instead_of_queueing_behind_a_shared_pre
         next(b for b in fleet if b.url == url).in_flight += 1
     loads = [b.in_flight for b in fleet]
     assert max(loads) - min(loads) <= 2  # 1 + NEW_SESSION_SLACK
+
+
+def test_new_sessions_balance_by_conversations_where_no_backend_holds_more_of_them() -> None:
+    """Agent sessions that start as others pause between turns: in-flight requests no longer
+    count sessions, so where every backend holds their shared prefix alike, a new session
+    goes to a backend hosting the fewest conversations, bringing its future turns there."""
+    fleet = backends(4)
+    working_sets = WorkingSets()
+    cache_aware = policy(working_sets)
+    for number, url in enumerate(["http://b0", "http://b0", "http://b1", "http://b2", "http://b3"]):
+        working_sets.record(Conversation(f"session:old{number}"), url, 2200, None)
+    fleet[1].in_flight = 1  # b0's two sessions are between turns: b1 looks busier
+    new = request(2200, dict.fromkeys((b.url for b in fleet), 2000), Conversation("session:new", shared_tokens=2000))
+    new.session_key = "new"
+    assert cache_aware.choose(new, fleet).backend != "http://b0"
+    # A prefix only b0 holds (a system prompt) still groups the session there.
+    grouped = request(2200, {"http://b0": 2000}, Conversation("session:grouped", shared_tokens=2000))
+    grouped.session_key = "grouped"
+    assert cache_aware.choose(grouped, fleet).backend == "http://b0"
 
 
 def test_a_conversation_moves_only_when_the_move_pays_for_its_history_with_margin() -> None:

@@ -104,3 +104,28 @@ def test_single_request_of_a_new_conversation_does_not_count(count: int) -> None
         assert conversation is not None
         working_sets.record(conversation, "http://b0", 5000, number + 100)
     assert working_sets.demand("http://b0") == (0, 0)
+
+
+def test_hosted_counts_every_live_conversation_by_its_latest_backend() -> None:
+    """First turns count too (unlike the working set), moves carry the count, expiry,
+    eviction from the bounded ledger and a backend leaving release it."""
+    clock = FakeClock()
+    working_sets = WorkingSets(idle_s=60.0, max_conversations=3, clock=clock)
+    first = working_sets.find("a", [], 0)
+    assert first is not None
+    working_sets.record(first, "http://b0", 100, None)
+    assert working_sets.hosted("http://b0") == 1 and working_sets.demand("http://b0") == (0, 0)
+    working_sets.record(first, "http://b0", 200, None)  # staying is not a second conversation
+    settle(working_sets, "b", "http://b0", 300)
+    assert working_sets.hosted("http://b0") == 2
+    working_sets.record(first, "http://b1", 400, None)
+    assert (working_sets.hosted("http://b0"), working_sets.hosted("http://b1")) == (1, 1)
+    clock.now += 30
+    settle(working_sets, "c", "http://b1", 100)
+    settle(working_sets, "d", "http://b1", 100)  # the ledger holds 3: "b", the oldest, goes
+    assert (working_sets.hosted("http://b0"), working_sets.hosted("http://b1")) == (0, 3)
+    clock.now += 45
+    working_sets.find("probe", [], 0)  # "a" expires
+    assert working_sets.hosted("http://b1") == 2
+    working_sets.forget_backend("http://b1")
+    assert working_sets.hosted("http://b1") == 0
