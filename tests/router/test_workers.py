@@ -35,21 +35,25 @@ ADMIN = "admin-secret"
 class WorkersProcess:
     """``kvroute serve --workers N`` as a subprocess; stderr collected line by line."""
 
-    def __init__(self, *args: str, wait: bool = True) -> None:
+    def __init__(self, *args: str) -> None:
         env = {key: value for key, value in os.environ.items() if not key.startswith("KVROUTE_")}
         command = [sys.executable, "-m", "kvroute.router.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
         self.process = subprocess.Popen([*command, *args], stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        if wait:
-            wait_until(lambda: self._listening() is not None or self.process.poll() is not None, timeout=90)
-            assert self._listening() is not None, self.log
-            port, _, pids = self._listening()  # type: ignore[misc]
-            self.url = f"http://127.0.0.1:{port}"
-            self.pids = [int(pid) for pid in (pids or "").split()]
-            match = next((m for m in map(DIRECTORY.search, self.lines) if m), None)
-            self.directory = Path(match.group(1)) if match else None
+        self.pids: list[int] = []
+        self.directory: Path | None = None
+
+    def wait_listening(self) -> None:
+        """Wait for the ``kvroute listening`` line (the supervisor's, once every worker listens)."""
+        wait_until(lambda: self._listening() is not None or self.process.poll() is not None, timeout=90)
+        assert self._listening() is not None, self.log
+        port, _, pids = self._listening()  # type: ignore[misc]
+        self.url = f"http://127.0.0.1:{port}"
+        self.pids = [int(pid) for pid in (pids or "").split()]
+        match = next((m for m in map(DIRECTORY.search, self.lines) if m), None)
+        self.directory = Path(match.group(1)) if match else None
 
     @property
     def log(self) -> str:
@@ -95,7 +99,7 @@ class WorkersProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
-        for pid in getattr(self, "pids", []):  # never leave a worker behind
+        for pid in self.pids:  # never leave a worker behind
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -107,8 +111,10 @@ def serve_workers() -> Iterator[Any]:
     started: list[WorkersProcess] = []
 
     def start(*args: str, wait: bool = True) -> WorkersProcess:
-        process = WorkersProcess(*args, wait=wait)
-        started.append(process)
+        process = WorkersProcess(*args)
+        started.append(process)  # stopped even if it never listens
+        if wait:
+            process.wait_listening()
         return process
 
     yield start
