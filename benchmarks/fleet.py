@@ -231,17 +231,10 @@ def router_block_size(api: str, block_size: int) -> int | None:
     return ENGINES[api].index_block_size(block_size)
 
 
-class SimFleet:
-    """R simulated replicas; :meth:`fresh` starts them or empties their caches."""
+class SpecFleet:
+    """A fleet of sims built from a :class:`SimSpec`: what it says about its engines."""
 
-    def __init__(self, spec: SimSpec) -> None:
-        self.spec = spec
-        self.ports = [free_port() for _ in range(spec.replicas)]
-        self.processes: list[ManagedProcess] = []
-
-    @property
-    def urls(self) -> list[str]:
-        return [f"http://127.0.0.1:{port}" for port in self.ports]
+    spec: SimSpec
 
     @property
     def block_size(self) -> int:
@@ -254,6 +247,19 @@ class SimFleet:
     @property
     def capacity_tokens(self) -> int | None:
         return self.spec.kv_capacity_tokens
+
+
+class SimFleet(SpecFleet):
+    """R simulated replicas; :meth:`fresh` starts them or empties their caches."""
+
+    def __init__(self, spec: SimSpec) -> None:
+        self.spec = spec
+        self.ports = [free_port() for _ in range(spec.replicas)]
+        self.processes: list[ManagedProcess] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.ports]
 
     async def fresh(self) -> None:
         """Empty caches: reset the running replicas, or (re)start them if any is gone."""

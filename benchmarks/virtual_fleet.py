@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvroute.benchmarks.fleet import EngineCounters, RouterCounters, SimSpec
+from kvroute.benchmarks.fleet import EngineCounters, RouterCounters, SimSpec, SpecFleet
 from kvroute.benchmarks.replay import ReplayResult, RequestRecord
 from kvroute.benchmarks.sim_engine.cache import CacheKey, PrefixCache
 from kvroute.benchmarks.sim_engine.config import SimEngineConfig
@@ -73,7 +73,7 @@ class _Replica:
     finished: list[SimRequest] = field(default_factory=list)
 
 
-class VirtualFleet:
+class VirtualFleet(SpecFleet):
     """The fleet ``kvroute bench --engine virtual`` runs: the sims of ``spec``, in virtual time.
 
     It has the shape of the other fleets (:class:`~kvroute.benchmarks.fleet.SimFleet`) for
@@ -87,18 +87,6 @@ class VirtualFleet:
     @property
     def urls(self) -> list[str]:
         return [f"http://virtual-{number}" for number in range(self.spec.replicas)]
-
-    @property
-    def block_size(self) -> int:
-        return self.spec.block_size
-
-    @property
-    def api(self) -> str:
-        return self.spec.api
-
-    @property
-    def capacity_tokens(self) -> int | None:
-        return self.spec.kv_capacity_tokens
 
     async def fresh(self) -> None:
         """Nothing to empty: every replay starts new replicas."""
