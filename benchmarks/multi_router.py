@@ -7,8 +7,10 @@ front of the same simulated engines and sends the workload request by request to
 ``i % N``, as a client-side load balancer would (a conversation's turns alternate between
 routers). Two modes per N > 1: ``approximate`` (each router learns only from what it
 routed) and ``exchange`` (routers publish their placements to each other,
-``--peer-bind``/``--peers``). Reports the engine-observed hit rate and its ratio to the
-single router's, median and spread over ``--repeat`` rounds.
+``--peer-bind``/``--peers``), and ``workers``: one ``kvroute serve --workers N`` (its
+workers exchange placements; the kernel spreads the client's connections over them, each
+worker sees only its own connections' load). Reports the engine-observed hit rate and its
+ratio to the single router's, median and spread over ``--repeat`` rounds.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from kvroute.benchmarks.fleet import SimFleet, free_port
 from kvroute.benchmarks.replay import Progress, replay
 from kvroute.benchmarks.workloads import Workload, WorkloadOptions, make_workloads
 
-MODES = ("approximate", "exchange")
+MODES = ("approximate", "exchange", "workers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,11 @@ class Arrangement:
 
     @property
     def name(self) -> str:
-        return "one router" if self.routers == 1 else f"{self.routers} routers, {self.mode}"
+        if self.routers == 1:
+            return "one router"
+        if self.mode == "workers":
+            return f"one router, --workers {self.routers}"
+        return f"{self.routers} routers, {self.mode}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +69,8 @@ async def start_routers(
     arrangement: Arrangement, fleet: SimFleet, tokenizer: str | None
 ) -> list[fleets.ManagedProcess]:
     endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(arrangement.routers)]
+    if arrangement.mode == "workers":  # one router process; its workers wait for each other's subscriptions
+        endpoints = endpoints[:1]
     routers = []
     try:
         for endpoint in endpoints:
@@ -70,6 +78,8 @@ async def start_routers(
             if arrangement.mode == "exchange" and arrangement.routers > 1:
                 peers = [other for other in endpoints if other != endpoint]
                 extra = ["--peer-bind", endpoint, "--peers", ",".join(peers)]
+            elif arrangement.mode == "workers":
+                extra = ["--workers", str(arrangement.routers)]
             routers.append(
                 await fleets.start_router(
                     "cache_aware",
