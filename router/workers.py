@@ -163,7 +163,7 @@ class Supervisor:
             except WorkerFailed as failed:
                 log.error("%s", failed)
                 await self._stop_all()
-                return failed.code if failed.code else 1
+                return failed.code if failed.code and failed.code > 0 else 1  # not a signal's negative code
             if self._stop.is_set():
                 return await self._stop_all()
             log.info("workers' private directory (Unix sockets, placement endpoints): %s", self.directory)

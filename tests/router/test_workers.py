@@ -318,3 +318,16 @@ def test_a_crashed_worker_is_restarted(sim_engines: Any, serve_workers: Any) -> 
     assert router.worker_metrics(1).value("kvroute_process_open_fds") > 0  # the new worker 1 answers
     router.process.send_signal(signal.SIGTERM)
     assert router.process.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_idle_workers_exit_0_on_signal(signum: int, sim_engines: Any, serve_workers: Any) -> None:
+    (sim,) = sim_engines(1)
+    router = serve_workers("--workers", "2", "--backend", sim.url)
+    assert httpx.get(router.url + "/health", timeout=30).status_code == 200
+    router.process.send_signal(signum)
+    assert router.process.wait(timeout=30) == 0
+    wait_until(lambda: "kvroute stopped" in router.lines[-1], timeout=10)
+    for pid in router.pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
