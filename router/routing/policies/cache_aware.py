@@ -11,7 +11,8 @@ For every eligible backend ``b`` the policy prices the request in prompt tokens
 and picks the cheapest backend within the load bound
 (:func:`~kvroute.router.routing.policies.base.over_load_bound`; a session's first request
 also skips backends more than ``NEW_SESSION_SLACK`` requests busier than the least busy,
-and those hosting more conversations than the fewest unless they hold more of its prompt),
+over the load bound in conversations hosted, and those hosting more conversations than the
+fewest unless they hold more of its prompt),
 ties to the backend whose index fills the smallest share of its cache, then by rotation.
 ``weight`` is ``load_weight``, divided by ``1 + mean in-flight requests per candidate`` when
 a backend holds at least half the prompt as the request's own history. ``queued_b`` is
@@ -91,6 +92,7 @@ class Pricing:
     #: conversations any candidate hosts.
     least_match: int = 0
     fewest_hosted: int = 0
+    total_hosted: int = 0
 
 
 @dataclass(slots=True)
@@ -172,10 +174,11 @@ class CacheAware(Policy):
         load_weight = self._load_weight
         if history and 2 * history >= prompt:
             load_weight /= 1.0 + total_in_flight / count
-        least_match = fewest_hosted = 0
+        least_match = fewest_hosted = total_hosted = 0
         if starts_session:
             least_match = min(matched.get(backend.url, 0) for backend in candidates)
-            fewest_hosted = min(self._working_sets.hosted(backend.url) for backend in candidates)
+            hosted = [self._working_sets.hosted(backend.url) for backend in candidates]
+            fewest_hosted, total_hosted = min(hosted), sum(hosted)
         return Pricing(
             prompt=prompt,
             matched=matched,
@@ -194,6 +197,7 @@ class CacheAware(Policy):
             least_in_flight=min(backend.in_flight for backend in candidates),
             least_match=least_match,
             fewest_hosted=fewest_hosted,
+            total_hosted=total_hosted,
         )
 
     def cost_of(self, backend: BackendView, pricing: Pricing) -> BackendCost:
@@ -224,13 +228,17 @@ class CacheAware(Policy):
         return BackendCost(backend, matched, queued, plain, capacity, stay, cost, fill, over)
 
     def _refuses_new_session(self, backend: BackendView, matched: int, pricing: Pricing) -> bool:
-        """Whether ``backend`` is too busy to start a session: more than NEW_SESSION_SLACK
-        requests busier than the least busy, or, unless it holds more of the prompt than
-        another backend (a prefix the session would share there), hosting more conversations
-        than the fewest any backend hosts: a session brings all its future turns."""
+        """Whether ``backend`` is too busy to start a session, which brings all its future
+        turns: more than NEW_SESSION_SLACK requests busier than the least busy; over the
+        load bound counted in the conversations it hosts; or, unless it holds more of the
+        prompt than another backend (a prefix the session would share there), hosting more
+        conversations than the fewest any backend hosts."""
         if backend.in_flight > pricing.least_in_flight + NEW_SESSION_SLACK:
             return True
-        return matched <= pricing.least_match and self._working_sets.hosted(backend.url) > pricing.fewest_hosted
+        hosted = self._working_sets.hosted(backend.url)
+        if over_load_bound(hosted, pricing.total_hosted, pricing.candidates, self._overload_factor):
+            return True
+        return matched <= pricing.least_match and hosted > pricing.fewest_hosted
 
     def _queued_tokens(self, backend: BackendView) -> float:
         queued = float(backend.in_flight_work_tokens)

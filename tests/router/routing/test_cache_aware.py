@@ -169,6 +169,24 @@ def test_new_sessions_balance_by_conversations_where_no_backend_holds_more_of_th
     assert cache_aware.choose(grouped, fleet).backend == "http://b0"
 
 
+def test_a_prefix_held_in_one_place_does_not_gather_every_session_there() -> None:
+    """Sessions sharing one tool list, paced so that none is in flight when the next starts:
+    the replica holding the list is cheapest for each first turn, but past the load bound
+    counted in conversations (4 + 1 > 2 x (0 + 2)) the next session computes the list
+    elsewhere instead of joining a cache its histories will overflow."""
+    fleet = backends(2)
+    working_sets = WorkingSets()
+    cache_aware = policy(working_sets)
+    placed = []
+    for number in range(6):
+        new = request(2500, {"http://b0": 2272}, Conversation(f"session:{number}", shared_tokens=2272))
+        new.session_key = str(number)
+        url = cache_aware.choose(new, fleet).backend
+        working_sets.record(new.conversation, url, 2500, None)
+        placed.append(url)
+    assert placed[:4] == ["http://b0"] * 4 and placed[4] == "http://b1"
+
+
 def test_a_conversation_moves_only_when_the_move_pays_for_its_history_with_margin() -> None:
     """Leaving home costs the history re-prefilled plus MOVE_MARGIN times it: a queue
     advantage a little over the history keeps it home; three times the history moves it."""
