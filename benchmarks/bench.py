@@ -184,16 +184,7 @@ async def run_target(
     is_peer = target.startswith(PEER_PREFIX)
     # Load-only policies predict nothing: their router keeps no prefix index.
     predicts = not is_peer and target not in LOAD_ONLY_POLICIES
-    if is_peer:
-        front = await fleets.start_peer(target.removeprefix(PEER_PREFIX), fleet.urls)
-    else:
-        front = await fleets.start_router(
-            target,
-            fleet.urls,
-            block_size=fleets.router_block_size(fleet.api, fleet.block_size),
-            capacity_tokens=fleet.capacity_tokens,
-            tokenizer=tokenizer,
-        )
+    front = await fleets.start_target(target, fleet, tokenizer=tokenizer)
     try:
         if on_ready is not None:
             on_ready(front.url)

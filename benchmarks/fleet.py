@@ -40,6 +40,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvroute.benchmarks.results import PEER_PREFIX
 from kvroute.router.engines import ENGINES
 
 
@@ -485,4 +486,25 @@ async def router_counters(url: str) -> RouterCounters:
         samples = await scrape(client, url + "/metrics")
     return RouterCounters(
         samples.get("kvroute_prompt_tokens_total", 0.0), samples.get("kvroute_predicted_cached_tokens_total", 0.0)
+    )
+
+
+async def start_target(
+    target: str,
+    fleet: SimFleet | ExternalFleet,
+    *,
+    tokenizer: str | None = None,
+    env: dict[str, str] | None = None,
+) -> ManagedProcess | PeerRouter:
+    """The router a bench target names, ready in front of ``fleet``: a peer router
+    (``peer:NAME``) or ``kvroute serve --policy TARGET`` (``env``: its extra environment)."""
+    if target.startswith(PEER_PREFIX):
+        return await start_peer(target.removeprefix(PEER_PREFIX), fleet.urls)
+    return await start_router(
+        target,
+        fleet.urls,
+        block_size=router_block_size(fleet.api, fleet.block_size),
+        capacity_tokens=fleet.capacity_tokens,
+        tokenizer=tokenizer,
+        env=env,
     )

@@ -46,8 +46,8 @@ import aiohttp
 
 from kvroute.benchmarks import fleet as fleets
 from kvroute.benchmarks.fleet import EngineCounters, ExternalFleet
+from kvroute.benchmarks.results import PEER_PREFIX
 
-PEER_PREFIX = "peer:"
 #: Bearer token of the admin API of the kvroute routers this starts (local, throwaway).
 ADMIN_TOKEN = "vllm-bench-serve"
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "kvroute" / "venv-vllm" / "bin" / "python"
@@ -201,18 +201,8 @@ async def run_target(target: str, round_number: int, fleet: ExternalFleet, args:
     """Fresh caches, a fresh target, the client through it, the counters around it."""
     await fleet.fresh()
     is_peer = target.startswith(PEER_PREFIX)
-    front: fleets.ManagedProcess | fleets.PeerRouter
-    if is_peer:
-        front = await fleets.start_peer(target.removeprefix(PEER_PREFIX), fleet.urls)
-    else:
-        front = await fleets.start_router(
-            target,
-            fleet.urls,
-            block_size=fleets.router_block_size(fleet.api, fleet.block_size),
-            capacity_tokens=fleet.capacity_tokens,
-            tokenizer=args.tokenizer,
-            env={"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN},
-        )
+    env = None if is_peer else {"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN}
+    front = await fleets.start_target(target, fleet, tokenizer=args.tokenizer, env=env)
     reasons: dict[str, int] = {}
     backends: dict[str, int] = {}
     try:
