@@ -318,10 +318,13 @@ async def run_bench(
     """Every target on every workload, ``repeats`` rounds of every target in turn (so drift
     of a shared machine spreads over all targets alike); the fleet is stopped at the end,
     also on errors."""
+    virtual = isinstance(fleet, VirtualFleet)  # peers never run there, installed or not
     missing = {
         target
         for target in targets
-        if target.startswith(PEER_PREFIX) and not fleets.peer_installed(target.removeprefix(PEER_PREFIX))
+        if target.startswith(PEER_PREFIX)
+        and not virtual
+        and not fleets.peer_installed(target.removeprefix(PEER_PREFIX))
     }
     for target in sorted(missing):
         peer = target.removeprefix(PEER_PREFIX)
