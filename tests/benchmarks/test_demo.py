@@ -67,8 +67,8 @@ def test_demo_stops_everything_it_started_on_ctrl_c() -> None:
         assert time.monotonic() < deadline
     assert len(children) >= 3  # two sim engines and a router
     demo.send_signal(signal.SIGINT)
-    demo.communicate(timeout=60)
-    assert demo.returncode == 130
+    rest, _ = demo.communicate(timeout=60)
+    assert demo.returncode == 130, rest
     deadline = time.monotonic() + 10
     while not all(_gone(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
