@@ -20,7 +20,14 @@ def _demo(*args: str) -> subprocess.Popen[str]:
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        # As a terminal starts it: a runner launched in the background (nohup, &) passes
+        # SIGINT on ignored, and Python then never turns Ctrl-C into KeyboardInterrupt.
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _children(pid: int) -> list[int]:
