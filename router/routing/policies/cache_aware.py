@@ -34,7 +34,7 @@ changed the choice), ``overload`` (the cheapest backend was over the load bound)
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Self
 
 from kvroute.router.routing.ledger import Conversation, WorkingSets
@@ -88,11 +88,10 @@ class Pricing:
     candidates: int
     total_in_flight: int
     least_in_flight: int
-    #: For a session's first request: the shortest match any candidate holds, and the fewest
-    #: conversations any candidate hosts.
+    #: For a session's first request: the shortest match any candidate holds, and the
+    #: conversations each candidate hosts (read once per request).
     least_match: int = 0
-    fewest_hosted: int = 0
-    total_hosted: int = 0
+    hosted: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -174,11 +173,11 @@ class CacheAware(Policy):
         load_weight = self._load_weight
         if history and 2 * history >= prompt:
             load_weight /= 1.0 + total_in_flight / count
-        least_match = fewest_hosted = total_hosted = 0
+        least_match = 0
+        hosted: dict[str, int] = {}
         if starts_session:
             least_match = min(matched.get(backend.url, 0) for backend in candidates)
-            hosted = [self._working_sets.hosted(backend.url) for backend in candidates]
-            fewest_hosted, total_hosted = min(hosted), sum(hosted)
+            hosted = {backend.url: self._working_sets.hosted(backend.url) for backend in candidates}
         return Pricing(
             prompt=prompt,
             matched=matched,
@@ -196,8 +195,7 @@ class CacheAware(Policy):
             total_in_flight=total_in_flight,
             least_in_flight=min(backend.in_flight for backend in candidates),
             least_match=least_match,
-            fewest_hosted=fewest_hosted,
-            total_hosted=total_hosted,
+            hosted=hosted,
         )
 
     def cost_of(self, backend: BackendView, pricing: Pricing) -> BackendCost:
@@ -235,10 +233,10 @@ class CacheAware(Policy):
         conversations than the fewest any backend hosts."""
         if backend.in_flight > pricing.least_in_flight + NEW_SESSION_SLACK:
             return True
-        hosted = self._working_sets.hosted(backend.url)
-        if over_load_bound(hosted, pricing.total_hosted, pricing.candidates, self._overload_factor):
+        hosted = pricing.hosted[backend.url]
+        if over_load_bound(hosted, sum(pricing.hosted.values()), pricing.candidates, self._overload_factor):
             return True
-        return matched <= pricing.least_match and hosted > pricing.fewest_hosted
+        return matched <= pricing.least_match and hosted > min(pricing.hosted.values())
 
     def _queued_tokens(self, backend: BackendView) -> float:
         queued = float(backend.in_flight_work_tokens)
