@@ -1,6 +1,6 @@
 """The routing engine's CPU per request, stage by stage, in one process (no HTTP, no profiler).
 
-    python3 -m kvroute.benchmarks.profile_routing [--passes 7] [--per-prompt 16] [--json FILE]
+    python3 -m kvroute.benchmarks.profile_routing [--passes 7] [--per-prompt 16] [--evict-mb 16] [--json FILE]
 
 The ~2 KB chat bodies of ``kvroute bench --overhead`` (64 system prompts) go through the
 stages ``kvroute serve --policy cache_aware`` runs for each request, each stage timed on
@@ -12,6 +12,12 @@ the in-flight ledger) and observe (the feedback after the answer). ``prepare`` i
 tokenize + hash as the engine runs them together (its sum check). Every body is sent
 through once before timing (the steady state of a repeated set, as the overhead
 benchmark measures); each figure is the median over ``--passes``, with its spread.
+
+Run stage after stage over every body, each stage's code and data stay in the CPU's
+caches, which a loaded server's requests never find: between two requests' routing the
+HTTP work of others has evicted them. ``--evict-mb N`` touches N MB (untimed) before
+every item of every stage, which brings these timings close to the server's stage timers
+(:mod:`kvroute.benchmarks.stage_timers`) at saturation.
 
 It complements :mod:`kvroute.benchmarks.profile_request` (a loaded server sampled by py-spy,
 whose wall-clock samples also charge waits for the CPU to the call that waited): this
@@ -30,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from kvroute.benchmarks.overhead import chat_bodies
@@ -52,15 +59,37 @@ class StageTime:
     max_us: float
 
 
-def _timed(items: Sequence[Any], step: Callable[[Any], object]) -> float:
-    """Thread CPU microseconds per item of running ``step`` over ``items``."""
-    started = time.thread_time_ns()
+def _timed(items: Sequence[Any], step: Callable[[Any], object], evict: Callable[[], object] | None = None) -> float:
+    """Thread CPU microseconds per item of running ``step`` over ``items``; with ``evict``,
+    called untimed before each item."""
+    if evict is None:
+        started = time.thread_time_ns()
+        for item in items:
+            step(item)
+        return (time.thread_time_ns() - started) / len(items) / 1000
+    clock = time.thread_time_ns
+    total = 0
     for item in items:
+        evict()
+        started = clock()
         step(item)
-    return (time.thread_time_ns() - started) / len(items) / 1000
+        total += clock() - started
+    return total / len(items) / 1000
 
 
-def profile_stages(passes: int = 7, per_prompt: int = 16) -> list[StageTime]:
+def _evictor(megabytes: int) -> Callable[[], object] | None:
+    """Touches ``megabytes`` of memory, read and write, so the caches hold little else."""
+    if not megabytes:
+        return None
+    junk = np.ones(megabytes * (1 << 20) // 8, dtype=np.int64)
+
+    def evict() -> None:
+        junk[::8] += 1  # one write per 64-byte line
+
+    return evict
+
+
+def profile_stages(passes: int = 7, per_prompt: int = 16, evict_mb: int = 0) -> list[StageTime]:
     raws = chat_bodies(per_prompt=per_prompt)
     engine = RoutingEngine(Settings(policy="cache_aware", block_size=BLOCK_SIZE))
     candidates = [Backend("http://b0"), Backend("http://b1")]
@@ -96,16 +125,17 @@ def profile_stages(passes: int = 7, per_prompt: int = 16) -> list[StageTime]:
     for pair in pairs:  # the index and the ledgers in their steady state
         observe(route(pair))
     stages: dict[str, list[float]] = {}
+    evict = _evictor(evict_mb)
     for _ in range(passes):
         plans.clear()
         measured = {
-            "parse": _timed(raws, parse),
-            "render": _timed(messages, tokenizer.render_chat),
-            "tokenize": _timed(texts, tokenizer.encode_text_array),
-            "hash": _timed(tokens, lambda ids: block_hashes(ids, BLOCK_SIZE, salt)),
-            "prepare (render+tokenize+hash)": _timed(parsed, prepare),
-            "route": _timed(pairs, route_and_keep),
-            "observe": _timed(plans, observe),
+            "parse": _timed(raws, parse, evict),
+            "render": _timed(messages, tokenizer.render_chat, evict),
+            "tokenize": _timed(texts, tokenizer.encode_text_array, evict),
+            "hash": _timed(tokens, lambda ids: block_hashes(ids, BLOCK_SIZE, salt), evict),
+            "prepare (render+tokenize+hash)": _timed(parsed, prepare, evict),
+            "route": _timed(pairs, route_and_keep, evict),
+            "observe": _timed(plans, observe, evict),
         }
         for stage, value in measured.items():
             stages.setdefault(stage, []).append(value)
@@ -132,9 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--passes", type=int, default=7)
     parser.add_argument("--per-prompt", type=int, default=16)
+    parser.add_argument("--evict-mb", type=int, default=0, help="MB touched before each item (cold caches)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    rows = profile_stages(args.passes, args.per_prompt)
+    rows = profile_stages(args.passes, args.per_prompt, args.evict_mb)
     print(format_stages(rows))
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(row) for row in rows], indent=2) + "\n")
