@@ -264,21 +264,30 @@ def _record_run(run_blocks: np.ndarray, word: int, bits: np.uint64, length: int)
             run_blocks[word * 64 + bit] = length
 
 
-@compiled(types.int64(_U64, _U32, _OWNERS, _U64, _U64, _I64, _I64))
-def walk(flat, spills, owners, keys, placement, slots, run_blocks):  # type: ignore[no-untyped-def]
+@njit(inline="always")
+def held_key(block_hash: np.uint64) -> np.uint64:
+    """The block table's key for a block hash: 0 marks an empty slot, so a hash of 0 is held as 1."""
+    return block_hash if block_hash != 0 else _ONE
+
+
+@compiled(types.int64(_U64, _U32, _OWNERS, _U64, types.uint64, types.uint64, _I64, _I64))
+def walk(flat, spills, owners, hashes, salt, multiplier, slots, run_blocks):  # type: ignore[no-untyped-def]
     """The match walk: looks blocks up in order (their slots into ``slots``) while some
     backend holds every block so far; ``run_blocks[bit]`` gets each holder's run length.
-    Returns how many blocks it looked up."""
+    Returns how many blocks it looked up. Takes the block hashes as they are and places
+    them itself (:func:`held_key`, :func:`placement_of`): no numpy pass before it."""
     words = owners.shape[1]
     buckets = spills.shape[0]
     running = np.full(words, _ALL_BITS, dtype=np.uint64)  # holders of every block so far
     owner_words = owners.reshape(-1)
-    for i in range(keys.shape[0]):
-        if i + AHEAD < keys.shape[0]:  # the bucket a block will be in, and its holder bits
-            ahead = home_bucket(placement[i + AHEAD], buckets) * BUCKET
+    count = hashes.shape[0]
+    for i in range(count):
+        if i + AHEAD < count:  # the bucket a block will be in, and its holder bits
+            ahead = home_bucket(placement_of(held_key(hashes[i + AHEAD]), salt, multiplier), buckets) * BUCKET
             prefetch(flat, ahead)
             prefetch(owner_words, ahead * words)
-        slot = find_one(flat, spills, keys[i], placement[i])
+        key = held_key(hashes[i])
+        slot = find_one(flat, spills, key, placement_of(key, salt, multiplier))
         slots[i] = slot
         anyone = False
         for word in range(words):
@@ -291,8 +300,58 @@ def walk(flat, spills, owners, keys, placement, slots, run_blocks):  # type: ign
         if not anyone:
             return i + 1
     for word in range(words):
-        _record_run(run_blocks, word, running[word], keys.shape[0])
-    return keys.shape[0]
+        _record_run(run_blocks, word, running[word], count)
+    return count
+
+
+@compiled(
+    types.UniTuple(types.int64, 2)(
+        _U64, _U32, _OWNERS, _U32, _U32, _U32, _U32, types.int64,
+        _U64, _I64, types.int64, types.uint64, types.uint64, types.uint64,
+    )
+)  # fmt: skip
+def insert_run(  # type: ignore[no-untyped-def]
+    block_flat, block_spills, owners, holder_flat, holder_spills, ticks, log, tail,
+    hashes, known, word, bit, salt, multiplier,
+):  # fmt: skip
+    """One backend now holds this sequence of blocks (the prefix index's insert in one
+    call, for tables with room for every block and a log with room for every tick; the
+    caller checks). Per block in order: its block slot (``known`` for the leading ones a
+    match just looked up, else found or added), the holder's bit on it, and the holder's
+    table slot of it (found, or added without a lookup where the block itself was new);
+    then the ticks from ``tail``, the sequence's tail first (:func:`stamp`). Returns
+    (blocks added to the block table, entries added to the holder's table)."""
+    count = hashes.shape[0]
+    block_buckets = block_spills.shape[0]
+    holder_slots = np.empty(count, dtype=np.int64)
+    added_blocks = 0
+    added_entries = 0
+    for i in range(count):
+        if i + AHEAD < count:
+            ahead = home_bucket(placement_of(held_key(hashes[i + AHEAD]), salt, multiplier), block_buckets) * BUCKET
+            prefetch(block_flat, ahead)
+        key = held_key(hashes[i])
+        placement = placement_of(key, salt, multiplier)
+        new_block = False
+        block_slot = known[i] if i < known.shape[0] else -1  # -1 in known: absent then, look again
+        if block_slot < 0:
+            block_slot = find_one(block_flat, block_spills, key, placement)
+        if block_slot < 0:
+            block_slot = add_one(block_flat, block_spills, key, placement)
+            new_block = True
+            added_blocks += 1
+        owners[block_slot, word] |= bit
+        entry = np.uint32(block_slot + 1)
+        slot = -1 if new_block else find_one(holder_flat, holder_spills, entry, placement)
+        if slot < 0:
+            slot = add_one(holder_flat, holder_spills, entry, placement)
+            added_entries += 1
+        holder_slots[i] = slot
+    for k in range(count):
+        slot = holder_slots[count - 1 - k]
+        ticks[slot] = tail + k
+        log[tail + k] = slot
+    return added_blocks, added_entries
 
 
 @compiled(types.void(_U32, _U32, types.int64, _I64))

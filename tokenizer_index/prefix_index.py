@@ -76,6 +76,8 @@ _NO_TICK = np.uint32(0xFFFFFFFF)
 _INITIAL_BLOCK_BUCKETS = 64
 _INITIAL_HOLDER_BUCKETS = 16
 _INITIAL_LOG = 1024
+#: ``known`` for an insert that no match looked up before.
+_NONE_KNOWN = np.empty(0, dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,16 +361,18 @@ class PrefixIndex:
 
     def match_hashes(self, hashes: Sequence[int] | np.ndarray) -> dict[str, int]:
         """:meth:`match` on precomputed :func:`~kvroute.tokenizer_index.hashing.block_hashes`."""
-        keys, placement = _keyed(hashes)
+        hashes = _as_hashes(hashes)
         self._expire_all()
-        if not len(keys) or not self._holders:
+        if not len(hashes) or not self._holders:
             return {}
         blocks = self._blocks
-        slots = np.empty(len(keys), dtype=np.int64)
+        slots = np.empty(len(hashes), dtype=np.int64)
         run_blocks = np.zeros(64 * blocks.words, dtype=np.int64)  # per holder bit
         table = blocks.table
-        walked = kernels.walk(table.flat, table.spills, blocks.owners, keys, placement, slots, run_blocks)
-        self._walked = _Walk(keys[:walked].tobytes(), slots[:walked], blocks.version)
+        walked = kernels.walk(
+            table.flat, table.spills, blocks.owners, hashes, PLACEMENT_SALT, PLACEMENT_MULTIPLIER, slots, run_blocks
+        )
+        self._walked = _Walk(hashes[:walked].tobytes(), slots[:walked], blocks.version)
         matched: dict[str, int] = {}
         for name, length in zip(self._by_bit, run_blocks.tolist()):
             if length and name is not None:
@@ -404,16 +408,16 @@ class PrefixIndex:
 
     def insert_hashes(self, backend: str, hashes: Sequence[int] | np.ndarray) -> None:
         """:meth:`insert` of precomputed block hashes (in sequence order)."""
-        keys, placement = _keyed(hashes)
+        hashes = _as_hashes(hashes)
         now = self._expire_all()
         holder = self._holder(backend)
-        if not len(keys):
+        if not len(hashes):
             return
-        block_slots, new_blocks = self._blocks.find_or_add(keys, placement, self._recall_walk(keys))
-        self._blocks.hold(block_slots, holder.word, holder.bit)
+        known = self._recall_walk(hashes)
         if now is not None:
             holder.stamps.append((holder.tail, now))
-        holder.touch(block_slots, placement, new_blocks, self._blocks.hashes_at)
+        if not self._insert_in_one_call(holder, hashes, known):
+            self._insert_growing(holder, hashes, known)
         if holder.over_capacity:
             self._evict(holder, holder.oldest(holder.over_capacity))
 
@@ -478,16 +482,44 @@ class PrefixIndex:
             self._blocks.add_word()
         return len(self._by_bit) - 1
 
-    def _recall_walk(self, keys: np.ndarray) -> np.ndarray | None:
-        """Block slots the last match looked up, if ``keys`` starts with its hashes and no
+    def _recall_walk(self, hashes: np.ndarray) -> np.ndarray | None:
+        """Block slots the last match looked up, if ``hashes`` starts with its hashes and no
         block got or lost a slot since."""
         walked, self._walked = self._walked, None
         if walked is None or walked.version != self._blocks.version:
             return None
         count = len(walked.slots)
-        if count > len(keys):
+        if count > len(hashes):
             return None
-        return walked.slots if keys[:count].tobytes() == walked.keys else None
+        return walked.slots if hashes[:count].tobytes() == walked.hashes else None
+
+    def _insert_in_one_call(self, holder: _Holder, hashes: np.ndarray, known: np.ndarray | None) -> bool:
+        """The usual insert, one compiled call (:func:`kernels.insert_run`): when neither
+        table needs to grow for it nor the holder's log to be compacted or grown. False
+        (nothing done) otherwise."""
+        count = len(hashes)
+        blocks, table = self._blocks, holder.table
+        if count > blocks.table.room() or count > table.room() or holder.tail + count > len(holder.log):
+            return False
+        added_blocks, added_entries = kernels.insert_run(
+            blocks.table.flat, blocks.table.spills, blocks.owners, table.flat, table.spills, holder.ticks, holder.log,
+            holder.tail, hashes, _NONE_KNOWN if known is None else known, holder.word, holder.bit,
+            PLACEMENT_SALT, PLACEMENT_MULTIPLIER,
+        )  # fmt: skip
+        if added_blocks:
+            blocks.table.count += added_blocks
+            blocks.version += 1
+        table.count += added_entries
+        holder.count += added_entries
+        holder.tail += count
+        return True
+
+    def _insert_growing(self, holder: _Holder, hashes: np.ndarray, known: np.ndarray | None) -> None:
+        """The insert step by step, growing the tables and the log as it needs."""
+        keys, placement = _keyed(hashes)
+        block_slots, new_blocks = self._blocks.find_or_add(keys, placement, known)
+        self._blocks.hold(block_slots, holder.word, holder.bit)
+        holder.touch(block_slots, placement, new_blocks, self._blocks.hashes_at)
 
     def _evict(self, holder: _Holder, slots: np.ndarray) -> None:
         hashes = self._release(holder, slots)
@@ -545,9 +577,14 @@ class _Walk:
     """What a match looked up: its leading hashes (their bytes: one comparison), their block
     slots, the table version."""
 
-    keys: bytes
+    hashes: bytes
     slots: np.ndarray
     version: int
+
+
+def _as_hashes(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Block hashes as a C-contiguous uint64 array (no copy when they already are one)."""
+    return np.ascontiguousarray(hashes, dtype=np.uint64).reshape(-1)
 
 
 def _keyed(hashes: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:

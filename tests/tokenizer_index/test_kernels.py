@@ -42,7 +42,6 @@ def test_compiles_in_memory_where_no_cache_can_be_written() -> None:
 def test_walk_reports_each_holders_run() -> None:
     """Block table of one bucket: holders 0 and 2 hold blocks 0-1, holder 0 also block 2."""
     keys = np.array([11, 12, 13, 14], dtype=np.uint64)
-    placement = np.zeros(4, dtype=np.uint64)
     flat = np.zeros(8, dtype=np.uint64)
     flat[:3] = keys[:3]
     spills = np.zeros(1, dtype=np.uint32)
@@ -51,6 +50,7 @@ def test_walk_reports_each_holders_run() -> None:
     owners[2, 0] = 0b001
     slots = np.empty(4, dtype=np.int64)
     runs = np.zeros(64, dtype=np.int64)
-    walked = kernels.walk(flat, spills, owners, keys, placement, slots, runs)
+    no_spread = np.uint64(0)  # multiplier 0: every key's home is bucket 0
+    walked = kernels.walk(flat, spills, owners, keys, no_spread, no_spread, slots, runs)
     assert walked == 4 and slots.tolist() == [0, 1, 2, -1]
     assert runs[:3].tolist() == [3, 0, 2] and not runs[3:].any()

@@ -372,3 +372,40 @@ def test_crowded_tables_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:
         pair.model.insert_hashes(backend, hashes.tolist())
         assert pair.real.match_hashes(hashes) == pair.model.match_hashes(hashes.tolist())
     pair.check()
+
+
+def _state(index: PrefixIndex) -> list[object]:
+    """Every array and count of an index, in a comparable form."""
+    blocks = index._blocks
+    state: list[object] = [blocks.table.flat.tolist(), blocks.table.spills.tolist(), blocks.table.count]
+    state += [blocks.owners.tolist(), blocks.version]
+    for name, holder in sorted(index._holders.items()):
+        state += [name, holder.table.flat.tolist(), holder.table.spills.tolist(), holder.table.count, holder.count]
+        state += [holder.ticks.tolist(), holder.log[: holder.tail].tolist(), holder.head, holder.tail]
+    return state
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_insert_in_one_call_leaves_what_the_step_by_step_insert_leaves(seed: int) -> None:
+    """The fused insert kernel against the insert it replaces where the tables have room:
+    the same random matches and inserts (repeated blocks, hash 0, shared prefixes, blocks
+    other backends hold) leave every array of both indexes equal."""
+    fused = PrefixIndex(block_size=1, capacity_blocks=400)
+    stepwise = PrefixIndex(block_size=1, capacity_blocks=400)
+    stepwise._insert_in_one_call = lambda *args: False  # type: ignore[method-assign]
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(0, 2**64, size=40, dtype=np.uint64) for _ in range(6)]
+    fused_calls = 0
+    for step in range(400):
+        head = prefixes[int(rng.integers(0, len(prefixes)))][: int(rng.integers(0, 40))]
+        tail = rng.integers(0, 6, size=int(rng.integers(0, 30)), dtype=np.uint64)  # 0s and repeats
+        hashes = np.concatenate((head, tail))
+        backend = f"b{int(rng.integers(0, 3))}"
+        if rng.random() < 0.7:  # the router's pattern: the insert reuses the match's lookups
+            assert fused.match_hashes(hashes) == stepwise.match_hashes(hashes)
+        room = fused._blocks.table.room()
+        fused.insert_hashes(backend, hashes)
+        stepwise.insert_hashes(backend, hashes)
+        fused_calls += len(hashes) <= room
+        assert _state(fused) == _state(stepwise), f"step {step}"
+    assert fused_calls > 300
