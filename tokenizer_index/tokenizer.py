@@ -19,10 +19,12 @@ some pipelines (SentencePiece's Metaspace with ``prepend_scheme="first"``) look 
 position in the whole text, and for them the whole text is tokenized every time
 (:attr:`RequestTokenizer.incremental` is then ``False``).
 
-Parallel: a new piece longer than :data:`CHUNK_CHARS` (an agent's tool result, a pasted
-document) is cut further, at spaces between two letters, into chunks that the tokenizer
-encodes in one batch on all its threads, with the GIL released for all of it but the
-conversion of each chunk's ids: a 1M-token document tokenized in a worker thread never
+Chunked: a piece longer than :data:`CHUNK_CHARS` (an agent's tool result, a pasted
+document, a completions prompt) is cut further, at spaces between two letters, into chunks
+memoised on their own: a prompt that repeats most of an earlier one (a shared document with
+a new question after it) tokenizes only the chunks from where the two part. New chunks are
+encoded in one batch on all the tokenizer's threads, with the GIL released for all of it but
+the conversion of each chunk's ids: a 1M-token document tokenized in a worker thread never
 holds the GIL for long. Such a cut is exact when the tokenizer's pre-tokenizer splits words
 there and nothing before it looks across words: decided at construction from the
 pipeline's parts and checked on probe texts (:attr:`RequestTokenizer.chunks_long_pieces`).
@@ -71,9 +73,11 @@ _DEFAULT_DIRECTORY = Path(__file__).resolve().parent / "data" / "default"
 _PROBE_CONTEXTS = ("x", " y", "\n", "  ", "Hé\u0301llo", "1", "\t😀 中文", "", " \n z ", "▁a")
 _PROBE_TOKENS_MAX = 48
 
-#: New pieces longer than this (characters) are tokenized in chunks of about this size, cut
-#: at spaces between words, in one parallel batch (where such cuts are exact).
-CHUNK_CHARS = 2048
+#: Pieces longer than this (characters) are cached as chunks of about this size, cut at
+#: spaces between words, and new chunks tokenized in one parallel batch (where such cuts are
+#: exact). Smaller chunks re-tokenize less where two prompts part; at 512 a 1,088-token
+#: completions prompt that repeats a 1,024-token prefix costs ~0.3 of tokenizing it whole.
+CHUNK_CHARS = 512
 # Candidates for a cut: a space between two word characters that are not digits or "_";
 # str.isalpha() then keeps those between two letters (the \p{L} of pre-tokenizer regexes).
 _SPACE_BETWEEN_WORDS = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")
@@ -203,6 +207,16 @@ def _cut_at_word_spaces(text: str, size: int) -> list[str]:
             match = search(text, cut + 1)
     chunks.append(text[start:])
     return chunks
+
+
+def _join(parts: list[Any], *, arrays: bool) -> Any:
+    """Ids in parts (arrays or lists) as one new array or list."""
+    if arrays:
+        return np.concatenate(parts)
+    joined: list[int] = []
+    for part in parts:
+        joined += part
+    return joined
 
 
 class RequestTokenizer:
@@ -716,43 +730,51 @@ class RequestTokenizer:
         return pieces
 
     def _piece_ids(self, pieces: list[str], *, arrays: bool) -> list[Any]:
-        """Each piece's ids (shared arrays or lists) from the cache; misses tokenized in one batch."""
+        """Each piece's ids (shared arrays or lists) from the cache; misses tokenized in one batch.
+
+        A piece longer than the chunk size is looked up as its chunks (:meth:`_units`), so a
+        prompt that repeats most of an earlier one tokenizes only the chunks where it differs.
+        """
+        units = [self._units(piece) for piece in pieces]
+        flat = [unit for piece_units in units for unit in piece_units]
         cache = self._cache
-        found: list[Any] = cache.get_arrays(pieces) if arrays else cache.get_lists(pieces)
+        found: list[Any] = cache.get_arrays(flat) if arrays else cache.get_lists(flat)
         missing = [index for index, ids in enumerate(found) if ids is None]
         if missing:
-            texts: list[str] = []
-            ends: list[int] = []  # where each missing piece's chunks end in texts
-            for index in missing:
-                piece = pieces[index]
-                if self._chunks_long_pieces and len(piece) > self._chunk_chars:
-                    texts += _cut_at_word_spaces(piece, self._chunk_chars)
-                else:
-                    texts.append(piece)
-                ends.append(len(texts))
-            encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+            encodings = self._tokenizer.encode_batch_fast([flat[index] for index in missing], add_special_tokens=False)
             new_entries = []
-            start = 0
-            for index, end in zip(missing, ends):
-                array, as_list = self._joined_ids(encodings[start:end], as_list=not arrays)
+            for index, encoding in zip(missing, encodings):
+                array, as_list = self._converted_ids(encoding.ids, as_list=not arrays)
                 found[index] = array if arrays else as_list
-                new_entries.append((pieces[index], array, as_list))
-                start = end
+                new_entries.append((flat[index], array, as_list))
             cache.put_many(new_entries)
-        return found
+        if len(flat) == len(pieces):
+            return found
+        joined: list[Any] = []
+        start = 0
+        for piece_units in units:
+            end = start + len(piece_units)
+            joined.append(found[start] if end == start + 1 else _join(found[start:end], arrays=arrays))
+            start = end
+        return joined
 
-    def _joined_ids(self, encodings: list[Any], *, as_list: bool) -> tuple[np.ndarray, list[int] | None]:
-        """One piece's ids from its chunks' encodings: the cache's array, and the list form.
+    def _units(self, piece: str) -> list[str]:
+        """What ``piece`` is cached as: itself, or, when it is longer than the chunk size and
+        cuts between words are exact, its chunks of about that size cut at such spaces.
 
-        Each chunk's ids are converted on their own: converting a 1M-token piece's ids in one
-        call holds the GIL for ~70 ms; a few hundred short calls let other threads in between.
+        A chunk's end depends only on the text up to one character after it, so two texts
+        that share a prefix are cut alike up to the chunk where they part."""
+        if self._chunks_long_pieces and len(piece) > self._chunk_chars:
+            return _cut_at_word_spaces(piece, self._chunk_chars)
+        return [piece]
+
+    def _converted_ids(self, ids: list[int], *, as_list: bool) -> tuple[np.ndarray, list[int] | None]:
+        """One unit's ids as the cache keeps them: a read-only array, and the list form.
+
+        Converted unit by unit: converting a 1M-token text's ids in one call holds the GIL
+        for ~70 ms; a few thousand short calls let other threads in between.
         """
-        if len(encodings) == 1:
-            ids = encodings[0].ids
-            return frozen_ids(ids), list(map(self._canonical_id, ids)) if as_list else None
-        array = np.concatenate([np.array(encoding.ids, dtype=np.int64) for encoding in encodings])
-        array.flags.writeable = False
-        return array, self._canonical_list(array) if as_list else None
+        return frozen_ids(ids), list(map(self._canonical_id, ids)) if as_list else None
 
     def _canonical_list(self, ids: np.ndarray) -> list[int]:
         """``ids`` as a list of the vocabulary's shared int objects (what the cache keeps)."""

@@ -107,6 +107,39 @@ def test_a_long_document_equals_whole_text(chunked: RequestTokenizer) -> None:
     assert default_size.encode_text_array(document).tolist() == expected
 
 
+@SETTINGS
+@given(common=long_texts, tails=st.lists(long_texts, min_size=2, max_size=3))
+def test_texts_sharing_a_prefix_reuse_its_chunks_exactly(
+    chunked: RequestTokenizer, common: str, tails: list[str]
+) -> None:
+    """With the cache on, each text is built from chunks other texts left there: every
+    one must still equal its own whole-text ids."""
+    caching = RequestTokenizer(chunked.backend, chunk_chars=3)
+    for tail in tails:
+        text = common + tail
+        expected = chunked.backend.encode(text, add_special_tokens=False).ids
+        assert caching.encode_text_array(text).tolist() == expected
+        assert caching.encode_text(text) == expected
+
+
+def test_a_prompt_repeating_a_long_prefix_tokenizes_only_where_it_parts() -> None:
+    """A completions prompt that repeats a ~6,000-character document with a new question
+    after it looks the document's chunks up instead of tokenizing them."""
+    ours = RequestTokenizer.default()
+    rng = np.random.default_rng(5)
+    vocabulary = ["router", "cache", "prefix", "Engine", "naïve", "block", "tokens", "of", "a", "the"]
+    document = " ".join(vocabulary[i] for i in rng.integers(0, len(vocabulary), 1_000))
+    first, second = document + " what is a block", document + " which engine holds it"
+    ours.encode_prompt_array(first)
+    before = ours.cache_stats()
+    ids = ours.encode_prompt_array(second)
+    after = ours.cache_stats()
+    assert ids.tolist() == ours.backend.encode(second, add_special_tokens=True).ids
+    chunks = len(_cut_at_word_spaces(second, CHUNK_CHARS))
+    assert after.hits - before.hits >= chunks - 2
+    assert after.misses - before.misses <= 2
+
+
 @given(text=long_texts, size=st.integers(1, 12))
 def test_cuts_fall_between_letters_and_keep_every_character(text: str, size: int) -> None:
     chunks = _cut_at_word_spaces(text, size)
