@@ -33,6 +33,8 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     ("kvroute.tokenizer_index.tokenizer", "RequestTokenizer._encode_remembering", "tokenize"),
     ("kvroute.router.routing.routing_engine", "block_hashes", "hash"),
     ("kvroute.router.routing.routing_engine", "RoutingEngine.prepare", "prepare (render+tokenize+hash)"),
+    # One call per event-loop turn's batch of prepares: calls/request is 1 / the mean batch.
+    ("kvroute.router.forwarding.turn_batch", "TurnBatch._run_pending", "prepare batch (one call per batch)"),
     ("kvroute.tokenizer_index.prefix_index", "PrefixIndex.match_hashes", "index match"),
     ("kvroute.tokenizer_index.prefix_index", "PrefixIndex.insert_hashes", "index insert"),
     ("kvroute.router.routing.policies.cache_aware", "CacheAware.choose", "policy choice (cache_aware)"),

@@ -35,8 +35,9 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -48,6 +49,7 @@ from kvroute.router.fleet.backends import Backend, BackendPool
 from kvroute.router.fleet.breaker import BreakerState
 from kvroute.router.forwarding.admission import AdmissionControl
 from kvroute.router.forwarding.metrics import RouterMetrics
+from kvroute.router.forwarding.turn_batch import TurnBatch
 from kvroute.router.forwarding.upstream import (
     UpstreamClient,
     UpstreamConnectError,
@@ -202,6 +204,10 @@ class Proxy:
     ) -> None:
         self._pool = pool
         self._routing = routing
+        # Prompts of one event-loop turn are prepared in a row, each with its code still cached.
+        self._prepare_batch: TurnBatch[tuple[str, Mapping[str, Any]], PreparedPrompt | None] = TurnBatch(
+            self._prepare_now
+        )
         self._metrics = metrics
         self._upstream = upstream
         self._admission: AdmissionControl[Backend] = admission or AdmissionControl(
@@ -337,7 +343,11 @@ class Proxy:
             return None
         if size >= THREAD_PREPARE_BYTES:
             return await asyncio.to_thread(self._routing.prepare, endpoint.path, parsed.body)
-        return self._routing.prepare(endpoint.path, parsed.body)
+        return await self._prepare_batch.run((endpoint.path, parsed.body))
+
+    def _prepare_now(self, request: tuple[str, Mapping[str, Any]]) -> PreparedPrompt | None:
+        endpoint, body = request
+        return self._routing.prepare(endpoint, body)
 
     def _plan(self, call: _Call, candidates: list[Backend]) -> RoutePlan:
         parsed = call.parsed
