@@ -117,6 +117,13 @@ class RunSettings:
     time_scale: float
     setting: str = ""  # the settings-sweep point this run belongs to, if any
 
+    def in_flight_limit(self, workload: Workload) -> int:
+        """The client's bound on requests in flight: ``--max-in-flight``, or the workload's
+        own (a benchmark client's ``--max-concurrency``) when lower."""
+        if workload.max_concurrency is None:
+            return self.max_in_flight
+        return min(self.max_in_flight, workload.max_concurrency)
+
 
 def summarize(
     target: str,
@@ -195,7 +202,7 @@ async def run_target(
             front.url,
             workload.requests,
             speedup=settings.speedup,
-            max_in_flight=settings.max_in_flight,
+            max_in_flight=settings.in_flight_limit(workload),
             progress=progress,
         )
         engines_after = await fleets.engine_counters(fleet.urls)
@@ -220,7 +227,7 @@ def run_virtual_target(
     router = Settings(
         policy=target, block_size=fleets.router_block_size(fleet.api, fleet.block_size), tokenizer=tokenizer
     )
-    virtual = fleet.replay(workload, router)
+    virtual = fleet.replay(workload, router, max_in_flight=settings.in_flight_limit(workload))
     predicts = target not in LOAD_ONLY_POLICIES
     result = summarize(target, workload, virtual.result, virtual.engines, virtual.router if predicts else None)
     _complete(result, virtual.result, fleet, settings, prompts)

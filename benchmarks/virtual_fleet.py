@@ -11,15 +11,17 @@ wall-clock bench (sims over HTTP) remains the measure of the whole router.
 
 What the virtual fleet leaves out: HTTP and the router's CPU time (routing takes no
 virtual time), the engine statistics a router scrapes (``engine_waiting``), retries and
-faults, and the client's own concurrency bound. Clients follow
+faults. Clients follow
 :func:`~kvroute.benchmarks.replay.replay`'s timing: a request goes out at its arrival time,
-never before its session's previous answer plus its think time.
+never before its session's previous answer plus its think time, and waits while the client
+has its bound of requests in flight (a workload's ``max_concurrency``).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -94,9 +96,10 @@ class VirtualFleet(SpecFleet):
     def stop(self) -> None:
         """Nothing runs between replays."""
 
-    def replay(self, workload: Workload, settings: Settings) -> VirtualRun:
-        """``workload`` routed by a router with ``settings``, on fresh replicas."""
-        return _Simulation(self.spec, self.urls, settings).replay(workload.requests)
+    def replay(self, workload: Workload, settings: Settings, *, max_in_flight: int | None = None) -> VirtualRun:
+        """``workload`` routed by a router with ``settings``, on fresh replicas, by a client
+        with at most ``max_in_flight`` requests in flight (None: no bound)."""
+        return _Simulation(self.spec, self.urls, settings).replay(workload.requests, max_in_flight)
 
 
 class _Simulation:
@@ -136,20 +139,21 @@ class _Simulation:
         """The virtual clock (modelled engine seconds since the replay began)."""
         return self._now
 
-    def replay(self, requests: Sequence[WorkloadRequest]) -> VirtualRun:
-        """Route and serve every request; returns when the last one has finished."""
+    def replay(self, requests: Sequence[WorkloadRequest], max_in_flight: int | None = None) -> VirtualRun:
+        """Route and serve every request; returns when the last one has finished. A request
+        due while ``max_in_flight`` are in flight waits for a slot, in the order they fell due."""
         records = [RequestRecord(request.session_id, 0.0) for request in requests]
         following = _next_in_session(requests)
         in_flight: dict[SimRequest, _InFlight] = {}
+        waiting: deque[int] = deque()
         for index in _session_starts(requests):
             self._at(requests[index].arrival_s, "send", index)
         while self._events:
             self._now, _, kind, subject = heapq.heappop(self._events)
             if kind == "send":
                 assert isinstance(subject, int)
-                sent = self._send(subject, requests[subject], records[subject])
-                in_flight[sent.request] = sent
-                self._kick(self._replicas[sent.backend.url])
+                waiting.append(subject)
+                self._send_waiting(waiting, requests, records, in_flight, max_in_flight)
                 continue
             assert isinstance(subject, str)
             replica = self._replicas[subject]
@@ -168,6 +172,7 @@ class _Simulation:
             replica.produced = {}
             replica.finished = []
             self._kick(replica)
+            self._send_waiting(waiting, requests, records, in_flight, max_in_flight)
         engines = {
             url: EngineCounters(
                 hit_tokens=replica.scheduler.totals.cached_tokens,
@@ -179,6 +184,21 @@ class _Simulation:
         }
         router = RouterCounters(self._routed_prompt_tokens, self._predicted_tokens)
         return VirtualRun(ReplayResult(records, self._now), engines, router)
+
+    def _send_waiting(
+        self,
+        waiting: deque[int],
+        requests: Sequence[WorkloadRequest],
+        records: list[RequestRecord],
+        in_flight: dict[SimRequest, _InFlight],
+        max_in_flight: int | None,
+    ) -> None:
+        """Send the requests that fell due, oldest first, while the client has slots."""
+        while waiting and (max_in_flight is None or len(in_flight) < max_in_flight):
+            index = waiting.popleft()
+            sent = self._send(index, requests[index], records[index])
+            in_flight[sent.request] = sent
+            self._kick(self._replicas[sent.backend.url])
 
     def _at(self, when: float, kind: str, subject: int | str) -> None:
         heapq.heappush(self._events, (when, next(self._order), kind, subject))

@@ -47,6 +47,11 @@ open arrivals
 Without either, the workloads are exactly as before (same requests, same arrival times).
 The message text never depends on the timing: a variant sends the same bodies in another
 order.
+``prefix-repetition[:P]``
+    The shape of vLLM's ``vllm bench serve --dataset-name prefix_repetition``: P (12)
+    documents of ~1,024 tokens, each sent 16 times with a different ~64-token question after
+    it, in shuffled order, as completions asking for 8 tokens, by a client that keeps at most
+    8 requests in flight (:attr:`Workload.max_concurrency`; ``--max-in-flight`` lowers it).
 ``mooncake:PATH``
     A Mooncake production trace (see :mod:`kvroute.benchmarks.mooncake`), sent as completions with a
     token-id prompt.
@@ -173,6 +178,8 @@ class Workload:
     description: str = ""
     think_time: float | None = None  # mean seconds between an answer and the next turn
     arrival_rate: float | None = None  # sessions starting per second (open arrivals)
+    #: The client's own bound on requests in flight (None: the replay's ``--max-in-flight``).
+    max_concurrency: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,6 +407,34 @@ def agent_sessions(
             yield WorkloadRequest(arrival, CHAT_ENDPOINT, body, f"agent-{session}", turn, think)
 
 
+#: vLLM's prefix_repetition run in issue 12: 16 prompts per prefix, concurrency 8.
+PREFIX_REPETITION_PROMPTS_PER_PREFIX = 16
+PREFIX_REPETITION_CONCURRENCY = 8
+
+
+def prefix_repetition(
+    *,
+    prefixes: int = 12,
+    prompts_per_prefix: int = PREFIX_REPETITION_PROMPTS_PER_PREFIX,
+    prefix_tokens: int = 1024,
+    suffix_tokens: int = 64,
+    max_tokens: int = 8,
+    model: str = "sim",
+    seed: int = 0,
+) -> Iterator[WorkloadRequest]:
+    """Completions of ``prefixes`` long documents, each with ``prompts_per_prefix`` different
+    questions after it, all due at once in a seeded shuffled order (as vLLM's dataset)."""
+    documents = [words(_rng(seed, 10, prefix), prefix_tokens) for prefix in range(prefixes)]
+    prompts = [
+        documents[prefix] + " " + words(_rng(seed, 11, prefix, number), suffix_tokens)
+        for prefix in range(prefixes)
+        for number in range(prompts_per_prefix)
+    ]
+    for position in _rng(seed, 12).permutation(len(prompts)):
+        body = {"model": model, "prompt": prompts[position], "max_tokens": max_tokens}
+        yield WorkloadRequest(0.0, COMPLETIONS_ENDPOINT, body)
+
+
 def mooncake_trace(
     path: Path,
     *,
@@ -439,6 +474,7 @@ WORKLOAD_KINDS = (
     "system-prompt",
     "multi-turn[+think=S][+rate=R]",
     "agent-sessions[:S][+think=S][+rate=R]",
+    "prefix-repetition[:P]",
     "mooncake:PATH",
 )
 #: Workloads that take the timing variants.
@@ -553,6 +589,20 @@ def make_workloads(spec: str, options: WorkloadOptions) -> list[Workload]:
                 sessions=count,
             )
             for count in counts
+        ]
+    if kind == "prefix-repetition":
+        count = int(argument) if argument else 12
+        requests = prefix_repetition(prefixes=count, model=model, seed=seed)
+        description = (
+            f"{count} prefixes x {PREFIX_REPETITION_PROMPTS_PER_PREFIX} prompts, "
+            f"{PREFIX_REPETITION_CONCURRENCY} in flight"
+        )
+        name = f"prefix-repetition:{count}"
+        return [
+            Workload(
+                name, kind, _finish(requests, options), description=description,
+                max_concurrency=PREFIX_REPETITION_CONCURRENCY,
+            )
         ]
     if kind == "mooncake":
         if not argument:

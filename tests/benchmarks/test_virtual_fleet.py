@@ -66,6 +66,20 @@ def test_replays_are_deterministic_and_round_robin_alternates() -> None:
     assert {record.backend for record in by_send[::2]} != {record.backend for record in by_send[1::2]}
 
 
+def test_the_client_keeps_at_most_its_bound_in_flight_in_order() -> None:
+    workload = _workload(*(WorkloadRequest(0.0, CHAT, _chat(f"question {n} " * 50)) for n in range(7)))
+    records = VirtualFleet(SPEC).replay(workload, Settings(), max_in_flight=3).result.records
+    ends = sorted(record.sent_s + record.latency_s for record in records)
+    for record in records:
+        in_flight = sum(other.sent_s <= record.sent_s < other.sent_s + other.latency_s for other in records)
+        assert in_flight <= 3
+    assert [record.sent_s for record in records[:3]] == [0.0] * 3
+    # The rest each go out when a slot frees, in the order they fell due.
+    assert [record.sent_s for record in records[3:]] == pytest.approx(ends[:4])
+    unbounded = VirtualFleet(SPEC).replay(workload, Settings()).result.records
+    assert all(record.sent_s == 0.0 for record in unbounded)
+
+
 def test_kvroute_bench_engine_virtual(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out"
     argv = ["--engine", "virtual", "--replicas", "2", "--workload", "agent-sessions:4", "--limit", "40"]

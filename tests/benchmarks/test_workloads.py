@@ -17,7 +17,7 @@ def _bodies(options: WorkloadOptions, spec: str) -> list[list[dict]]:
     return [[r.body for r in w.requests] for w in make_workloads(spec, options)]
 
 
-@pytest.mark.parametrize("spec", ["system-prompt", "multi-turn", "agent-sessions:4"])
+@pytest.mark.parametrize("spec", ["system-prompt", "multi-turn", "agent-sessions:4", "prefix-repetition:3"])
 def test_same_seed_same_requests_other_seed_other_requests(spec: str) -> None:
     options = WorkloadOptions(seed=7, agent_scale=0.05)
     first = make_workloads(spec, options)
@@ -178,3 +178,22 @@ def test_unknown_timing_variant_is_refused() -> None:
         make_workloads("agent-sessions:4+pause=2", WorkloadOptions())
     with pytest.raises(ValueError, match="needs a number"):
         make_workloads("multi-turn+think=soon", WorkloadOptions())
+
+
+def test_prefix_repetition_is_shaped_like_vllms_dataset() -> None:
+    """P documents, each with 16 different questions after it, shuffled, 8 in flight."""
+    (workload,) = make_workloads("prefix-repetition:4", WorkloadOptions())
+    assert workload.name == "prefix-repetition:4" and workload.max_concurrency == 8
+    prompts = [request.body["prompt"] for request in workload.requests]
+    assert len(prompts) == 4 * 16 and len(set(prompts)) == len(prompts)
+    documents = defaultdict(list)
+    for prompt in prompts:
+        documents[" ".join(prompt.split()[:500])].append(prompt)
+    assert sorted(len(group) for group in documents.values()) == [16] * 4
+    order = [list(documents).index(" ".join(prompt.split()[:500])) for prompt in prompts]
+    assert order != sorted(order)  # shuffled, not document by document
+    request = workload.requests[0]
+    assert request.endpoint == workloads.COMPLETIONS_ENDPOINT and request.session_id is None
+    assert request.arrival_s == 0.0 and request.max_tokens == 8
+    words = [len(prompt.split()) for prompt in prompts]
+    assert min(words) * workloads.TOKENS_PER_WORD > 1024  # ~1,024 + ~64 tokens
