@@ -128,17 +128,18 @@ class PolicyContext:
     working_sets: WorkingSets
 
 
-def over_load_bound(in_flight: int, total_in_flight: int, candidates: int, factor: float) -> bool:
-    """The bounded-load test, in requests: ``in_flight + 1 > factor * (mean in_flight of the others + 2)``.
+def over_load_bound(in_flight: int, total_in_flight: int, candidates: int, factor: float, floor: float = 2.0) -> bool:
+    """The bounded-load test: ``in_flight + 1 > factor * (mean in_flight of the others + floor)``.
 
     Counted in requests, because a long cached prefix can make hundreds of cheap requests
-    look like little work in tokens while they share one replica's batch. The ``+ 2`` keeps
-    a few requests on an otherwise idle fleet from counting as overload.
+    look like little work in tokens while they share one replica's batch (or, for new
+    sessions, in the conversations each backend hosts). ``floor`` keeps a few requests on
+    an otherwise idle fleet from counting as overload.
     """
     if candidates < 2:
         return False
     others = (total_in_flight - in_flight) / (candidates - 1)
-    return in_flight + 1 > factor * (others + 2)
+    return in_flight + 1 > factor * (others + floor)
 
 
 class Policy(ABC):

@@ -21,8 +21,8 @@ router's, each counted as an average request. ``capacity_b`` comes from the conv
 ledger's thrash model (``kvroute.router.routing.ledger``).
 
 Knobs: ``load_weight`` (0.5) and ``overload_factor`` (2.0) in ``Settings``, the backends'
-cache sizes (``capacity_tokens``, configured or scraped), and :data:`MOVE_MARGIN` and
-:data:`NEW_SESSION_SLACK` below. Why each term is there, how the knobs were chosen and the
+cache sizes (``capacity_tokens``, configured or scraped), and :data:`MOVE_MARGIN`,
+:data:`NEW_SESSION_SLACK` and :data:`REQUESTS_FLOOR` below. Why each term is there, how the knobs were chosen and the
 measurements behind them: ``docs/cost-model.md``.
 
 Reasons (``x-kvroute-reason``, :func:`reason_for`): ``prefix_match`` (the chosen backend
@@ -57,6 +57,11 @@ MOVE_MARGIN = 2.0
 #: A session's first request goes only to a backend at most this many requests busier than
 #: the least busy one.
 NEW_SESSION_SLACK = 1
+#: The load bound's floor in requests in flight: against idle peers a backend takes up to
+#: ``overload_factor x REQUESTS_FLOOR`` requests (8 at the default factor) before it is over.
+#: A few queued requests cost less than the cold prefill a diversion causes, which the
+#: queue term prices in tokens; the bound is for the many cheap requests tokens undercount.
+REQUESTS_FLOOR = 4.0
 #: The ledger's thrash estimate counts in full on a backend once this share of its recent
 #: answers showed evictions the index did not foresee; with fewer, in proportion; with none
 #: (its engine held every prediction), not at all. Unknown rates count in full.
@@ -220,7 +225,9 @@ class CacheAware(Policy):
         cost += stay
         held = pricing.index_tokens.get(url, 0)
         fill = held / capacity_tokens if capacity_tokens else float(held)
-        over = over_load_bound(backend.in_flight, pricing.total_in_flight, pricing.candidates, self._overload_factor)
+        over = over_load_bound(
+            backend.in_flight, pricing.total_in_flight, pricing.candidates, self._overload_factor, REQUESTS_FLOOR
+        )
         if pricing.starts_session and self._refuses_new_session(backend, matched, pricing):
             over = True
         return BackendCost(backend, matched, queued, plain, capacity, stay, cost, fill, over)

@@ -223,12 +223,22 @@ def test_overload_diverts_and_affinity_returns_when_load_falls() -> None:
     fleet = backends(3)
     cache_aware = policy(overload_factor=2.0)
     asked = request(8000, {"http://b0": 7900})
-    fleet[0].in_flight = 5  # 5 + 1 > 2 * (0 + 2): over the bound, however long the match
+    fleet[0].in_flight = 9  # 9 + 1 > 2 * (0 + 4): over the bound, however long the match
     diverted = cache_aware.choose(asked, fleet)
     assert diverted.backend != "http://b0" and diverted.reason == "overload"
-    fleet[0].in_flight = 3  # 3 + 1 > 2 * (0 + 2) is false: a slight imbalance
+    fleet[0].in_flight = 7  # 7 + 1 > 2 * (0 + 4) is false: a slight imbalance
     returned = cache_aware.choose(asked, fleet)
     assert (returned.backend, returned.reason) == ("http://b0", "prefix_match")
+
+
+def test_a_client_with_8_in_flight_is_never_diverted_from_the_prefix_holder() -> None:
+    """vLLM's prefix_repetition client at concurrency 8 on two replicas: the holder of a
+    document with 6 of the 8 requests is not overloaded (6 + 1 > 2 x (1 + 4) is false);
+    with a floor of 2 it was, and each diversion re-prefilled the document elsewhere."""
+    fleet = backends(2)
+    fleet[0].in_flight, fleet[1].in_flight = 6, 1
+    decision = policy(overload_factor=2.0).choose(request(1088, {"http://b0": 1024}), fleet)
+    assert (decision.backend, decision.reason) == ("http://b0", "prefix_match")
 
 
 def test_when_every_backend_is_over_the_bound_the_cheapest_still_serves() -> None:
