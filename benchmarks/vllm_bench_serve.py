@@ -19,6 +19,11 @@ short script builds the same parser and calls the same ``main``
         --policies round_robin,cache_aware --peer sglang-router --peer vllm-router \\
         --repeat 3 --out benchmarks/results/real-vllm-bench-serve.json
 
+Each run also records the router's CPU seconds (its process group's, from ``/proc``): on a
+machine where the engines, their API servers and the client share the cores, a router's
+CPU is taken from them. ``--baseline DIR`` serves each policy from another source tree as
+well (``POLICY@baseline``), in the same rounds: a before/after on the same engines.
+
 kvroute routers run with the admin API on, and each run keeps a summary of its decisions
 (reasons, requests per backend) from ``GET /admin/decisions``; ``--decisions-dir`` also
 writes the records themselves (every candidate's cost terms), to read a loss request by
@@ -46,10 +51,13 @@ import aiohttp
 
 from kvroute.benchmarks import fleet as fleets
 from kvroute.benchmarks.fleet import EngineCounters, ExternalFleet
+from kvroute.benchmarks.overhead import baseline_env, group_cpu_seconds
 from kvroute.benchmarks.results import PEER_PREFIX
 
 #: Bearer token of the admin API of the kvroute routers this starts (local, throwaway).
 ADMIN_TOKEN = "vllm-bench-serve"
+#: Suffix of a target served from ``--baseline``'s source tree.
+BASELINE_SUFFIX = "@baseline"
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "kvroute" / "venv-vllm" / "bin" / "python"
 
 #: Runs vLLM's benchmark client exactly as ``vllm bench serve`` would, with our argv.
@@ -168,6 +176,8 @@ class Run:
     prompt_share: dict[str, float]
     client: ClientResult | None
     load_average: tuple[float, float, float]
+    #: CPU seconds (user + system) the router's process group spent during the client's run.
+    router_cpu_s: float | None = None
     #: kvroute only: decisions by reason and by backend (from ``/admin/decisions``).
     reasons: dict[str, int] = field(default_factory=dict)
     backends: dict[str, int] = field(default_factory=dict)
@@ -202,16 +212,23 @@ async def run_target(target: str, round_number: int, fleet: ExternalFleet, args:
     await fleet.fresh()
     is_peer = target.startswith(PEER_PREFIX)
     env = None if is_peer else {"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN}
-    front = await fleets.start_target(target, fleet, tokenizer=args.tokenizer, env=env)
+    policy = target
+    if target.endswith(BASELINE_SUFFIX):
+        policy = target.removesuffix(BASELINE_SUFFIX)
+        env = {**(env or {}), **baseline_env(args.baseline)}
+    front = await fleets.start_target(policy, fleet, tokenizer=args.tokenizer, env=env)
+    process = front.process if isinstance(front, fleets.PeerRouter) else front
     reasons: dict[str, int] = {}
     backends: dict[str, int] = {}
     try:
         before = await settled_counters(fleet.urls)
         with tempfile.TemporaryDirectory(prefix="vllm-bench-serve-") as result_dir:
             argv = client_argv(args.vllm_python, front.url, args.model, args.tokenizer, args.dataset, Path(result_dir))
+            cpu_before = group_cpu_seconds(process.pid)
             completed = await asyncio.to_thread(
                 subprocess.run, argv, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
             )
+            router_cpu_s = group_cpu_seconds(process.pid) - cpu_before
             result_file = Path(result_dir) / "result.json"
             client = parse_client_result(json.loads(result_file.read_text())) if result_file.exists() else None
         after = await settled_counters(fleet.urls)
@@ -238,6 +255,7 @@ async def run_target(target: str, round_number: int, fleet: ExternalFleet, args:
         prompt_share={url: round(d.queried_tokens / queried, 4) if queried else 0.0 for url, d in deltas.items()},
         client=client,
         load_average=os.getloadavg(),
+        router_cpu_s=round(router_cpu_s, 3),
         reasons=reasons,
         backends=backends,
         error=error,
@@ -265,6 +283,7 @@ def summarize(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 "ttft_p50_ms": _spread([c.ttft_p50_ms for c in clients]),
                 "ttft_p99_ms": _spread([c.ttft_p99_ms for c in clients]),
                 "request_throughput": _spread([c.request_throughput for c in clients]),
+                "router_cpu_s": _spread([run.router_cpu_s for run in mine if run.router_cpu_s is not None]),
             }
         )
     return rows
@@ -276,7 +295,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             return "-"
         return f"{spread['median']:{spec}} [{spread['min']:{spec}}-{spread['max']:{spec}}]"
 
-    header = ("target", "hit rate", "TTFT p50 ms", "TTFT p99 ms", "req/s")
+    header = ("target", "hit rate", "TTFT p50 ms", "TTFT p99 ms", "req/s", "router CPU s")
     lines = [header] + [
         (
             row["target"],
@@ -284,6 +303,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             cell(row["ttft_p50_ms"], ".0f"),
             cell(row["ttft_p99_ms"], ".0f"),
             cell(row["request_throughput"], ".1f"),
+            cell(row.get("router_cpu_s"), ".2f"),
         )
         for row in rows
     ]
@@ -301,6 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policies", default="round_robin,cache_aware", help="kvroute policies, comma separated")
     parser.add_argument("--peer", action="append", default=[], choices=fleets.PEERS, help="a peer router (repeatable)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds; each runs every target once")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another kvroute source tree (e.g. 'git worktree add DIR HEAD~1'): each policy is also "
+        "served from it, as POLICY@baseline, in the same rounds",
+    )
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON), help="Python of the vLLM venv")
     defaults = Dataset()
     parser.add_argument("--prefix-len", type=int, default=defaults.prefix_len)
@@ -333,7 +360,9 @@ async def _main(args: argparse.Namespace) -> int:
     if missing:
         print(f"not installed: {', '.join(missing)}", file=sys.stderr)
         return 2
-    targets = [policy for policy in args.policies.split(",") if policy] + [PEER_PREFIX + p for p in args.peer]
+    policies = [policy for policy in args.policies.split(",") if policy]
+    baselines = [policy + BASELINE_SUFFIX for policy in policies] if args.baseline is not None else []
+    targets = policies + baselines + [PEER_PREFIX + p for p in args.peer]
     started = time.time()
     load_before = os.getloadavg()
     runs: list[Run] = []
@@ -350,7 +379,7 @@ async def _main(args: argparse.Namespace) -> int:
                     if client
                     else f" FAILED {run.error}"
                 )
-                + f" load {run.load_average[0]:.2f} {dict(run.reasons) or ''}",
+                + f" router CPU {run.router_cpu_s or 0:.2f} s load {run.load_average[0]:.2f} {dict(run.reasons) or ''}",
                 flush=True,
             )
     rows = summarize(runs)

@@ -49,17 +49,17 @@ def test_parse_client_result_names_a_missing_percentile() -> None:
         parse_client_result(without_p50)
 
 
-def _run(target: str, hit_rate: float | None, p99_ms: float | None) -> Run:
+def _run(target: str, hit_rate: float | None, p99_ms: float | None, cpu_s: float | None = None) -> Run:
     client = None if p99_ms is None else ClientResult(192, 0, 8.0, 24.0, 100.0, p99_ms, 120.0)
-    return Run(target, 0, hit_rate, 0.0, 0.0, {}, client, (1.0, 1.0, 1.0))
+    return Run(target, 0, hit_rate, 0.0, 0.0, {}, client, (1.0, 1.0, 1.0), router_cpu_s=cpu_s)
 
 
 def test_summary_is_median_and_range_per_target_counting_failed_runs() -> None:
     runs = [
-        _run("cache_aware", 0.80, 900.0),
-        _run("peer:sglang-router", 0.88, 700.0),
-        _run("cache_aware", 0.70, 500.0),
-        _run("cache_aware", 0.90, None),  # the client failed; the engines still counted
+        _run("cache_aware", 0.80, 900.0, 0.6),
+        _run("peer:sglang-router", 0.88, 700.0, 0.3),
+        _run("cache_aware", 0.70, 500.0, 0.7),
+        _run("cache_aware", 0.90, None, 0.5),  # the client failed; the engines still counted
     ]
     rows = summarize(runs)
     assert [row["target"] for row in rows] == ["cache_aware", "peer:sglang-router"]
@@ -70,3 +70,5 @@ def test_summary_is_median_and_range_per_target_counting_failed_runs() -> None:
     table = format_table(rows).splitlines()
     assert table[1].split()[:2] == ["cache_aware", "0.800"]
     assert "700 [500-900]" in table[1]
+    assert cache_aware["router_cpu_s"] == {"median": 0.6, "min": 0.5, "max": 0.7}
+    assert table[1].rstrip().endswith("0.60 [0.50-0.70]")
