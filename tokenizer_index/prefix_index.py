@@ -37,11 +37,13 @@ kept between 40 % and 60 % full, and each bucket of 8 slots adds a 4-byte spill 
 capacities; removing a backend frees everything of it (its block table slots are reused;
 the table itself never shrinks).
 
-Per call, the work is a few compiled loops over the request's blocks
-(:mod:`kvroute.tokenizer_index.kernels`), mostly random reads of the tables, and a few numpy
-calls. The router hashes once and calls :meth:`PrefixIndex.match_hashes` and
-:meth:`PrefixIndex.insert_hashes` with the same array, and the insert reuses the match's
-lookups.
+Per call, the work is compiled loops over the request's blocks
+(:mod:`kvroute.tokenizer_index.kernels`), mostly random reads of the tables: a match is one
+walk, and an insert one call of ``insert_run`` whenever the tables and the log have room
+for it (else the step-by-step path that grows them). In a loaded router every call starts
+with cold caches, so the number of calls counts more than the loops. The router hashes
+once and calls :meth:`PrefixIndex.match_hashes` and :meth:`PrefixIndex.insert_hashes` with
+the same array, and the insert reuses the match's lookups.
 """
 
 from __future__ import annotations
