@@ -273,12 +273,13 @@ def reason_for(costs: Sequence[BackendCost], best_match: int) -> tuple[BackendCo
     all. ``best_match``: the longest match any candidate holds.
     """
     cheapest = _cheapest(costs)
-    within = [cost for cost in costs if not cost.over_bound]
+    # Usually no backend is over the bound and no cache term is set: then one pass decides.
+    within = [cost for cost in costs if not cost.over_bound] if any(c.over_bound for c in costs) else costs
     if within:
-        chosen = _cheapest(within)
+        chosen = cheapest if within is costs else _cheapest(within)
         if chosen is not cheapest:
             return chosen, "overload"
-        if chosen is not _cheapest(within, plain=True):
+        if any(cost.cost != cost.plain for cost in within) and chosen is not _cheapest(within, plain=True):
             return chosen, "capacity"
     else:
         chosen = cheapest
