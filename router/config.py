@@ -233,7 +233,7 @@ class Settings(BaseSettings):
         default=2.0,
         gt=1.0,
         description="cache_aware, sticky: skip a backend with more in-flight requests than this "
-        "multiple of the other backends' mean (+2)",
+        "multiple of the other backends' mean (+4 for cache_aware, +2 for sticky)",
     )
     index_ttl_s: float | None = Field(
         default=None,
