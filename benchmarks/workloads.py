@@ -600,7 +600,10 @@ def make_workloads(spec: str, options: WorkloadOptions) -> list[Workload]:
         name = f"prefix-repetition:{count}"
         return [
             Workload(
-                name, kind, _finish(requests, options), description=description,
+                name,
+                kind,
+                _finish(requests, options),
+                description=description,
                 max_concurrency=PREFIX_REPETITION_CONCURRENCY,
             )
         ]
