@@ -1,7 +1,7 @@
 """Long inputs: pieces tokenized in chunks cut between words equal the plain library's ids.
 
 The chunk size is set to a few characters here, so short texts are cut at every space between
-two letters: each example checks many cuts, where a real prompt has one per ~2,000 characters.
+two letters: each example checks many cuts, where a real prompt has one per ~500 characters.
 """
 
 from __future__ import annotations
