@@ -209,16 +209,6 @@ def _cut_at_word_spaces(text: str, size: int) -> list[str]:
     return chunks
 
 
-def _join(parts: list[Any], *, arrays: bool) -> Any:
-    """Ids in parts (arrays or lists) as one new array or list."""
-    if arrays:
-        return np.concatenate(parts)
-    joined: list[int] = []
-    for part in parts:
-        joined += part
-    return joined
-
-
 class RequestTokenizer:
     """Turns chat messages and completion prompts into the engine's prompt token ids.
 
@@ -637,7 +627,7 @@ class RequestTokenizer:
         if add_special_tokens and self._prompt_prefix is None:
             return [self._encode_whole(text, add_special_tokens=True, array=arrays)]
         if self._incremental:
-            parts = self._piece_ids(self._pieces(text), arrays=arrays)
+            parts, _ = self._unit_ids(self._pieces(text), arrays=arrays)
         else:
             parts = [self._encode_whole(text, add_special_tokens=False, array=arrays)]
         if add_special_tokens:
@@ -672,11 +662,13 @@ class RequestTokenizer:
             start = int(previous.piece_ends[kept])
             reused_tokens = int(previous.token_ends[kept])
         pieces = self._pieces(text, start)
-        parts = self._piece_ids(pieces, arrays=True)
+        parts, units = self._unit_ids(pieces, arrays=True)
         prefix = previous.ids[:reused_tokens] if previous is not None else _NO_IDS
         ids = np.concatenate([prefix, *parts])
         piece_ends = start + np.cumsum([len(piece) for piece in pieces], dtype=np.int64)
-        token_ends = reused_tokens + np.cumsum([len(part) for part in parts], dtype=np.int64)
+        # Where each piece's ids end: at its last unit's end.
+        unit_token_ends = np.cumsum([len(part) for part in parts], dtype=np.int64)
+        token_ends = reused_tokens + unit_token_ends[np.cumsum(units, dtype=np.int64) - 1]
         if previous is not None:
             piece_ends = np.concatenate((previous.piece_ends[: kept + 1], piece_ends))
             token_ends = np.concatenate((previous.token_ends[: kept + 1], token_ends))
@@ -729,8 +721,9 @@ class RequestTokenizer:
             pieces.append(text[start:])
         return pieces
 
-    def _piece_ids(self, pieces: list[str], *, arrays: bool) -> list[Any]:
-        """Each piece's ids (shared arrays or lists) from the cache; misses tokenized in one batch.
+    def _unit_ids(self, pieces: list[str], *, arrays: bool) -> tuple[list[Any], list[int]]:
+        """The ids of every piece's units (shared arrays or lists, in order) from the cache,
+        misses tokenized in one batch; and how many units each piece has.
 
         A piece longer than the chunk size is looked up as its chunks (:meth:`_units`), so a
         prompt that repeats most of an earlier one tokenizes only the chunks where it differs.
@@ -748,15 +741,7 @@ class RequestTokenizer:
                 found[index] = array if arrays else as_list
                 new_entries.append((flat[index], array, as_list))
             cache.put_many(new_entries)
-        if len(flat) == len(pieces):
-            return found
-        joined: list[Any] = []
-        start = 0
-        for piece_units in units:
-            end = start + len(piece_units)
-            joined.append(found[start] if end == start + 1 else _join(found[start:end], arrays=arrays))
-            start = end
-        return joined
+        return found, [len(piece_units) for piece_units in units]
 
     def _units(self, piece: str) -> list[str]:
         """What ``piece`` is cached as: itself, or, when it is longer than the chunk size and
