@@ -22,8 +22,8 @@ ledger's thrash model (``kvroute.router.routing.ledger``).
 
 Knobs: ``load_weight`` (0.5) and ``overload_factor`` (2.0) in ``Settings``, the backends'
 cache sizes (``capacity_tokens``, configured or scraped), and :data:`MOVE_MARGIN`,
-:data:`NEW_SESSION_SLACK` and :data:`REQUESTS_FLOOR` below. Why each term is there, how the knobs were chosen and the
-measurements behind them: ``docs/cost-model.md``.
+:data:`NEW_SESSION_SLACK` and :data:`REQUESTS_FLOOR` below. Why each term is there, how
+the knobs were chosen and the measurements behind them: ``docs/cost-model.md``.
 
 Reasons (``x-kvroute-reason``, :func:`reason_for`): ``prefix_match`` (the chosen backend
 holds the longest match), ``cold_spread`` (no backend holds any of the prompt),
@@ -93,10 +93,12 @@ class Pricing:
     candidates: int
     total_in_flight: int
     least_in_flight: int
-    #: For a session's first request: the shortest match any candidate holds, and the
-    #: conversations each candidate hosts (read once per request).
+    #: For a session's first request: the shortest match any candidate holds, the
+    #: conversations each candidate hosts (read once per request), their sum and minimum.
     least_match: int = 0
     hosted: Mapping[str, int] = field(default_factory=dict)
+    total_hosted: int = 0
+    fewest_hosted: int = 0
 
 
 @dataclass(slots=True)
@@ -201,6 +203,8 @@ class CacheAware(Policy):
             least_in_flight=min(backend.in_flight for backend in candidates),
             least_match=least_match,
             hosted=hosted,
+            total_hosted=sum(hosted.values()),
+            fewest_hosted=min(hosted.values(), default=0),
         )
 
     def cost_of(self, backend: BackendView, pricing: Pricing) -> BackendCost:
@@ -241,9 +245,9 @@ class CacheAware(Policy):
         if backend.in_flight > pricing.least_in_flight + NEW_SESSION_SLACK:
             return True
         hosted = pricing.hosted[backend.url]
-        if over_load_bound(hosted, sum(pricing.hosted.values()), pricing.candidates, self._overload_factor):
+        if over_load_bound(hosted, pricing.total_hosted, pricing.candidates, self._overload_factor):
             return True
-        return matched <= pricing.least_match and hosted > min(pricing.hosted.values())
+        return matched <= pricing.least_match and hosted > pricing.fewest_hosted
 
     def _queued_tokens(self, backend: BackendView) -> float:
         queued = float(backend.in_flight_work_tokens)
