@@ -176,7 +176,7 @@ class CacheAware(Policy):
         # A new session's match is a shared prefix, never its history. Without a session key
         # the ledger may not know a conversation that returns after its idle time, so a
         # backend holding most of the prompt is taken for its history.
-        history = 0 if starts_session else best_match
+        history = 0 if starts_session or _lost_history(conversation, best_match) else best_match
         load_weight = self._load_weight
         if history and 2 * history >= prompt:
             load_weight /= 1.0 + total_in_flight / count
@@ -255,6 +255,14 @@ class CacheAware(Policy):
         if waiting is not None and waiting > backend.in_flight:
             queued += (waiting - backend.in_flight) * self._mean_work
         return queued
+
+
+def _lost_history(conversation: Conversation | None, best_match: int) -> bool:
+    """Whether a continuing conversation finds no more than the prefix it began sharing with
+    others on any candidate: every cache has evicted its own history."""
+    if conversation is None or conversation.turns == 0:
+        return False
+    return best_match <= conversation.shared_tokens
 
 
 def thrash_weight(eviction_rates: Mapping[str, float], backend: str) -> float:

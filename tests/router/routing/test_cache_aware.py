@@ -132,6 +132,25 @@ def test_a_new_sessions_shared_prefix_is_not_its_history() -> None:
     assert policy().choose(returning, fleet).backend == "http://b0"  # its own history: weight / 11.5
 
 
+def test_a_conversation_whose_history_every_cache_evicted_keeps_the_full_load_weight() -> None:
+    """A returning conversation that finds only the prefix it began sharing (its own history
+    evicted everywhere) is placed anew: a busy home no longer looks cheap to it."""
+    fleet = backends(2)
+    _queue(fleet[0], 11, 10_000 + 100_000)
+    _queue(fleet[1], 10, 100_000)
+    cache_aware = policy()
+    cache_aware.explain = True
+    lost = Conversation("session:l", backend="http://b0", turns=5, shared_tokens=4000)
+    both_shared = {"http://b0": 4000, "http://b1": 4000}
+    decision = cache_aware.choose(request(6000, both_shared, lost), fleet)
+    assert decision.explanation is not None and decision.explanation.load_weight == 0.5
+    assert decision.backend == "http://b1"
+    held = Conversation("session:h", backend="http://b0", turns=5, shared_tokens=2000)
+    decision = cache_aware.choose(request(6000, {"http://b0": 4000, "http://b1": 2000}, held), fleet)
+    assert decision.explanation is not None and decision.explanation.load_weight == 0.5 / 11.5
+    assert decision.backend == "http://b0"
+
+
 def test_a_burst_of_new_sessions_spreads_instead_of_queueing_behind_a_shared_prefix() -> None:
     """Sixteen agent sessions start at once, all sharing a 2K-token tool list: each session's
     first request places the whole session, so they spread by load (at most one request
