@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -303,6 +303,8 @@ class OverheadRow:
     #: The spread over rounds: (min, max) of requests/s and of CPU per request.
     requests_per_s_range: tuple[float, float] = (0.0, 0.0)
     cpu_us_per_request_range: tuple[float, float] | None = None
+    #: CPU per request in each round, in round order (paired with other targets' rounds).
+    cpu_us_per_request_rounds: list[float | None] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -356,6 +358,7 @@ def _row(target: str, mode: str, load: float, measured: list[LoadRun], direct: l
         errors=sum(run.errors for run in measured),
         requests_per_s_range=_spread(rates) or (0.0, 0.0),
         cpu_us_per_request_range=_spread(cpus),
+        cpu_us_per_request_rounds=cpus,
     )
 
 
@@ -410,8 +413,45 @@ def _spread_cell(value: float | None, spread: tuple[float, float] | None) -> str
     return f"{value:.0f}" if spread is None else f"{value:.0f} ({spread[0]:.0f}-{spread[1]:.0f})"
 
 
+@dataclass(slots=True)
+class BaselinePair:
+    """A target against its ``@baseline`` under one load: CPU per request, round by round.
+
+    The two run one right after the other in every round, so their ratio cancels most of
+    a shared machine's drift between rounds, which spreads each target's own CPU per
+    request by up to 2x; the ratio's median and spread resolve far smaller differences.
+    """
+
+    target: str
+    mode: str
+    load: float
+    ratios: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios)
+
+
+def baseline_pairs(rows: Sequence[OverheadRow]) -> list[BaselinePair]:
+    """Every target measured against a ``@baseline`` twin: its per-round CPU ratios."""
+    by_key = {(row.target, row.mode, row.concurrency or row.offered_per_s): row for row in rows}
+    pairs = []
+    for (target, mode, load), row in by_key.items():
+        twin = by_key.get((f"{target}@baseline", mode, load))
+        if twin is None or load is None:
+            continue
+        ratios = [
+            ours / theirs
+            for ours, theirs in zip(row.cpu_us_per_request_rounds, twin.cpu_us_per_request_rounds, strict=False)
+            if ours is not None and theirs
+        ]
+        if ratios:
+            pairs.append(BaselinePair(target, mode, float(load), ratios))
+    return pairs
+
+
 def format_rows(rows: Sequence[OverheadRow]) -> str:
-    """The summary per target, then every closed-loop run."""
+    """The summary per target, every closed-loop run, then each target against its baseline."""
     summaries = target_summaries(rows)
     parts = []
     if summaries:
@@ -463,6 +503,22 @@ def format_rows(rows: Sequence[OverheadRow]) -> str:
             ],
         )
     )
+    pairs = baseline_pairs(rows)
+    if pairs:
+        parts.append(
+            _table(
+                ("target / @baseline", "load", "CPU ratio, median (min-max) over rounds", "rounds"),
+                [
+                    (
+                        pair.target,
+                        f"c={pair.load:.0f}" if pair.mode == "closed" else f"@{pair.load:.0f}/s",
+                        f"{pair.median:.3f} ({min(pair.ratios):.3f}-{max(pair.ratios):.3f})",
+                        str(len(pair.ratios)),
+                    )
+                    for pair in pairs
+                ],
+            )
+        )
     return "\n\n".join(parts)
 
 

@@ -167,6 +167,40 @@ def test_overhead_compares_a_router_with_direct(tmp_path: Path) -> None:
     assert all(row["errors"] == 0 and row["requests_per_s"] > 0 for row in measured)
 
 
+def test_overhead_pairs_each_target_with_its_baseline_round_by_round() -> None:
+    from kvroute.benchmarks.overhead import OverheadRow, baseline_pairs, format_rows
+
+    def row(target: str, mode: str, cpus: list[float | None]) -> OverheadRow:
+        return OverheadRow(
+            target=target,
+            mode=mode,
+            concurrency=32 if mode == "closed" else None,
+            offered_per_s=500.0 if mode == "rate" else None,
+            requests_per_s=1000.0,
+            latency_p50_ms=1.0,
+            latency_p99_ms=2.0,
+            added_p50_ms=None,
+            added_p99_ms=None,
+            router_cpu_us_per_request=None,
+            errors=0,
+            cpu_us_per_request_rounds=cpus,
+        )
+
+    rows = [
+        row("direct", "closed", [None, None, None]),
+        # Rounds drift together (200 -> 400 us): the ratio does not.
+        row("round_robin", "closed", [180.0, 270.0, 360.0]),
+        row("round_robin@baseline", "closed", [200.0, 300.0, 400.0]),
+        row("round_robin", "rate", [500.0, None]),
+        row("round_robin@baseline", "rate", [400.0, 450.0]),
+    ]
+    closed, at_rate = baseline_pairs(rows)
+    assert (closed.target, closed.mode, closed.load) == ("round_robin", "closed", 32.0)
+    assert closed.ratios == pytest.approx([0.9, 0.9, 0.9])
+    assert (at_rate.mode, at_rate.load, at_rate.ratios) == ("rate", 500.0, [1.25])  # a round without CPU is left out
+    assert "0.900 (0.900-0.900)" in format_rows(rows)
+
+
 async def test_replay_waits_each_think_time_after_the_answer_scaled_by_speedup() -> None:
     fleet = SimFleet(SimSpec(replicas=1, time_scale=20, kv_capacity_tokens=32768))
     options = WorkloadOptions(conversations=2, turns=3, user_tokens=60, reply_tokens=40)
