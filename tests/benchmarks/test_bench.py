@@ -201,6 +201,23 @@ def test_overhead_pairs_each_target_with_its_baseline_round_by_round() -> None:
     assert "0.900 (0.900-0.900)" in format_rows(rows)
 
 
+def test_paired_ab_loads_both_trees_at_once_and_reports_their_ratio(tmp_path: Path) -> None:
+    from kvroute.benchmarks import paired_ab
+
+    out = tmp_path / "paired.json"
+    tree = Path(paired_ab.__file__).resolve().parents[1]  # this checkout, as its own baseline
+    args = ["--baseline", str(tree), "--rate", "50", "--rounds", "2", "--seconds", "0.6", "--out", str(out)]
+    assert paired_ab.main(args) == 0
+    measured = json.loads(out.read_text())
+    summary = measured["summary"]
+    assert summary["rounds"] == len(measured["rounds"]) == 2 and summary["errors"] == 0
+    for item in measured["rounds"]:
+        assert item["cpu_us"] > 0 and item["baseline_cpu_us"] > 0
+        assert item["requests_per_s"] == pytest.approx(50, rel=0.3)
+    low, high = summary["ratio_range"]
+    assert 0 < low <= summary["ratio_median"] <= high
+
+
 async def test_replay_waits_each_think_time_after_the_answer_scaled_by_speedup() -> None:
     fleet = SimFleet(SimSpec(replicas=1, time_scale=20, kv_capacity_tokens=32768))
     options = WorkloadOptions(conversations=2, turns=3, user_tokens=60, reply_tokens=40)
