@@ -218,6 +218,17 @@ def test_paired_ab_loads_both_trees_at_once_and_reports_their_ratio(tmp_path: Pa
     assert 0 < low <= summary["ratio_median"] <= high
 
 
+def test_server_floor_measures_every_server_answering(tmp_path: Path) -> None:
+    from kvroute.benchmarks import server_floor
+
+    out = tmp_path / "floor.json"
+    assert server_floor.main(["--rounds", "1", "--seconds", "0.5", "--out", str(out)]) == 0
+    rows = {row["server"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == set(server_floor.SERVERS)
+    for row in rows.values():
+        assert row["errors"] == 0 and row["requests_per_s"] > 0 and row["cpu_us_per_request"] > 0
+
+
 async def test_replay_waits_each_think_time_after_the_answer_scaled_by_speedup() -> None:
     fleet = SimFleet(SimSpec(replicas=1, time_scale=20, kv_capacity_tokens=32768))
     options = WorkloadOptions(conversations=2, turns=3, user_tokens=60, reply_tokens=40)
