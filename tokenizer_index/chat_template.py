@@ -18,7 +18,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Literal
 
 import jinja2
@@ -202,6 +202,11 @@ class ChatTemplate:
     def from_source(cls, source: str) -> ChatTemplate:
         """Compile ``source`` (cached) and detect its content format."""
         return cls(source=source, content_format=detect_content_format(source), _template=compile_template(source))
+
+    @cached_property
+    def syntax_tree(self) -> jinja2.nodes.Template:
+        """The template parsed (what :mod:`kvroute.tokenizer_index.template_prefix` reads)."""
+        return _ENVIRONMENT.parse(self.source)
 
     def render(
         self,

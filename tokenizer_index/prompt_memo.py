@@ -9,9 +9,10 @@ starts with one of them it takes that prefix's ids as one slice and cuts and loo
 the rest (:meth:`kvroute.tokenizer_index.tokenizer.RequestTokenizer.encode_chat_array`).
 
 A prompt is filed under a key its conversation's next request can compute (a hash of its
-last message's text); a key only proposes candidates, and the caller compares texts, so a
-collision costs a comparison, never a wrong id. Entries are evicted least recently used
-first, within a byte bound. Thread-safe.
+last message's text, :func:`conversation_keys`); a key only proposes candidates, and the
+caller compares texts, so a collision costs a comparison, never a wrong id. Entries are
+evicted least recently used first, within a byte bound. Thread-safe. The same memo keeps
+rendered conversations (:mod:`kvroute.tokenizer_index.render_memo`), filed the same way.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -28,6 +30,31 @@ import numpy as np
 PER_KEY = 4
 # Bytes an entry costs beyond its text and arrays (objects, dict slots).
 ENTRY_OVERHEAD_BYTES = 400
+#: The last messages of a request whose text may name the turn before it.
+PROBE_MESSAGES = 8
+
+
+def conversation_keys(messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Keys a conversation is remembered and looked up by: hashes of its last messages' texts,
+    the last message first (its next turn finds it among the messages it repeats)."""
+    keys = []
+    for message in reversed(messages[-PROBE_MESSAGES:]):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, str) and content:
+            keys.append(hash(content))
+    return keys
+
+
+class Remembered(Protocol):
+    """What the memo keeps: an entry that knows its cost and which older entry it replaces."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def replaces(self, other: Any) -> bool: ...
+
+
+Entry = TypeVar("Entry", bound=Remembered)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +74,10 @@ class RememberedPrompt:
         arrays = self.piece_ends.nbytes + self.token_ends.nbytes + self.ids.nbytes
         return ENTRY_OVERHEAD_BYTES + sys.getsizeof(self.text) + arrays
 
+    def replaces(self, other: RememberedPrompt) -> bool:
+        """Whether ``other`` is the same prompt (kept once per key)."""
+        return other.text == self.text
+
 
 @dataclass(frozen=True, slots=True)
 class PromptMemoStats:
@@ -60,22 +91,22 @@ class PromptMemoStats:
     lookups: int
 
 
-class PromptMemo:
-    """Long prompts by key, at most ``max_bytes`` of them (0 disables it)."""
+class PromptMemo(Generic[Entry]):
+    """Entries (long prompts) by key, at most ``max_bytes`` of them (0 disables it)."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._by_key: OrderedDict[int, list[RememberedPrompt]] = OrderedDict()  # in LRU order
+        self._by_key: OrderedDict[int, list[Entry]] = OrderedDict()  # in LRU order
         self._bytes = 0
         self._reused = 0
         self._lookups = 0
         self._lock = threading.Lock()
 
-    def candidates(self, keys: Iterable[int]) -> list[RememberedPrompt]:
-        """The prompts filed under these keys, in key order, most recent first per key."""
-        found: list[RememberedPrompt] = []
+    def candidates(self, keys: Iterable[int]) -> list[Entry]:
+        """The entries filed under these keys, in key order, most recent first per key."""
+        found: list[Entry] = []
         with self._lock:
             self._lookups += 1
             for key in keys:
@@ -90,8 +121,8 @@ class PromptMemo:
         with self._lock:
             self._reused += 1
 
-    def remember(self, key: int, prompt: RememberedPrompt) -> None:
-        """File ``prompt`` under ``key`` (it replaces an entry of the same text), then evict."""
+    def remember(self, key: int, prompt: Entry) -> None:
+        """File ``prompt`` under ``key`` (it replaces an entry of the same prompt), then evict."""
         cost = prompt.nbytes
         if cost > self.max_bytes:
             return
@@ -99,7 +130,7 @@ class PromptMemo:
             prompts = self._by_key.pop(key, [])
             kept = [prompt]
             for old in prompts:
-                if len(kept) < PER_KEY and old.text != prompt.text:
+                if len(kept) < PER_KEY and not prompt.replaces(old):
                     kept.append(old)
                 else:
                     self._bytes -= old.nbytes

@@ -53,16 +53,17 @@ from kvroute.tokenizer_index import hf_files
 from kvroute.tokenizer_index.chat_messages import conversation_from_request, tools_from_request
 from kvroute.tokenizer_index.chat_template import ChatTemplate
 from kvroute.tokenizer_index.piece_cache import PieceCache, PieceCacheStats, frozen_ids
-from kvroute.tokenizer_index.prompt_memo import PromptMemo, PromptMemoStats, RememberedPrompt
+from kvroute.tokenizer_index.prompt_memo import PromptMemo, PromptMemoStats, RememberedPrompt, conversation_keys
+from kvroute.tokenizer_index.render_memo import RenderMemo, RenderSettings, incremental_render_agrees
+from kvroute.tokenizer_index.template_prefix import prefix_stable_reason
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 DEFAULT_MEMO_BYTES = 32 * 1024 * 1024
+DEFAULT_RENDER_MEMO_BYTES = 32 * 1024 * 1024
 #: Chat prompts at least this long (characters, ~4K tokens) are remembered for their next turn.
 MEMO_MIN_CHARS = 16_384
-#: The last messages of a request whose text may name the turn before it.
-MEMO_PROBE_MESSAGES = 8
 #: How far back from a remembered prompt's end its pieces are tried as the common prefix,
 #: when a new prompt does not start with all of it (a template that renders the generation
 #: prompt and the message that answers it differently).
@@ -179,17 +180,6 @@ def _ends_in_word_character(text: str) -> bool:
 _NO_IDS = np.empty(0, dtype=np.int64)
 
 
-def _memo_keys(messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Keys a chat prompt is remembered and looked up by: hashes of its last messages' texts,
-    the last message first (its next turn finds it among the messages it repeats)."""
-    keys = []
-    for message in reversed(messages[-MEMO_PROBE_MESSAGES:]):
-        content = message.get("content")
-        if isinstance(content, str) and content:
-            keys.append(hash(content))
-    return keys
-
-
 def _cut_at_word_spaces(text: str, size: int) -> list[str]:
     """``text`` cut right before spaces between two letters into runs of at least ``size``
     characters (the last may be shorter; ``text`` whole if it has no such space)."""
@@ -227,6 +217,7 @@ class RequestTokenizer:
         incremental: bool | None = None,
         chunk_chars: int = CHUNK_CHARS,
         memo_bytes: int = DEFAULT_MEMO_BYTES,
+        render_memo_bytes: int = DEFAULT_RENDER_MEMO_BYTES,
     ) -> None:
         """Wrap a ``tokenizers.Tokenizer``.
 
@@ -237,7 +228,8 @@ class RequestTokenizer:
         ``incremental=None`` checks whether piecewise tokenization is exact for this tokenizer;
         ``False`` forces whole-text tokenization. New pieces longer than ``chunk_chars``
         characters are tokenized in parallel chunks where that is exact (0: never).
-        ``memo_bytes`` bounds the long chat prompts remembered for their next turn (0: none).
+        ``memo_bytes`` bounds the long chat prompts remembered for their next turn (0: none);
+        ``render_memo_bytes`` the rendered long conversations (0: every chat rendered whole).
         """
         tokenizer.no_truncation()
         tokenizer.no_padding()
@@ -249,6 +241,9 @@ class RequestTokenizer:
             templates = hf_files.read_directory_chat_templates(_DEFAULT_DIRECTORY)
         self._template_sources = templates
         self._templates: dict[str, ChatTemplate] = {}
+        # Per template source: whether its conversations may be rendered incrementally.
+        self._renders_incrementally: dict[str, bool] = {}
+        self._render_memo = RenderMemo(render_memo_bytes)
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         # One shared int object per token id: cached list forms then cost a pointer per token.
         vocab = tokenizer.get_vocab(with_added_tokens=True)
@@ -260,7 +255,7 @@ class RequestTokenizer:
             (len(token.content) for token in tokenizer.get_added_tokens_decoder().values() if not token.normalized),
             default=0,
         )
-        self._memo = PromptMemo(memo_bytes)
+        self._memo: PromptMemo[RememberedPrompt] = PromptMemo(memo_bytes)
         self._incremental = False
         if incremental is not False and self._boundary_re is not None:
             self._incremental = self._piecewise_is_exact()
@@ -467,10 +462,15 @@ class RequestTokenizer:
         """Size and counters of the remembered long prompts."""
         return self._memo.stats()
 
+    def render_memo_stats(self) -> PromptMemoStats:
+        """Size and counters of the remembered rendered conversations."""
+        return self._render_memo.stats()
+
     def clear_cache(self) -> None:
-        """Forget every memoised piece and remembered prompt."""
+        """Forget every memoised piece, remembered prompt and rendered conversation."""
         self._cache.clear()
         self._memo.clear()
+        self._render_memo.clear()
 
     # --- chat ------------------------------------------------------------------------------
 
@@ -490,6 +490,21 @@ class RequestTokenizer:
             template = self._templates[name] = ChatTemplate.from_source(sources[name])
         return template
 
+    def renders_incrementally(self, template: ChatTemplate) -> bool:
+        """Whether long conversations under ``template`` render only their new messages
+        after a remembered earlier turn (:mod:`kvroute.tokenizer_index.render_memo`): the
+        template's syntax must promise it and probe conversations must agree, checked at
+        its first use."""
+        verdict = self._renders_incrementally.get(template.source)
+        if verdict is None:
+            reason = prefix_stable_reason(template.syntax_tree)
+            if reason is None and not incremental_render_agrees(template, self.special_tokens):
+                reason = "probe conversations rendered incrementally differ from whole renders"
+            if reason is not None:
+                log.info("tokenizer %s: rendering chats whole under this chat template: %s", self.name, reason)
+            verdict = self._renders_incrementally[template.source] = reason is None
+        return verdict
+
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -502,7 +517,6 @@ class RequestTokenizer:
     ) -> str:
         """The prompt text vLLM renders for this chat request (see :meth:`encode_chat`)."""
         template = self.chat_template(tools=tools is not None)
-        conversation = conversation_from_request(messages, template.content_format)
         variables: dict[str, Any] = {**self.special_tokens}
         if chat_template_kwargs:
             request_kwargs = dict(chat_template_kwargs)
@@ -514,6 +528,10 @@ class RequestTokenizer:
             continue_final_message = bool(request_kwargs.pop("continue_final_message", continue_final_message))
             documents = request_kwargs.pop("documents", documents)
             variables.update(request_kwargs)
+        if not continue_final_message and self.renders_incrementally(template):
+            settings = RenderSettings(template, tools_from_request(tools), documents, variables, add_generation_prompt)
+            return self._render_memo.render(messages, settings)
+        conversation = conversation_from_request(messages, template.content_format)
         return template.render(
             conversation,
             tools=tools_from_request(tools),
@@ -579,7 +597,7 @@ class RequestTokenizer:
         """The ids of ``text``, which :meth:`render_chat` rendered from ``messages``: the second
         half of :meth:`encode_chat_array` (``messages`` name the conversation in the memo)."""
         if len(text) >= MEMO_MIN_CHARS and self._memo.max_bytes and self._incremental and self._boundary_re:
-            keys = _memo_keys(messages)
+            keys = conversation_keys(messages)
             if keys:
                 return self._encode_remembering(text, keys)
         return self.encode_text_array(text)

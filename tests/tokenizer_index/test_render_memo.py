@@ -1,0 +1,244 @@
+"""Incremental chat rendering: byte-identical to a whole render under every template, or whole.
+
+Each test renders conversations turn by turn (and in branches) with a tokenizer whose render
+memo keeps conversations of any length, and compares every text with the same tokenizer's
+whole render (``render_memo_bytes=0``), which is how every chat was rendered before.
+Templates whose syntax breaks the prefix property must be refused and rendered whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvroute.tokenizer_index import RequestTokenizer
+from kvroute.tokenizer_index.chat_template import ChatTemplate
+from kvroute.tokenizer_index.prompt_memo import conversation_keys
+from kvroute.tokenizer_index.render_memo import MIN_MESSAGES, RenderMemo, RenderSettings, incremental_render_agrees
+from kvroute.tokenizer_index.template_prefix import prefix_stable_reason
+from tests.tokenizer_index.test_prompt_memo import TEMPLATES
+from tests.tokenizer_index.tokenizers_fixtures import (
+    LLAMA3_STYLE_TEMPLATE,
+    MISTRAL_STYLE_TEMPLATE,
+    OPENAI_PARTS_TEMPLATE,
+)
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+ALL_TEMPLATES = {
+    **TEMPLATES,
+    "default": RequestTokenizer.default().chat_template().source,
+    "llama3": LLAMA3_STYLE_TEMPLATE,
+    "mistral": MISTRAL_STYLE_TEMPLATE,
+    "openai_parts": OPENAI_PARTS_TEMPLATE,
+}
+INCREMENTAL = {"prefix_stable", "raw", "thinking_prompt", "default", "openai_parts"}
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search.",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"}}},
+        },
+    }
+]
+FRAGMENTS = ["the router", " cache", "中文", "e\u0301", "😀", "\n", "  ", "<|im_end|>", "<|im_start|>", "{{ x }}"]
+texts = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=5), min_size=0, max_size=6).map("".join)
+tool_calls = st.lists(
+    st.fixed_dictionaries(
+        {
+            "id": st.sampled_from(["call-1", "call-2"]),
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries(
+                {"name": st.sampled_from(["search", "read"]), "arguments": st.sampled_from(['{"q": "x"}', "{}", "bad"])}
+            ),
+        }
+    ),
+    min_size=1,
+    max_size=2,
+)
+
+
+@st.composite
+def message(draw: st.DrawFn) -> dict[str, Any]:
+    role = draw(st.sampled_from(["user", "assistant", "tool", "system", "developer"]))
+    result: dict[str, Any] = {"role": role, "content": draw(texts | st.none())}
+    if role == "assistant" and draw(st.booleans()):
+        result["tool_calls"] = draw(tool_calls)
+    if role == "assistant" and draw(st.booleans()):
+        result["reasoning"] = draw(texts)
+    if role == "tool":
+        result["tool_call_id"] = draw(st.sampled_from(["call-1", "call-2"]))
+    if draw(st.booleans()):
+        result["name"] = draw(st.sampled_from(["ann", "bob"]))
+    return result
+
+
+conversations = st.lists(message(), min_size=1, max_size=9)
+
+
+class Renderers:
+    """A tokenizer with a render memo for conversations of any length, and one without."""
+
+    def __init__(self, source: str) -> None:
+        backend = RequestTokenizer.default().backend
+        specials = {"bos_token": "<s>", "eos_token": "</s>"}
+        self.memo = RequestTokenizer(backend, chat_templates={"default": source}, special_tokens=specials)
+        self.memo._render_memo.min_messages = 1  # short hypothesis conversations are remembered too
+        self.whole = RequestTokenizer(
+            backend, chat_templates={"default": source}, special_tokens=specials, render_memo_bytes=0
+        )
+
+    def agree(self, messages: list[dict[str, Any]], **options: Any) -> bool:
+        """Both render ``messages`` alike: the same text (True), or the same kind of refusal."""
+        try:
+            expected = self.whole.render_chat(messages, **options)
+        except ValueError as refusal:
+            with pytest.raises(type(refusal)):
+                self.memo.render_chat(messages, **options)
+            return False
+        assert self.memo.render_chat(messages, **options) == expected
+        return True
+
+
+@pytest.fixture(scope="module", params=sorted(ALL_TEMPLATES))
+def renderers(request: pytest.FixtureRequest) -> Renderers:
+    return Renderers(ALL_TEMPLATES[request.param])
+
+
+@pytest.mark.parametrize("name", sorted(ALL_TEMPLATES))
+def test_templates_that_keep_the_prefix_property_are_recognised(name: str) -> None:
+    template = ChatTemplate.from_source(ALL_TEMPLATES[name])
+    assert (prefix_stable_reason(template.syntax_tree) is None) == (name in INCREMENTAL)
+    renderers = Renderers(ALL_TEMPLATES[name])
+    assert renderers.memo.renders_incrementally(renderers.memo.chat_template()) == (name in INCREMENTAL)
+
+
+@SETTINGS
+@given(history=conversations, branches=st.lists(conversations, min_size=1, max_size=3), data=st.data())
+def test_each_turn_and_branch_renders_as_the_whole(
+    renderers: Renderers, history: list[dict[str, Any]], branches: list[list[dict[str, Any]]], data: st.DataObject
+) -> None:
+    renderers.memo.clear_cache()
+    tools = data.draw(st.sampled_from([None, TOOLS]))
+    for end in range(1, len(history) + 1):
+        renderers.agree(history[:end], tools=tools, add_generation_prompt=data.draw(st.booleans()))
+    for branch in branches:  # siblings of the last turn, each continuing the same remembered turn
+        renderers.agree(history + branch, tools=tools, add_generation_prompt=data.draw(st.booleans()))
+    reused = renderers.memo.render_memo_stats().reused
+    if renderers.agree(history, tools=tools) and conversation_keys(history):  # the same conversation again
+        incremental = renderers.memo.renders_incrementally(renderers.memo.chat_template())
+        assert renderers.memo.render_memo_stats().reused == reused + incremental
+    renderers.agree(history, tools=None if tools else TOOLS)  # other tools: nothing reused
+    renderers.agree(history + branches[0], chat_template_kwargs={"extra": 1}, continue_final_message=False)
+
+
+def test_a_long_conversation_renders_only_its_new_messages() -> None:
+    renderers = Renderers(ALL_TEMPLATES["default"])
+    renderers.memo._render_memo.min_messages = MIN_MESSAGES
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You route requests."}]
+    long_renders = 0
+    for turn in range(MIN_MESSAGES + 4):
+        messages.append({"role": "user", "content": f"question {turn}"})
+        renderers.agree(messages, tools=TOOLS)
+        long_renders += len(messages) >= MIN_MESSAGES
+        messages.append({"role": "assistant", "content": f"answer {turn}"})
+    stats = renderers.memo.render_memo_stats()
+    # Remembered from the first render of MIN_MESSAGES messages on; every later one reuses.
+    assert stats.lookups == long_renders > 1 and stats.reused == long_renders - 1
+    assert 0 < stats.bytes <= stats.max_bytes
+
+
+@pytest.mark.parametrize("name", ["counted", "marks_last"])
+def test_a_template_that_breaks_the_prefix_property_renders_whole(name: str) -> None:
+    renderers = Renderers(ALL_TEMPLATES[name])
+    messages = [{"role": "user" if turn % 2 else "assistant", "content": f"m{turn}"} for turn in range(30)]
+    for end in range(1, len(messages) + 1):
+        renderers.agree(messages[:end])
+    assert renderers.memo.render_memo_stats().lookups == 0
+    # The probe conversations alone would have caught it too.
+    template = renderers.memo.chat_template()
+    assert not incremental_render_agrees(template, renderers.memo.special_tokens)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        # Reads another message, the list's length, or positions other than the first.
+        "{% for m in messages %}{{ messages[loop.index0 - 1]['role'] }}{{ m['content'] }}{% endfor %}",
+        "{% for m in messages %}{{ m['content'] }}{% if not loop.last %},{% endif %}{% endfor %}",
+        "{% for m in messages %}{{ loop.index }}{{ m['content'] }}{% endfor %}",
+        "{% for m in messages %}{{ m['content'] }}{{ loop.cycle('a', 'b') }}{% endfor %}",
+        "{% set rest = messages[1:] %}{% for m in messages %}{{ m['content'] }}{% endfor %}{{ rest | length }}",
+        "{% set messages = messages | reverse %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% for m in messages %}{% endfor %}",
+        "{% for m in messages if m['content'] %}{{ m['content'] }}{% endfor %}",
+        "{% if messages | length > 1 %}x{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        # Carries state from one message to the next.
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ ns.n }}{% endfor %}",
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}",
+        "{% set j = joiner(',') %}{% for m in messages %}{{ j() }}{{ m['content'] }}{% endfor %}",
+        "{% for m in messages %}{{ m['content'] }}{{ [1, 2] | random }}{% endfor %}",
+        "{{ strftime_now('%Y') }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        # Writes after the messages whatever the generation prompt, or reads it before.
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ eos_token }}",
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}a{% else %}b{% endif %}",
+        "{% for m in messages %}{{ m['content'] }}{% if add_generation_prompt %}!{% endif %}{% endfor %}",
+        # No single loop over the messages.
+        "{{ messages[0]['content'] }}",
+        "{% if true %}{% for m in messages %}{{ m['content'] }}{% endfor %}{% endif %}",
+    ],
+)
+def test_syntax_that_may_break_the_prefix_property_is_refused(source: str) -> None:
+    template = ChatTemplate.from_source(source)
+    assert prefix_stable_reason(template.syntax_tree) is not None
+    renderers = Renderers(source)
+    assert not renderers.memo.renders_incrementally(renderers.memo.chat_template())
+
+
+def test_values_json_cannot_tell_apart_are_not_reused() -> None:
+    renderers = Renderers("{% for m in messages %}{{ m['role'] }}:{{ m['tool_calls'] }}.{% endfor %}")
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"flag": 1}}}
+    messages: list[dict[str, Any]] = [{"role": "assistant", "content": "a", "tool_calls": [call]}]
+    renderers.agree(messages)
+    # True and 1 are equal in Python, not in JSON or in the text.
+    flagged = {**call, "function": {"name": "f", "arguments": {"flag": True}}}
+    renderers.agree([{"role": "assistant", "content": "a", "tool_calls": [flagged]}, {"role": "user", "content": "b"}])
+
+    class Text(str):
+        pass
+
+    renderers.agree([{"role": "user", "content": Text("a")}, {"role": "user", "content": "b"}])
+
+
+def test_messages_changed_in_place_are_rendered_as_they_are_now() -> None:
+    renderers = Renderers(ALL_TEMPLATES["default"])
+    messages = [{"role": "user", "content": f"m{turn}"} for turn in range(20)]
+    renderers.agree(messages)
+    messages[3]["content"] = "changed"
+    renderers.agree([*messages, {"role": "assistant", "content": "x"}])
+
+
+def test_continue_final_message_renders_whole() -> None:
+    renderers = Renderers(ALL_TEMPLATES["prefix_stable"])
+    messages = [{"role": "user", "content": f"m{turn}"} for turn in range(20)]
+    renderers.agree(messages)
+    before = renderers.memo.render_memo_stats().lookups
+    ongoing = [*messages, {"role": "assistant", "content": "The answer is"}]
+    renderers.agree(ongoing, add_generation_prompt=False, continue_final_message=True)
+    assert renderers.memo.render_memo_stats().lookups == before
+
+
+def test_the_memo_stays_within_its_bound() -> None:
+    template = ChatTemplate.from_source(ALL_TEMPLATES["prefix_stable"])
+    memo = RenderMemo(20_000, min_messages=1)
+    render_settings = RenderSettings(template, None, None, {}, True)
+    for number in range(50):
+        memo.render([{"role": "user", "content": f"{number} " * 300}], render_settings)
+        assert memo.stats().bytes <= 20_000
+    assert 0 < memo.stats().entries < 50

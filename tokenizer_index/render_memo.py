@@ -1,0 +1,275 @@
+"""Rendered conversations, so a conversation's next turn renders only its new messages.
+
+An agent's turn re-sends its ~300 messages; converting them to what the template sees
+(:mod:`kvroute.tokenizer_index.chat_messages`) and rendering them costs ~3 ms, where the
+new messages cost a few tens of microseconds. For a template that renders every message
+on its own (:mod:`kvroute.tokenizer_index.template_prefix`), a conversation ``P + Q``
+renders as ``render(P)`` without its generation prompt, then ``render([P[0]] + Q)`` after
+the text of ``[P[0]]`` alone. So each long conversation is remembered with its text
+without the generation prompt (its *body*), the JSON of its messages and of everything
+else the render read (tools, documents, variables); a request whose messages' JSON
+starts with a remembered conversation's, with the same other JSON, takes that body and
+renders only the first and the new messages.
+
+Exact: equal JSON is equal input for a template (the request's messages are JSON; objects
+that JSON cannot tell apart from others, subclasses, dataclasses and datetimes, make
+orjson refuse them and the conversation is rendered whole). A template passes the syntax
+check, then, at its first use, probe conversations rendered both ways must agree
+(:func:`incremental_render_agrees`); the tokenizer renders whole under every other template
+and for ``continue_final_message``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+
+from kvroute.tokenizer_index.chat_messages import conversation_from_request
+from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError
+from kvroute.tokenizer_index.prompt_memo import (
+    ENTRY_OVERHEAD_BYTES,
+    PromptMemo,
+    PromptMemoStats,
+    conversation_keys,
+)
+
+log = logging.getLogger(__name__)
+
+#: Conversations with fewer messages are rendered whole: the memo's own work (two renders
+#: of the first message, the JSON) costs what rendering ~5 messages does.
+MIN_MESSAGES = 16
+# JSON that stands for one Python value only: orjson refuses subclasses of str, int, dict
+# and list, dataclasses and datetimes instead of writing them as their JSON look-alikes.
+_EXACT_JSON = orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
+_LIST_SEPARATORS = (ord(","), ord("]"))
+# A render's text, the first message's text alone, and the generation prompt's.
+_Rendered = tuple[str, str, str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class RenderSettings:
+    """Everything a render reads besides the messages."""
+
+    template: ChatTemplate
+    tools: list[dict[str, Any]] | None
+    documents: Sequence[Mapping[str, Any]] | None
+    variables: Mapping[str, Any]
+    add_generation_prompt: bool
+
+    def render(self, conversation: list[dict[str, Any]], *, add_generation_prompt: bool | None = None) -> str:
+        """The template's text for an already converted conversation."""
+        if add_generation_prompt is None:
+            add_generation_prompt = self.add_generation_prompt
+        return self.template.render(
+            conversation,
+            tools=self.tools,
+            documents=self.documents,
+            add_generation_prompt=add_generation_prompt,
+            variables=self.variables,
+        )
+
+    def convert(self, messages: Sequence[Any]) -> list[dict[str, Any]]:
+        """OpenAI messages as the template sees them."""
+        return conversation_from_request(messages, self.template.content_format)
+
+    def render_whole(self, messages: Sequence[Any]) -> str:
+        return self.render(self.convert(messages))
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedConversation:
+    """A conversation's render without its generation prompt, and what it was rendered from."""
+
+    #: The render up to the end of the last message's text (no generation prompt).
+    text: str
+    #: The JSON array of the messages, without its closing bracket.
+    messages_json: bytes
+    count: int
+    template: ChatTemplate
+    #: The JSON of the tools, documents and variables.
+    context_json: bytes
+    #: The render of the first message alone, without generation prompt.
+    head: str
+    #: What a generation prompt adds after the last message.
+    generation_prompt: str
+
+    @property
+    def nbytes(self) -> int:
+        """What it is charged against the memo's bound."""
+        texts = sys.getsizeof(self.text) + sys.getsizeof(self.head) + sys.getsizeof(self.generation_prompt)
+        return ENTRY_OVERHEAD_BYTES + texts + len(self.messages_json) + len(self.context_json)
+
+    def replaces(self, other: RenderedConversation) -> bool:
+        """Whether ``other`` is the same conversation rendered with the same settings (two
+        conversations may render to the same text)."""
+        return (
+            other.messages_json == self.messages_json
+            and other.context_json == self.context_json
+            and other.template is self.template
+        )
+
+    def continues(self, template: ChatTemplate, context_json: bytes, messages_json: bytes) -> bool:
+        """Whether a render with this template and context, of messages with this JSON,
+        starts with this conversation's messages."""
+        opened = self.messages_json
+        return (
+            template is self.template
+            and context_json == self.context_json
+            and messages_json.startswith(opened)
+            and len(messages_json) > len(opened)
+            and messages_json[len(opened)] in _LIST_SEPARATORS
+        )
+
+
+class RenderMemo:
+    """Long conversations' renders, at most ``max_bytes`` of them (0 disables it)."""
+
+    def __init__(self, max_bytes: int, *, min_messages: int = MIN_MESSAGES) -> None:
+        self._memo: PromptMemo[RenderedConversation] = PromptMemo(max_bytes)
+        self.min_messages = min_messages
+
+    def render(self, messages: Sequence[Any], settings: RenderSettings) -> str:
+        """The template's text for these OpenAI messages: the new messages rendered after a
+        remembered earlier turn's text where there is one, else all of them."""
+        if type(messages) is not list or len(messages) < self.min_messages or not self._memo.max_bytes:
+            return settings.render_whole(messages)
+        try:
+            messages_json = orjson.dumps(messages, option=_EXACT_JSON)
+            context_json = orjson.dumps([settings.tools, settings.documents, settings.variables], option=_EXACT_JSON)
+        except TypeError:  # values JSON cannot stand for exactly
+            return settings.render_whole(messages)
+        keys = conversation_keys(messages)
+        previous = self._previous(keys, settings.template, context_json, messages_json)
+        rendered = self._render_after(previous, messages, settings) if previous is not None else None
+        if rendered is None:
+            rendered = self._render_first(messages, settings)
+        text, head, generation_prompt = rendered
+        if keys and generation_prompt is not None:
+            tail = generation_prompt if settings.add_generation_prompt else ""
+            if text.startswith(head) and text.endswith(tail):
+                body = text[: len(text) - len(tail)]
+                entry = RenderedConversation(
+                    body, messages_json[:-1], len(messages), settings.template, context_json, head, generation_prompt
+                )
+                self._memo.remember(keys[0], entry)
+        return text
+
+    def clear(self) -> None:
+        self._memo.clear()
+
+    def stats(self) -> PromptMemoStats:
+        return self._memo.stats()
+
+    def _previous(
+        self, keys: list[int], template: ChatTemplate, context_json: bytes, messages_json: bytes
+    ) -> RenderedConversation | None:
+        """The remembered conversation these messages continue (or repeat), if any."""
+        for candidate in self._memo.candidates(keys):
+            if candidate.continues(template, context_json, messages_json):
+                self._memo.reused()
+                return candidate
+        return None
+
+    def _render_first(self, messages: Sequence[Any], settings: RenderSettings) -> _Rendered:
+        """All the messages rendered; and the first one's text alone, and the generation
+        prompt, which the conversation's next turns are cut and joined at (``None`` if it
+        is no suffix: then nothing is remembered)."""
+        conversation = settings.convert(messages)
+        text = settings.render(conversation)
+        head = settings.render(conversation[:1], add_generation_prompt=False)
+        with_prompt = settings.render(conversation[:1], add_generation_prompt=True)
+        return text, head, with_prompt[len(head) :] if with_prompt.startswith(head) else None
+
+    def _render_after(
+        self, previous: RenderedConversation, messages: Sequence[Any], settings: RenderSettings
+    ) -> _Rendered | None:
+        """``previous``'s text, then the messages after it rendered behind the first one.
+
+        ``None`` if the render of those does not start with the first message's own text
+        (the template broke the promise its syntax made: render whole).
+        """
+        tail = previous.generation_prompt if settings.add_generation_prompt else ""
+        head, generation_prompt = previous.head, previous.generation_prompt
+        new = messages[previous.count :]
+        if not new:  # the same conversation again (a retry)
+            return previous.text + tail, head, generation_prompt
+        rendered = settings.render(settings.convert([messages[0], *new]))
+        if not rendered.startswith(head):
+            log.warning("chat template rendered a conversation's first message differently; rendering whole")
+            return None
+        return previous.text + rendered[len(head) :], head, generation_prompt
+
+
+# --- the check at a template's first use ------------------------------------------------------
+
+_PROBE_CALL = {"id": "call-1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "a b"}'}}
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look a thing up.",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+        },
+    }
+]
+#: Conversations of every role after every other, with and without a system prompt; each
+#: of at most ``prompt_memo.PROBE_MESSAGES`` messages, so that every earlier turn is found by its keys.
+PROBE_CONVERSATIONS: tuple[tuple[dict[str, Any], ...], ...] = (
+    (
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there 😀"},
+        {"role": "assistant", "content": "Looking.", "tool_calls": [_PROBE_CALL]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "found: a"},
+        {"role": "tool", "tool_call_id": "call-1", "content": "found: b"},
+        {"role": "assistant", "content": " Hello!\n"},
+        {"role": "user", "content": "\n中文 text"},
+        {"role": "user", "content": "again", "name": "bob"},
+    ),
+    (
+        {"role": "user", "content": "no system"},
+        {"role": "assistant", "content": "ok", "reasoning": "think"},
+        {"role": "assistant", "content": None, "tool_calls": [_PROBE_CALL]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "found"},
+        {"role": "user", "content": "b"},
+        {"role": "system", "content": "late system"},
+        {"role": "developer", "content": "dev"},
+        {"role": "user", "content": "c"},
+    ),
+)
+
+
+def incremental_render_agrees(template: ChatTemplate, variables: Mapping[str, Any]) -> bool:
+    """Whether the probe conversations, remembered up to every message and then rendered
+    whole through the memo, equal their plain renders (with and without tools and a
+    generation prompt). A conversation the template refuses proves nothing; at least
+    one must render."""
+    rendered_any = False
+    for conversation in PROBE_CONVERSATIONS:
+        for tools in (None, _PROBE_TOOLS):
+            for add_generation_prompt in (True, False):
+                settings = RenderSettings(template, tools, None, variables, add_generation_prompt)
+                try:
+                    expected = settings.render_whole(list(conversation))
+                except (ChatTemplateError, ValueError):
+                    continue
+                rendered_any = True
+                if not _every_split_agrees(conversation, settings, expected):
+                    return False
+    return rendered_any
+
+
+def _every_split_agrees(messages: Sequence[dict[str, Any]], settings: RenderSettings, expected: str) -> bool:
+    conversation = list(messages)  # the memo takes lists only
+    for split in range(1, len(conversation) + 1):
+        memo = RenderMemo(1 << 20, min_messages=1)
+        # The earlier turn with the other generation-prompt setting: a body must not depend on it.
+        memo.render(conversation[:split], replace(settings, add_generation_prompt=not settings.add_generation_prompt))
+        if memo.render(conversation, settings) != expected or memo.stats().reused != 1:
+            return False
+    return True
