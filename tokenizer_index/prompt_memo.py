@@ -30,6 +30,8 @@ import numpy as np
 PER_KEY = 4
 # Bytes an entry costs beyond its text and arrays (objects, dict slots).
 ENTRY_OVERHEAD_BYTES = 400
+#: Runs of ids a remembered prompt keeps before they are joined into one array.
+MAX_RUNS = 64
 #: The last messages of a request whose text may name the turn before it.
 PROBE_MESSAGES = 8
 
@@ -66,13 +68,43 @@ class RememberedPrompt:
     piece_ends: np.ndarray
     #: How many ids the pieces up to each of those ends have (int64).
     token_ends: np.ndarray
-    ids: np.ndarray
+    #: The ids as read-only runs that, joined in order, are all of them: views of the
+    #: earlier turn's runs and the new pieces' cached arrays, shared rather than copied.
+    runs: tuple[np.ndarray, ...]
+    #: How many ids the runs up to each of them hold (int64).
+    run_ends: np.ndarray
+    #: What it is charged against the memo's bound (runs shared with other entries count
+    #: in each, an overestimate); summed once, as eviction reads it again.
+    nbytes: int
+
+    @classmethod
+    def of(
+        cls, text: str, piece_ends: np.ndarray, token_ends: np.ndarray, runs: Sequence[np.ndarray]
+    ) -> RememberedPrompt:
+        """Remember ``runs`` (read-only arrays) as they are; more than :data:`MAX_RUNS` of
+        them are joined into one first, so a long conversation copies its ids once every
+        few dozen turns instead of every turn (~70 us to 0.4 ms per 100K ids)."""
+        if len(runs) > MAX_RUNS:
+            joined = np.concatenate(runs)
+            joined.flags.writeable = False
+            runs = (joined,)
+        run_ends = np.cumsum([len(run) for run in runs], dtype=np.int64)
+        arrays = piece_ends.nbytes + token_ends.nbytes + run_ends.nbytes + sum(run.nbytes for run in runs)
+        nbytes = ENTRY_OVERHEAD_BYTES + sys.getsizeof(text) + arrays
+        return cls(text, piece_ends, token_ends, tuple(runs), run_ends, nbytes)
+
+    def runs_up_to(self, count: int) -> list[np.ndarray]:
+        """Read-only runs that, joined, are the first ``count`` ids."""
+        if count <= 0:
+            return []
+        last = int(np.searchsorted(self.run_ends, count))  # the first run that reaches count
+        begin = int(self.run_ends[last - 1]) if last else 0
+        return [*self.runs[:last], self.runs[last][: count - begin]]
 
     @property
-    def nbytes(self) -> int:
-        """What it is charged against the memo's bound."""
-        arrays = self.piece_ends.nbytes + self.token_ends.nbytes + self.ids.nbytes
-        return ENTRY_OVERHEAD_BYTES + sys.getsizeof(self.text) + arrays
+    def ids(self) -> np.ndarray:
+        """All the ids, joined (a new array)."""
+        return np.concatenate(self.runs) if self.runs else np.empty(0, dtype=np.int64)
 
     def replaces(self, other: RememberedPrompt) -> bool:
         """Whether ``other`` is the same prompt (kept once per key)."""

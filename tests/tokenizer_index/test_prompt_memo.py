@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvroute.tokenizer_index import RequestTokenizer
 from kvroute.tokenizer_index import tokenizer as tokenizer_module
-from kvroute.tokenizer_index.prompt_memo import PER_KEY, PromptMemo, RememberedPrompt
+from kvroute.tokenizer_index.prompt_memo import MAX_RUNS, PER_KEY, PromptMemo, RememberedPrompt
 from tests.tokenizer_index.tokenizers_fixtures import llama3_style_dir
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -97,6 +97,7 @@ def test_each_turn_and_branch_equals_the_whole_text(
             array = templated.encode_chat_array(turn)
             assert array.tolist() == _expected(templated, turn)
             assert array.flags.writeable and array.flags.owndata
+            array[:] = -1  # the caller's to change: the memo keeps its own runs
 
 
 def test_a_growing_conversation_reuses_its_previous_turn(llama: RequestTokenizer) -> None:
@@ -124,7 +125,23 @@ def test_conversations_sharing_a_last_message_stay_apart() -> None:
 
 def _prompt(text: str, size: int) -> RememberedPrompt:
     ends = np.array([len(text)], dtype=np.int64)
-    return RememberedPrompt(text, ends, np.array([size], dtype=np.int64), np.zeros(size, dtype=np.int64))
+    return RememberedPrompt.of(text, ends, np.array([size], dtype=np.int64), [np.zeros(size, dtype=np.int64)])
+
+
+@SETTINGS
+@given(sizes=st.lists(st.integers(0, 9), min_size=1, max_size=80), data=st.data())
+def test_runs_up_to_a_count_join_to_the_first_ids(sizes: list[int], data: st.DataObject) -> None:
+    runs = [np.arange(size, dtype=np.int64) + 100 * number for number, size in enumerate(sizes)]
+    for run in runs:
+        run.flags.writeable = False
+    prompt = RememberedPrompt.of("text", np.array([4]), np.array([sum(sizes)]), runs)
+    ids = np.concatenate(runs)
+    assert prompt.ids.tolist() == ids.tolist()
+    assert len(prompt.runs) == (1 if len(runs) > MAX_RUNS else len(runs))
+    count = data.draw(st.integers(0, len(ids)))
+    head = prompt.runs_up_to(count)
+    assert (np.concatenate(head).tolist() if head else []) == ids[:count].tolist()
+    assert not any(run.flags.writeable for run in head)
 
 
 def test_memo_keeps_a_few_prompts_per_key_within_its_bound() -> None:
