@@ -31,8 +31,15 @@ pipeline's parts and checked on probe texts (:attr:`RequestTokenizer.chunks_long
 
 Remembered: a chat prompt of :data:`MEMO_MIN_CHARS` or more is kept with its ids
 (:mod:`kvroute.tokenizer_index.prompt_memo`); the conversation's next turn, which starts with
-that text, takes the ids of all of it but its last few added tokens as one slice, and only
-the rest is cut into pieces and looked up.
+that text, takes the ids of all of it but its last few added tokens (kept as the read-only
+runs they were joined from, never copied) and only the rest is cut into pieces and looked up.
+
+Rendered incrementally: a chat of 16 messages or more is remembered with its rendered text
+(:mod:`kvroute.tokenizer_index.render_memo`); its next turn renders only the first and the
+new messages and joins them to that text, under templates whose syntax guarantees that this
+equals the whole render (:mod:`kvroute.tokenizer_index.template_prefix`) and whose probe
+conversations agree at first use (:meth:`RequestTokenizer.renders_incrementally`); every other
+template renders every message every time.
 """
 
 from __future__ import annotations
