@@ -11,7 +11,8 @@ as the overhead benchmark reads a router's. The servers:
   middleware, the handler reads the body and returns a ``web.Response``);
 * ``aiohttp-direct``: the same application, the handler called without the dispatcher
   and middleware chain, as kvroute's proxied routes are (``router/http/app.py``);
-* ``uvicorn``: uvicorn (httptools, uvloop) running a bare ASGI callable;
+* ``uvicorn``: uvicorn (httptools, uvloop) running a bare ASGI callable (measured where
+  uvicorn is installed: ``pip install uvicorn``; kvroute does not depend on it);
 * ``httptools``: an ``asyncio.Protocol`` on uvloop feeding llhttp (``httptools``) and
   writing one fixed response per request: the least any Python server on uvloop does.
   A sizing fixture only, not a server: no keep-alive rules, limits or errors.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -38,6 +40,8 @@ from kvroute.benchmarks.fleet import free_port
 from kvroute.benchmarks.overhead import chat_bodies, closed_loop
 
 SERVERS = ("aiohttp-app", "aiohttp-direct", "uvicorn", "httptools")
+#: The module each server needs beyond kvroute's own dependencies.
+_OPTIONAL_MODULE = {"uvicorn": "uvicorn"}
 PATH = "/v1/chat/completions"
 ANSWER = (
     b'{"id":"floor","object":"chat.completion","model":"overhead","choices":[{"index":0,'
@@ -119,6 +123,12 @@ def _serve_httptools(port: int) -> None:
     uvloop.run(main())
 
 
+def installed(kind: str) -> bool:
+    """Whether ``kind`` can run here (uvicorn is not one of kvroute's dependencies)."""
+    module = _OPTIONAL_MODULE.get(kind)
+    return module is None or importlib.util.find_spec(module) is not None
+
+
 def serve(kind: str, port: int) -> None:
     if kind.startswith("aiohttp"):
         _serve_aiohttp(port, direct=kind == "aiohttp-direct")
@@ -194,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python3 -m kvroute.benchmarks.server_floor", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--servers", default=",".join(SERVERS))
+    parser.add_argument("--servers", help=f"comma-separated, of {', '.join(SERVERS)} (default: those installed)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--out", type=Path)
@@ -203,10 +213,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         serve(args.serve[0], int(args.serve[1]))
         return 0
-    kinds = [kind.strip() for kind in args.servers.split(",") if kind.strip()]
-    unknown = sorted(set(kinds) - set(SERVERS))
-    if unknown:
-        parser.error(f"unknown servers {unknown}; choose from {', '.join(SERVERS)}")
+    if args.servers is None:
+        kinds = [kind for kind in SERVERS if installed(kind)]
+        for kind in SERVERS:
+            if kind not in kinds:
+                print(f"{kind:<15} not installed (pip install {_OPTIONAL_MODULE[kind]}): not measured")
+    else:
+        kinds = [kind.strip() for kind in args.servers.split(",") if kind.strip()]
+        unknown = sorted(set(kinds) - set(SERVERS))
+        if unknown:
+            parser.error(f"unknown servers {unknown}; choose from {', '.join(SERVERS)}")
+        missing = [kind for kind in kinds if not installed(kind)]
+        if missing:
+            parser.error(f"not installed: {missing} (pip install {' '.join(_OPTIONAL_MODULE[k] for k in missing)})")
     rows = asyncio.run(measure(kinds, args.rounds, args.seconds))
     for row in rows:
         low, high = row.cpu_range

@@ -224,7 +224,9 @@ def test_server_floor_measures_every_server_answering(tmp_path: Path) -> None:
     out = tmp_path / "floor.json"
     assert server_floor.main(["--rounds", "1", "--seconds", "0.5", "--out", str(out)]) == 0
     rows = {row["server"]: row for row in json.loads(out.read_text())}
-    assert set(rows) == set(server_floor.SERVERS)
+    # uvicorn is measured where it is installed; kvroute does not depend on it.
+    assert set(rows) == {kind for kind in server_floor.SERVERS if server_floor.installed(kind)}
+    assert {"aiohttp-app", "aiohttp-direct", "httptools"} <= set(rows)
     for row in rows.values():
         assert row["errors"] == 0 and row["requests_per_s"] > 0 and row["cpu_us_per_request"] > 0
 
