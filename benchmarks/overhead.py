@@ -180,6 +180,13 @@ class LoadRun:
     latencies_s: list[float]
     cpu_s: float | None  # the router's CPU time over the run; None for direct
 
+    @property
+    def cpu_us_per_request(self) -> float | None:
+        """The router's CPU microseconds per request answered (None for direct or no requests)."""
+        if self.cpu_s is None or not self.requests:
+            return None
+        return self.cpu_s / self.requests * 1e6
+
 
 class _Client:
     """One aiohttp session posting the bodies in turn; counts what it sees."""
@@ -343,7 +350,7 @@ def _row(target: str, mode: str, load: float, measured: list[LoadRun], direct: l
     direct_p99 = _median([percentile(run.latencies_s, 99) for run in direct])
     is_router = target != DIRECT
     rates = [run.requests / run.seconds for run in measured]
-    cpus = [run.cpu_s / run.requests * 1e6 if run.cpu_s is not None and run.requests else None for run in measured]
+    cpus = [run.cpu_us_per_request for run in measured]
     return OverheadRow(
         target=target,
         mode=mode,

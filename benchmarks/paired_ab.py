@@ -78,8 +78,9 @@ def summarize(policy: str, rate: float, seconds: float, rounds: list[PairedRound
 
 
 def _cpu_us(run: LoadRun) -> float:
-    assert run.cpu_s is not None
-    return run.cpu_s / max(1, run.requests) * 1e6
+    cpu_us = run.cpu_us_per_request
+    assert cpu_us is not None, "a router run with no CPU reading or no requests answered"
+    return cpu_us
 
 
 async def paired_rounds(

@@ -178,8 +178,9 @@ async def measure(kinds: list[str], rounds: int, seconds: float) -> list[FloorRo
         for _ in range(rounds):
             for kind, (process, url) in servers.items():
                 run = await closed_loop(url, bodies, 32, seconds, process.pid)
-                assert run.cpu_s is not None
-                runs[kind].append((run.cpu_s / max(1, run.requests) * 1e6, run.requests / run.seconds, run.errors))
+                cpu_us = run.cpu_us_per_request
+                assert cpu_us is not None, f"{kind}: no CPU reading or no requests answered"
+                runs[kind].append((cpu_us, run.requests / run.seconds, run.errors))
         rows = []
         for kind, measured in runs.items():
             cpus = [cpu for cpu, _, _ in measured]
