@@ -305,6 +305,12 @@ class Settings(BaseSettings):
     request_read_timeout_s: float = Field(
         default=60.0, gt=0, description="time a client has to send its whole request (408 after)"
     )
+    # Why a second server: aiohttp's costs ~70-90 us of CPU per request above llhttp on
+    # uvloop (benchmarks/README.md, round 8); "aiohttp" serves everything with aiohttp.
+    http_server: Literal["lean", "aiohttp"] = Field(
+        default="lean",
+        description="server of the proxied POSTs: lean (llhttp; the rest handed to aiohttp) or aiohttp",
+    )
     max_concurrency: int | None = Field(
         default=None,
         gt=0,

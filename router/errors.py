@@ -66,6 +66,17 @@ class RouterError(Exception):
         #: Close the connection after answering (the rest of the request was not read).
         self.close = close
 
+    def body(self) -> bytes:
+        """The JSON error object's bytes."""
+        return error_body(self.message, error_type=_TYPE_BY_STATUS.get(self.status, "server_error"), code=self.code)
+
+    def answer_headers(self) -> list[tuple[bytes, bytes]]:
+        """The answer's header fields as bytes (for a server other than aiohttp's)."""
+        headers = [(b"Content-Type", JSON_CONTENT_TYPE.encode())]
+        if self.headers:
+            headers += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items()]
+        return headers
+
     def to_response(self) -> web.Response:
         """The JSON response for this error."""
         response = error_response(self.status, self.message, code=self.code, headers=self.headers)

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from kvroute.router.config import Settings
 from kvroute.router.engines.usage import OPENAI_USAGE, StreamTap, Usage, usage_from_body
@@ -48,6 +47,11 @@ from kvroute.router.errors import RouterError, sse_error_event
 from kvroute.router.fleet.backends import Backend, BackendPool
 from kvroute.router.fleet.breaker import BreakerState
 from kvroute.router.forwarding.admission import AdmissionControl
+from kvroute.router.forwarding.exchange import (
+    ClientRequest,
+    ResponseHeaders,
+    ResponseSink,
+)
 from kvroute.router.forwarding.metrics import RouterMetrics
 from kvroute.router.forwarding.turn_batch import TurnBatch
 from kvroute.router.forwarding.upstream import (
@@ -112,7 +116,9 @@ class _Call:
     take the call instead of a long tail of loose parameters; a retry reuses all of it.
     """
 
-    request: web.Request
+    request: ClientRequest
+    #: Where the answer goes (the server's side of :mod:`kvroute.router.forwarding.exchange`).
+    sink: ResponseSink
     endpoint: Endpoint
     parsed: ParsedRequest
     request_id: str
@@ -200,7 +206,7 @@ class Proxy:
         upstream: UpstreamClient,
         *,
         admission: AdmissionControl[Backend] | None = None,
-        check_client: Callable[[web.Request], None] | None = None,
+        check_client: Callable[[ClientRequest], None] | None = None,
     ) -> None:
         self._pool = pool
         self._routing = routing
@@ -215,8 +221,6 @@ class Proxy:
         )
         # The HTTP room's client gate (API keys, rate limits): raises RouterError to refuse.
         self._check_client = check_client
-        self._max_body_bytes = settings.max_body_bytes
-        self._read_timeout = settings.request_read_timeout_s
         # The first-byte timeout covers the wait for the answer's head and a stream's first
         # chunk (engines send SSE headers before the prefill); the idle timeout the rest.
         self._first_byte_timeout = settings.first_byte_timeout_s
@@ -225,66 +229,29 @@ class Proxy:
         self._strip_kvroute_headers = not settings.allow_policy_header
 
     # --- entry -----------------------------------------------------------------------
-    async def forward(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-        """Handle one request to a proxied endpoint."""
+    async def forward(self, request: ClientRequest, endpoint: Endpoint, sink: ResponseSink) -> None:
+        """Handle one request to a proxied endpoint; its answer goes to ``sink``."""
         started = time.monotonic()
         request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         try:
             if self._check_client is not None:
                 self._check_client(request)
-            raw = await self._read_body(request)
+            raw = request.body
+            if not isinstance(raw, bytes):
+                # The server's reader applies max_body_bytes and request_read_timeout_s (413, 408).
+                raw = await raw()
             parsed = parse_request(raw, endpoint, request.headers, self._session_header)
             prepared = await self._prepare(endpoint, parsed, len(raw))
             body, usage_injected = _outgoing_body(endpoint, parsed, raw)
-            call = _Call(request, endpoint, parsed, request_id, started, prepared, body, usage_injected)
-            return await self._route(call)
+            call = _Call(request, sink, endpoint, parsed, request_id, started, prepared, body, usage_injected)
+            await self._route(call)
         except RouterError as exc:
-            response = exc.to_response()
-            response.headers["x-request-id"] = request_id
-            return response
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        length = request.content_length
-        if length is not None and length > self._max_body_bytes:
-            # Refused before reading it; the connection closes rather than swallow the rest.
-            raise RouterError(
-                413,
-                f"request body of {length} bytes is over the limit of {self._max_body_bytes}",
-                code="request_too_large",
-                close=True,
-            )
-        content = request.content
-        if content.is_eof():
-            # The whole body came with the head (nearly always): take it as is, no timer.
-            raw = content.read_nowait()
-            if len(raw) > self._max_body_bytes:
-                raise RouterError(
-                    413,
-                    f"request body is over the limit of {self._max_body_bytes} bytes",
-                    code="request_too_large",
-                    close=True,
-                )
-            return raw
-        try:
-            async with asyncio.timeout(self._read_timeout):
-                return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise RouterError(
-                413,
-                f"request body is over the limit of {self._max_body_bytes} bytes",
-                code="request_too_large",
-                close=True,
-            ) from None
-        except TimeoutError:
-            raise RouterError(
-                408,
-                f"the request body did not arrive within {self._read_timeout:g} s",
-                code="request_timeout",
-                close=True,
-            ) from None
+            headers = exc.answer_headers()
+            headers.append((b"x-request-id", request_id.encode()))
+            sink.send(exc.status, headers, exc.body(), close=exc.close)
 
     # --- choosing backends -----------------------------------------------------------
-    async def _route(self, call: _Call) -> web.StreamResponse:
+    async def _route(self, call: _Call) -> None:
         """Try the call on a backend; once more elsewhere if that fails before the first byte."""
         pool = self._pool
         model = call.parsed.model
@@ -323,7 +290,8 @@ class Proxy:
                     raise RouterError(500, "routing chose an unknown backend", code="internal_error")
                 can_retry = attempt == 0 and alternatives > 1
                 try:
-                    return await self._attempt(_Attempt(call, plan, backend, can_retry))
+                    await self._attempt(_Attempt(call, plan, backend, can_retry))
+                    return
                 except _Retry as retry:
                     failed.append(backend)
                     last_error = retry.error
@@ -373,13 +341,13 @@ class Proxy:
         return RouterError(503, f"no healthy backend{which}", code="no_healthy_backend")
 
     # --- one attempt on one backend ----------------------------------------------------
-    async def _attempt(self, attempt: _Attempt) -> web.StreamResponse:
+    async def _attempt(self, attempt: _Attempt) -> None:
         """One exchange with one backend, its in-flight counters held until it ends, however it ends."""
         backend = attempt.backend
         work_tokens = attempt.plan.work_tokens
         self._pool.acquire(backend, work_tokens)
         try:
-            return await self._exchange(attempt)
+            await self._exchange(attempt)
         except asyncio.CancelledError:
             attempt.status = "499"  # the client hung up (or the drain timeout ran out)
             self._pool.request_abandoned(backend)
@@ -390,7 +358,7 @@ class Proxy:
                 self._admission.wake()  # a backend's request slot freed
             self._finish(attempt)
 
-    async def _exchange(self, attempt: _Attempt) -> web.StreamResponse:
+    async def _exchange(self, attempt: _Attempt) -> None:
         call = attempt.call
         backend = attempt.backend
         try:
@@ -418,18 +386,17 @@ class Proxy:
                 raise _Retry(RouterError(502, f"backend {backend.url} answered {status}", code="bad_gateway"))
             attempt.status = _STATUS_LABELS.get(status) or str(status)
             if upstream.is_event_stream:
-                response = await self._relay_stream(attempt, upstream)
+                await self._relay_stream(attempt, upstream)
             else:
-                response = await self._relay_body(attempt, upstream)
+                await self._relay_body(attempt, upstream)
             completed = True
-            return response
         finally:
             if completed:
                 upstream.release()
             else:
                 upstream.close()  # closes the connection: the engine sees the abort at once
 
-    async def _relay_body(self, attempt: _Attempt, upstream: UpstreamResponse) -> web.StreamResponse:
+    async def _relay_body(self, attempt: _Attempt, upstream: UpstreamResponse) -> None:
         try:
             data = await upstream.read()
         except UpstreamError as exc:
@@ -439,11 +406,9 @@ class Proxy:
         usage_format = attempt.call.endpoint.usage
         if usage_format is not None and upstream.status == 200:
             attempt.usage = usage_from_body(data, usage_format)
-        response = web.Response(status=upstream.status, body=data)
-        self._add_response_headers(response, upstream, attempt)
-        return response
+        attempt.call.sink.send(upstream.status, self._response_headers(upstream, attempt), data)
 
-    async def _relay_stream(self, attempt: _Attempt, upstream: UpstreamResponse) -> web.StreamResponse:
+    async def _relay_stream(self, attempt: _Attempt, upstream: UpstreamResponse) -> None:
         backend = attempt.backend
         read = upstream.read_available
         # The client gets the headers together with the first chunk: until then (engines
@@ -458,13 +423,12 @@ class Proxy:
         attempt.ttft_s = time.monotonic() - attempt.call.started
         # From the first chunk on, a stream may pause at most idle_timeout_s.
         upstream.set_timeout(self._idle_timeout)
-        response = web.StreamResponse(status=upstream.status)
-        self._add_response_headers(response, upstream, attempt)
+        sink = attempt.call.sink
         usage_format = attempt.call.endpoint.usage or OPENAI_USAGE
         tap = StreamTap(strip_usage_chunk=attempt.call.usage_injected, usage_format=usage_format)
-        write = response.write
+        write = sink.write
         try:
-            await response.prepare(attempt.call.request)
+            await sink.start(upstream.status, self._response_headers(upstream, attempt))
             while True:
                 forward = tap.feed(chunk)
                 if forward:
@@ -483,13 +447,12 @@ class Proxy:
                         await write(rest)
                     break
             attempt.usage = tap.usage
-            await response.write_eof()
+            await sink.end()
         except ConnectionResetError:
             # The client hung up and a write noticed first: abort the engine's work now.
             attempt.status = "499"
             self._pool.request_abandoned(backend)
             upstream.close()
-        return response
 
     @staticmethod
     def _failed_before_first_byte(attempt: _Attempt, exc: UpstreamError) -> Exception:
@@ -527,22 +490,19 @@ class Proxy:
         return headers
 
     @staticmethod
-    def _add_response_headers(response: web.StreamResponse, upstream: UpstreamResponse, attempt: _Attempt) -> None:
-        """The engine's end-to-end headers and the routing headers, straight into the
-        response's own header map (a map passed to the constructor would be copied)."""
-        headers = response.headers
-        add = headers.add
-        for name, value in _forwarded(upstream.raw_headers, _PER_HOP_RESPONSE_HEADERS):
-            add(name.decode("latin-1"), value.decode("latin-1"))
+    def _response_headers(upstream: UpstreamResponse, attempt: _Attempt) -> ResponseHeaders:
+        """The engine's end-to-end headers (as received, not decoded) and the routing headers."""
+        headers = _forwarded(upstream.raw_headers, _PER_HOP_RESPONSE_HEADERS)
         plan = attempt.plan
-        headers["x-kvroute-backend"] = plan.backend
-        headers["x-kvroute-policy"] = plan.policy
-        headers["x-kvroute-reason"] = plan.reason
+        headers.append((b"x-kvroute-backend", plan.backend.encode()))
+        headers.append((b"x-kvroute-policy", plan.policy.encode()))
+        headers.append((b"x-kvroute-reason", plan.reason.encode()))
         prompt_tokens = plan.request.prompt_tokens
         if prompt_tokens is not None:
-            headers["x-kvroute-prompt-tokens"] = str(prompt_tokens)
-            headers["x-kvroute-matched-tokens"] = str(plan.predicted_cached_tokens)
-        headers["x-request-id"] = attempt.call.request_id
+            headers.append((b"x-kvroute-prompt-tokens", b"%d" % prompt_tokens))
+            headers.append((b"x-kvroute-matched-tokens", b"%d" % plan.predicted_cached_tokens))
+        headers.append((b"x-request-id", attempt.call.request_id.encode()))
+        return headers
 
     # --- bookkeeping -------------------------------------------------------------------
     def _finish(self, attempt: _Attempt) -> None:

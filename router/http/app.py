@@ -37,10 +37,13 @@ from kvroute.router.fleet.engine_stats import EngineScraper, scrape_loop
 from kvroute.router.fleet.health import HealthChecker
 from kvroute.router.forwarding import metrics_merge
 from kvroute.router.forwarding.admission import AdmissionControl
+from kvroute.router.forwarding.exchange import ClientRequest, ResponseSink
 from kvroute.router.forwarding.metrics import CONTENT_TYPE, RouterMetrics, RuntimeStats
 from kvroute.router.forwarding.proxy import Proxy
 from kvroute.router.forwarding.upstream import KEEPALIVE_S, UpstreamClient
 from kvroute.router.http.admin import AdminAPI
+from kvroute.router.http.aiohttp_exchange import AiohttpSink, client_request
+from kvroute.router.http.lean_server import LeanLimits, LeanRoute, LeanServer
 from kvroute.router.http.openapi import openapi_document
 from kvroute.router.http.security import ClientGate, SecretRedactor
 from kvroute.router.http.workers import Siblings, WorkerGroup
@@ -84,6 +87,8 @@ STATE = web.AppKey("kvroute_state", RouterState)
 #: The proxied endpoints' POST handlers by path, which the server calls without aiohttp's
 #: URL dispatcher and middleware chain (:func:`_dispatch_with_direct_routes`).
 DIRECT_ROUTES = web.AppKey("kvroute_direct_routes", dict[str, Handler])
+#: The same endpoints' handlers for the lean server (``--http-server lean``), by raw path.
+LEAN_ROUTES = web.AppKey("kvroute_lean_routes", dict[bytes, LeanRoute])
 #: With workers: the internal application this worker serves its siblings on a Unix socket.
 INTERNAL_APP = web.AppKey("kvroute_internal_app", web.Application)
 
@@ -138,10 +143,13 @@ def build_app(
     app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
     app[STATE] = state
     direct_routes: dict[str, Handler] = {}
+    lean_routes: dict[bytes, LeanRoute] = {}
     for endpoint in ENDPOINTS:
         direct_routes[endpoint.path] = _proxy_handler(state, endpoint)
+        lean_routes[endpoint.path.encode()] = _lean_handler(state, endpoint)
         app.router.add_post(endpoint.path, direct_routes[endpoint.path])
     app[DIRECT_ROUTES] = direct_routes
+    app[LEAN_ROUTES] = lean_routes
     app.router.add_get("/v1/models", _models_handler(state))
     app.router.add_get("/health", _health_handler(state))
     app.router.add_get("/livez", _livez)
@@ -223,8 +231,25 @@ def _started(part: _T | None) -> _T:
 
 
 def _proxy_handler(state: RouterState, endpoint: Endpoint) -> Handler:
+    """A proxied endpoint under aiohttp: its request and response through the proxy's seam."""
+    settings = state.settings
+    max_body_bytes = settings.max_body_bytes
+    read_timeout_s = settings.request_read_timeout_s
+
     async def handle(request: web.Request) -> web.StreamResponse:
-        return await _started(state.proxy).forward(request, endpoint)
+        sink = AiohttpSink(request)
+        client = client_request(request, max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s)
+        await _started(state.proxy).forward(client, endpoint, sink)
+        return sink.finished()
+
+    return handle
+
+
+def _lean_handler(state: RouterState, endpoint: Endpoint) -> LeanRoute:
+    """A proxied endpoint under the lean server (:mod:`kvroute.router.http.lean_server`)."""
+
+    async def handle(request: ClientRequest, sink: ResponseSink) -> None:
+        await _started(state.proxy).forward(request, endpoint, sink)
 
     return handle
 
@@ -390,11 +415,21 @@ async def _admit_configured_backends(health: HealthChecker, settings: Settings) 
 
 # --- running ---------------------------------------------------------------------------
 class _RouterRunner(web.AppRunner):
-    """aiohttp's runner, serving the application through a :class:`~kvroute.router.errors.JsonErrorServer`."""
+    """aiohttp's runner, serving the application through a :class:`~kvroute.router.errors.JsonErrorServer`,
+    or with ``lean`` a :class:`~kvroute.router.http.lean_server.LeanServer` (the proxied POSTs on
+    llhttp, everything else handed to that JSON-error server)."""
 
-    def __init__(self, app: web.Application, connection_options: dict[str, Any], **runner_options: Any) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        connection_options: dict[str, Any],
+        *,
+        lean: LeanLimits | None = None,
+        **runner_options: Any,
+    ) -> None:
         super().__init__(app, **runner_options)
         self._connection_options = connection_options
+        self._lean = lean
 
     async def _make_server(self) -> web.Server:
         # The hook every aiohttp runner implements (abstract in BaseRunner). aiohttp's own
@@ -402,6 +437,10 @@ class _RouterRunner(web.AppRunner):
         # JSON-error server serves those, with the connection options.
         serving = await super()._make_server()
         serving.request_handler = _dispatch_with_direct_routes(self.app, serving.request_handler)
+        lean_routes = self.app.get(LEAN_ROUTES)
+        if self._lean is not None and lean_routes and _direct_routes_allowed(self.app):
+            # The lean server takes exactly what the direct route would (and is off when it is).
+            return LeanServer(serving, routes=lean_routes, limits=self._lean, **self._connection_options)
         return JsonErrorServer(serving, **self._connection_options)
 
 
@@ -420,7 +459,7 @@ def _dispatch_with_direct_routes(app: web.Application, dispatch: ServerHandler) 
     response-prepare signal, the direct path is off, so neither can be bypassed.
     """
     routes = app.get(DIRECT_ROUTES)
-    if not routes or list(app.middlewares) != [error_middleware] or len(app.on_response_prepare):
+    if not routes or not _direct_routes_allowed(app):
         return dispatch
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
@@ -435,6 +474,17 @@ def _dispatch_with_direct_routes(app: web.Application, dispatch: ServerHandler) 
     return handle
 
 
+def _direct_routes_allowed(app: web.Application) -> bool:
+    """Whether the proxied POSTs may skip the dispatcher: the application has the direct
+    routes, no middleware but the error middleware, and no response-prepare signal."""
+    return (
+        DIRECT_ROUTES in app
+        and bool(app[DIRECT_ROUTES])
+        and list(app.middlewares) == [error_middleware]
+        and not app.on_response_prepare
+    )
+
+
 def make_runner(app: web.Application, settings: Settings) -> web.AppRunner:
     """The runner the router is served with (also used by tests that run it in-process)."""
     connection_options: dict[str, Any] = {
@@ -445,9 +495,19 @@ def make_runner(app: web.Application, settings: Settings) -> web.AppRunner:
         # (slowloris); aiohttp's default would keep them for an hour.
         "keepalive_timeout": settings.request_read_timeout_s,
     }
+    lean = (
+        LeanLimits(
+            max_header_bytes=settings.max_header_bytes,
+            max_body_bytes=settings.max_body_bytes,
+            read_timeout_s=settings.request_read_timeout_s,
+        )
+        if settings.http_server == "lean"
+        else None
+    )
     return _RouterRunner(
         app,
         connection_options,
+        lean=lean,
         handle_signals=False,
         handler_cancellation=True,  # a client hanging up cancels its handler: upstream closed at once
         shutdown_timeout=settings.drain_timeout_s,

@@ -22,9 +22,8 @@ import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-
-from aiohttp import web
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
 
 from kvroute.router.config import Settings
 from kvroute.router.errors import RouterError
@@ -38,7 +37,18 @@ MIN_REDACTED_SECRET_LEN = 6
 REDACTED = "***"
 
 
-def bearer_token(request: web.Request) -> str | None:
+class Client(Protocol):
+    """What the gate reads of a request: aiohttp's ``web.Request`` and the proxy's
+    ``ClientRequest`` (:mod:`kvroute.router.forwarding.exchange`) both have it."""
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def remote(self) -> str | None: ...
+
+
+def bearer_token(request: Client) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header, if there is one."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer":
@@ -109,7 +119,7 @@ class ClientGate:
         """Clients with a rate-limit bucket now (bounded by ``MAX_TRACKED_CLIENTS``)."""
         return len(self._limiter) if self._limiter is not None else 0
 
-    def check(self, request: web.Request) -> None:
+    def check(self, request: Client) -> None:
         """Raise :class:`RouterError` 401 or 429 unless this client may go on."""
         token = bearer_token(request)
         if self._api_keys:
