@@ -67,6 +67,9 @@ log = logging.getLogger("kvroute.lean_server")
 LeanRoute = Callable[[ClientRequest, ResponseSink], Awaitable[None]]
 #: Bytes of later (pipelined) requests buffered while one is served; reading pauses above.
 PIPELINE_BUFFER_BYTES = 256 * 1024
+#: How long a connection closing after an answer reads the rest of an unread body (aiohttp's
+#: ``lingering_time``).
+LINGER_S = 10.0
 #: aiohttp's default limit on a request's header fields (``max_headers``): more are its 400.
 MAX_HEADER_FIELDS = 128
 #: Fields aiohttp handles in ways this server does not (100-continue, request decompression,
@@ -264,6 +267,8 @@ class _Current:
     response: LeanResponse
     #: The body is over max_body_bytes: refused unread, its bytes dropped as they come.
     too_large: bool
+    #: Bytes of a too large body dropped so far.
+    dropped: int = 0
     task: asyncio.Task[None] | None = None
     body: bytes | None = None
     body_waiter: asyncio.Future[bytes] | None = None
@@ -283,6 +288,10 @@ class LeanConnection(asyncio.Protocol):
         self._head = _Head()
         self._parser = httptools.HttpRequestParser(self._head)
         self._current: _Current | None = None
+        #: Bytes of an incomplete request head already given to llhttp.
+        self._head_fed = 0
+        #: Closing after an answer: body bytes still to be read and dropped (aiohttp's lingering close).
+        self._linger_left = 0
         self._reading_paused = False
         self.write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
@@ -325,6 +334,11 @@ class LeanConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
+        if self._linger_left:
+            self._linger_left -= len(data)
+            if self._linger_left <= 0:
+                self.close()
+            return
         buffer = self._buffer
         if not buffer:
             self._buffer = data
@@ -337,7 +351,9 @@ class LeanConnection(asyncio.Protocol):
             self._serve_next()
             return
         if current.too_large:
-            self._buffer = b""  # the 413 closes the connection; nothing here is read
+            # The 413 closes the connection; nothing of the body is kept, only counted.
+            current.dropped += len(self._buffer)
+            self._buffer = b""
             return
         if current.body is None and len(self._buffer) >= current.end:
             self._body_arrived(current)
@@ -400,23 +416,29 @@ class LeanConnection(asyncio.Protocol):
         if not buffer:
             return
         limits = self._limits
-        head_end = buffer.find(b"\r\n\r\n")
-        if head_end < 0:
-            if len(buffer) > limits.max_header_bytes:
-                self._hand_over()  # aiohttp answers 431 (or serves it, if its lines are short)
-            return
-        head_end += 4
-        if head_end > limits.max_header_bytes:
-            self._hand_over()
-            return
-        head = self._head
-        head.reset()
         parser = self._parser
+        head_end = buffer.find(b"\r\n\r\n")
+        fed = self._head_fed
         try:
-            parser.feed_data(buffer[:head_end])
+            if head_end < 0:
+                if len(buffer) > limits.max_header_bytes:
+                    self._hand_over()  # aiohttp answers 431 (or serves it, if its lines are short)
+                    return
+                # An incomplete head goes to llhttp as it comes: one that is already wrong
+                # is aiohttp's 400 now, as aiohttp answers it, not a close after the timeout.
+                parser.feed_data(buffer[fed:])
+                self._head_fed = len(buffer)
+                return
+            head_end += 4
+            if head_end > limits.max_header_bytes:
+                self._hand_over()
+                return
+            parser.feed_data(buffer[fed:head_end] if fed else buffer[:head_end])
         except httptools.HttpParserError:  # includes HttpParserUpgrade
             self._hand_over()  # aiohttp answers its 400
             return
+        self._head_fed = 0
+        head = self._head
         if not head.headers_complete or parser.get_method() != b"POST":
             self._hand_over()
             return
@@ -431,7 +453,10 @@ class LeanConnection(asyncio.Protocol):
         too_large = length > limits.max_body_bytes
         current = _Current(head_end=head_end, end=head_end + length, response=response, too_large=too_large)
         self._current = current
-        if not too_large and len(buffer) >= current.end:
+        if too_large:
+            current.dropped = len(buffer)
+            self._buffer = b""
+        elif len(buffer) >= current.end:
             self._body_arrived(current)
         request = ClientRequest(
             method="POST",
@@ -458,14 +483,14 @@ class LeanConnection(asyncio.Protocol):
         seen: set[bytes] = set()
         for name, value in fields:
             lower = name.lower()
+            if lower in _HAND_OVER_FIELDS:
+                return None
             if lower in _SINGLETON_FIELDS:
                 if lower in seen:
                     return None
                 seen.add(lower)
                 if lower == b"content-length":
                     length = int(value)  # llhttp checked it: digits only
-            elif lower in _HAND_OVER_FIELDS:
-                return None
         if http_version == "1.1" and b"host" not in seen:
             return None
         return handler, length
@@ -531,8 +556,14 @@ class LeanConnection(asyncio.Protocol):
             # The handler returned without answering (never, by the proxy's contract).
             error = RouterError(500, "internal router error", code="internal_error")
             response.send(error.status, error.answer_headers(), error.body())
-        if not response.keep_alive or not response.ended or self.draining or current.too_large:
+        if not response.ended or self.draining:
             self.close()
+            return
+        if not response.keep_alive or current.too_large:
+            if current.body is None:
+                self._linger(current)
+            else:
+                self.close()
             return
         if current.body is not None:
             self._advance()
@@ -541,11 +572,24 @@ class LeanConnection(asyncio.Protocol):
             # read (data_received) before the next request, within the read timeout.
             self._arm_idle_timer()
 
+    def _linger(self, current: _Current) -> None:
+        """Close once the rest of the body is in, or after :data:`LINGER_S`: as aiohttp's
+        lingering close, so that the client reads the answer rather than a reset (closing
+        with unread bytes in the socket sends one)."""
+        left = current.end - len(self._buffer) - current.dropped
+        self._buffer = b""
+        if left <= 0:
+            self.close()
+            return
+        self._linger_left = left
+        self._loop.call_later(LINGER_S, self.close)
+
     def _advance(self) -> None:
         """Drop the finished request from the buffer and serve the next one."""
         current = self._current
         assert current is not None
         self._current = None
+        self._head.reset()
         self._buffer = self._buffer[current.end :]
         self._arm_idle_timer()
         if self._reading_paused:
