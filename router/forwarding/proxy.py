@@ -7,10 +7,14 @@ the lean keep-alive client of ``kvroute.router.forwarding.upstream``, and relay 
 * non-streaming answers are read whole (they are small) and sent with the routing headers;
 * SSE streams are written to the client chunk by chunk as they arrive, never buffered.
 
+The proxy does not know which HTTP server received the request: it reads a
+``ClientRequest`` and answers into a ``ResponseSink`` (``kvroute.router.forwarding.exchange``),
+which aiohttp and the lean llhttp server (``kvroute.router.http.lean_server``) both provide.
+
 Before any request is parsed, the client passes the HTTP room's gate (``check_client``: API key,
 rate limit) and admission control (``kvroute.router.forwarding.admission``: concurrency limits, a bounded
 wait queue, else 429); the body must arrive within ``request_read_timeout_s`` (408) and
-within ``max_body_bytes`` (413).
+within ``max_body_bytes`` (413), which the server's body reader enforces.
 
 Until the first byte reaches the client, a failure is retried once on another healthy
 backend: connection refused/reset, timeouts, 500/502/503/504 answers, a non-streaming

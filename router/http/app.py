@@ -9,6 +9,10 @@ source the pool follows), and closes everything again. :func:`serve` runs it unt
 SIGTERM/SIGINT, then stops accepting connections, lets in-flight requests and streams
 finish for up to ``drain_timeout_s`` and returns; :func:`run` does that on uvloop.
 
+The proxied POST endpoints are served by the lean llhttp server of
+``kvroute.router.http.lean_server`` (``--http-server lean``, the default), which hands every
+other connection to aiohttp; with ``--http-server aiohttp`` aiohttp serves everything.
+
 Around the proxy: the client gate and admission control (``kvroute.router.http.security``,
 ``kvroute.router.forwarding.admission``), the router's own OpenAPI document at ``/openapi.json``, and a
 server whose connections answer unparsable requests (431, 400) in OpenAI's JSON form and
