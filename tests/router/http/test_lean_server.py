@@ -6,6 +6,7 @@ control, handing a connection over to aiohttp) holds."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import socket
 import time
@@ -338,3 +339,61 @@ def test_a_slow_client_pauses_the_relay(sim_engines: Any, router_server: Any) ->
     backend = router.state.pool.get(sim.url)
     assert backend is not None
     wait_until(lambda: router.loop.call(lambda: backend.in_flight) == 0)
+
+
+@pytest.mark.parametrize("http_server", ["lean", "aiohttp"])
+def test_an_unexpected_error_is_a_json_500_and_the_connection_goes_on(
+    http_server: str, sim_engines: Any, router_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (sim,) = sim_engines(1)
+    router = router_server([sim], http_server=http_server)
+    proxy = router.state.proxy
+    assert proxy is not None
+
+    async def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(proxy, "forward", broken)
+    answers, closed = exchange(router.url, post("/v1/chat/completions", CHAT) + get("/health"), 2)
+    assert answers[0].status == 500
+    assert answers[0].body == {
+        "error": {"message": "internal router error", "type": "server_error", "code": "internal_error"}
+    }
+    assert answers[1].status == 200 and not closed
+
+
+def test_drain_finishes_a_lean_stream_and_closes_idle_connections(sim_engines: Any, router_server: Any) -> None:
+    """The runner's cleanup (what SIGTERM runs): an idle keep-alive connection closes at once,
+    a stream in flight runs to its end, then its connection closes."""
+    (sim,) = sim_engines(1, time_scale=1.0, decode_tokens_per_s=40.0)
+    router = router_server([sim], drain_timeout_s=20.0)
+    host, port = router.url.removeprefix("http://").split(":")
+    idle = socket.create_connection((host, int(port)), timeout=10.0)
+    streaming = socket.create_connection((host, int(port)), timeout=10.0)
+    try:
+        idle.sendall(post("/v1/completions", b'{"model": "sim", "prompt": "hi", "max_tokens": 1}'))
+        response = http.client.HTTPResponse(_OneFile(idle), method="POST")  # type: ignore[arg-type]
+        response.begin()
+        response.read()
+        assert response.status == 200
+        body = orjson.dumps(
+            {"model": "sim", "max_tokens": 40, "stream": True, "messages": [{"role": "user", "content": "Count."}]}
+        )
+        streaming.sendall(post("/v1/chat/completions", body))
+        reader = _OneFile(streaming)
+        stream = http.client.HTTPResponse(reader, method="POST")  # type: ignore[arg-type]
+        stream.begin()
+        assert stream.status == 200
+        first = stream.read1(65536)  # type: ignore[attr-defined]
+        assert first
+        stopping = asyncio.run_coroutine_threadsafe(router.runner.cleanup(), router.loop.loop)
+        router.stopped = True
+        assert idle.recv(1) == b""  # closed at once, not after the stream
+        assert not stopping.done()
+        rest = stream.read()
+        assert (first + rest).rstrip().endswith(b"data: [DONE]")
+        assert reader.file.read1(1) == b""  # then its connection closes
+        stopping.result(timeout=20.0)
+    finally:
+        idle.close()
+        streaming.close()
