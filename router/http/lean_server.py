@@ -23,8 +23,10 @@ only what a proxied POST needs; everything else stays with aiohttp, byte for byt
 * The limits and timeouts are aiohttp's as the router configures them: the connection
   closes when no complete request head arrives within ``request_read_timeout_s`` of its
   start or of the last answer (slowloris, idle keep-alive); the body has that long once
-  the proxy reads it (408, by the proxy's reader); a body over ``max_body_bytes`` is
-  refused unread (413, close).
+  the proxy asks for it (408, from this server's body reader); a body over
+  ``max_body_bytes`` is refused unread (413, close). A connection that closes after an
+  answer first reads and drops the rest of an unread body for up to :data:`LINGER_S`
+  (aiohttp's lingering close), so the client reads the answer rather than a reset.
 * A client hanging up cancels its request's task (as aiohttp's ``handler_cancellation``):
   the proxy closes the upstream connection and returns its counters.
 * Streams are written as chunks arrive, and a write waits while the transport is paused
