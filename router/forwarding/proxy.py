@@ -106,6 +106,8 @@ _DROPPED_REQUEST_HEADERS = {
     for own_key in (False, True)
     for identity in (False, True)
 }
+#: The longest client-chosen request id taken as given (``request_id_of``).
+MAX_REQUEST_ID_CHARS = 128
 # Answers that mean "this replica failed or cannot take it now": nothing reached the
 # client yet and generation has no side effects, so another replica may answer instead.
 _RETRYABLE_STATUSES = frozenset({500, 502, 503, 504})
@@ -184,6 +186,20 @@ def _forwarded(
     return kept
 
 
+def request_id_of(headers: Mapping[str, str]) -> str:
+    """The client's ``X-Request-Id`` when it is a plain token, else a fresh random one.
+
+    The id is echoed in the answer, sent to the engine and written to the decision log, so
+    only visible ASCII of at most :data:`MAX_REQUEST_ID_CHARS` is taken as given: bytes that
+    are not UTF-8 could not be encoded again (a 500 for the client, a traceback in the log),
+    and other text would come back re-encoded.
+    """
+    given = headers.get("x-request-id")
+    if given and len(given) <= MAX_REQUEST_ID_CHARS and given.isascii() and given.isprintable() and " " not in given:
+        return given
+    return os.urandom(16).hex()
+
+
 def _outgoing_body(endpoint: Endpoint, parsed: ParsedRequest, raw: bytes) -> tuple[bytes, bool]:
     """The body to send upstream, and whether it asks for the usage chunk the client did not.
 
@@ -236,7 +252,7 @@ class Proxy:
     async def forward(self, request: ClientRequest, endpoint: Endpoint, sink: ResponseSink) -> None:
         """Handle one request to a proxied endpoint; its answer goes to ``sink``."""
         started = time.monotonic()
-        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
+        request_id = request_id_of(request.headers)
         try:
             if self._check_client is not None:
                 self._check_client(request)

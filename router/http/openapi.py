@@ -77,7 +77,10 @@ def _proxied_operation(endpoint: Endpoint, secured: bool) -> dict[str, Any]:
                 "x-kvroute-backend": {"schema": {"type": "string"}, "description": "The backend's URL."},
                 "x-kvroute-policy": {"schema": {"type": "string"}},
                 "x-kvroute-reason": {"schema": {"type": "string"}},
-                "x-request-id": {"schema": {"type": "string"}},
+                "x-request-id": {
+                    "schema": {"type": "string"},
+                    "description": "The client's own (visible ASCII, at most 128 characters) or a fresh one.",
+                },
             },
             "content": answer_content,
         },

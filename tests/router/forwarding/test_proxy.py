@@ -60,6 +60,27 @@ def test_chat_non_streaming_with_routing_headers(sim_engines: Any, router_server
     assert sent.headers["x-request-id"] == "my-request-42"
 
 
+@pytest.mark.parametrize("http_server", ["lean", "aiohttp"])
+def test_a_request_id_that_is_not_a_plain_token_is_replaced(
+    sim_engines: Any, router_server: Any, http_server: str
+) -> None:
+    """Bytes that are not UTF-8, spaces, control characters or an overlong id are neither
+    echoed nor sent on: the request gets a fresh id (it was a 500 with a logged traceback)."""
+    (sim,) = sim_engines(1)
+    router = router_server([sim], http_server=http_server)
+    body = {"model": "sim", "messages": MESSAGES, "max_tokens": 2}
+    with httpx.Client(base_url=router.url) as client:
+        kept = client.post("/v1/chat/completions", json=body, headers={"x-request-id": "trace-7:a/b=c"})
+        assert kept.status_code == 200
+        assert kept.headers["x-request-id"] == "trace-7:a/b=c"
+        for given in (b"\xff\xfe", "\u00e9t\u00e9".encode(), b"two words", b"x" * 129):
+            answer = client.post("/v1/chat/completions", json=body, headers={b"x-request-id": given})
+            assert answer.status_code == 200, given
+            replaced = answer.headers["x-request-id"]
+            assert len(replaced) == 32 and int(replaced, 16) >= 0, given
+    assert router.metrics().value("kvroute_requests_total", backend=sim.url, status="200") == 5
+
+
 def test_streaming_chat_matches_non_streaming_and_hides_the_injected_usage(
     sim_engines: Any, router_server: Any, api: str
 ) -> None:
