@@ -1,6 +1,6 @@
 """The routing engine's CPU per request, stage by stage, in one process (no HTTP, no profiler).
 
-    python3 -m kvroute.benchmarks.profile_routing [--passes 7] [--per-prompt 16] [--evict-mb 16] [--json FILE]
+    python3 -m kvroute.benchmarks.profile_routing [--passes 7] [--per-prompt 16] [--evict-mb 16] [--neighbour] [--json FILE]
 
 The ~2 KB chat bodies of ``kvroute bench --overhead`` (64 system prompts) go through the
 stages ``kvroute serve --policy cache_aware`` runs for each request, each stage timed on
@@ -19,6 +19,13 @@ HTTP work of others has evicted them. ``--evict-mb N`` touches N MB (untimed) be
 every item of every stage, which brings these timings close to the server's stage timers
 (:mod:`kvroute.benchmarks.stage_timers`) at saturation.
 
+``--neighbour`` pins this process to one CPU and runs a Python process that churns dicts
+(:data:`NEIGHBOUR_CODE`) on another, as a loaded router always has next to it (its clients,
+the engines, other routers). On the shared 2-core VM that alone doubles every stage's
+thread CPU time (benchmarks/README.md, "Round 9"), while a neighbour that computes in
+registers (sha256 of 256 bytes) changes nothing: the two CPUs share caches, and what a
+request costs is mostly what it must fetch again.
+
 It complements :mod:`kvroute.benchmarks.profile_request` (a loaded server sampled by py-spy,
 whose wall-clock samples also charge waits for the CPU to the call that waited): this
 one is exact for the routing stages and blind to the HTTP server and the relay.
@@ -27,11 +34,14 @@ one is exact for the routing stages and blind to the HTTP server and the relay.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +59,15 @@ from kvroute.tokenizer_index.hashing import block_hashes, request_salt
 
 CHAT = next(endpoint for endpoint in ENDPOINTS if endpoint.path == "/v1/chat/completions")
 BLOCK_SIZE = 16
+#: The ``--neighbour`` process: an interpreter allocating and dropping small objects, as
+#: the load generator, the engines and other routers on the same machine do.
+NEIGHBOUR_CODE = """
+table = {}
+while True:
+    for key in range(2000):
+        table[str(key)] = [key, str(key)]
+    table.clear()
+"""
 
 
 @dataclass(slots=True)
@@ -87,6 +106,25 @@ def _evictor(megabytes: int) -> Callable[[], object] | None:
         junk[::8] += 1  # one write per 64-byte line
 
     return evict
+
+
+@contextlib.contextmanager
+def busy_neighbour() -> Iterator[int]:
+    """This process pinned to its first allowed CPU and :data:`NEIGHBOUR_CODE` running on
+    the second, until the block ends; yields the neighbour's pid."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        raise RuntimeError("--neighbour needs two CPUs")
+    own, other = sorted(allowed)[:2]
+    os.sched_setaffinity(0, {own})
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR_CODE])
+    try:
+        os.sched_setaffinity(neighbour.pid, {other})
+        yield neighbour.pid
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+        os.sched_setaffinity(0, allowed)
 
 
 def profile_stages(passes: int = 7, per_prompt: int = 16, evict_mb: int = 0) -> list[StageTime]:
@@ -163,9 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=7)
     parser.add_argument("--per-prompt", type=int, default=16)
     parser.add_argument("--evict-mb", type=int, default=0, help="MB touched before each item (cold caches)")
+    parser.add_argument(
+        "--neighbour", action="store_true", help="a dict-churning Python process on another CPU while timing"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    rows = profile_stages(args.passes, args.per_prompt, args.evict_mb)
+    with busy_neighbour() if args.neighbour else contextlib.nullcontext():
+        rows = profile_stages(args.passes, args.per_prompt, args.evict_mb)
     print(format_stages(rows))
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(row) for row in rows], indent=2) + "\n")

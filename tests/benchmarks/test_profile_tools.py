@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 
 from kvroute.benchmarks.profile_request import stage_of, summarize
+from kvroute.benchmarks.profile_routing import busy_neighbour
 from kvroute.benchmarks.stage_timers import STAGES, _timed, reset, snapshot
 from tests.paths import REPO
 
@@ -106,3 +111,23 @@ def test_a_baseline_tree_is_what_python_m_runs(tmp_path, module: str) -> None:
         check=True,
     )
     assert Path(ran.stdout.strip()).resolve() == (tmp_path / "router" / "whoami.py").resolve()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_neighbour_runs_on_another_cpu_and_is_gone_after() -> None:
+    allowed = os.sched_getaffinity(0)
+    with busy_neighbour() as pid:
+        own = os.sched_getaffinity(0)
+        assert len(own) == 1 and os.sched_getaffinity(pid).isdisjoint(own)
+        started = time.monotonic()
+        while _cpu_ticks(pid) == 0 and time.monotonic() - started < 5:
+            time.sleep(0.05)
+        assert _cpu_ticks(pid) > 0  # it computes
+    assert os.sched_getaffinity(0) == allowed
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
