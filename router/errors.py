@@ -68,7 +68,7 @@ class RouterError(Exception):
 
     def body(self) -> bytes:
         """The JSON error object's bytes."""
-        return error_body(self.message, error_type=_TYPE_BY_STATUS.get(self.status, "server_error"), code=self.code)
+        return status_error_body(self.status, self.message, self.code)
 
     def answer_headers(self) -> list[tuple[bytes, bytes]]:
         """The answer's header fields as bytes (for a server other than aiohttp's)."""
@@ -90,6 +90,11 @@ def error_body(message: str, *, error_type: str, code: str | int | None) -> byte
     return orjson.dumps({"error": {"message": message, "type": error_type, "code": code}})
 
 
+def status_error_body(status: int, message: str, code: str | None) -> bytes:
+    """The JSON bytes of the error object answered with ``status`` (its ``type`` follows the status)."""
+    return error_body(message, error_type=_TYPE_BY_STATUS.get(status, "server_error"), code=code)
+
+
 def error_response(
     status: int,
     message: str,
@@ -98,7 +103,7 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     """An OpenAI-style JSON error response (its ``type`` follows the status)."""
-    body = error_body(message, error_type=_TYPE_BY_STATUS.get(status, "server_error"), code=code)
+    body = status_error_body(status, message, code)
     return web.Response(status=status, body=body, content_type=JSON_CONTENT_TYPE, headers=headers)
 
 

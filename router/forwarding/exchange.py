@@ -90,6 +90,14 @@ class ResponseSink(Protocol):
         """The end of a streamed answer."""
 
 
+def send_error(sink: ResponseSink, error: RouterError, *, request_id: str | None = None) -> None:
+    """Answer ``error`` as OpenAI-style JSON (closing the connection if it says so)."""
+    headers = error.answer_headers()
+    if request_id is not None:
+        headers.append((b"x-request-id", request_id.encode()))
+    sink.send(error.status, headers, error.body(), close=error.close)
+
+
 def body_too_large(limit: int, length: int | None = None) -> RouterError:
     """413 for a body over ``max_body_bytes``; the connection closes rather than read the rest."""
     if length is not None:

@@ -55,6 +55,7 @@ from kvroute.router.forwarding.exchange import (
     ClientRequest,
     ResponseHeaders,
     ResponseSink,
+    send_error,
 )
 from kvroute.router.forwarding.metrics import RouterMetrics
 from kvroute.router.forwarding.turn_batch import TurnBatch
@@ -266,9 +267,7 @@ class Proxy:
             call = _Call(request, sink, endpoint, parsed, request_id, started, prepared, body, usage_injected)
             await self._route(call)
         except RouterError as exc:
-            headers = exc.answer_headers()
-            headers.append((b"x-request-id", request_id.encode()))
-            sink.send(exc.status, headers, exc.body(), close=exc.close)
+            send_error(sink, exc, request_id=request_id)
 
     # --- choosing backends -----------------------------------------------------------
     async def _route(self, call: _Call) -> None:

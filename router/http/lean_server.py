@@ -61,6 +61,7 @@ from kvroute.router.forwarding.exchange import (
     ResponseSink,
     body_timeout,
     body_too_large,
+    send_error,
 )
 
 log = logging.getLogger("kvroute.lean_server")
@@ -109,6 +110,11 @@ def _status_lines(version: bytes) -> dict[int, bytes]:
 
 
 _STATUS_LINES = {False: _status_lines(b"1.1"), True: _status_lines(b"1.0")}  # keyed by "is HTTP/1.0"
+
+
+def _internal_error() -> RouterError:
+    # As error_middleware's answer to an unexpected exception.
+    return RouterError(500, "internal router error", code="internal_error")
 
 
 class _DateField:
@@ -541,8 +547,7 @@ class LeanConnection(asyncio.Protocol):
             # As error_middleware: logged with its traceback, answered as a JSON 500.
             log.exception("unhandled error in %s %s", request.method, request.raw_path.partition("?")[0])
             if not response.started:
-                error = RouterError(500, "internal router error", code="internal_error")
-                response.send(error.status, error.answer_headers(), error.body())
+                send_error(response, _internal_error())
             else:
                 response.keep_alive = False  # a broken stream: the connection closes instead
         finally:
@@ -556,8 +561,7 @@ class LeanConnection(asyncio.Protocol):
         response = current.response
         if not response.started:
             # The handler returned without answering (never, by the proxy's contract).
-            error = RouterError(500, "internal router error", code="internal_error")
-            response.send(error.status, error.answer_headers(), error.body())
+            send_error(response, _internal_error())
         if not response.ended or self.draining:
             self.close()
             return
