@@ -15,6 +15,12 @@ No broker, no consensus: the same ZMQ machinery precise mode uses. Bandwidth is 
 a byte budget per second (token bucket); what exceeds it, and what a slow peer cannot take
 (the PUB socket's high-water mark), is dropped and counted, never queued without bound. A
 dropped placement only costs a peer one less-informed decision.
+
+ZMQ's cost is per wake-up more than per message (its I/O thread, the event loop's
+readiness callback, a future per receive), so the placements of one event-loop turn are
+sent together at the start of the next, and a reader takes every message already queued
+each time it wakes (measured in ``benchmarks/README.md``, "Workers"). A placement is one
+message either way: the wire format does not change.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ TOPIC = b"kvroute-placements"
 _HEAD = struct.Struct("<IIHH")  # block size, prompt tokens, bytes of the backend URL, of the session key
 #: Messages a slow subscriber may have queued before the PUB socket drops for it.
 SEND_HWM = 10_000
+#: Messages a reader takes in one wake-up before it lets the event loop run other work.
+RECEIVE_BATCH = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +134,11 @@ class PeerExchange:
         self._ctx = context or zmq.asyncio.Context.instance()
         self._pub: zmq.Socket | None = None
         self._sub: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task[None] | None = None
+        #: The subscriber without its asyncio wrapper, read when its file descriptor signals.
+        self._inbox: zmq.Socket[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: Frames of the placements published this event-loop turn, sent at the next.
+        self._outbox: list[list[bytes]] = []
         self.stats = ExchangeStats()
 
     @property
@@ -142,8 +154,9 @@ class PeerExchange:
         nothing to a subscriber it has not heard from yet, so what is published before
         that is lost to it. The workers of ``kvroute serve --workers N`` wait for their
         siblings so, before they report ready."""
+        self._loop = asyncio.get_running_loop()
         if self._bind is not None:
-            # A plain (non-asyncio) socket: publishing never blocks and needs no loop.
+            # A plain (non-asyncio) socket: sending never blocks and needs no future.
             pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
             pub.setsockopt(zmq.LINGER, 0)
             pub.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -180,43 +193,78 @@ class PeerExchange:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
             self._sub = sub
-            self._reader = asyncio.get_running_loop().create_task(self._read(sub))
+            inbox: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+            self._inbox = inbox
+            loop = asyncio.get_running_loop()
+            loop.add_reader(inbox, self._receive)
+            loop.call_soon(self._receive)  # the descriptor signals changes, not what is queued
         for peer in peers:
             self._sub.connect(peer)
 
     async def stop(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        self._send_outbox()  # a draining router's last placements still reach its peers
+        if self._inbox is not None:
+            asyncio.get_running_loop().remove_reader(self._inbox)
         for socket in (self._sub, self._pub):
             if socket is not None:
                 socket.close(linger=0)
-        self._pub = self._sub = self._reader = None
+        self._pub = self._sub = self._inbox = None
 
     def publish(self, placement: Placement) -> None:
-        """Send one placement to the peers, unless the byte budget is spent (then count it)."""
-        pub = self._pub
-        if pub is None:
+        """Queue one placement for the peers, unless the byte budget is spent (then count it).
+
+        It is sent with the rest of this event-loop turn's at the start of the next turn.
+        """
+        if self._pub is None:
             return
         frames = encode(placement)
         if not self._budget.take(sum(len(frame) for frame in frames)):
             self.stats.dropped_budget += 1
             return
-        with contextlib.suppress(zmq.Again):  # a peer at its high-water mark: PUB drops for it
-            pub.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        self.stats.published += 1
+        if not self._outbox:
+            assert self._loop is not None  # set by start(), which made the socket
+            self._loop.call_soon(self._send_outbox)
+        self._outbox.append(frames)
 
-    async def _read(self, sub: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await sub.recv_multipart()
+    def _send_outbox(self) -> None:
+        pub, outbox = self._pub, self._outbox
+        self._outbox = []
+        if pub is None:
+            return
+        for frames in outbox:
+            with contextlib.suppress(zmq.Again):  # a peer at its high-water mark: PUB drops for it
+                pub.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self.stats.published += 1
+
+    def _receive(self) -> None:
+        """Take every placement queued, up to :data:`RECEIVE_BATCH` per event-loop turn.
+
+        Not zmq.asyncio's ``recv``: its future and reader bookkeeping per message cost more
+        than the message (~150 us, measured). ZMQ's descriptor is edge-triggered: it
+        signals when the socket's events change, so reading stops only once ``EVENTS``
+        (which also processes ZMQ's pending commands) shows nothing left.
+        """
+        inbox = self._inbox
+        if inbox is None:
+            return
+        for _ in range(RECEIVE_BATCH):
+            if not int(inbox.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return
             try:
-                placement = decode(frames)
-            except ValueError:
-                self.stats.malformed += 1
-                continue
-            self.stats.received += 1
-            try:
-                self._apply(placement)
-            except Exception:  # one bad placement must not stop the exchange
-                log.exception("applying a peer's placement on %s failed", placement.backend)
+                frames = inbox.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._take(frames)
+        asyncio.get_running_loop().call_soon(self._receive)  # more queued: after other work
+
+    def _take(self, frames: list[bytes]) -> None:
+        try:
+            placement = decode(frames)
+        except ValueError:
+            self.stats.malformed += 1
+            return
+        self.stats.received += 1
+        try:
+            self._apply(placement)
+        except Exception:  # one bad placement must not stop the exchange
+            log.exception("applying a peer's placement on %s failed", placement.backend)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import time
 from collections.abc import Callable
@@ -11,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from kvroute.router.routing.peer_exchange import ByteBudget, Placement, decode, encode
+from kvroute.router.routing.peer_exchange import RECEIVE_BATCH, ByteBudget, PeerExchange, Placement, decode, encode
 from tests.servers import RouterServer
 
 SYSTEM = "You are a careful assistant who answers questions about routing. " * 30
@@ -134,3 +135,62 @@ def test_the_exchange_counts_on_metrics(sim_engines: Any, router_server: Any) ->
     assert 'kvroute_peer_placements_total{event="published"} 1.0' in published
     assert 'kvroute_peer_placements_total{event="received"} 1.0' in received
     assert 'kvroute_peer_placements_total{event="dropped_budget"} 0.0' in received
+
+
+async def _connected_pair(received: list[Placement]) -> tuple[PeerExchange, PeerExchange]:
+    """A publishing exchange and one subscribed to it, its handshake done."""
+    publisher = PeerExchange(bind="tcp://127.0.0.1:*", peers=[], apply=lambda _: None, max_bytes_per_s=1e9)
+    await publisher.start()
+    endpoint = publisher.endpoint
+    assert endpoint is not None
+    subscriber = PeerExchange(bind=None, peers=[endpoint], apply=received.append, max_bytes_per_s=1e9)
+    assert await subscriber.start(wait_for=[endpoint])
+    await asyncio.sleep(0.2)  # the subscription itself reaches the publisher after the handshake
+    return publisher, subscriber
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_a_burst_of_placements_arrives_whole_and_in_order() -> None:
+    """One event-loop turn's placements leave together; the reader takes more than one
+    batch of them across turns, and the counts agree on both sides."""
+    burst = 3 * RECEIVE_BATCH + 7
+
+    async def scenario() -> None:
+        received: list[Placement] = []
+        publisher, subscriber = await _connected_pair(received)
+        try:
+            for number in range(burst):
+                publisher.publish(Placement("http://b", 16, np.array([number], dtype=np.uint64), number))
+            assert publisher.stats.published == 0  # queued until the next turn
+            await _until(lambda: len(received) == burst)
+            assert [placement.prompt_tokens for placement in received] == list(range(burst))
+            assert publisher.stats.published == subscriber.stats.received == burst
+            publisher.publish(Placement("http://b", 16, np.array([7], dtype=np.uint64), 7, "late"))
+            await _until(lambda: len(received) == burst + 1)  # the reader still listens after a burst
+            assert received[-1].session_key == "late"
+        finally:
+            await publisher.stop()
+            await subscriber.stop()
+
+    asyncio.run(scenario())
+
+
+def test_stopping_sends_what_is_queued() -> None:
+    async def scenario() -> None:
+        received: list[Placement] = []
+        publisher, subscriber = await _connected_pair(received)
+        try:
+            publisher.publish(Placement("http://b", 16, np.array([1, 2], dtype=np.uint64), 32, "last"))
+            await publisher.stop()  # in the same turn as the publish
+            await _until(lambda: len(received) == 1)
+            assert received[0].session_key == "last" and publisher.stats.published == 1
+        finally:
+            await subscriber.stop()
+
+    asyncio.run(scenario())
