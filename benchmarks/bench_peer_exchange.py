@@ -1,0 +1,136 @@
+"""What one placement costs on the router exchange: CPU per message on each side.
+
+``python -m kvroute.benchmarks.bench_peer_exchange [--rate 2000] [--count 4000] [--blocks 32] [--out FILE]``
+
+A publishing :class:`PeerExchange` in this process sends ``count`` placements of
+``blocks`` block hashes at ``rate`` per second, one per event-loop turn (as a router
+routing one request per turn does), to a subscribing exchange in a child process over
+``ipc://``, as two workers of ``kvroute serve --workers 2`` are joined. CPU is each
+process's user + system time, ZMQ's I/O threads included. The publisher's pacing costs
+CPU of its own (a timer per turn), so a run with the same pacing and nothing published is
+subtracted from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvroute.router.routing.peer_exchange import PeerExchange, Placement
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeCost:
+    rate: float
+    count: int
+    blocks: int
+    publisher_us: float
+    subscriber_us: float
+    received: int
+
+
+def _cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+async def _paced(count: int, rate: float, publish: PeerExchange | None, placement: Placement) -> float:
+    """CPU seconds of ``count`` event-loop turns at ``rate``, publishing one placement each."""
+    start = _cpu_s()
+    for _ in range(count):
+        if publish is not None:
+            publish.publish(placement)
+        await asyncio.sleep(1 / rate)
+    await asyncio.sleep(0.2)  # the last sends leave
+    return _cpu_s() - start
+
+
+async def _publish(endpoint: str, rate: float, count: int, blocks: int) -> tuple[float, float]:
+    exchange = PeerExchange(bind=endpoint, peers=[], apply=lambda _: None, max_bytes_per_s=1e12)
+    await exchange.start()
+    placement = Placement("http://10.0.0.1:8000", 16, np.arange(blocks, dtype=np.uint64), 16 * blocks)
+    try:
+        await asyncio.sleep(1.0)  # the subscriber connects
+        idle = await _paced(count, rate, None, placement)
+        busy = await _paced(count, rate, exchange, placement)
+    finally:
+        await exchange.stop()
+    return idle, busy
+
+
+async def _subscribe(endpoint: str, count: int, timeout_s: float) -> None:
+    received: list[Placement] = []
+    exchange = PeerExchange(bind=None, peers=[endpoint], apply=received.append, max_bytes_per_s=1e12)
+    await exchange.start()
+    print("ready", flush=True)
+    deadline = time.monotonic() + timeout_s
+    while not received and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    start = _cpu_s()
+    while len(received) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    cpu = _cpu_s() - start
+    await exchange.stop()
+    print(json.dumps({"cpu_s": cpu, "received": len(received)}), flush=True)
+
+
+def measure(rate: float, count: int, blocks: int) -> ExchangeCost:
+    with tempfile.TemporaryDirectory() as folder:
+        endpoint = f"ipc://{folder}/exchange"
+        child = subprocess.Popen(
+            [sys.executable, "-m", __spec__.name, "--subscriber", endpoint, "--count", str(count)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        idle, busy = asyncio.run(_publish(endpoint, rate, count, blocks))
+        report = json.loads(child.stdout.readline())
+        child.wait(timeout=30)
+    return ExchangeCost(
+        rate=rate,
+        count=count,
+        blocks=blocks,
+        publisher_us=round((busy - idle) / count * 1e6, 1),
+        subscriber_us=round(report["cpu_s"] / max(1, report["received"]) * 1e6, 1),
+        received=report["received"],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.bench_peer_exchange", description=__doc__)
+    parser.add_argument("--rate", type=float, default=2000.0, help="placements per second")
+    parser.add_argument("--count", type=int, default=4000)
+    parser.add_argument("--blocks", type=int, default=32, help="block hashes per placement")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--subscriber", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.subscriber:
+        asyncio.run(_subscribe(args.subscriber, args.count, timeout_s=60.0))
+        return 0
+    rows = [measure(args.rate, args.count, args.blocks) for _ in range(args.repeats)]
+    for row in rows:
+        print(
+            f"{row.rate:.0f}/s, {row.blocks} blocks: publisher {row.publisher_us} us, "
+            f"subscriber {row.subscriber_us} us per placement ({row.received}/{row.count} received)"
+        )
+    print(f"machine: {os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps([asdict(row) for row in rows], indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
