@@ -39,6 +39,27 @@ def test_derived_conversation_is_found_by_its_previous_last_block() -> None:
     assert stranger is not first and stranger is not None and stranger.shared_tokens == 32
 
 
+def test_a_prompt_holding_several_leaves_continues_the_latest_tracked_one() -> None:
+    """A conversation that branched off another's turn holds both leaves: it continues the
+    one whose leaf comes later, unless that conversation is no longer tracked."""
+    clock = FakeClock()
+    working_sets = WorkingSets(idle_s=100.0, clock=clock)
+    early = working_sets.find(None, [21, 22], 0)
+    assert early is not None
+    working_sets.record(early, "http://b0", 32, 22)
+    clock.now += 60.0
+    late = working_sets.find(None, [31, 32, 33], 0)
+    assert late is not None
+    working_sets.record(late, "http://b1", 48, 33)
+    prompt = [21, 22, 40, 31, 32, 33, 41]  # made-up hashes: positions are what counts
+    assert working_sets.find(None, prompt, 0) is late
+    assert working_sets.find(None, list(reversed(prompt)), 0) is early
+    clock.now += 60.0  # early has been idle past the idle time; late has not
+    assert working_sets.find(None, list(reversed(prompt)), 0) is late
+    fresh = working_sets.find(None, [50, 51, 52] * 2000, 0)  # a long prompt holding no leaf
+    assert fresh is not None and fresh not in (early, late) and fresh.key.startswith("prefix:")
+
+
 def test_session_key_identifies_the_conversation_and_retries_are_not_turns() -> None:
     working_sets = WorkingSets()
     conversation = working_sets.find("s1", [1, 2], 0)
