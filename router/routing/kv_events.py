@@ -33,12 +33,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
+
+from kvroute.router.routing.zmq_inbox import Inbox
 
 log = logging.getLogger(__name__)
 
@@ -405,14 +407,15 @@ class KVEventSubscriber:
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         watcher = asyncio.get_running_loop().create_task(self._watch_connection(monitor))
         sub.connect(self.endpoint)
+        inbox = Inbox(sub)
         try:
             while True:
-                frames = await sub.recv_multipart()
-                await self.handle_message(frames)
-                if not cast(int, sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                await self.handle_message(await inbox.next())
+                if not inbox.pending():
                     self._sink.flush()  # a burst is over: write it to the index in one go
                 await self._maybe_yield()
         finally:
+            inbox.close()
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher

@@ -16,11 +16,11 @@ a byte budget per second (token bucket); what exceeds it, and what a slow peer c
 (the PUB socket's high-water mark), is dropped and counted, never queued without bound. A
 dropped placement only costs a peer one less-informed decision.
 
-ZMQ's cost is per wake-up more than per message (its I/O thread, the event loop's
-readiness callback, a future per receive), so the placements of one event-loop turn are
-sent together at the start of the next, and a reader takes every message already queued
-each time it wakes (measured in ``benchmarks/README.md``, "Workers"). A placement is one
-message either way: the wire format does not change.
+ZMQ's cost is per wake-up more than per message (its I/O threads, the event loop's
+readiness callback), so the placements of one event-loop turn are sent together at the
+start of the next, and a reader takes every message already queued each time it wakes,
+through an :class:`~kvroute.router.routing.zmq_inbox.Inbox` (measured in
+``benchmarks/README.md``, "Workers"). A placement is one message either way.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import numpy as np
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
+
+from kvroute.router.routing.zmq_inbox import Inbox
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +136,7 @@ class PeerExchange:
         self._ctx = context or zmq.asyncio.Context.instance()
         self._pub: zmq.Socket | None = None
         self._sub: zmq.asyncio.Socket | None = None
-        #: The subscriber without its asyncio wrapper, read when its file descriptor signals.
-        self._inbox: zmq.Socket[bytes] | None = None
+        self._inbox: Inbox | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Frames of the placements published this event-loop turn, sent at the next.
         self._outbox: list[list[bytes]] = []
@@ -193,18 +194,14 @@ class PeerExchange:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
             self._sub = sub
-            inbox: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
-            self._inbox = inbox
-            loop = asyncio.get_running_loop()
-            loop.add_reader(inbox, self._receive)
-            loop.call_soon(self._receive)  # the descriptor signals changes, not what is queued
+            self._inbox = Inbox(sub, on_ready=self._receive)
         for peer in peers:
             self._sub.connect(peer)
 
     async def stop(self) -> None:
         self._send_outbox()  # a draining router's last placements still reach its peers
         if self._inbox is not None:
-            asyncio.get_running_loop().remove_reader(self._inbox)
+            self._inbox.close()
         for socket in (self._sub, self._pub):
             if socket is not None:
                 socket.close(linger=0)
@@ -237,22 +234,13 @@ class PeerExchange:
             self.stats.published += 1
 
     def _receive(self) -> None:
-        """Take every placement queued, up to :data:`RECEIVE_BATCH` per event-loop turn.
-
-        Not zmq.asyncio's ``recv``: its future and reader bookkeeping per message cost more
-        than the message (~150 us, measured). ZMQ's descriptor is edge-triggered: it
-        signals when the socket's events change, so reading stops only once ``EVENTS``
-        (which also processes ZMQ's pending commands) shows nothing left.
-        """
+        """Take the placements queued, up to :data:`RECEIVE_BATCH` per event-loop turn."""
         inbox = self._inbox
         if inbox is None:
             return
         for _ in range(RECEIVE_BATCH):
-            if not int(inbox.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                return
-            try:
-                frames = inbox.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            frames = inbox.take()
+            if frames is None:
                 return
             self._take(frames)
         asyncio.get_running_loop().call_soon(self._receive)  # more queued: after other work
