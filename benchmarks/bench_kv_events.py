@@ -17,6 +17,12 @@ steady size):
 
 A busy GPU replica prefilling 50K tokens/s at block size 16 stores ~3K blocks/s; the
 numbers below are to be compared with that.
+
+``--paced RATE`` adds what a subscriber costs at a steady rate rather than flat out: a
+publisher in another process sends one-event steps at ``RATE`` per second over ``ipc://``
+and this process reports its own CPU (ZMQ's I/O thread included) per step received. An
+engine sends a step each scheduler step that changes its cache (tens per second), so a
+router following many engines pays this per engine.
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -221,6 +230,61 @@ async def bench_stream(payloads: list[bytes]) -> tuple[float, int]:
     return elapsed * len(payloads) / measured, gaps
 
 
+def _publish_paced(endpoint: str, rate: float, steps: int) -> None:
+    """The paced publisher (a child process): one-event steps at ``rate`` per second."""
+    payloads, _, _ = make_steps(16, 1, "array", steps)
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 100_000)
+    pub.bind(endpoint)
+    time.sleep(1.0)  # the subscriber connects and subscribes
+    start = time.monotonic()
+    for seq, payload in enumerate(payloads):
+        pub.send_multipart((b"kv-events", seq.to_bytes(8, "big"), payload))
+        time.sleep(max(0.0, start + (seq + 1) / rate - time.monotonic()))
+    time.sleep(0.5)
+    pub.close()
+    context.term()
+
+
+def _cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+async def bench_paced(rate: float, steps: int) -> tuple[float, int]:
+    """This process's CPU seconds per step a subscriber takes at ``rate``, and steps measured."""
+    with tempfile.TemporaryDirectory() as folder:
+        endpoint = f"ipc://{folder}/kv-events"
+        index = PreciseIndex()
+        index.add_backend(BACKEND, endpoint)
+        subscriber = index.subscriber(BACKEND)
+        assert subscriber is not None
+        command = [
+            sys.executable,
+            "-m",
+            __spec__.name,
+            "--publish",
+            endpoint,
+            "--rate",
+            str(rate),
+            "--steps",
+            str(steps),
+        ]
+        publisher = subprocess.Popen(command)
+        await index.start()
+        try:
+            while subscriber.stats.messages == 0:
+                await asyncio.sleep(0.001)
+            cpu, seen = _cpu_s(), subscriber.stats.messages
+            await asyncio.sleep(max(0.5, (steps - seen) / rate - 1.0))  # stop before the last steps
+            cpu, seen = _cpu_s() - cpu, subscriber.stats.messages - seen
+        finally:
+            await index.stop()
+            publisher.wait(timeout=60)
+    return cpu / max(1, seen), seen
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""
     with socket.socket() as probe:
@@ -243,7 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench-out/kv_events.json"))
     parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
+    parser.add_argument("--paced", type=float, default=0.0, help="also: subscriber CPU per step at this rate")
+    parser.add_argument("--publish", help=argparse.SUPPRESS)
+    parser.add_argument("--rate", type=float, default=500.0, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=3000, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.publish:
+        _publish_paced(args.publish, args.rate, args.steps)
+        return 0
     steps, repeats = (300, 2) if args.quick else (1000, 3)
     results: list[Result] = []
     for block_size in (16, 32):
@@ -261,8 +332,18 @@ def main(argv: list[str] | None = None) -> int:
         if gaps:
             print(f"stream ({form}): {gaps} gaps recovered", file=sys.stderr)
     print_table(results)
+    report: dict[str, Any] = {"results": [asdict(row) for row in results]}
+    if args.paced:
+        paced_steps = int(args.paced * (2 if args.quick else 6))
+        cpu_per_step, measured = asyncio.run(bench_paced(args.paced, paced_steps))
+        report["paced"] = {"rate": args.paced, "steps": measured, "cpu_us_per_step": round(cpu_per_step * 1e6, 1)}
+        print(
+            f"\npaced: {args.paced:.0f} steps/s, 1 event of 16 blocks each: {cpu_per_step * 1e6:.0f} us "
+            f"of subscriber CPU per step ({measured} steps)"
+        )
+    print(f"machine: {os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps([asdict(row) for row in results], indent=2) + "\n")
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 0
 
