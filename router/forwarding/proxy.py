@@ -41,6 +41,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import orjson
@@ -129,6 +130,8 @@ class _Call:
     endpoint: Endpoint
     parsed: ParsedRequest
     request_id: str
+    #: ``request_id`` encoded once: it goes upstream and back to the client.
+    request_id_bytes: bytes
     #: ``time.monotonic()`` when the request arrived: durations and TTFT count from here.
     started: float
     #: The prompt tokenized and hashed once per request (None when no policy reads prefixes).
@@ -240,6 +243,8 @@ class Proxy:
         self._admission: AdmissionControl[Backend] = admission or AdmissionControl(
             max_concurrency=None, max_backend_concurrency=None, queue_size=0, queue_timeout_s=1.0
         )
+        # Read once: the limits are fixed when admission control is built.
+        self._admission_limited = self._admission.limited
         # The HTTP room's client gate (API keys, rate limits): raises RouterError to refuse.
         self._check_client = check_client
         # The first-byte timeout covers the wait for the answer's head and a stream's first
@@ -264,7 +269,18 @@ class Proxy:
             parsed = parse_request(raw, endpoint, request.headers, self._session_header)
             prepared = await self._prepare(endpoint, parsed, len(raw))
             body, usage_injected = _outgoing_body(endpoint, parsed, raw)
-            call = _Call(request, sink, endpoint, parsed, request_id, started, prepared, body, usage_injected)
+            call = _Call(
+                request,
+                sink,
+                endpoint,
+                parsed,
+                request_id,
+                request_id.encode(),
+                started,
+                prepared,
+                body,
+                usage_injected,
+            )
             await self._route(call)
         except RouterError as exc:
             send_error(sink, exc, request_id=request_id)
@@ -274,31 +290,21 @@ class Proxy:
         """Try the call on a backend; once more elsewhere if that fails before the first byte."""
         pool = self._pool
         model = call.parsed.model
+        path = call.endpoint.path
         admission = self._admission
         failed: list[Backend] = []
         holds_request_slot = False
         last_error: RouterError | None = None
-
-        path = call.endpoint.path
-
-        def eligible() -> list[Backend]:
-            candidates = pool.candidates(model, path)
-            if not failed:
-                return candidates
-            others = [backend for backend in candidates if backend not in failed]
-            # The retry is the client's last chance: not on a backend still on probation.
-            proven = [backend for backend in others if backend.breaker.state is BreakerState.CLOSED]
-            return proven or others
-
         try:
             for attempt in range(2):
-                if admission.limited:
+                if self._admission_limited:
                     # May wait for a turn (or raise 429); only backends with room come back.
+                    eligible = partial(self._eligible, model, path, failed)
                     candidates = list(await admission.admit(eligible, holds_request_slot=holds_request_slot))
                     holds_request_slot = True
                     alternatives = len(eligible())
                 else:
-                    candidates = eligible()
+                    candidates = self._eligible(model, path, failed)
                     alternatives = len(candidates)
                 if not candidates:
                     raise last_error or self._no_backend(model)
@@ -319,6 +325,16 @@ class Proxy:
         finally:
             if holds_request_slot:
                 admission.leave()
+
+    def _eligible(self, model: str | None, path: str, failed: list[Backend]) -> list[Backend]:
+        """The backends an attempt may go to: after a failure, not those that failed."""
+        candidates = self._pool.candidates(model, path)
+        if not failed:
+            return candidates
+        others = [backend for backend in candidates if backend not in failed]
+        # The retry is the client's last chance: not on a backend still on probation.
+        proven = [backend for backend in others if backend.breaker.state is BreakerState.CLOSED]
+        return proven or others
 
     async def _prepare(self, endpoint: Endpoint, parsed: ParsedRequest, size: int) -> PreparedPrompt | None:
         """Tokenize and hash the prompt once per request, not per attempt.
@@ -361,59 +377,57 @@ class Proxy:
 
     # --- one attempt on one backend ----------------------------------------------------
     async def _attempt(self, attempt: _Attempt) -> None:
-        """One exchange with one backend, its in-flight counters held until it ends, however it ends."""
-        backend = attempt.backend
-        work_tokens = attempt.plan.work_tokens
-        self._pool.acquire(backend, work_tokens)
-        try:
-            await self._exchange(attempt)
-        except asyncio.CancelledError:
-            attempt.status = "499"  # the client hung up (or the drain timeout ran out)
-            self._pool.request_abandoned(backend)
-            raise
-        finally:
-            self._pool.release(backend, work_tokens)
-            if self._admission.limited:
-                self._admission.wake()  # a backend's request slot freed
-            self._finish(attempt)
-
-    async def _exchange(self, attempt: _Attempt) -> None:
+        """One exchange with one backend, its in-flight counters held until it ends, however it
+        ends. (One coroutine for the counters, the request and the answer's status: each
+        coroutine layer costs every request its creation and an await.)"""
         call = attempt.call
         backend = attempt.backend
+        pool = self._pool
+        work_tokens = attempt.plan.work_tokens
+        pool.acquire(backend, work_tokens)
         try:
-            upstream = await self._upstream.post(
-                backend.access.origin,
-                call.request.raw_path.encode(),
-                self._upstream_headers(attempt),
-                call.body,
-                first_byte_timeout=self._first_byte_timeout,
-            )
-        except UpstreamError as exc:
-            unreachable = isinstance(exc, (UpstreamConnectError, UpstreamDisconnected))
-            self._pool.request_failed(backend, unreachable=unreachable)
-            raise self._failed_before_first_byte(attempt, exc) from None
-
-        completed = False
-        try:
-            status = upstream.status
-            if status >= 500:
-                self._pool.request_failed(backend)
-            else:
-                self._pool.request_succeeded(backend)
-            if attempt.can_retry and status in _RETRYABLE_STATUSES:
-                attempt.status = _STATUS_LABELS[status]
-                raise _Retry(RouterError(502, f"backend {backend.url} answered {status}", code="bad_gateway"))
-            attempt.status = _STATUS_LABELS.get(status) or str(status)
-            if upstream.is_event_stream:
-                await self._relay_stream(attempt, upstream)
-            else:
-                await self._relay_body(attempt, upstream)
-            completed = True
+            try:
+                upstream = await self._upstream.post(
+                    backend.access.origin,
+                    call.request.raw_path.encode(),
+                    self._upstream_headers(attempt),
+                    call.body,
+                    first_byte_timeout=self._first_byte_timeout,
+                )
+            except UpstreamError as exc:
+                unreachable = isinstance(exc, (UpstreamConnectError, UpstreamDisconnected))
+                pool.request_failed(backend, unreachable=unreachable)
+                raise self._failed_before_first_byte(attempt, exc) from None
+            completed = False
+            try:
+                status = upstream.status
+                if status >= 500:
+                    pool.request_failed(backend)
+                else:
+                    pool.request_succeeded(backend)
+                if attempt.can_retry and status in _RETRYABLE_STATUSES:
+                    attempt.status = _STATUS_LABELS[status]
+                    raise _Retry(RouterError(502, f"backend {backend.url} answered {status}", code="bad_gateway"))
+                attempt.status = _STATUS_LABELS.get(status) or str(status)
+                if upstream.is_event_stream:
+                    await self._relay_stream(attempt, upstream)
+                else:
+                    await self._relay_body(attempt, upstream)
+                completed = True
+            finally:
+                if completed:
+                    upstream.release()
+                else:
+                    upstream.close()  # closes the connection: the engine sees the abort at once
+        except asyncio.CancelledError:
+            attempt.status = "499"  # the client hung up (or the drain timeout ran out)
+            pool.request_abandoned(backend)
+            raise
         finally:
-            if completed:
-                upstream.release()
-            else:
-                upstream.close()  # closes the connection: the engine sees the abort at once
+            pool.release(backend, work_tokens)
+            if self._admission_limited:
+                self._admission.wake()  # a backend's request slot freed
+            self._finish(attempt)
 
     async def _relay_body(self, attempt: _Attempt, upstream: UpstreamResponse) -> None:
         try:
@@ -500,7 +514,7 @@ class Proxy:
         if access.header_names:
             skip = skip | access.header_names
         drop_prefix = b"x-kvroute-" if self._strip_kvroute_headers else None
-        headers = [(b"x-request-id", call.request_id.encode())]
+        headers = [(b"x-request-id", call.request_id_bytes)]
         headers += _forwarded(call.request.raw_headers, skip, drop_prefix)
         headers += access.proxy_headers(own_credential)
         if call.usage_injected:
@@ -513,20 +527,22 @@ class Proxy:
         """The engine's end-to-end headers (as received, not decoded) and the routing headers."""
         headers = _forwarded(upstream.raw_headers, _PER_HOP_RESPONSE_HEADERS)
         plan = attempt.plan
-        headers.append((b"x-kvroute-backend", plan.backend.encode()))
+        decision = plan.decision  # RoutePlan's backend and reason properties read it
+        headers.append((b"x-kvroute-backend", decision.backend.encode()))
         headers.append((b"x-kvroute-policy", plan.policy.encode()))
-        headers.append((b"x-kvroute-reason", plan.reason.encode()))
+        headers.append((b"x-kvroute-reason", decision.reason.encode()))
         prompt_tokens = plan.request.prompt_tokens
         if prompt_tokens is not None:
             headers.append((b"x-kvroute-prompt-tokens", b"%d" % prompt_tokens))
-            headers.append((b"x-kvroute-matched-tokens", b"%d" % plan.predicted_cached_tokens))
-        headers.append((b"x-request-id", attempt.call.request_id.encode()))
+            headers.append((b"x-kvroute-matched-tokens", b"%d" % decision.matched_tokens))
+        headers.append((b"x-request-id", attempt.call.request_id_bytes))
         return headers
 
     # --- bookkeeping -------------------------------------------------------------------
     def _finish(self, attempt: _Attempt) -> None:
         """Metrics, routing feedback and the decision log for one finished attempt."""
         plan = attempt.plan
+        decision = plan.decision  # RoutePlan's backend, reason and prediction properties read it
         usage = attempt.usage
         # What the engine's report means is its engine module's to say (SGLang: null = 0
         # with --enable-cache-report; a generic server: nothing to learn from).
@@ -534,18 +550,18 @@ class Proxy:
         cached_tokens = backend.engine.observed(usage, backend.engine_facts)
         outcome = AttemptOutcome(
             request_id=attempt.call.request_id,
-            backend=plan.backend,
+            backend=decision.backend,
             policy=plan.policy,
             endpoint=attempt.call.endpoint.name,
             status=attempt.status,
             duration_s=time.monotonic() - attempt.call.started,
             ttft_s=attempt.ttft_s,
             prompt_tokens=usage.prompt_tokens if usage is not None else None,
-            predicted_cached_tokens=plan.predicted_cached_tokens,
+            predicted_cached_tokens=decision.matched_tokens,
             cached_tokens=cached_tokens,
         )
         self._metrics.record_request(outcome)
-        self._metrics.record_decision(plan.policy, plan.reason)
+        self._metrics.record_decision(plan.policy, decision.reason)
         try:
             self._routing.observe(plan, cached_tokens)
         except Exception:

@@ -252,8 +252,9 @@ def _proxy_handler(state: RouterState, endpoint: Endpoint) -> Handler:
 def _lean_handler(state: RouterState, endpoint: Endpoint) -> LeanRoute:
     """A proxied endpoint under the lean server (:mod:`kvroute.router.http.lean_server`)."""
 
-    async def handle(request: ClientRequest, sink: ResponseSink) -> None:
-        await _started(state.proxy).forward(request, endpoint, sink)
+    def handle(request: ClientRequest, sink: ResponseSink) -> Awaitable[None]:
+        # The proxy's coroutine itself, not one wrapping it: a coroutine less per request.
+        return _started(state.proxy).forward(request, endpoint, sink)
 
     return handle
 
