@@ -25,27 +25,55 @@ BodyReader = Callable[[], Awaitable[bytes]]
 
 class Headers(Mapping[str, str]):
     """A request's header fields with case-insensitive lookups; the first of repeated names wins
-    (as ``CIMultiDict.get``). Values are decoded as aiohttp decodes them (UTF-8, surrogateescape)."""
+    (as ``CIMultiDict.get``). Values are decoded as aiohttp decodes them (UTF-8, surrogateescape).
+
+    Kept as the raw bytes, by lower-case name, and decoded when looked up: a proxied request's
+    headers are read a few times (request id, session, policy header), mostly for names it
+    does not have, so decoding every field up front is work nearly always thrown away.
+    """
 
     __slots__ = ("_by_name",)
 
     def __init__(self, raw: RawHeaders) -> None:
-        by_name: dict[str, str] = {}
-        for name, value in reversed(raw):  # reversed: the first occurrence is written last and wins
-            by_name[name.decode("latin-1").lower()] = value.decode("utf-8", "surrogateescape")
+        by_name: dict[bytes, bytes] = {}
+        for name, value in raw:
+            by_name.setdefault(name.lower(), value)
         self._by_name = by_name
 
+    @classmethod
+    def from_lowered(cls, by_name: dict[bytes, bytes]) -> Headers:
+        """Headers from fields already collected by lower-case name (first occurrence kept);
+        ``by_name`` is taken, not copied. Names are HTTP tokens (ASCII), as llhttp checks."""
+        headers = cls.__new__(cls)
+        headers._by_name = by_name
+        return headers
+
+    @staticmethod
+    def _key(name: str) -> bytes | None:
+        try:
+            return name.lower().encode("latin-1")
+        except UnicodeEncodeError:
+            return None  # no field name (an HTTP token) has such a character
+
     def __getitem__(self, name: str) -> str:
-        return self._by_name[name.lower()]
+        value = self._by_name.get(self._key(name))  # type: ignore[arg-type]
+        if value is None:
+            raise KeyError(name)
+        return value.decode("utf-8", "surrogateescape")
 
     def get(self, name: str, default: str | None = None) -> str | None:  # type: ignore[override]
-        return self._by_name.get(name.lower(), default)
+        try:  # _key inline: this is the lookup of every request
+            key = name.lower().encode("latin-1")
+        except UnicodeEncodeError:
+            return default
+        value = self._by_name.get(key)
+        return default if value is None else value.decode("utf-8", "surrogateescape")
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name.lower() in self._by_name
+        return isinstance(name, str) and self._key(name) in self._by_name
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._by_name)
+        return (name.decode("latin-1") for name in self._by_name)
 
     def __len__(self) -> int:
         return len(self._by_name)

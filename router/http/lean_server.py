@@ -455,7 +455,7 @@ class LeanConnection(asyncio.Protocol):
         if route is None:
             self._hand_over()
             return
-        handler, length = route
+        handler, length, by_name = route
         keep_alive = parser.should_keep_alive()
         response = LeanResponse(self, http10=http_version == "1.0", keep_alive=keep_alive)
         too_large = length > limits.max_body_bytes
@@ -469,15 +469,16 @@ class LeanConnection(asyncio.Protocol):
         request = ClientRequest(
             method="POST",
             raw_path=head.url.decode("utf-8", "surrogateescape"),
-            headers=Headers(head.fields),
+            headers=Headers.from_lowered(by_name),
             raw_headers=head.fields,
             remote=self._remote,
             body=current.body if current.body is not None else self._body_reader(current, length, too_large),
         )
         current.task = self._loop.create_task(self._run(handler, request, current))
 
-    def _route(self, head: _Head, http_version: str) -> tuple[LeanRoute, int] | None:
-        """The handler and body length of a request this server takes, or None for aiohttp's."""
+    def _route(self, head: _Head, http_version: str) -> tuple[LeanRoute, int, dict[bytes, bytes]] | None:
+        """The handler, body length and fields by lower-case name (the first of each) of a
+        request this server takes, or None for aiohttp's."""
         if http_version != "1.1" and http_version != "1.0":
             return None
         path, _, _ = head.url.partition(b"?")
@@ -488,20 +489,21 @@ class LeanConnection(asyncio.Protocol):
         if len(fields) > MAX_HEADER_FIELDS:
             return None
         length = 0
-        seen: set[bytes] = set()
+        by_name: dict[bytes, bytes] = {}
         for name, value in fields:
             lower = name.lower()
             if lower in _HAND_OVER_FIELDS:
                 return None
-            if lower in _SINGLETON_FIELDS:
-                if lower in seen:
+            if lower in by_name:
+                if lower in _SINGLETON_FIELDS:
                     return None
-                seen.add(lower)
-                if lower == b"content-length":
-                    length = int(value)  # llhttp checked it: digits only
-        if http_version == "1.1" and b"host" not in seen:
+                continue  # a repeated field: lookups see its first value
+            by_name[lower] = value
+            if lower == b"content-length":
+                length = int(value)  # llhttp checked it: digits only
+        if http_version == "1.1" and b"host" not in by_name:
             return None
-        return handler, length
+        return handler, length, by_name
 
     def _body_reader(self, current: _Current, length: int, too_large: bool) -> Callable[[], Awaitable[bytes]]:
         timeout_s = self._limits.read_timeout_s
