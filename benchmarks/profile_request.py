@@ -22,6 +22,11 @@ a set of 1,024 repeated requests (as ``kvroute bench --overhead`` measures); ``-
 Writes ``benchmarks/results/profile-LABEL.txt`` (the stage table and the 30 hottest
 functions by own time) and ``.json``, and keeps py-spy's raw collapsed stacks next to them
 (``.stacks``; ``flamegraph.pl`` or speedscope draws them).
+
+``--timers`` times the routing stages inside the router instead (thread CPU per call);
+``--calls`` counts Python-level calls per request under cProfile
+(:mod:`kvroute.benchmarks.call_profile`: the list of what one request calls, and how often)
+and keeps the profile (``profile-LABEL-calls.prof``, for ``pstats``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import pstats
 import shutil
 import signal
 import subprocess
@@ -39,10 +45,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvroute.benchmarks import fleet as fleets
+from kvroute.benchmarks.call_profile import format_calls, summarize_calls
 from kvroute.benchmarks.fleet import ManagedProcess, free_port
 from kvroute.benchmarks.overhead import chat_bodies, closed_loop, start_upstream
 
 RESULTS = Path(__file__).parent / "results"
+#: The checkout (dropped from the function names of a call profile).
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 #: Stage -> path fragments of the modules whose frames belong to it. Checked from the
 #: innermost frame outwards; the first frame that matches any stage decides.
@@ -223,14 +232,20 @@ async def profile_router(
 
 
 async def _start_timed_router(
-    policy: str, backends: Sequence[str], out: Path, extra_args: Sequence[str]
+    policy: str,
+    backends: Sequence[str],
+    out: Path,
+    extra_args: Sequence[str],
+    wrapper: str = "kvroute.benchmarks.stage_timers",
 ) -> ManagedProcess:
-    """``kvroute serve`` under :mod:`kvroute.benchmarks.stage_timers`, all backends healthy."""
+    """``kvroute serve`` under ``wrapper`` (:mod:`kvroute.benchmarks.stage_timers` or
+    :mod:`kvroute.benchmarks.call_profile`: SIGUSR1 starts, SIGUSR2 writes ``out``), all
+    backends healthy."""
     port = free_port()
     argv = [
         sys.executable,
         "-m",
-        "kvroute.benchmarks.stage_timers",
+        wrapper,
         str(out),
         "serve",
         "--host",
@@ -296,6 +311,38 @@ async def time_stages(
     return requests, run.cpu_s / requests * 1e6, stages
 
 
+async def count_calls(
+    policy: str, seconds: float, concurrency: int, out: Path, extra_args: Sequence[str], *, per_prompt: int = 16
+) -> tuple[int, pstats.Stats]:
+    """A loaded router under cProfile (:mod:`kvroute.benchmarks.call_profile`); (requests, profile)."""
+    upstreams = [start_upstream() for _ in range(2)]
+    router = None
+    out.unlink(missing_ok=True)
+    try:
+        await asyncio.gather(*(upstream.wait_ready() for upstream in upstreams))
+        backends = [upstream.url for upstream in upstreams]
+        router = await _start_timed_router(policy, backends, out, extra_args, "kvroute.benchmarks.call_profile")
+        bodies = chat_bodies(per_prompt=per_prompt)
+        await closed_loop(router.url, bodies, concurrency, 0.0, None, requests=len(bodies))
+        router.process.send_signal(signal.SIGUSR1)
+        await asyncio.sleep(0.2)
+        run = await closed_loop(router.url, bodies, concurrency, seconds, router.pid)
+        router.process.send_signal(signal.SIGUSR2)
+        for _ in range(100):  # the dump takes a moment
+            await asyncio.sleep(0.1)
+            if out.exists():
+                await asyncio.sleep(0.5)
+                break
+        stats = pstats.Stats(str(out))
+    finally:
+        if router is not None:
+            router.stop()
+        for upstream in upstreams:
+            upstream.stop()
+    # closed_loop's first request on each connection (it opens them) is profiled too.
+    return run.requests + concurrency, stats
+
+
 def format_timed(policy: str, requests: int, cpu_us: float, stages: Sequence[TimedStage], command: str) -> str:
     lines = [
         f"# {command}",
@@ -336,12 +383,20 @@ def main(argv: list[str] | None = None) -> int:
         help="instead of py-spy: thread CPU per routing stage, timed inside the "
         "router (kvroute.benchmarks.stage_timers); writes profile-LABEL-timers.txt/.json",
     )
+    parser.add_argument(
+        "--calls",
+        action="store_true",
+        help="instead of py-spy: Python-level calls per request under cProfile "
+        "(kvroute.benchmarks.call_profile); writes profile-LABEL-calls.txt/.json/.prof",
+    )
     parser.add_argument("--label", default="current")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("router_args", nargs="*", help="extra kvroute serve flags (after --)")
     args = parser.parse_args(argv)
     if args.timers:
         return _main_timers(args, argv)
+    if args.calls:
+        return _main_calls(args, argv)
     if shutil.which("py-spy") is None:
         print("py-spy is not installed (pip install py-spy)", file=sys.stderr)
         return 2
@@ -367,6 +422,31 @@ def main(argv: list[str] | None = None) -> int:
         base.with_suffix(".txt").write_text(text)
         base.with_suffix(".json").write_text(json.dumps(asdict(profile), indent=2) + "\n")
         print(f"wrote {base}.txt, .json, .stacks")
+        return 0
+
+    return fleets.run_stoppable(run())
+
+
+def _main_calls(args: argparse.Namespace, argv: list[str] | None) -> int:
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    base = args.out_dir / f"profile-{args.label}-calls"
+
+    async def run() -> int:
+        requests, stats = await count_calls(
+            args.policy,
+            args.seconds,
+            args.concurrency,
+            base.with_suffix(".prof"),
+            args.router_args,
+            per_prompt=args.per_prompt,
+        )
+        profile = summarize_calls(stats, requests, root=str(REPO_ROOT) + "/")
+        command = "python3 -m kvroute.benchmarks.profile_request " + " ".join(argv or sys.argv[1:])
+        text = format_calls(profile, command)
+        print(text, end="")
+        base.with_suffix(".txt").write_text(text)
+        base.with_suffix(".json").write_text(json.dumps(asdict(profile), indent=2) + "\n")
+        print(f"wrote {base}.txt, .json, .prof")
         return 0
 
     return fleets.run_stoppable(run())

@@ -131,3 +131,28 @@ def test_the_neighbour_runs_on_another_cpu_and_is_gone_after() -> None:
 def _cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_call_profiles_count_calls_per_request(tmp_path: Path) -> None:
+    import cProfile
+    import pstats
+
+    from kvroute.benchmarks.call_profile import format_calls, summarize_calls
+
+    def handle(n: int) -> int:
+        return len(str(n))
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for number in range(100):
+        handle(number)
+    profiler.disable()
+    path = tmp_path / "calls.prof"
+    profiler.dump_stats(str(path))
+    profile = summarize_calls(pstats.Stats(str(path)), requests=100, root=str(Path(__file__).parent) + "/")
+    rows = {row.function: row for row in profile.functions}
+    handler = next(row for name, row in rows.items() if name.startswith("test_profile_tools.py:") and "handle" in name)
+    assert handler.calls_per_request == pytest.approx(1.0)
+    assert rows["<built-in method builtins.len>"].calls_per_request == pytest.approx(1.0)
+    assert profile.groups["builtins"] >= 1.0 and profile.calls_per_request >= 2.0
+    assert "Python-level calls per request" in format_calls(profile, "test")
