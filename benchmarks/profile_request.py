@@ -43,11 +43,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from kvroute.benchmarks import fleet as fleets
 from kvroute.benchmarks.call_profile import format_calls, summarize_calls
 from kvroute.benchmarks.fleet import ManagedProcess, free_port
-from kvroute.benchmarks.overhead import chat_bodies, closed_loop, start_upstream
+from kvroute.benchmarks.overhead import LoadRun, chat_bodies, closed_loop, start_upstream
 
 RESULTS = Path(__file__).parent / "results"
 #: The checkout (dropped from the function names of a call profile).
@@ -277,6 +278,18 @@ class TimedStage:
     us_per_request: float
 
 
+async def _measured_load(router: ManagedProcess, concurrency: int, seconds: float, per_prompt: int) -> LoadRun:
+    """Every body once (warm-up), then SIGUSR1 (start measuring), ``seconds`` of closed-loop
+    load, SIGUSR2 (stop and write): what the stage timers and the call profile both take."""
+    bodies = chat_bodies(per_prompt=per_prompt)
+    await closed_loop(router.url, bodies, concurrency, 0.0, None, requests=len(bodies))
+    router.process.send_signal(signal.SIGUSR1)
+    await asyncio.sleep(0.2)
+    run = await closed_loop(router.url, bodies, concurrency, seconds, router.pid)
+    router.process.send_signal(signal.SIGUSR2)
+    return run
+
+
 async def time_stages(
     policy: str, seconds: float, concurrency: int, out: Path, extra_args: Sequence[str], *, per_prompt: int = 16
 ) -> tuple[int, float, list[TimedStage]]:
@@ -286,12 +299,7 @@ async def time_stages(
     try:
         await asyncio.gather(*(upstream.wait_ready() for upstream in upstreams))
         router = await _start_timed_router(policy, [upstream.url for upstream in upstreams], out, extra_args)
-        bodies = chat_bodies(per_prompt=per_prompt)
-        await closed_loop(router.url, bodies, concurrency, 0.0, None, requests=len(bodies))
-        router.process.send_signal(signal.SIGUSR1)
-        await asyncio.sleep(0.2)
-        run = await closed_loop(router.url, bodies, concurrency, seconds, router.pid)
-        router.process.send_signal(signal.SIGUSR2)
+        run = await _measured_load(router, concurrency, seconds, per_prompt)
         await asyncio.sleep(0.5)
         timers = json.loads(out.read_text())
     finally:
@@ -322,12 +330,7 @@ async def count_calls(
         await asyncio.gather(*(upstream.wait_ready() for upstream in upstreams))
         backends = [upstream.url for upstream in upstreams]
         router = await _start_timed_router(policy, backends, out, extra_args, "kvroute.benchmarks.call_profile")
-        bodies = chat_bodies(per_prompt=per_prompt)
-        await closed_loop(router.url, bodies, concurrency, 0.0, None, requests=len(bodies))
-        router.process.send_signal(signal.SIGUSR1)
-        await asyncio.sleep(0.2)
-        run = await closed_loop(router.url, bodies, concurrency, seconds, router.pid)
-        router.process.send_signal(signal.SIGUSR2)
+        run = await _measured_load(router, concurrency, seconds, per_prompt)
         for _ in range(100):  # the dump takes a moment
             await asyncio.sleep(0.1)
             if out.exists():
@@ -416,15 +419,23 @@ def main(argv: list[str] | None = None) -> int:
             warm=not args.cold,
         )
         profile = summarize(args.label, args.policy, read_stacks(stacks_path), requests, seconds, cpu_s)
-        command = "python3 -m kvroute.benchmarks.profile_request " + " ".join(argv or sys.argv[1:])
-        text = format_profile(profile, command)
-        print(text, end="")
-        base.with_suffix(".txt").write_text(text)
-        base.with_suffix(".json").write_text(json.dumps(asdict(profile), indent=2) + "\n")
-        print(f"wrote {base}.txt, .json, .stacks")
+        _write_report(base, format_profile(profile, _command(argv)), asdict(profile), also=", .stacks")
         return 0
 
     return fleets.run_stoppable(run())
+
+
+def _command(argv: list[str] | None) -> str:
+    """The command line that made a report, as its header quotes it."""
+    return "python3 -m kvroute.benchmarks.profile_request " + " ".join(argv or sys.argv[1:])
+
+
+def _write_report(base: Path, text: str, report: Any, *, also: str = "") -> None:
+    """Print ``text`` and write it and ``report`` (JSON) beside ``base``."""
+    print(text, end="")
+    base.with_suffix(".txt").write_text(text)
+    base.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {base}.txt, .json{also}")
 
 
 def _main_calls(args: argparse.Namespace, argv: list[str] | None) -> int:
@@ -441,12 +452,7 @@ def _main_calls(args: argparse.Namespace, argv: list[str] | None) -> int:
             per_prompt=args.per_prompt,
         )
         profile = summarize_calls(stats, requests, root=str(REPO_ROOT) + "/")
-        command = "python3 -m kvroute.benchmarks.profile_request " + " ".join(argv or sys.argv[1:])
-        text = format_calls(profile, command)
-        print(text, end="")
-        base.with_suffix(".txt").write_text(text)
-        base.with_suffix(".json").write_text(json.dumps(asdict(profile), indent=2) + "\n")
-        print(f"wrote {base}.txt, .json, .prof")
+        _write_report(base, format_calls(profile, _command(argv)), asdict(profile), also=", .prof")
         return 0
 
     return fleets.run_stoppable(run())
@@ -462,23 +468,13 @@ def _main_timers(args: argparse.Namespace, argv: list[str] | None) -> int:
             args.policy, args.seconds, args.concurrency, raw, args.router_args, per_prompt=args.per_prompt
         )
         raw.unlink(missing_ok=True)
-        command = "python3 -m kvroute.benchmarks.profile_request " + " ".join(argv or sys.argv[1:])
-        text = format_timed(args.policy, requests, cpu_us, stages, command)
-        print(text, end="")
-        base.with_suffix(".txt").write_text(text)
-        base.with_suffix(".json").write_text(
-            json.dumps(
-                {
-                    "policy": args.policy,
-                    "requests": requests,
-                    "cpu_us_per_request": cpu_us,
-                    "stages": [asdict(stage) for stage in stages],
-                },
-                indent=2,
-            )
-            + "\n"
-        )
-        print(f"wrote {base}.txt, .json")
+        report = {
+            "policy": args.policy,
+            "requests": requests,
+            "cpu_us_per_request": cpu_us,
+            "stages": [asdict(stage) for stage in stages],
+        }
+        _write_report(base, format_timed(args.policy, requests, cpu_us, stages, _command(argv)), report)
         return 0
 
     return fleets.run_stoppable(run())
