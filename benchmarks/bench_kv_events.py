@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -46,6 +45,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from kvroute.benchmarks.results import machine
 from kvroute.router.routing.kv_events import KVEventDecoder, KVEventsState
 from kvroute.router.routing.precise_index import PreciseIndex
 
@@ -247,11 +247,6 @@ def _publish_paced(endpoint: str, rate: float, steps: int) -> None:
     context.term()
 
 
-def _cpu_s() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
 async def bench_paced(rate: float, steps: int) -> tuple[float, int]:
     """This process's CPU seconds per step a subscriber takes at ``rate``, and steps measured."""
     with tempfile.TemporaryDirectory() as folder:
@@ -276,9 +271,9 @@ async def bench_paced(rate: float, steps: int) -> tuple[float, int]:
         try:
             while subscriber.stats.messages == 0:
                 await asyncio.sleep(0.001)
-            cpu, seen = _cpu_s(), subscriber.stats.messages
+            cpu, seen = time.process_time(), subscriber.stats.messages
             await asyncio.sleep(max(0.5, (steps - seen) / rate - 1.0))  # stop before the last steps
-            cpu, seen = _cpu_s() - cpu, subscriber.stats.messages - seen
+            cpu, seen = time.process_time() - cpu, subscriber.stats.messages - seen
         finally:
             await index.stop()
             publisher.wait(timeout=60)
@@ -341,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             f"\npaced: {args.paced:.0f} steps/s, 1 event of 16 blocks each: {cpu_per_step * 1e6:.0f} us "
             f"of subscriber CPU per step ({measured} steps)"
         )
-    print(f"machine: {os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(machine())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")

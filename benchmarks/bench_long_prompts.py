@@ -59,7 +59,7 @@ import numpy as np
 import orjson
 
 from kvroute.benchmarks.overhead import chat_bodies
-from kvroute.benchmarks.results import percentile
+from kvroute.benchmarks.results import machine, percentile
 from kvroute.benchmarks.workloads import AGENT_TOOLS, words
 from kvroute.router.config import Settings
 from kvroute.router.fleet.backends import Backend
@@ -530,15 +530,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         print()
         print(format_stalls(stalls))
-    load = os.getloadavg()
-    print(f"\nmachine: {os.cpu_count()} cpus, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print()
+    print(machine())
     report = {
         "benchmark": "long_prompts",
         "argv": sys.argv[1:] if argv is None else argv,
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
-        "load_average": list(load),
+        "load_average": list(os.getloadavg()),
         "block_size": BLOCK_SIZE,
         "index_blocks": args.index_blocks,
         "backends": BACKENDS,

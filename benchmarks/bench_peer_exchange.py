@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvroute.benchmarks.results import machine
 from kvroute.router.routing.peer_exchange import PeerExchange, Placement
 
 
@@ -39,20 +39,15 @@ class ExchangeCost:
     received: int
 
 
-def _cpu_s() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
 async def _paced(count: int, rate: float, publish: PeerExchange | None, placement: Placement) -> float:
     """CPU seconds of ``count`` event-loop turns at ``rate``, publishing one placement each."""
-    start = _cpu_s()
+    start = time.process_time()
     for _ in range(count):
         if publish is not None:
             publish.publish(placement)
         await asyncio.sleep(1 / rate)
     await asyncio.sleep(0.2)  # the last sends leave
-    return _cpu_s() - start
+    return time.process_time() - start
 
 
 async def _publish(endpoint: str, rate: float, count: int, blocks: int) -> tuple[float, float]:
@@ -76,10 +71,10 @@ async def _subscribe(endpoint: str, count: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not received and time.monotonic() < deadline:
         await asyncio.sleep(0.005)
-    start = _cpu_s()
+    start = time.process_time()
     while len(received) < count and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    cpu = _cpu_s() - start
+    cpu = time.process_time() - start
     await exchange.stop()
     print(json.dumps({"cpu_s": cpu, "received": len(received)}), flush=True)
 
@@ -125,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row.rate:.0f}/s, {row.blocks} blocks: publisher {row.publisher_us} us, "
             f"subscriber {row.subscriber_us} us per placement ({row.received}/{row.count} received)"
         )
-    print(f"machine: {os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(machine())
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps([asdict(row) for row in rows], indent=2) + "\n")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -84,6 +85,12 @@ class TargetResult:
         values = {key: value for key, value in data.items() if key in known}
         values["backend_share"] = {url: BackendShare(**share) for url, share in data.get("backend_share", {}).items()}
         return cls(**values)
+
+
+def machine() -> str:
+    """The line a benchmark prints under its figures: cores and load average (1, 5, 15 min)."""
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    return f"machine: {os.cpu_count()} cpus, load average {load}"
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
