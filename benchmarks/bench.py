@@ -43,8 +43,10 @@ from kvroute.benchmarks.fleet import (
     SimFleet,
     SimSpec,
 )
+from kvroute.benchmarks.placement_search import Placement, best, candidates, sessions_in_order
 from kvroute.benchmarks.replay import Progress, ReplayResult, replay
 from kvroute.benchmarks.results import (
+    BEST_PLACEMENT_TARGET,
     BOUND_FLEET_TARGET,
     BOUND_TARGET,
     PEER_PREFIX,
@@ -222,16 +224,53 @@ def run_virtual_target(
     settings: RunSettings,
     tokenizer: str | None,
     prompts: Sequence[Prompt] | None = None,
+    placement: Placement | None = None,
 ) -> TargetResult:
-    """One policy x workload in virtual time (:mod:`kvroute.benchmarks.virtual_fleet`)."""
+    """One policy x workload in virtual time (:mod:`kvroute.benchmarks.virtual_fleet`);
+    with ``placement``, its fixed placement of sessions under a load-only policy instead."""
+    policy = "round_robin" if placement is not None else target
     router = Settings(
-        policy=target, block_size=fleets.router_block_size(fleet.api, fleet.block_size), tokenizer=tokenizer
+        policy=policy, block_size=fleets.router_block_size(fleet.api, fleet.block_size), tokenizer=tokenizer
     )
-    virtual = fleet.replay(workload, router, max_in_flight=settings.in_flight_limit(workload))
-    predicts = target not in LOAD_ONLY_POLICIES
+    virtual = fleet.replay(
+        workload,
+        router,
+        max_in_flight=settings.in_flight_limit(workload),
+        placement=placement.replica_of if placement is not None else None,
+    )
+    predicts = policy not in LOAD_ONLY_POLICIES
     result = summarize(target, workload, virtual.result, virtual.engines, virtual.router if predicts else None)
+    result.placement = placement.label if placement is not None else None
     _complete(result, virtual.result, fleet, settings, prompts)
     return result
+
+
+def run_best_placement(
+    workload: Workload,
+    fleet: VirtualFleet,
+    settings: RunSettings,
+    tokenizer: str | None,
+    prompts: Sequence[Prompt] | None = None,
+) -> TargetResult:
+    """Every candidate fixed placement (:mod:`kvroute.benchmarks.placement_search`) in
+    virtual time; the one with the highest hit rate, each one's figures on stderr. Only the
+    winner is replayed again for the offline caches over its order (a replay is
+    deterministic; the caches cost more than the replay)."""
+    runs = []
+    for placement in candidates(sessions_in_order(workload.requests), len(fleet.urls)):
+        result = run_virtual_target(BEST_PLACEMENT_TARGET, workload, fleet, settings, tokenizer, None, placement)
+        print(
+            f"kvroute bench: {workload.name} / placement {placement.label}: hit rate "
+            f"{result.hit_rate_observed or 0.0:.3f}, TTFT p50 {result.ttft_p50_s or 0.0:.2f} s, "
+            f"p99 {result.ttft_p99_s or 0.0:.2f} s",
+            file=sys.stderr,
+        )
+        runs.append((placement, result))
+    winner, result = best(runs)
+    print(f"kvroute bench: {workload.name} / best placement: {winner.label}", file=sys.stderr)
+    if prompts is None:
+        return result
+    return run_virtual_target(BEST_PLACEMENT_TARGET, workload, fleet, settings, tokenizer, prompts, winner)
 
 
 def _complete(
@@ -349,6 +388,10 @@ async def run_bench(
                     if repeat == 0:
                         results.append(_not_run(target, workload, "not installed", settings.setting))
                     continue
+                if target == BEST_PLACEMENT_TARGET:
+                    if repeat == 0:  # a fixed placement in virtual time is deterministic
+                        results.append(await _best_placement(workload, fleet, settings, tokenizer, prompts))
+                    continue
                 if isinstance(fleet, VirtualFleet):
                     if target.startswith(PEER_PREFIX):
                         if repeat == 0:
@@ -370,6 +413,17 @@ async def run_bench(
     finally:
         fleet.stop()
     return results
+
+
+async def _best_placement(
+    workload: Workload, fleet: AnyFleet, settings: RunSettings, tokenizer: str | None, prompts: Sequence[Prompt] | None
+) -> TargetResult:
+    """The ``best_placement`` row, or why it was not run (wall clock, or no session ids)."""
+    if not isinstance(fleet, VirtualFleet):
+        return _not_run(BEST_PLACEMENT_TARGET, workload, "virtual time only", settings.setting)
+    if any(request.session_id is None for request in workload.requests):
+        return _not_run(BEST_PLACEMENT_TARGET, workload, "no session ids", settings.setting)
+    return await asyncio.to_thread(run_best_placement, workload, fleet, settings, tokenizer, prompts)
 
 
 async def _served_model(url: str) -> str:
@@ -508,6 +562,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run a peer router (repeatable; needs its package)",
     )
     who.add_argument("--no-bound", action="store_true", help="skip the unbounded-cache bound")
+    who.add_argument(
+        "--placement-search",
+        action="store_true",
+        help="--engine virtual: also replay fixed placements of sessions on replicas and "
+        "report the best as the best_placement row (benchmarks/placement_search.py)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, help="directory for results.json and summary.png")
     out.add_argument(
@@ -599,7 +659,7 @@ async def _main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"kvroute bench: {exc}", file=sys.stderr)
         return 2
-    targets = _targets(policies, peers)
+    targets = _targets(policies, peers) + ([BEST_PLACEMENT_TARGET] if args.placement_search else [])
     started = time.monotonic()
     results: list[TargetResult] = []
     for time_scale, prefill in points:

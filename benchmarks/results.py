@@ -31,6 +31,8 @@ import numpy as np
 BOUND_TARGET = "bound"
 BOUND_FLEET_TARGET = "bound_fleet"
 POOLED_LRU_TARGET = "pooled_lru"
+#: The fixed placement of sessions with the highest hit rate (``--placement-search``).
+BEST_PLACEMENT_TARGET = "best_placement"
 #: Rows computed offline, not served by a router.
 OFFLINE_TARGETS = (BOUND_TARGET, BOUND_FLEET_TARGET, POOLED_LRU_TARGET)
 PEER_PREFIX = "peer:"
@@ -75,6 +77,7 @@ class TargetResult:
     fleet_capacity_blocks: int | None = None
     setting: str = ""  # a settings-sweep point, e.g. "time-scale=10 prefill=20000"
     repeat: int = 0  # which run of this target x workload (``--repeat``), from 0
+    placement: str | None = None  # best_placement: which fixed placement it was
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

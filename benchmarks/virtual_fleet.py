@@ -22,8 +22,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from kvroute.benchmarks.sim_engine.tokens import SimTokenizer
 from kvroute.benchmarks.workloads import Workload, WorkloadRequest
 from kvroute.router.config import Settings
 from kvroute.router.fleet.backends import Backend
+from kvroute.router.routing.policies import LOAD_ONLY_POLICIES
 from kvroute.router.routing.routing_engine import RoutePlan, RoutingEngine
 from kvroute.tokenizer_index.hashing import request_salt
 
@@ -96,17 +97,36 @@ class VirtualFleet(SpecFleet):
     def stop(self) -> None:
         """Nothing runs between replays."""
 
-    def replay(self, workload: Workload, settings: Settings, *, max_in_flight: int | None = None) -> VirtualRun:
+    def replay(
+        self,
+        workload: Workload,
+        settings: Settings,
+        *,
+        max_in_flight: int | None = None,
+        placement: Mapping[str, int] | None = None,
+    ) -> VirtualRun:
         """``workload`` routed by a router with ``settings``, on fresh replicas, by a client
-        with at most ``max_in_flight`` requests in flight (None: no bound)."""
-        return _Simulation(self.spec, self.urls, settings).replay(workload.requests, max_in_flight)
+        with at most ``max_in_flight`` requests in flight (None: no bound).
+
+        With ``placement`` (session id -> replica number) every request of a session goes to
+        that replica whatever the policy chose (reason ``pinned``): a fixed placement to
+        measure the policies against (:mod:`~kvroute.benchmarks.placement_search`). The
+        policy must then be load-only, so that no index learns from choices it did not make.
+        """
+        if placement is not None and settings.policy not in LOAD_ONLY_POLICIES:
+            raise ValueError(f"a fixed placement replays under a load-only policy, not {settings.policy!r}")
+        simulation = _Simulation(self.spec, self.urls, settings, placement)
+        return simulation.replay(workload.requests, max_in_flight)
 
 
 class _Simulation:
     """``spec.replicas`` sim schedulers behind one routing engine, all on one virtual clock."""
 
-    def __init__(self, spec: SimSpec, urls: Sequence[str], settings: Settings) -> None:
+    def __init__(
+        self, spec: SimSpec, urls: Sequence[str], settings: Settings, placement: Mapping[str, int] | None = None
+    ) -> None:
         self._now = 0.0
+        self._placement = placement
         self._config = SimEngineConfig(
             models=(spec.model,),
             block_size=spec.block_size,
@@ -209,6 +229,8 @@ class _Simulation:
         headers = {"x-session-id": request.session_id} if request.session_id is not None else {}
         prepared = self.routing.prepare(request.endpoint, body)
         plan = self.routing.route(request.endpoint, body, headers, self._backends, prepared=prepared)
+        if self._placement is not None:
+            plan = self._pinned(plan, request)
         replica = self._replicas[plan.backend]
         backend = replica.backend
         backend.in_flight += 1
@@ -234,6 +256,14 @@ class _Simulation:
             self._routed_prompt_tokens += prepared.tokens
             self._predicted_tokens += plan.predicted_cached_tokens
         return _InFlight(index, backend, plan, sim_request)
+
+    def _pinned(self, plan: RoutePlan, request: WorkloadRequest) -> RoutePlan:
+        """``plan`` sent to the replica the fixed placement gives the request's session."""
+        assert self._placement is not None
+        if request.session_id is None:
+            raise ValueError("a fixed placement needs every request to carry a session id")
+        backend = self._backends[self._placement[request.session_id]].url
+        return replace(plan, decision=replace(plan.decision, backend=backend, reason="pinned"))
 
     def _prompt_ids(self, request: WorkloadRequest) -> np.ndarray:
         body = request.body
