@@ -43,7 +43,7 @@ from kvroute.benchmarks.fleet import (
     SimFleet,
     SimSpec,
 )
-from kvroute.benchmarks.placement_search import Placement, best, candidates, sessions_in_order
+from kvroute.benchmarks.placement_search import Placement, best, candidates, frontier, sessions_in_order
 from kvroute.benchmarks.replay import Progress, ReplayResult, replay
 from kvroute.benchmarks.results import (
     BEST_PLACEMENT_TARGET,
@@ -267,7 +267,15 @@ def run_best_placement(
         )
         runs.append((placement, result))
     winner, result = best(runs)
-    print(f"kvroute bench: {workload.name} / best placement: {winner.label}", file=sys.stderr)
+    print(
+        f"kvroute bench: {workload.name} / best placement: {winner.label}; frontier (hit rate, TTFT p99):",
+        file=sys.stderr,
+    )
+    for placement, point in frontier(runs):
+        print(
+            f"    {placement.label}: {point.hit_rate_observed or 0.0:.3f}, {point.ttft_p99_s or 0.0:.2f} s",
+            file=sys.stderr,
+        )
     if prompts is None:
         return result
     return run_virtual_target(BEST_PLACEMENT_TARGET, workload, fleet, settings, tokenizer, prompts, winner)

@@ -10,8 +10,10 @@ What placement can do there is choose which sessions share a replica.
 ``kvroute bench --engine virtual --placement-search`` replays every workload with a session
 id on each request under each fixed placement below (in virtual time, on the same replicas
 as the policies) and reports the one with the highest hit rate as the ``best_placement``
-row. It is reachable by a router that knew the workload in advance: a reference for the
-policies, not an upper bound (a placement that changes over time may do better).
+row, and on stderr every placement's figures and the frontier: those no other beats on
+both hit rate and TTFT p99. It is reachable by a router that knew the workload in advance:
+a reference for the policies, not an upper bound (a placement that changes over time may
+do better).
 
 The candidates, sessions numbered by their first request:
 
@@ -91,3 +93,17 @@ def best(results: Sequence[tuple[Placement, TargetResult]]) -> tuple[Placement, 
     if not results:
         raise ValueError("no placement was run")
     return min(enumerate(results), key=rank)[1]
+
+
+def frontier(results: Sequence[tuple[Placement, TargetResult]]) -> list[tuple[Placement, TargetResult]]:
+    """The placements no other beats on both hit rate and TTFT p99, by rising p99: the
+    price in tail latency of each step up in hit rate."""
+
+    def p99(result: TargetResult) -> float:
+        return result.ttft_p99_s if result.ttft_p99_s is not None else float("inf")
+
+    kept: list[tuple[Placement, TargetResult]] = []
+    for placement, result in sorted(results, key=lambda item: (p99(item[1]), -(item[1].hit_rate_observed or 0.0))):
+        if not kept or (result.hit_rate_observed or 0.0) > (kept[-1][1].hit_rate_observed or 0.0):
+            kept.append((placement, result))
+    return kept

@@ -13,6 +13,7 @@ from kvroute.benchmarks.placement_search import (
     Placement,
     best,
     candidates,
+    frontier,
     residents_and_overflow,
     rotation,
     sessions_in_order,
@@ -67,6 +68,12 @@ def test_best_is_the_highest_hit_rate_then_the_lower_p99() -> None:
     assert best([(a, _result(0.5, 1.0)), (b, _result(0.5, 1.0))])[0] is a
     with pytest.raises(ValueError):
         best([])
+
+
+def test_the_frontier_keeps_what_no_other_beats_on_hit_rate_and_p99() -> None:
+    a, b, c, d = (Placement(label, {}) for label in "abcd")
+    runs = [(a, _result(0.40, 5.0)), (b, _result(0.44, 10.0)), (c, _result(0.39, 6.0)), (d, _result(0.42, 7.0))]
+    assert [placement.label for placement, _ in frontier(runs)] == ["a", "d", "b"]  # c: a beats it on both
 
 
 def test_a_fixed_placement_sends_every_session_to_its_replica() -> None:
