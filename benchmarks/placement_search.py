@@ -22,7 +22,9 @@ The candidates, sessions numbered by their first request:
 ``K on N + rest on T``
     The first ``K x N`` sessions, ``K`` on each of ``N`` replicas (they fit, or overflow
     little), the rest rotated over the other ``T = R - N``, which thrash. For every
-    ``T`` from 1 to ``R - 1`` and every ``K`` that leaves each of them a session.
+    ``N`` from ``R - 1`` down to 1 and every ``K`` up to ``ceil(S / N)``, where no rest
+    is left (``K on N``: the other replicas idle, as a router that groups every session
+    on the replica holding their shared prompt leaves them).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def rotation(sessions: Sequence[str], replicas: int) -> Placement:
 
 def residents_and_overflow(sessions: Sequence[str], replicas: int, per_replica: int, overflow: int) -> Placement:
     """``per_replica`` sessions on each of the first ``replicas - overflow`` replicas, in
-    order; the remaining sessions rotated over the last ``overflow`` replicas."""
+    order; the remaining sessions (if any) rotated over the last ``overflow`` replicas."""
     kept = replicas - overflow
     if not 0 < overflow < replicas or per_replica < 1:
         raise ValueError(f"need 0 < overflow < {replicas} and per_replica >= 1")
@@ -68,18 +70,17 @@ def residents_and_overflow(sessions: Sequence[str], replicas: int, per_replica: 
         session: number // per_replica if number < residents else kept + (number - residents) % overflow
         for number, session in enumerate(sessions)
     }
-    return Placement(f"{per_replica} on {kept} + rest on {overflow}", replica_of)
+    rest = f" + rest on {overflow}" if residents < len(sessions) else ""
+    return Placement(f"{per_replica} on {kept}{rest}", replica_of)
 
 
 def candidates(sessions: Sequence[str], replicas: int) -> Iterator[Placement]:
-    """The rotation, then every residents-and-overflow split that leaves each overflow
-    replica at least one session (so that every replica serves)."""
+    """The rotation, then for every number of resident replicas ``N`` below ``replicas``
+    every ``K`` up to the one that holds all sessions on those ``N`` (the rest idle)."""
     yield rotation(sessions, replicas)
-    for overflow in range(1, replicas):
-        per_replica = 1
-        while len(sessions) - per_replica * (replicas - overflow) >= overflow:
-            yield residents_and_overflow(sessions, replicas, per_replica, overflow)
-            per_replica += 1
+    for kept in range(replicas - 1, 0, -1):
+        for per_replica in range(1, -(-len(sessions) // kept) + 1):
+            yield residents_and_overflow(sessions, replicas, per_replica, replicas - kept)
 
 
 def best(results: Sequence[tuple[Placement, TargetResult]]) -> tuple[Placement, TargetResult]:

@@ -40,6 +40,7 @@ def test_sessions_are_numbered_by_their_first_request() -> None:
 def test_rotation_and_residents_with_an_overflow() -> None:
     assert list(rotation(SESSIONS, 3).replica_of.values()) == [0, 1, 2, 0, 1, 2, 0]
     split = residents_and_overflow(SESSIONS, 4, per_replica=2, overflow=2)
+    assert residents_and_overflow(SESSIONS, 4, per_replica=3, overflow=1).label == "3 on 3"
     # Two residents on each of replicas 0 and 1; the other three rotate over 2 and 3.
     assert list(split.replica_of.values()) == [0, 0, 1, 1, 2, 3, 2]
     assert split.label == "2 on 2 + rest on 2"
@@ -47,18 +48,20 @@ def test_rotation_and_residents_with_an_overflow() -> None:
         residents_and_overflow(SESSIONS, 4, per_replica=1, overflow=4)
 
 
-def test_candidates_cover_every_split_that_leaves_an_overflow() -> None:
+def test_candidates_cover_every_split_down_to_all_sessions_on_one_replica() -> None:
     found = list(candidates(SESSIONS, 3))
     assert found[0].label == "rotate"
-    # overflow 1: 1-3 residents on each of 2 replicas (4 x 2 = 8 leaves none); overflow 2:
-    # 1-5 on one replica (6 would leave the second overflow replica idle).
+    # 2 resident replicas: 1-3 each with the rest on the third, then 4 each (no rest);
+    # 1 resident replica: 1-6 with the rest over two, then all 7 on it.
     assert [placement.label for placement in found[1:]] == [
         *(f"{k} on 2 + rest on 1" for k in (1, 2, 3)),
-        *(f"{k} on 1 + rest on 2" for k in range(1, 6)),
+        "4 on 2",
+        *(f"{k} on 1 + rest on 2" for k in range(1, 7)),
+        "7 on 1",
     ]
     for placement in found:
         assert set(placement.replica_of) == set(SESSIONS)
-        assert set(placement.replica_of.values()) == {0, 1, 2}  # every replica serves
+    assert set(found[-1].replica_of.values()) == {0}
 
 
 def test_best_is_the_highest_hit_rate_then_the_lower_p99() -> None:
