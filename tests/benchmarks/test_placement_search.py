@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 
 import pytest
 
 from kvroute.benchmarks import bench
-from kvroute.benchmarks.fleet import SimSpec
+from kvroute.benchmarks.fleet import SimFleet, SimSpec
 from kvroute.benchmarks.placement_search import (
     Placement,
     best,
@@ -20,7 +21,7 @@ from kvroute.benchmarks.placement_search import (
 )
 from kvroute.benchmarks.results import BEST_PLACEMENT_TARGET, TargetResult, read_json
 from kvroute.benchmarks.virtual_fleet import VirtualFleet
-from kvroute.benchmarks.workloads import WorkloadOptions, WorkloadRequest, make_workloads
+from kvroute.benchmarks.workloads import Workload, WorkloadOptions, WorkloadRequest, make_workloads
 from kvroute.router.config import Settings
 
 SESSIONS = [f"s{number}" for number in range(7)]
@@ -106,3 +107,13 @@ def test_kvroute_bench_placement_search(tmp_path: Path, capsys: pytest.CaptureFi
     assert row.placement in tried and row.requests == 24 and row.errors == 0  # run once: it is deterministic
     assert row.hit_rate_observed == pytest.approx(max(tried.values()), abs=5e-4)
     assert row.of_bound_fleet is not None and 0.0 < row.of_bound_fleet <= 1.0
+
+
+def test_the_search_says_why_it_did_not_run() -> None:
+    settings = bench.RunSettings(speedup=1.0, max_in_flight=64, time_scale=1.0)
+    (sessions,) = make_workloads("agent-sessions:2", WorkloadOptions(limit=4, model="sim"))
+    wall_clock = asyncio.run(bench._best_placement(sessions, SimFleet(SimSpec()), settings, None, None))
+    assert (wall_clock.target, wall_clock.status) == (BEST_PLACEMENT_TARGET, "virtual time only")
+    anonymous = Workload("anonymous", "test", [WorkloadRequest(0.0, "/v1/completions", {"prompt": "x"})])
+    virtual = asyncio.run(bench._best_placement(anonymous, VirtualFleet(SimSpec()), settings, None, None))
+    assert virtual.status == "no session ids" and virtual.requests == 0
