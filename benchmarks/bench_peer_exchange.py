@@ -1,14 +1,15 @@
 """What one placement costs on the router exchange: CPU per message on each side.
 
-``python -m kvroute.benchmarks.bench_peer_exchange [--rate 2000] [--count 4000] [--blocks 32] [--out FILE]``
+``python -m kvroute.benchmarks.bench_peer_exchange [--transport unix,ipc] [--rate 2000] [--count 4000] [--blocks 32] [--out FILE]``
 
 A publishing :class:`PeerExchange` in this process sends ``count`` placements of
 ``blocks`` block hashes at ``rate`` per second, one per event-loop turn (as a router
-routing one request per turn does), to a subscribing exchange in a child process over
-``ipc://``, as two workers of ``kvroute serve --workers 2`` are joined. CPU is each
-process's user + system time, ZMQ's I/O threads included. The publisher's pacing costs
-CPU of its own (a timer per turn), so a run with the same pacing and nothing published is
-subtracted from it.
+routing one request per turn does), to a subscribing exchange in a child process, both
+on uvloop as the router runs: over ``unix://`` (Unix stream sockets, as the workers of
+``kvroute serve --workers N`` are joined) or ZMQ's ``ipc://`` (how they were joined
+before). Each repeat runs every transport in turn. CPU is each process's user + system
+time, ZMQ's I/O threads included. The publisher's pacing costs CPU of its own (a timer
+per turn), so a run with the same pacing and nothing published is subtracted from it.
 """
 
 from __future__ import annotations
@@ -24,13 +25,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import uvloop
 
 from kvroute.benchmarks.results import machine
 from kvroute.router.routing.peer_exchange import PeerExchange, Placement
 
+TRANSPORTS = ("unix", "ipc")
+
 
 @dataclass(frozen=True, slots=True)
 class ExchangeCost:
+    transport: str
     rate: float
     count: int
     blocks: int
@@ -79,9 +84,9 @@ async def _subscribe(endpoint: str, count: int, timeout_s: float) -> None:
     print(json.dumps({"cpu_s": cpu, "received": len(received)}), flush=True)
 
 
-def measure(rate: float, count: int, blocks: int) -> ExchangeCost:
+def measure(rate: float, count: int, blocks: int, transport: str = "unix") -> ExchangeCost:
     with tempfile.TemporaryDirectory() as folder:
-        endpoint = f"ipc://{folder}/exchange"
+        endpoint = f"{transport}://{folder}/exchange"
         child = subprocess.Popen(
             [sys.executable, "-m", __spec__.name, "--subscriber", endpoint, "--count", str(count)],
             stdout=subprocess.PIPE,
@@ -89,10 +94,11 @@ def measure(rate: float, count: int, blocks: int) -> ExchangeCost:
         )
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "ready"
-        idle, busy = asyncio.run(_publish(endpoint, rate, count, blocks))
+        idle, busy = uvloop.run(_publish(endpoint, rate, count, blocks))
         report = json.loads(child.stdout.readline())
         child.wait(timeout=30)
     return ExchangeCost(
+        transport=transport,
         rate=rate,
         count=count,
         blocks=blocks,
@@ -104,6 +110,9 @@ def measure(rate: float, count: int, blocks: int) -> ExchangeCost:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.bench_peer_exchange", description=__doc__)
+    parser.add_argument(
+        "--transport", default="unix,ipc", help=f"comma-separated, each of {', '.join(TRANSPORTS)}, alternated"
+    )
     parser.add_argument("--rate", type=float, default=2000.0, help="placements per second")
     parser.add_argument("--count", type=int, default=4000)
     parser.add_argument("--blocks", type=int, default=32, help="block hashes per placement")
@@ -112,12 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subscriber", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.subscriber:
-        asyncio.run(_subscribe(args.subscriber, args.count, timeout_s=60.0))
+        uvloop.run(_subscribe(args.subscriber, args.count, timeout_s=60.0))
         return 0
-    rows = [measure(args.rate, args.count, args.blocks) for _ in range(args.repeats)]
+    transports = [name.strip() for name in args.transport.split(",") if name.strip()]
+    unknown = sorted(set(transports) - set(TRANSPORTS))
+    if unknown or not transports:
+        parser.error(f"--transport: unknown {unknown}; known: {', '.join(TRANSPORTS)}")
+    rows = [
+        measure(args.rate, args.count, args.blocks, transport) for _ in range(args.repeats) for transport in transports
+    ]
     for row in rows:
         print(
-            f"{row.rate:.0f}/s, {row.blocks} blocks: publisher {row.publisher_us} us, "
+            f"{row.transport}, {row.rate:.0f}/s, {row.blocks} blocks: publisher {row.publisher_us} us, "
             f"subscriber {row.subscriber_us} us per placement ({row.received}/{row.count} received)"
         )
     print(machine())

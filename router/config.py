@@ -340,11 +340,11 @@ class Settings(BaseSettings):
     # --- several router replicas -------------------------------------------------------
     peer_bind: str | None = Field(
         default=None,
-        description="publish this router's placements to its peer routers on this ZMQ endpoint, e.g. tcp://0.0.0.0:5600",
+        description="publish this router's placements to its peer routers on this endpoint: ZMQ (e.g. tcp://0.0.0.0:5600) or, on one host, unix://PATH",
     )
     peers: list[str] = Field(
         default_factory=list,
-        description="comma-separated ZMQ endpoints of the other routers' --peer-bind; their placements enter this index",
+        description="comma-separated endpoints of the other routers' --peer-bind (ZMQ or unix://PATH); their placements enter this index",
     )
     peer_max_bytes_per_s: int = Field(
         default=16 * 1024 * 1024,

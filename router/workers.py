@@ -5,8 +5,9 @@ renders, tokenizes and routes on its own core, listening on the same host and po
 ``SO_REUSEPORT``, so the kernel spreads new connections over the workers. What they share:
 
 * **placements**: worker ``i`` publishes every placement on
-  ``ipc://DIR/worker-i.placements`` and subscribes to every sibling's (the peer exchange
-  of several router replicas, :mod:`kvroute.router.routing.peer_exchange`), plus the
+  ``unix://DIR/worker-i.placements`` and subscribes to every sibling's (the peer exchange
+  of several router replicas, :mod:`kvroute.router.routing.peer_exchange`, over Unix
+  stream sockets: :mod:`kvroute.router.routing.unix_links`), plus the
   external ``--peers`` if any; ``--peer-bind`` cannot be combined with workers (each
   worker publishes on its own endpoint);
 * **metrics and admin writes**: over each worker's Unix socket ``DIR/worker-i.sock``

@@ -276,7 +276,8 @@ class _PeerExchangeCollector:
         family = CounterMetricFamily(
             "kvroute_peer_placements",
             "Placements exchanged with peer routers, by event "
-            "(published, received, dropped_budget: over --peer-max-bytes-per-s, malformed).",
+            "(published, received, dropped_budget: over --peer-max-bytes-per-s, "
+            "dropped_slow: a unix:// peer too far behind, malformed).",
             labels=["event"],
         )
         for event, count in self._counts().items():

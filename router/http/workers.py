@@ -46,7 +46,7 @@ class WorkerGroup:
 
     def placements_endpoint(self, index: int) -> str:
         """Where worker ``index`` publishes its placements (its ``peer_bind``)."""
-        return f"ipc://{self.directory / f'worker-{index}.placements'}"
+        return f"unix://{self.directory / f'worker-{index}.placements'}"
 
     @property
     def siblings(self) -> list[int]:

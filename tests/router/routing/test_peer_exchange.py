@@ -6,6 +6,7 @@ import asyncio
 import struct
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -137,15 +138,23 @@ def test_the_exchange_counts_on_metrics(sim_engines: Any, router_server: Any) ->
     assert 'kvroute_peer_placements_total{event="dropped_budget"} 0.0' in received
 
 
-async def _connected_pair(received: list[Placement]) -> tuple[PeerExchange, PeerExchange]:
+#: Where a publisher binds, per transport: ZMQ over TCP, and Unix stream sockets (the workers').
+TRANSPORTS = ["tcp", "unix"]
+
+
+def _bind(transport: str, folder: Path) -> str:
+    return "tcp://127.0.0.1:*" if transport == "tcp" else f"unix://{folder / 'placements.sock'}"
+
+
+async def _connected_pair(received: list[Placement], bind: str) -> tuple[PeerExchange, PeerExchange]:
     """A publishing exchange and one subscribed to it, its handshake done."""
-    publisher = PeerExchange(bind="tcp://127.0.0.1:*", peers=[], apply=lambda _: None, max_bytes_per_s=1e9)
+    publisher = PeerExchange(bind=bind, peers=[], apply=lambda _: None, max_bytes_per_s=1e9)
     await publisher.start()
     endpoint = publisher.endpoint
     assert endpoint is not None
     subscriber = PeerExchange(bind=None, peers=[endpoint], apply=received.append, max_bytes_per_s=1e9)
     assert await subscriber.start(wait_for=[endpoint])
-    await asyncio.sleep(0.2)  # the subscription itself reaches the publisher after the handshake
+    await asyncio.sleep(0.2)  # ZMQ: the subscription itself reaches the publisher after the handshake
     return publisher, subscriber
 
 
@@ -156,14 +165,15 @@ async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_a_burst_of_placements_arrives_whole_and_in_order() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_burst_of_placements_arrives_whole_and_in_order(transport: str, tmp_path: Path) -> None:
     """One event-loop turn's placements leave together; the reader takes more than one
     batch of them across turns, and the counts agree on both sides."""
     burst = 3 * RECEIVE_BATCH + 7
 
     async def scenario() -> None:
         received: list[Placement] = []
-        publisher, subscriber = await _connected_pair(received)
+        publisher, subscriber = await _connected_pair(received, _bind(transport, tmp_path))
         try:
             for number in range(burst):
                 publisher.publish(Placement("http://b", 16, np.array([number], dtype=np.uint64), number))
@@ -181,10 +191,11 @@ def test_a_burst_of_placements_arrives_whole_and_in_order() -> None:
     asyncio.run(scenario())
 
 
-def test_stopping_sends_what_is_queued() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_stopping_sends_what_is_queued(transport: str, tmp_path: Path) -> None:
     async def scenario() -> None:
         received: list[Placement] = []
-        publisher, subscriber = await _connected_pair(received)
+        publisher, subscriber = await _connected_pair(received, _bind(transport, tmp_path))
         try:
             publisher.publish(Placement("http://b", 16, np.array([1, 2], dtype=np.uint64), 32, "last"))
             await publisher.stop()  # in the same turn as the publish
@@ -192,5 +203,34 @@ def test_stopping_sends_what_is_queued() -> None:
             assert received[0].session_key == "last" and publisher.stats.published == 1
         finally:
             await subscriber.stop()
+
+    asyncio.run(scenario())
+
+
+def test_one_router_follows_zmq_and_unix_peers_at_once(tmp_path: Path) -> None:
+    """A worker subscribes to its siblings over Unix sockets and to other routers over ZMQ."""
+
+    async def scenario() -> None:
+        publishers = [
+            PeerExchange(bind=_bind(transport, tmp_path), peers=[], apply=lambda _: None, max_bytes_per_s=1e9)
+            for transport in TRANSPORTS
+        ]
+        for publisher in publishers:
+            await publisher.start()
+        endpoints = [publisher.endpoint for publisher in publishers]
+        assert all(endpoints) and endpoints[1] == _bind("unix", tmp_path)
+        received: list[Placement] = []
+        subscriber = PeerExchange(bind=None, peers=endpoints, apply=received.append, max_bytes_per_s=1e9)
+        try:
+            assert await subscriber.start(wait_for=endpoints)
+            await asyncio.sleep(0.2)  # ZMQ: the subscription reaches the publisher after the handshake
+            for number, publisher in enumerate(publishers):
+                publisher.publish(Placement("http://b", 16, np.array([number], dtype=np.uint64), number))
+            await _until(lambda: len(received) == 2)
+            assert sorted(placement.prompt_tokens for placement in received) == [0, 1]
+            assert subscriber.stats.received == 2 and subscriber.stats.malformed == 0
+        finally:
+            for exchange in (subscriber, *publishers):
+                await exchange.stop()
 
     asyncio.run(scenario())
