@@ -12,7 +12,8 @@ and picks the cheapest backend within the load bound
 (:func:`~kvroute.router.routing.policies.base.over_load_bound`; a session's first request
 also skips backends more than ``NEW_SESSION_SLACK`` requests busier than the least busy,
 over the load bound in conversations hosted, and those hosting more conversations than the
-fewest unless they hold more of its prompt),
+fewest unless they hold more of its prompt; a cold prompt outside sessions, only backends
+whose free cache is within ``COLD_ROOM_SLACK`` of its length of the most),
 ties to the backend whose index fills the smallest share of its cache, then by rotation.
 ``weight`` is ``load_weight``, divided by ``1 + mean in-flight requests per candidate`` when
 a backend holds at least half the prompt as the request's own history. ``queued_b`` is
@@ -62,6 +63,11 @@ NEW_SESSION_SLACK = 1
 #: A few queued requests cost less than the cold prefill a diversion causes, which the
 #: queue term prices in tokens; the bound is for the many cheap requests tokens undercount.
 REQUESTS_FLOOR = 4.0
+#: A prompt no backend holds any of, outside sessions, goes only to a backend with at most
+#: this share of the prompt's length less free cache than the roomiest (within the load
+#: bound): its first placement is where its repeats will look for it, and the load of the
+#: moment passes. Full caches all have the same (no) room, so then the costs decide.
+COLD_ROOM_SLACK = 0.5
 #: The ledger's thrash estimate counts in full on a backend once this share of its recent
 #: answers showed evictions the index did not foresee; with fewer, in proportion; with none
 #: (its engine held every prediction), not at all. Unknown rates count in full.
@@ -144,7 +150,8 @@ class CacheAware(Policy):
         pricing = self.pricing(request, candidates)
         # In rotated order, so equal costs and fills go to a rotating start, never index 0.
         costs = [self.cost_of(candidates[(start + offset) % count], pricing) for offset in range(count)]
-        chosen, reason = reason_for(costs, pricing.best_match)
+        eligible = roomiest(costs, pricing) if pricing.best_match == 0 and not pricing.starts_session else costs
+        chosen, reason = reason_for(eligible, pricing.best_match)
         self._mean_work += _WORK_EWMA_WEIGHT * (request.work_tokens(chosen.matched_tokens) - self._mean_work)
         explanation = None
         if self.explain:
@@ -276,6 +283,19 @@ def thrash_weight(eviction_rates: Mapping[str, float], backend: str) -> float:
     if rate is None:
         return 1.0
     return min(1.0, rate / EVICTION_RATE_FULL)
+
+
+def roomiest(costs: Sequence[BackendCost], pricing: Pricing) -> Sequence[BackendCost]:
+    """For a cold prompt: the backends within the load bound whose free cache (capacity
+    less what the index holds there) is at most :data:`COLD_ROOM_SLACK` of the prompt short
+    of the most any has; all of ``costs`` when none is within the bound or a cache size is
+    unknown."""
+    within = [cost for cost in costs if not cost.over_bound]
+    if not within or not all(cost.backend.capacity_tokens for cost in within):
+        return costs
+    room = [(cost.backend.capacity_tokens or 0) - pricing.index_tokens.get(cost.backend.url, 0) for cost in within]
+    enough = max(room) - COLD_ROOM_SLACK * pricing.prompt
+    return [cost for cost, free in zip(within, room, strict=True) if free >= enough]
 
 
 def reason_for(costs: Sequence[BackendCost], best_match: int) -> tuple[BackendCost, str]:

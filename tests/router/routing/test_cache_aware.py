@@ -66,6 +66,48 @@ def test_cold_tie_prefers_the_backend_with_the_emptiest_cache() -> None:
         assert cache_aware.choose(cold, fleet).backend == "http://b1"
 
 
+def test_a_cold_prompt_goes_where_its_repeats_will_find_room_not_where_the_queue_is_short() -> None:
+    """A document's first request decides where its later ones look for it; the load of the
+    moment passes. Within the load bound, only the roomiest caches (within half the prompt)
+    are candidates; among them, the cost decides."""
+    fleet = backends(2, capacity=8192)
+    fleet[0].in_flight, fleet[0].in_flight_work_tokens = 6, 6000  # busy, but its cache has room
+    cold = request(1088)
+    cold.index_tokens = {"http://b0": 5 * 1088, "http://b1": 6 * 1088}
+    decision = policy().choose(cold, fleet)
+    assert (decision.backend, decision.reason) == ("http://b0", "cold_spread")
+    # Within half a prompt of each other the caches count as alike: the queue decides.
+    cold.index_tokens = {"http://b0": 5 * 1088, "http://b1": 5 * 1088 + 500}
+    assert policy().choose(cold, fleet).backend == "http://b1"
+
+
+def test_a_roomy_cache_over_the_load_bound_takes_no_cold_prompt() -> None:
+    fleet = backends(2, capacity=8192)
+    fleet[0].in_flight, fleet[0].in_flight_work_tokens = 9, 9000  # 9 against 0: over the bound (8)
+    cold = request(1088)
+    cold.index_tokens = {"http://b0": 0, "http://b1": 8192}
+    assert policy().choose(cold, fleet).backend == "http://b1"
+
+
+def test_full_caches_or_unknown_sizes_leave_a_cold_prompt_to_the_queue() -> None:
+    for capacity, held in ((8192, {"http://b0": 8192, "http://b1": 8160}), (None, {"http://b0": 0, "http://b1": 9000})):
+        fleet = backends(2, capacity=capacity)
+        fleet[0].in_flight, fleet[0].in_flight_work_tokens = 3, 3000
+        cold = request(1088)
+        cold.index_tokens = held
+        assert policy().choose(cold, fleet).backend == "http://b1"
+
+
+def test_a_new_sessions_cold_first_turn_keeps_its_own_rule() -> None:
+    """Sessions balance by the conversations each backend hosts, not by cache room."""
+    fleet = backends(2, capacity=8192)
+    fleet[0].in_flight, fleet[0].in_flight_work_tokens = 3, 3000
+    first = request(1088, conversation=Conversation("session:new"))
+    first.session_key = "new"
+    first.index_tokens = {"http://b0": 0, "http://b1": 6000}
+    assert policy().choose(first, fleet).backend == "http://b1"  # more than one request busier
+
+
 def test_longest_match_wins_over_a_slight_imbalance() -> None:
     fleet = backends(2)
     fleet[0].in_flight, fleet[0].in_flight_work_tokens = 2, 700
