@@ -2,11 +2,12 @@
 
 The placement exchange's ``unix://PATH`` endpoints (:mod:`kvroute.router.routing.peer_exchange`),
 which join the workers of ``kvroute serve --workers N``. ZMQ hands every message to its
-I/O thread and wakes the reader's through another: ~80-120 us of CPU per message on each
+I/O thread and wakes the reader's through another: ~22-28 us of CPU per message on each
 side on a 2-core VM, where a write from the event loop into a Unix socket and a read in
-the other loop's callback cost ~5-10 us (``python -m kvroute.benchmarks.bench_peer_exchange
---transport unix``; ``benchmarks/README.md``, "Workers"). Every request a worker routes
-crosses the exchange once, so that difference is a share of every request's CPU.
+the other loop's callback cost ~8-10 us (``python -m kvroute.benchmarks.bench_peer_exchange``).
+Every request a worker routes crosses the exchange once; in a loaded router, with those
+threads competing for the cores, two workers spend ~12 % less CPU per request this way
+(``benchmarks/README.md``, "Workers").
 
 The same roles as ZMQ's PUB and SUB: a :class:`UnixPublisher` listens on a path and sends
 every message to each reader connected to it; a :class:`UnixSubscriber` connects to
