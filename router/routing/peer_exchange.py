@@ -247,7 +247,7 @@ class PeerExchange:
         if self._pub is None and self._unix_pub is None:
             return
         frames = encode(placement)
-        if not self._budget.take(sum(len(frame) for frame in frames)):
+        if not self._budget.take(sum(len(part) for part in frames)):
             self.stats.dropped_budget += 1
             return
         if not self._outbox:
