@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -45,7 +46,9 @@ class PairedRound:
 
     @property
     def ratio(self) -> float:
-        return self.cpu_us / self.baseline_cpu_us
+        """This tree's CPU per request over the baseline's; NaN when the baseline read no CPU
+        (under one tick of ``/proc``'s 10 ms in a short round on a quiet machine)."""
+        return self.cpu_us / self.baseline_cpu_us if self.baseline_cpu_us > 0 else math.nan
 
 
 @dataclass(slots=True)
@@ -64,7 +67,10 @@ class PairedSummary:
 
 
 def summarize(policy: str, rate: float, seconds: float, rounds: list[PairedRound]) -> PairedSummary:
-    ratios = [item.ratio for item in rounds]
+    """Medians over the rounds; the ratio's over the rounds where both sides read CPU."""
+    ratios = [ratio for ratio in (item.ratio for item in rounds) if math.isfinite(ratio) and ratio > 0]
+    if not ratios:
+        ratios = [math.nan]
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     return PairedSummary(
         policy=policy,

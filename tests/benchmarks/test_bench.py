@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -206,7 +207,8 @@ def test_paired_ab_loads_both_trees_at_once_and_reports_their_ratio(tmp_path: Pa
 
     out = tmp_path / "paired.json"
     tree = Path(paired_ab.__file__).resolve().parents[1]  # this checkout, as its own baseline
-    args = ["--baseline", str(tree), "--rate", "50", "--rounds", "2", "--seconds", "0.6", "--out", str(out)]
+    # 100 requests a side per round: several of /proc's 10 ms CPU ticks even on a quiet machine.
+    args = ["--baseline", str(tree), "--rate", "50", "--rounds", "2", "--seconds", "2", "--out", str(out)]
     assert paired_ab.main(args) == 0
     measured = json.loads(out.read_text())
     summary = measured["summary"]
@@ -216,6 +218,15 @@ def test_paired_ab_loads_both_trees_at_once_and_reports_their_ratio(tmp_path: Pa
         assert item["requests_per_s"] == pytest.approx(50, rel=0.3)
     low, high = summary["ratio_range"]
     assert 0 < low <= summary["ratio_median"] <= high
+
+
+def test_a_paired_round_without_a_cpu_reading_has_no_ratio_and_is_left_out() -> None:
+    from kvroute.benchmarks.paired_ab import PairedRound, summarize
+
+    rounds = [PairedRound(660.0, 0.0, 50.0, 50.0, 0), PairedRound(500.0, 400.0, 50.0, 50.0, 0)]
+    assert math.isnan(rounds[0].ratio)
+    summary = summarize("cache_aware", 50.0, 0.6, rounds)
+    assert (summary.rounds, summary.ratio_median, summary.rounds_cheaper) == (2, 1.25, 0)
 
 
 def test_server_floor_measures_every_server_answering(tmp_path: Path) -> None:
