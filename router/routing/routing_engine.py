@@ -342,6 +342,7 @@ class RoutingEngine:
             request.matched_tokens = {url: min(tokens, cacheable) for url, tokens in raw_matches.items()}
             request.computing_tokens = self._computing_tokens(request.matched_tokens, prepared)
             request.index_tokens = {backend.url: self.index_tokens(backend.url) for backend in candidates}
+            request.index_capacity_tokens = self._index_capacities(candidates)
             request.eviction_rates = self._eviction_rates(candidates)
             shared = max(raw_matches.values(), default=0)
             # A session key names the conversation; without one the ledger follows the
@@ -552,6 +553,15 @@ class RoutingEngine:
         conversation = request.conversation
         if conversation is not None:
             self._working_sets.record(conversation, backend, prompt.tokens, prompt.hash_at(-1) if blocks else None)
+
+    def _index_capacities(self, candidates: Sequence[BackendView]) -> dict[str, int]:
+        """Per candidate with a known cache size, the tokens its index is bounded to."""
+        capacities: dict[str, int] = {}
+        for backend in candidates:
+            configured = self._configured_tokens.get(backend.url)
+            if configured:
+                capacities[backend.url] = self.cache_model.capacity(backend.url, configured)
+        return capacities
 
     def _eviction_rates(self, candidates: Sequence[BackendView]) -> dict[str, float]:
         """Per candidate whose answers check the index (not those on KV events: their index

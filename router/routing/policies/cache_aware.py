@@ -82,6 +82,7 @@ class Pricing:
     matched: Mapping[str, int]
     computing: Mapping[str, int]
     index_tokens: Mapping[str, int]
+    index_capacity_tokens: Mapping[str, int]
     eviction_rates: Mapping[str, float]
     conversation: Conversation | None
     #: The longest match any candidate holds.
@@ -197,6 +198,7 @@ class CacheAware(Policy):
             matched=matched,
             computing=request.computing_tokens,
             index_tokens=request.index_tokens,
+            index_capacity_tokens=request.index_capacity_tokens,
             eviction_rates=request.eviction_rates,
             conversation=conversation,
             best_match=best_match,
@@ -286,14 +288,16 @@ def thrash_weight(eviction_rates: Mapping[str, float], backend: str) -> float:
 
 
 def roomiest(costs: Sequence[BackendCost], pricing: Pricing) -> Sequence[BackendCost]:
-    """For a cold prompt: the backends within the load bound whose free cache (capacity
-    less what the index holds there) is at most :data:`COLD_ROOM_SLACK` of the prompt short
-    of the most any has; all of ``costs`` when none is within the bound or a cache size is
-    unknown."""
+    """For a cold prompt: the backends within the load bound whose free cache (the capacity
+    the index models there, less what it holds) is at most :data:`COLD_ROOM_SLACK` of the
+    prompt short of the most any has; all of ``costs`` when none is within the bound or a
+    cache size is unknown. The modelled capacity, not the configured one: a backend whose
+    engine evicts earlier holds less in its index without having more room."""
     within = [cost for cost in costs if not cost.over_bound]
-    if not within or not all(cost.backend.capacity_tokens for cost in within):
+    capacities = pricing.index_capacity_tokens
+    if not within or not all(capacities.get(cost.backend.url) for cost in within):
         return costs
-    room = [(cost.backend.capacity_tokens or 0) - pricing.index_tokens.get(cost.backend.url, 0) for cost in within]
+    room = [capacities[cost.backend.url] - pricing.index_tokens.get(cost.backend.url, 0) for cost in within]
     enough = max(room) - COLD_ROOM_SLACK * pricing.prompt
     return [cost for cost, free in zip(within, room, strict=True) if free >= enough]
 

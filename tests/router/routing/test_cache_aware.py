@@ -73,6 +73,7 @@ def test_a_cold_prompt_goes_where_its_repeats_will_find_room_not_where_the_queue
     fleet = backends(2, capacity=8192)
     fleet[0].in_flight, fleet[0].in_flight_work_tokens = 6, 6000  # busy, but its cache has room
     cold = request(1088)
+    cold.index_capacity_tokens = {"http://b0": 8192, "http://b1": 8192}
     cold.index_tokens = {"http://b0": 5 * 1088, "http://b1": 6 * 1088}
     decision = policy().choose(cold, fleet)
     assert (decision.backend, decision.reason) == ("http://b0", "cold_spread")
@@ -85,8 +86,20 @@ def test_a_roomy_cache_over_the_load_bound_takes_no_cold_prompt() -> None:
     fleet = backends(2, capacity=8192)
     fleet[0].in_flight, fleet[0].in_flight_work_tokens = 9, 9000  # 9 against 0: over the bound (8)
     cold = request(1088)
+    cold.index_capacity_tokens = {"http://b0": 8192, "http://b1": 8192}
     cold.index_tokens = {"http://b0": 0, "http://b1": 8192}
     assert policy().choose(cold, fleet).backend == "http://b1"
+
+
+def test_a_cache_the_model_shrank_is_full_at_its_modelled_size_not_roomy() -> None:
+    """An engine that evicts earlier than configured has its index held to the learnt share
+    of its cache: full there, it has no more room than a full one of the configured size."""
+    fleet = backends(2, capacity=8192)
+    fleet[0].in_flight, fleet[0].in_flight_work_tokens = 3, 3000
+    cold = request(1088)
+    cold.index_capacity_tokens = {"http://b0": 6144, "http://b1": 8192}  # b0's model: 3/4 of it
+    cold.index_tokens = {"http://b0": 6144, "http://b1": 8160}
+    assert policy().choose(cold, fleet).backend == "http://b1"  # both full: the queue decides
 
 
 def test_full_caches_or_unknown_sizes_leave_a_cold_prompt_to_the_queue() -> None:
@@ -94,6 +107,7 @@ def test_full_caches_or_unknown_sizes_leave_a_cold_prompt_to_the_queue() -> None
         fleet = backends(2, capacity=capacity)
         fleet[0].in_flight, fleet[0].in_flight_work_tokens = 3, 3000
         cold = request(1088)
+        cold.index_capacity_tokens = {url: capacity for url in held} if capacity else {}
         cold.index_tokens = held
         assert policy().choose(cold, fleet).backend == "http://b1"
 
