@@ -342,7 +342,8 @@ class RoutingEngine:
             request.matched_tokens = {url: min(tokens, cacheable) for url, tokens in raw_matches.items()}
             request.computing_tokens = self._computing_tokens(request.matched_tokens, prepared)
             request.index_tokens = {backend.url: self.index_tokens(backend.url) for backend in candidates}
-            request.index_capacity_tokens = self._index_capacities(candidates)
+            if not any(raw_matches.values()):  # only a cold prompt's placement reads them
+                request.index_capacity_tokens = self._index_capacities(candidates)
             request.eviction_rates = self._eviction_rates(candidates)
             shared = max(raw_matches.values(), default=0)
             # A session key names the conversation; without one the ledger follows the

@@ -62,8 +62,9 @@ class RouteRequest:
     computing_tokens: Mapping[str, int] = field(default_factory=dict)
     #: Tokens the prefix index holds per candidate backend, whatever the prompt.
     index_tokens: Mapping[str, int] = field(default_factory=dict)
-    #: Tokens the prefix index may hold per candidate whose cache size is known: the size,
-    #: scaled down where the engine's answers showed it evicts earlier (the cache model).
+    #: For a prompt no candidate holds any of, the tokens the prefix index may hold per
+    #: candidate whose cache size is known: the size, scaled down where the engine's answers
+    #: showed it evicts earlier (the cache model). Empty otherwise.
     index_capacity_tokens: Mapping[str, int] = field(default_factory=dict)
     #: Per candidate whose answers check the index's predictions, the recent share of them
     #: that showed an eviction the index did not foresee (0..1). Absent: no evidence yet, or
