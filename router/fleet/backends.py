@@ -2,7 +2,8 @@
 
 A :class:`Backend` is one engine replica as the router sees it: its URL, the models it
 serves, its health, the load this router has put on it (requests, and their work in
-tokens: :attr:`Backend.in_flight_work_tokens`), and what the engine itself reports (set by the engine-stats scraper through :meth:`Backend.update_engine_stats`).
+tokens: :attr:`Backend.in_flight_work_tokens`; with peer routers, their load there too),
+and what the engine itself reports (set by the engine-stats scraper through :meth:`Backend.update_engine_stats`).
 It implements ``kvroute.router.routing.policies.base.BackendView``, so policies read it directly.
 
 The :class:`BackendPool` is the registry: add, remove, drain, and the hot-path question
@@ -58,6 +59,9 @@ class BackendState:
     #: The engine API it speaks (vllm, sglang, generic) and whether configured or detected.
     engine: str = "vllm"
     engine_source: str = "configured"
+    #: Requests in flight there that peer routers last reported (``in_flight`` is this router's).
+    peer_in_flight: int = 0
+    peer_in_flight_work_tokens: int = 0
 
 
 class Backend:
@@ -85,6 +89,10 @@ class Backend:
         "kv_events_endpoint",
         "model_cards",
         "models",
+        "own_in_flight",
+        "own_in_flight_work_tokens",
+        "peer_in_flight",
+        "peer_in_flight_work_tokens",
         "url",
     )
 
@@ -117,10 +125,17 @@ class Backend:
         #: The engine's own model cards, re-served by the router's /v1/models.
         self.model_cards: tuple[dict[str, Any], ...] = ()
         #: Requests this router has sent here and not yet seen finish.
-        self.in_flight = 0
+        self.own_in_flight = 0
         #: The load those requests put here, in tokens the engine computes: each one's
         #: uncached prompt tokens (as the router predicted) plus its expected output tokens
-        #: (``RoutePlan.work_tokens``). Policies, metrics and the admin API read this one number.
+        #: (``RoutePlan.work_tokens``).
+        self.own_in_flight_work_tokens = 0
+        #: The same counts as peer routers last reported them (placement exchange), summed.
+        self.peer_in_flight = 0
+        self.peer_in_flight_work_tokens = 0
+        #: What the policies weigh: requests in flight here that this router knows of (its
+        #: own and its peers'), and their work. Kept equal to own + peer by the pool.
+        self.in_flight = 0
         self.in_flight_work_tokens = 0
         self.engine_running: int | None = None
         self.engine_waiting: int | None = None
@@ -136,7 +151,7 @@ class Backend:
 
     def __repr__(self) -> str:
         state = "healthy" if self.healthy else "unhealthy"
-        return f"Backend({self.url!r}, {state}, in_flight={self.in_flight})"
+        return f"Backend({self.url!r}, {state}, in_flight={self.own_in_flight})"
 
     @property
     def capacity_tokens(self) -> int | None:
@@ -175,8 +190,8 @@ class Backend:
             healthy=self.healthy,
             draining=self.draining,
             models=sorted(self.models) if self.models is not None else None,
-            in_flight=self.in_flight,
-            in_flight_work_tokens=self.in_flight_work_tokens,
+            in_flight=self.own_in_flight,
+            in_flight_work_tokens=self.own_in_flight_work_tokens,
             capacity_tokens=self.capacity_tokens,
             engine_running=self.engine_running,
             engine_waiting=self.engine_waiting,
@@ -187,6 +202,8 @@ class Backend:
             breaker_trips=self.breaker.trips,
             engine=self.engine.name,
             engine_source=self.engine_source,
+            peer_in_flight=self.peer_in_flight,
+            peer_in_flight_work_tokens=self.peer_in_flight_work_tokens,
         )
 
     @property
@@ -228,6 +245,7 @@ class BackendPool:
         self._on_added: list[BackendListener] = []
         self._on_removed: list[BackendListener] = []
         self._on_changed: list[Callable[[], None]] = []
+        self._on_load_changed: Callable[[], None] | None = None
 
     # --- membership ------------------------------------------------------------------
     def __iter__(self) -> Iterator[Backend]:
@@ -278,8 +296,8 @@ class BackendPool:
             return None
         backend.draining = True
         self._changed()
-        log.info("backend removed: %s (%d in flight)", backend.url, backend.in_flight)
-        if backend.in_flight == 0:
+        log.info("backend removed: %s (%d in flight)", backend.url, backend.own_in_flight)
+        if backend.own_in_flight == 0:
             self._notify_removed(backend)
         return backend
 
@@ -295,8 +313,8 @@ class BackendPool:
         if not backend.draining:
             backend.draining = True
             self._changed()
-            log.info("backend draining: %s (%d in flight)", backend.url, backend.in_flight)
-        if backend.in_flight == 0:
+            log.info("backend draining: %s (%d in flight)", backend.url, backend.own_in_flight)
+        if backend.own_in_flight == 0:
             self.remove(backend.url)
         return backend
 
@@ -330,17 +348,40 @@ class BackendPool:
     def acquire(self, backend: Backend, work_tokens: int) -> None:
         """A request of ``work_tokens`` was sent to ``backend``: count it as in flight (and as
         the breaker's probe)."""
+        backend.own_in_flight += 1
+        backend.own_in_flight_work_tokens += work_tokens
         backend.in_flight += 1
         backend.in_flight_work_tokens += work_tokens
+        if self._on_load_changed is not None:
+            self._on_load_changed()
         breaker = backend.breaker
         if breaker.state is not BreakerState.CLOSED and breaker.on_dispatch():
             self._changed()
 
+    def on_load_changed(self, listener: Callable[[], None] | None) -> None:
+        """Call ``listener()`` whenever this router's own requests in flight change (one
+        listener: the peer exchange, which reports them)."""
+        self._on_load_changed = listener
+
+    def set_peer_load(self, url: str, in_flight: int, work_tokens: int) -> None:
+        """Peer routers now report ``in_flight`` requests of ``work_tokens`` on ``url``, summed."""
+        backend = self._backends.get(url)
+        if backend is None:
+            return  # a peer's backend that is not (or no longer) ours
+        backend.in_flight += in_flight - backend.peer_in_flight
+        backend.in_flight_work_tokens += work_tokens - backend.peer_in_flight_work_tokens
+        backend.peer_in_flight = in_flight
+        backend.peer_in_flight_work_tokens = work_tokens
+
     def release(self, backend: Backend, work_tokens: int) -> None:
         """That request finished (in any way); a draining or removed backend leaves once idle."""
+        backend.own_in_flight -= 1
+        backend.own_in_flight_work_tokens -= work_tokens
         backend.in_flight -= 1
         backend.in_flight_work_tokens -= work_tokens
-        if backend.draining and backend.in_flight == 0:
+        if self._on_load_changed is not None:
+            self._on_load_changed()
+        if backend.draining and backend.own_in_flight == 0:
             current = self._backends.get(backend.url)
             if current is backend:
                 self.remove(backend.url)

@@ -6,7 +6,8 @@ Both limits count requests, not tokens (the load policies weigh is
 
 * ``max_concurrency``: requests the router lets run at once, fleet-wide. A request holds
   its slot from admission until its answer is finished, retries included.
-* ``max_backend_concurrency``: requests in flight on any one backend. A request is
+* ``max_backend_concurrency``: requests this router has in flight on any one backend
+  (each router replica enforces its own; peers' reported load does not count). A request is
   routed only among the candidates below the limit; when every candidate is full it waits.
 
 A request that cannot run at once waits in one bounded FIFO queue (``queue_size``) for at
@@ -36,10 +37,10 @@ log = logging.getLogger("kvroute.admission")
 
 
 class HoldsRequests(Protocol):
-    """What admission reads of a backend: its requests in flight."""
+    """What admission reads of a backend: this router's requests in flight there."""
 
     @property
-    def in_flight(self) -> int: ...
+    def own_in_flight(self) -> int: ...
 
 
 B = TypeVar("B", bound=HoldsRequests)
@@ -96,7 +97,7 @@ class AdmissionControl(Generic[B]):
         limit = self._max_requests_per_backend
         if limit is None:
             return candidates
-        return [backend for backend in candidates if backend.in_flight < limit]
+        return [backend for backend in candidates if backend.own_in_flight < limit]
 
     async def admit(self, eligible: Callable[[], Sequence[B]], *, holds_request_slot: bool) -> Sequence[B]:
         """Wait for this request's turn; return the eligible backends it may use now.
@@ -150,7 +151,7 @@ class AdmissionControl(Generic[B]):
             return True
         candidates = eligible()
         # No candidate at all is not a reason to wait: the caller answers 404/503 at once.
-        return not candidates or any(backend.in_flight < limit for backend in candidates)
+        return not candidates or any(backend.own_in_flight < limit for backend in candidates)
 
     async def _wait(self, waiter: _Waiter[B]) -> Sequence[B]:
         if len(self._waiters) >= self._queue_size:

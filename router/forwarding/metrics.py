@@ -168,7 +168,8 @@ class _BackendStateCollector:
         work = GaugeMetricFamily(
             "kvroute_backend_in_flight_work_tokens",
             "The load this router has in flight per backend, in tokens: each request's uncached"
-            " prompt tokens (as predicted) plus its expected output tokens. What the policies weigh.",
+            " prompt tokens (as predicted) plus its expected output tokens. What the policies weigh,"
+            " with what peer routers report (--peers).",
             labels=["backend"],
         )
         healthy = GaugeMetricFamily(
@@ -200,8 +201,8 @@ class _BackendStateCollector:
         )
         for backend in backends:
             engine.add_metric([backend.url, backend.engine.name, backend.engine_source], 1.0)
-            in_flight.add_metric([backend.url], backend.in_flight)
-            work.add_metric([backend.url], backend.in_flight_work_tokens)
+            in_flight.add_metric([backend.url], backend.own_in_flight)
+            work.add_metric([backend.url], backend.own_in_flight_work_tokens)
             healthy.add_metric([backend.url], 1.0 if backend.healthy else 0.0)
             breaker.add_metric([backend.url], int(backend.breaker.state))
             trips.add_metric([backend.url], backend.breaker.trips)
@@ -266,20 +267,16 @@ class _RuntimeCollector:
         yield from (tasks_family, active, queued, rejected, clients)
 
 
-class _PeerExchangeCollector:
-    """``kvroute_peer_placements_total{event}``: placements published to and received from peer routers."""
+class _EventCounters:
+    """One counter family by ``event`` label, read from a mapping at scrape time."""
 
-    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(self, name: str, documentation: str, counts: Callable[[], Mapping[str, int]]) -> None:
+        self._name = name
+        self._documentation = documentation
         self._counts = counts
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
-            "kvroute_peer_placements",
-            "Placements exchanged with peer routers, by event "
-            "(published, received, dropped_budget: over --peer-max-bytes-per-s, "
-            "dropped_slow: a unix:// peer too far behind, malformed).",
-            labels=["event"],
-        )
+        family = CounterMetricFamily(self._name, self._documentation, labels=["event"])
         for event, count in self._counts().items():
             family.add_metric([event], count)
         yield family
@@ -321,9 +318,28 @@ class RouterMetrics:
         if runtime is not None:
             self.registry.register(_RuntimeCollector(runtime))
 
-    def watch_peer_exchange(self, counts: Callable[[], Mapping[str, int]]) -> None:
-        """Export the placement exchange's counters (``--peer-bind`` / ``--peers``)."""
-        self.registry.register(_PeerExchangeCollector(counts))
+    def watch_peer_exchange(
+        self, placements: Callable[[], Mapping[str, int]], load_reports: Callable[[], Mapping[str, int]]
+    ) -> None:
+        """Export the exchange's counters (``--peer-bind`` / ``--peers``): placements, load reports."""
+        self.registry.register(
+            _EventCounters(
+                "kvroute_peer_placements",
+                "Placements exchanged with peer routers, by event "
+                "(published, received, dropped_budget: over --peer-max-bytes-per-s, "
+                "dropped_slow: a unix:// peer too far behind, malformed).",
+                placements,
+            )
+        )
+        self.registry.register(
+            _EventCounters(
+                "kvroute_peer_load_reports",
+                "Reports of requests in flight exchanged with peer routers, by event "
+                "(published, received, dropped_budget: over --peer-max-bytes-per-s, "
+                "expired: a peer with requests in flight whose reports stopped, malformed).",
+                load_reports,
+            )
+        )
 
     # --- hot path ----------------------------------------------------------------------
     def record_request(self, outcome: AttemptOutcome) -> None:

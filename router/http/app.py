@@ -52,6 +52,7 @@ from kvroute.router.http.openapi import openapi_document
 from kvroute.router.http.security import ClientGate, SecretRedactor
 from kvroute.router.http.workers import Siblings, WorkerGroup
 from kvroute.router.routing.peer_exchange import PeerExchange, Placement
+from kvroute.router.routing.peer_load import BackendLoad
 from kvroute.router.routing.precise_index import PreciseIndex
 from kvroute.router.routing.request_info import ENDPOINTS, Endpoint
 from kvroute.router.routing.routing_engine import RoutingEngine
@@ -142,7 +143,7 @@ def build_app(
     )
     if state.exchange is not None:
         exchange = state.exchange
-        metrics.watch_peer_exchange(lambda: asdict(exchange.stats))
+        metrics.watch_peer_exchange(lambda: asdict(exchange.stats), lambda: asdict(exchange.load_stats))
 
     app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
     app[STATE] = state
@@ -192,7 +193,8 @@ def _internal_app(state: RouterState, admin: AdminAPI | None) -> web.Application
 
 
 def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine) -> PeerExchange | None:
-    """The placement exchange with the other routers, wired to the routing engine, if configured."""
+    """The exchange with the other routers, if configured: placements to and from the routing
+    engine, this router's own requests in flight to them and theirs into the pool."""
     if settings.peer_bind is None and not settings.peers:
         return None
 
@@ -200,10 +202,22 @@ def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine
         if placement.backend in pool:  # a peer's backend that is not ours stays out of our index
             routing.apply_placement(placement)
 
+    def own_load() -> dict[str, BackendLoad]:
+        return {backend.url: BackendLoad(backend.own_in_flight, backend.own_in_flight_work_tokens) for backend in pool}
+
+    def apply_load(url: str, load: BackendLoad) -> None:
+        pool.set_peer_load(url, load.in_flight, load.work_tokens)
+
     exchange = PeerExchange(
-        bind=settings.peer_bind, peers=settings.peers, apply=apply, max_bytes_per_s=settings.peer_max_bytes_per_s
+        bind=settings.peer_bind,
+        peers=settings.peers,
+        apply=apply,
+        max_bytes_per_s=settings.peer_max_bytes_per_s,
+        own_load=own_load,
+        apply_load=apply_load,
     )
     routing.on_placement(exchange.publish)
+    pool.on_load_changed(exchange.load_changed)
     return exchange
 
 

@@ -11,6 +11,10 @@ this with the engines' own events; without them, routers tell each other what th
 * every router subscribes to its peers (``--peers``) and inserts what they placed into its
   own index, and into its conversation ledger, as if it had routed the request itself.
 
+Routers that place blocks also send each other their requests in flight per backend
+(:mod:`kvroute.router.routing.peer_load`), so that every router weighs the fleet's queues,
+not only its own share of them, when it trades a cache hit against waiting.
+
 No broker, no consensus: the same ZMQ machinery precise mode uses. Routers on one host
 (the workers of ``kvroute serve --workers N``) may use ``unix://PATH`` endpoints instead:
 the same messages over Unix stream sockets written and read in the event loop
@@ -34,7 +38,7 @@ import contextlib
 import logging
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +46,17 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvroute.router.routing.peer_load import (
+    HEARTBEAT_S,
+    LOAD_HEAD,
+    LOAD_TOPIC,
+    BackendLoad,
+    LoadReport,
+    PeerLoad,
+    decode_report,
+    encode_report,
+    new_sender_id,
+)
 from kvroute.router.routing.unix_links import UnixPublisher, UnixSubscriber, frame, unix_path
 from kvroute.router.routing.zmq_inbox import Inbox
 
@@ -76,6 +91,20 @@ class ExchangeStats:
     #: drop at their high-water mark, uncounted).
     dropped_slow: int = 0
     #: Messages from peers that could not be decoded.
+    malformed: int = 0
+
+
+@dataclass(slots=True)
+class LoadReportStats:
+    """The load reports' counters (``kvroute_peer_load_reports_total{event}``)."""
+
+    published: int = 0
+    received: int = 0
+    #: Reports not sent because the byte budget was spent (the next change or heartbeat retries).
+    dropped_budget: int = 0
+    #: Peers forgotten because their reports stopped while they had requests in flight.
+    expired: int = 0
+    #: Reports from peers that could not be decoded.
     malformed: int = 0
 
 
@@ -139,8 +168,13 @@ class PeerExchange:
         peers: Sequence[str],
         apply: Callable[[Placement], None],
         max_bytes_per_s: float,
+        own_load: Callable[[], Mapping[str, BackendLoad]] | None = None,
+        apply_load: Callable[[str, BackendLoad], None] | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
+        """``own_load()``: this router's own requests in flight per backend, reported to the
+        peers when :meth:`load_changed` says they changed; ``apply_load(url, load)``: the
+        peers' sum for ``url`` changed to ``load``."""
         self._bind = bind
         self._peers = list(peers)
         self._apply = apply
@@ -154,7 +188,17 @@ class PeerExchange:
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Frames of the placements published this event-loop turn, sent at the next.
         self._outbox: list[list[bytes]] = []
+        self._flush_scheduled = False
+        self._own_load = own_load
+        self._apply_load = apply_load
+        self._peer_load = PeerLoad(new_sender_id())
+        #: This router's counts changed since its last report.
+        self._load_changed = False
+        #: Its last report had requests in flight (so the heartbeat repeats it).
+        self._load_reported = False
+        self._heartbeat: asyncio.TimerHandle | None = None
         self.stats = ExchangeStats()
+        self.load_stats = LoadReportStats()
 
     @property
     def endpoint(self) -> str | None:
@@ -183,6 +227,7 @@ class PeerExchange:
             pub.setsockopt(zmq.SNDHWM, SEND_HWM)
             pub.bind(self._bind)
             self._pub = pub
+        self._heartbeat = loop.call_later(HEARTBEAT_S, self._beat)
         deadline = loop.time() + timeout_s
         zmq_waits = {peer for peer in wait_for if unix_path(peer) is None}
         if not zmq_waits:
@@ -222,12 +267,16 @@ class PeerExchange:
             sub = self._ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+            sub.setsockopt(zmq.SUBSCRIBE, LOAD_TOPIC)
             self._sub = sub
             self._inbox = Inbox(sub, on_ready=self._receive)
         return self._sub
 
     async def stop(self) -> None:
-        self._send_outbox()  # a draining router's last placements still reach its peers
+        self._flush()  # a draining router's last placements and counts still reach its peers
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
         if self._inbox is not None:
             self._inbox.close()
         for socket in (self._sub, self._pub):
@@ -250,25 +299,70 @@ class PeerExchange:
         if not self._budget.take(sum(len(part) for part in frames)):
             self.stats.dropped_budget += 1
             return
-        if not self._outbox:
-            assert self._loop is not None  # set by start(), which made the socket
-            self._loop.call_soon(self._send_outbox)
         self._outbox.append(frames)
+        self._schedule_flush()
 
-    def _send_outbox(self) -> None:
+    def load_changed(self) -> None:
+        """This router's requests in flight changed: report them to the peers at the next turn."""
+        if self._own_load is None or (self._pub is None and self._unix_pub is None):
+            return
+        self._load_changed = True
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            assert self._loop is not None  # set by start(), which made the socket
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send this turn's placements and, if the counts changed, a load report."""
+        self._flush_scheduled = False
         pub, outbox = self._pub, self._outbox
         self._outbox = []
-        if self._unix_pub is not None and outbox:
-            # One write per reader for the whole turn's placements.
-            behind = self._unix_pub.send(b"".join(frame(frames[1], frames[2]) for frames in outbox))
+        if pub is None and self._unix_pub is None:
+            return  # stopped
+        report = self._report() if self._load_changed else None
+        if self._unix_pub is not None and (outbox or report is not None):
+            # One write per reader for the whole turn's messages.
+            frames = [frame(parts[1], parts[2]) for parts in outbox]
+            if report is not None:
+                frames.append(frame(LOAD_HEAD, report))
+            behind = self._unix_pub.send(b"".join(frames))
             self.stats.dropped_slow += behind * len(outbox)
             self.stats.published += len(outbox)
-        if pub is None:
-            return
-        for frames in outbox:
-            with contextlib.suppress(zmq.Again):  # a peer at its high-water mark: PUB drops for it
-                pub.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            self.stats.published += 1
+        if pub is not None:
+            for parts in outbox:
+                with contextlib.suppress(zmq.Again):  # a peer at its high-water mark: PUB drops for it
+                    pub.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+                self.stats.published += 1
+            if report is not None:
+                with contextlib.suppress(zmq.Again):
+                    pub.send_multipart([LOAD_TOPIC, report], flags=zmq.NOBLOCK)
+        if report is not None:
+            self.load_stats.published += 1
+
+    def _report(self) -> bytes | None:
+        """This router's own counts as a report, if the byte budget allows it now."""
+        assert self._own_load is not None  # load_changed() sets _load_changed only with it
+        load = {url: counts for url, counts in self._own_load().items() if counts.in_flight or counts.work_tokens}
+        payload = encode_report(LoadReport(self._peer_load.sender, load))
+        if not self._budget.take(len(payload)):
+            self.load_stats.dropped_budget += 1
+            return None  # still changed: the next change or heartbeat sends it
+        self._load_changed = False
+        self._load_reported = bool(load)
+        return payload
+
+    def _beat(self) -> None:
+        """Repeat a report with requests in flight (peers forget a silent router); forget silent peers."""
+        assert self._loop is not None
+        self._heartbeat = self._loop.call_later(HEARTBEAT_S, self._beat)
+        if self._load_reported or self._load_changed:  # the latter: a report the budget refused
+            self.load_changed()
+        changed, forgotten = self._peer_load.expire()
+        self.load_stats.expired += forgotten
+        self._push_load(changed)
 
     def _receive(self) -> None:
         """Take the placements queued, up to :data:`RECEIVE_BATCH` per event-loop turn."""
@@ -283,6 +377,9 @@ class PeerExchange:
         asyncio.get_running_loop().call_soon(self._receive)  # more queued: after other work
 
     def _take(self, frames: list[bytes]) -> None:
+        if frames and frames[0] == LOAD_TOPIC:
+            self._take_report(frames[1] if len(frames) == 2 else b"")
+            return
         try:
             placement = decode(frames)
         except ValueError:
@@ -291,6 +388,9 @@ class PeerExchange:
         self._apply_placement(placement)
 
     def _take_parts(self, head: bytes, body: bytes) -> None:
+        if head == LOAD_HEAD:
+            self._take_report(body)
+            return
         try:
             placement = decode_parts(head, body)
         except ValueError:
@@ -307,3 +407,18 @@ class PeerExchange:
             self._apply(placement)
         except Exception:  # one bad placement must not stop the exchange
             log.exception("applying a peer's placement on %s failed", placement.backend)
+
+    def _take_report(self, data: bytes) -> None:
+        try:
+            report = decode_report(data)
+        except ValueError:
+            self.load_stats.malformed += 1
+            return
+        self.load_stats.received += 1
+        self._push_load(self._peer_load.apply(report))
+
+    def _push_load(self, changed: set[str]) -> None:
+        if self._apply_load is None:
+            return
+        for url in changed:
+            self._apply_load(url, self._peer_load.total(url))

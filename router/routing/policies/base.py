@@ -25,7 +25,8 @@ class BackendView(Protocol):
 
     @property
     def in_flight(self) -> int:
-        """Requests this router has sent there and not yet seen finish."""
+        """Requests in flight there that this router knows of: those it sent and has not seen
+        finish, plus those its peer routers last reported (``--peers``)."""
 
     @property
     def in_flight_work_tokens(self) -> int:

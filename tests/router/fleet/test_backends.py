@@ -108,6 +108,27 @@ def test_drain_removes_the_backend_once_its_last_request_finishes() -> None:
     assert (backend.in_flight, backend.in_flight_work_tokens) == (0, 0)
 
 
+def test_policies_weigh_peers_load_beside_this_routers_own() -> None:
+    pool = BackendPool()
+    changes: list[int] = []
+    pool.on_load_changed(lambda: changes.append(1))
+    backend = healthy_backend(pool, "http://a:1")
+    pool.acquire(backend, 100)
+    pool.set_peer_load(backend.url, 3, 900)
+    assert (backend.in_flight, backend.in_flight_work_tokens) == (4, 1000)
+    assert (backend.own_in_flight, backend.own_in_flight_work_tokens) == (1, 100)
+    pool.set_peer_load(backend.url, 1, 200)  # the peers' sum replaces the last one
+    pool.release(backend, 100)
+    assert (backend.in_flight, backend.in_flight_work_tokens) == (1, 200)
+    assert len(changes) == 2  # only this router's own requests are reported on
+    state = backend.state()
+    assert (state.in_flight, state.peer_in_flight, state.peer_in_flight_work_tokens) == (0, 1, 200)
+    pool.set_peer_load("http://not-ours:1", 5, 5)  # a peer's backend that is not ours: ignored
+    # Peers' requests do not hold a draining backend in the pool: they are theirs to finish.
+    pool.drain(backend.url)
+    assert backend.url not in pool
+
+
 def test_engine_stats_and_capacity_precedence() -> None:
     scraped_only = Backend("http://a:1", default_capacity_tokens=1000)
     assert scraped_only.capacity_tokens == 1000

@@ -23,7 +23,7 @@ from tests.servers import RouterServer, wait_until
 @dataclass
 class FakeBackend:
     url: str
-    in_flight: int = 0
+    own_in_flight: int = 0
 
 
 def control(**limits: Any) -> AdmissionControl[FakeBackend]:
@@ -39,7 +39,7 @@ def control(**limits: Any) -> AdmissionControl[FakeBackend]:
 
 async def test_no_limits_admits_everything_at_once() -> None:
     admission = control()
-    backends = [FakeBackend("a", in_flight=10_000)]
+    backends = [FakeBackend("a", own_in_flight=10_000)]
     assert not admission.limited
     assert await admission.admit(lambda: backends, holds_request_slot=False) == backends
 
@@ -110,16 +110,16 @@ async def test_per_backend_limit_routes_among_backends_with_room_and_waits_when_
     admission = control(max_backend_concurrency=1)
     a, b = FakeBackend("a"), FakeBackend("b")
     assert await admission.admit(lambda: [a, b], holds_request_slot=False) == [a, b]
-    a.in_flight = 1
+    a.own_in_flight = 1
     assert await admission.admit(lambda: [a, b], holds_request_slot=False) == [b]
-    b.in_flight = 1
+    b.own_in_flight = 1
     waiting = asyncio.create_task(admission.admit(lambda: [a, b], holds_request_slot=False))
     await asyncio.sleep(0.01)
     assert not waiting.done()
     admission.wake()  # nothing freed yet: it keeps waiting
     await asyncio.sleep(0.01)
     assert not waiting.done()
-    b.in_flight = 0
+    b.own_in_flight = 0
     admission.wake()
     assert await waiting == [b]
     # No candidate at all is not a reason to queue: the caller answers 503 at once.
@@ -128,12 +128,12 @@ async def test_per_backend_limit_routes_among_backends_with_room_and_waits_when_
 
 async def test_waiters_for_other_models_do_not_block_the_queue() -> None:
     admission = control(max_backend_concurrency=1)
-    busy, idle = FakeBackend("busy", in_flight=1), FakeBackend("idle", in_flight=1)
+    busy, idle = FakeBackend("busy", own_in_flight=1), FakeBackend("idle", own_in_flight=1)
     stuck = asyncio.create_task(admission.admit(lambda: [busy], holds_request_slot=False))
     await asyncio.sleep(0.01)
     other = asyncio.create_task(admission.admit(lambda: [idle], holds_request_slot=False))
     await asyncio.sleep(0.01)
-    idle.in_flight = 0
+    idle.own_in_flight = 0
     admission.wake()
     assert await other == [idle]
     assert not stuck.done()
@@ -169,7 +169,7 @@ def test_router_queues_then_turns_away_with_429(sim_engines: Any, router_server:
     router = router_server(sims, max_concurrency=2, queue_size=1, queue_timeout_s=30.0)
     results: list[Any] = []
     threads = [_stream_in_thread(router, results, max_tokens=60) for _ in range(2)]  # 3 s each
-    wait_until(lambda: router.state.pool.get(sims[0].url).in_flight == 2)
+    wait_until(lambda: router.state.pool.get(sims[0].url).own_in_flight == 2)
     threads.append(_stream_in_thread(router, results, max_tokens=5))  # waits its turn
     wait_until(lambda: router.metrics().value("kvroute_admission_queued_requests") == 1)
     response = httpx.post(router.v1 + "/chat/completions", json={"model": "sim", "messages": MESSAGES}, timeout=30)
@@ -190,7 +190,7 @@ def test_router_queue_timeout_is_429(sim_engines: Any, router_server: Any) -> No
     router = router_server(sims, max_concurrency=1, queue_size=4, queue_timeout_s=0.3)
     results: list[Any] = []
     thread = _stream_in_thread(router, results, max_tokens=100)
-    wait_until(lambda: router.state.pool.get(sims[0].url).in_flight == 1)
+    wait_until(lambda: router.state.pool.get(sims[0].url).own_in_flight == 1)
     with pytest.raises(openai.RateLimitError) as raised:
         router.client().chat.completions.create(model="sim", messages=MESSAGES, max_tokens=2)
     assert raised.value.response.headers["retry-after"]
@@ -208,7 +208,7 @@ def test_router_per_backend_limit_spreads_and_never_exceeds(sim_engines: Any, ro
     def watch() -> None:
         while not stop.is_set():
             for backend in router.state.pool:
-                peak[backend.url] = max(peak.get(backend.url, 0), backend.in_flight)
+                peak[backend.url] = max(peak.get(backend.url, 0), backend.own_in_flight)
             stop.wait(0.005)
 
     watcher = threading.Thread(target=watch)

@@ -12,8 +12,12 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import zmq
+import zmq.asyncio
 
+from kvroute.router.routing import peer_exchange, peer_load
 from kvroute.router.routing.peer_exchange import RECEIVE_BATCH, ByteBudget, PeerExchange, Placement, decode, encode
+from kvroute.router.routing.peer_load import LOAD_TOPIC, NO_LOAD, BackendLoad, LoadReport, encode_report
 from tests.servers import RouterServer
 
 SYSTEM = "You are a careful assistant who answers questions about routing. " * 30
@@ -234,3 +238,107 @@ def test_one_router_follows_zmq_and_unix_peers_at_once(tmp_path: Path) -> None:
                 await exchange.stop()
 
     asyncio.run(scenario())
+
+
+async def _reporting_pair(
+    bind: str, own: dict[str, BackendLoad], heard: dict[str, BackendLoad]
+) -> tuple[PeerExchange, PeerExchange]:
+    """A router reporting ``own`` as its requests in flight, and one writing what it hears to ``heard``."""
+    publisher = PeerExchange(bind=bind, peers=[], apply=lambda _: None, max_bytes_per_s=1e9, own_load=own.copy)
+    await publisher.start()
+    endpoint = publisher.endpoint
+    assert endpoint is not None
+    subscriber = PeerExchange(
+        bind=None, peers=[endpoint], apply=lambda _: None, max_bytes_per_s=1e9, apply_load=heard.__setitem__
+    )
+    assert await subscriber.start(wait_for=[endpoint])
+    await asyncio.sleep(0.2)  # ZMQ: the subscription reaches the publisher after the handshake
+    return publisher, subscriber
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_routers_requests_in_flight_reach_its_peers(transport: str, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        own: dict[str, BackendLoad] = {}
+        heard: dict[str, BackendLoad] = {}
+        publisher, subscriber = await _reporting_pair(_bind(transport, tmp_path), own, heard)
+        try:
+            own.update({"http://a": BackendLoad(1, 100), "http://b": NO_LOAD})
+            publisher.load_changed()
+            own["http://a"] = BackendLoad(2, 250)
+            publisher.load_changed()  # the same turn: one report, with the counts at its end
+            await _until(lambda: heard.get("http://a") == BackendLoad(2, 250))
+            assert publisher.load_stats.published == 1 and subscriber.load_stats.received == 1
+            assert "http://b" not in heard  # nothing there, nothing to say
+            own["http://a"] = NO_LOAD
+            publisher.load_changed()
+            await _until(lambda: heard["http://a"] == NO_LOAD)
+            assert subscriber.load_stats.malformed == 0 and subscriber.stats.received == 0
+        finally:
+            await publisher.stop()
+            await subscriber.stop()
+
+    asyncio.run(scenario())
+
+
+def test_reports_repeat_while_requests_run_and_a_silent_peer_is_forgotten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(peer_exchange, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(peer_load, "REPORT_TTL_S", 0.3)
+
+    async def scenario() -> None:
+        own = {"http://a": BackendLoad(1, 100)}
+        heard: dict[str, BackendLoad] = {}
+        publisher, subscriber = await _reporting_pair(_bind("unix", tmp_path), own, heard)
+        try:
+            publisher.load_changed()
+            await _until(lambda: subscriber.load_stats.received >= 3)  # no change, still reported
+            own["http://a"] = NO_LOAD
+            publisher.load_changed()
+            await _until(lambda: heard["http://a"] == NO_LOAD)
+            published = publisher.load_stats.published
+            await asyncio.sleep(0.3)
+            assert publisher.load_stats.published == published  # nothing in flight: quiet
+            # A peer that stops talking with requests in flight (crashed) is forgotten.
+            silent = zmq.asyncio.Context.instance().socket(zmq.PUB)
+            port = silent.bind_to_random_port("tcp://127.0.0.1")
+            subscriber.connect([f"tcp://127.0.0.1:{port}"])
+            await asyncio.sleep(0.2)
+            await silent.send_multipart(
+                [LOAD_TOPIC, encode_report(LoadReport("gone", {"http://a": BackendLoad(4, 1)}))]
+            )
+            await silent.send_multipart([LOAD_TOPIC, b'{"sender": "gone"}'])
+            await _until(lambda: heard["http://a"] == BackendLoad(4, 1))
+            silent.close(linger=0)
+            await _until(lambda: heard["http://a"] == NO_LOAD)
+            assert subscriber.load_stats.expired == 1 and subscriber.load_stats.malformed == 1
+        finally:
+            await publisher.stop()
+            await subscriber.stop()
+
+    asyncio.run(scenario())
+
+
+def test_peer_routers_see_each_others_requests_in_flight(sim_engines: Any, router_server: Any) -> None:
+    engines = sim_engines(2, time_scale=1.0)
+    first = router_server(engines, policy="cache_aware", peer_bind="tcp://127.0.0.1:*")
+    second = router_server(engines, policy="cache_aware", peers=[first.state.exchange.endpoint])
+    time.sleep(0.3)  # ZMQ subscriptions take a moment to reach the publisher
+    stream = first.client().chat.completions.create(
+        model="sim", messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=2000, stream=True
+    )
+    try:
+        next(iter(stream))  # the request is running on one engine now
+        busy = next(backend for backend in first.state.pool if backend.own_in_flight == 1)
+        seen = second.state.pool.get(busy.url)
+        assert seen is not None
+        _wait_for(lambda: seen.peer_in_flight == 1)
+        assert (seen.in_flight, seen.own_in_flight) == (1, 0) and seen.peer_in_flight_work_tokens > 0
+        metrics = httpx.get(second.url + "/metrics").text
+        assert 'kvroute_peer_load_reports_total{event="received"}' in metrics
+        admin_state = second.state.pool.get(busy.url)
+        assert admin_state is not None and admin_state.state().peer_in_flight == 1
+    finally:
+        stream.close()
+    _wait_for(lambda: seen.in_flight == 0 and seen.peer_in_flight_work_tokens == 0)

@@ -1,0 +1,153 @@
+"""Requests in flight that peer routers report, so each router weighs the whole fleet's load.
+
+A router counts the requests it sent to each backend and has not seen finish; its
+policies weigh that queue against cache hits. With two or more router replicas each sees
+only its share: in a burst, both send to the backend that looks idle to each of them, and
+a conversation leaves the replica that holds its history for one that only looks less
+busy. Routers exchanging placements (:mod:`kvroute.router.routing.peer_exchange`) also
+send a :class:`LoadReport` whenever their own counts change (at most one per event-loop
+turn), and again every :data:`HEARTBEAT_S` while they have requests in flight. A report
+holds the sender's own counts only, never what it heard from others, and replaces that
+sender's previous one: a lost report is corrected by the next, and a sender that stopped
+reporting (crashed, partitioned) is forgotten after :data:`REPORT_TTL_S`.
+
+:class:`PeerLoad` keeps the latest report of each peer and their sums per backend.
+No I/O: the exchange feeds it and pushes the sums into the backend pool.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import orjson
+
+#: The topic of load reports on the ZMQ exchange (placements travel under another one).
+LOAD_TOPIC = b"kvroute-load"
+#: The head of a load report on a ``unix://`` link (never a valid placement head).
+LOAD_HEAD = b"kvroute-load/1"
+#: A router with requests in flight repeats its report this often.
+HEARTBEAT_S = 1.0
+#: A peer's report counts for this long after it arrived (three missed heartbeats).
+REPORT_TTL_S = 3.0
+#: Largest accepted report: a few hundred backends' counts.
+MAX_REPORT_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class BackendLoad:
+    """Requests in flight on one backend and the work they bring, in tokens."""
+
+    in_flight: int = 0
+    work_tokens: int = 0
+
+
+NO_LOAD = BackendLoad()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """One router's own requests in flight, per backend; backends left out have none."""
+
+    sender: str
+    load: Mapping[str, BackendLoad]
+
+
+def new_sender_id() -> str:
+    """An identity for this router process's reports (a restarted router is a new sender)."""
+    return os.urandom(8).hex()
+
+
+def encode_report(report: LoadReport) -> bytes:
+    counts = {url: [load.in_flight, load.work_tokens] for url, load in report.load.items()}
+    return orjson.dumps({"sender": report.sender, "load": counts})
+
+
+def decode_report(data: bytes) -> LoadReport:
+    """The inverse of :func:`encode_report`; ``ValueError`` on anything else."""
+    if len(data) > MAX_REPORT_BYTES:
+        raise ValueError("load report too large")
+    try:
+        message = orjson.loads(data)
+    except orjson.JSONDecodeError as error:
+        raise ValueError("load report is not JSON") from error
+    if not isinstance(message, dict) or set(message) != {"sender", "load"}:
+        raise ValueError("not a load report")
+    sender, counts = message["sender"], message["load"]
+    if not isinstance(sender, str) or not sender or not isinstance(counts, dict):
+        raise ValueError("malformed load report")
+    load: dict[str, BackendLoad] = {}
+    for url, pair in counts.items():
+        if not url or not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError("malformed load report")
+        in_flight, work_tokens = pair
+        if not _count(in_flight) or not _count(work_tokens):
+            raise ValueError("malformed load report")
+        load[url] = BackendLoad(in_flight, work_tokens)
+    return LoadReport(sender, load)
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and 0 <= value < 2**53
+
+
+class PeerLoad:
+    """The latest report of every peer, and their sums per backend."""
+
+    def __init__(self, sender: str, clock: Callable[[], float] = time.monotonic) -> None:
+        #: This router's own identity: its reports, should they come back, are not a peer's.
+        self.sender = sender
+        self._clock = clock
+        self._reports: dict[str, tuple[float, Mapping[str, BackendLoad]]] = {}
+        self._totals: dict[str, BackendLoad] = {}
+
+    @property
+    def peers(self) -> int:
+        """Peers whose report counts now."""
+        return len(self._reports)
+
+    def total(self, url: str) -> BackendLoad:
+        """What the peers last reported in flight on ``url``, summed."""
+        return self._totals.get(url, NO_LOAD)
+
+    def apply(self, report: LoadReport) -> set[str]:
+        """Take ``report`` in place of its sender's previous one; the backends whose sums changed."""
+        if report.sender == self.sender:
+            return set()
+        previous = self._reports.get(report.sender)
+        self._reports[report.sender] = (self._clock(), report.load)
+        return self._shift(previous[1] if previous else {}, report.load)
+
+    def expire(self) -> tuple[set[str], int]:
+        """Forget the peers not heard from within :data:`REPORT_TTL_S`: the backends whose
+        sums changed, and how many of those peers had requests in flight (an idle peer
+        reports nothing more until it has some; one with requests went silent)."""
+        deadline = self._clock() - REPORT_TTL_S
+        silent = [sender for sender, (received_at, _) in self._reports.items() if received_at < deadline]
+        changed: set[str] = set()
+        busy = 0
+        for sender in silent:
+            _, load = self._reports.pop(sender)
+            busy += bool(load)
+            changed |= self._shift(load, {})
+        return changed, busy
+
+    def _shift(self, old: Mapping[str, BackendLoad], new: Mapping[str, BackendLoad]) -> set[str]:
+        changed = set()
+        for url in old.keys() | new.keys():
+            before, after = old.get(url, NO_LOAD), new.get(url, NO_LOAD)
+            if before == after:
+                continue
+            total = self._totals.get(url, NO_LOAD)
+            total = BackendLoad(
+                total.in_flight + after.in_flight - before.in_flight,
+                total.work_tokens + after.work_tokens - before.work_tokens,
+            )
+            if total == NO_LOAD:
+                self._totals.pop(url, None)
+            else:
+                self._totals[url] = total
+            changed.add(url)
+        return changed
