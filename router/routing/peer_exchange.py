@@ -50,6 +50,7 @@ from kvroute.router.routing.peer_load import (
     HEARTBEAT_S,
     LOAD_HEAD,
     LOAD_TOPIC,
+    REPORT_INTERVAL_S,
     BackendLoad,
     LoadReport,
     PeerLoad,
@@ -196,6 +197,9 @@ class PeerExchange:
         self._load_changed = False
         #: Its last report had requests in flight (so the heartbeat repeats it).
         self._load_reported = False
+        #: When the last report left (event-loop time), and the timer of the next, if one waits.
+        self._last_report = float("-inf")
+        self._report_timer: asyncio.TimerHandle | None = None
         self._heartbeat: asyncio.TimerHandle | None = None
         self.stats = ExchangeStats()
         self.load_stats = LoadReportStats()
@@ -274,9 +278,10 @@ class PeerExchange:
 
     async def stop(self) -> None:
         self._flush()  # a draining router's last placements and counts still reach its peers
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            self._heartbeat = None
+        for timer in (self._heartbeat, self._report_timer):
+            if timer is not None:
+                timer.cancel()
+        self._heartbeat = self._report_timer = None
         if self._inbox is not None:
             self._inbox.close()
         for socket in (self._sub, self._pub):
@@ -303,11 +308,23 @@ class PeerExchange:
         self._schedule_flush()
 
     def load_changed(self) -> None:
-        """This router's requests in flight changed: report them to the peers at the next turn."""
+        """This router's requests in flight changed: report them to the peers at the next
+        turn, or, within :data:`REPORT_INTERVAL_S` of the last report, when it has passed."""
         if self._own_load is None or (self._pub is None and self._unix_pub is None):
             return
         self._load_changed = True
-        self._schedule_flush()
+        if self._report_timer is not None:
+            return  # a report is due soon anyway
+        assert self._loop is not None
+        wait = self._last_report + REPORT_INTERVAL_S - self._loop.time()
+        if wait <= 0:
+            self._schedule_flush()
+        else:
+            self._report_timer = self._loop.call_later(wait, self._report_due)
+
+    def _report_due(self) -> None:
+        self._report_timer = None
+        self._flush()
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -322,7 +339,7 @@ class PeerExchange:
         self._outbox = []
         if pub is None and self._unix_pub is None:
             return  # stopped
-        report = self._report() if self._load_changed else None
+        report = self._report() if self._load_changed and self._report_timer is None else None
         if self._unix_pub is not None and (outbox or report is not None):
             # One write per reader for the whole turn's messages.
             frames = [frame(parts[1], parts[2]) for parts in outbox]
@@ -352,6 +369,8 @@ class PeerExchange:
             return None  # still changed: the next change or heartbeat sends it
         self._load_changed = False
         self._load_reported = bool(load)
+        assert self._loop is not None
+        self._last_report = self._loop.time()
         return payload
 
     def _beat(self) -> None:

@@ -342,3 +342,27 @@ def test_peer_routers_see_each_others_requests_in_flight(sim_engines: Any, route
     finally:
         stream.close()
     _wait_for(lambda: seen.in_flight == 0 and seen.peer_in_flight_work_tokens == 0)
+
+
+def test_reports_within_the_interval_leave_together_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peer_exchange, "REPORT_INTERVAL_S", 0.3)
+
+    async def scenario() -> None:
+        own = {"http://a": BackendLoad(1, 100)}
+        heard: dict[str, BackendLoad] = {}
+        publisher, subscriber = await _reporting_pair(_bind("unix", tmp_path), own, heard)
+        try:
+            publisher.load_changed()  # the first change leaves at once
+            await _until(lambda: heard.get("http://a") == BackendLoad(1, 100))
+            for count in (2, 3):
+                own["http://a"] = BackendLoad(count, 100 * count)
+                publisher.load_changed()
+                await asyncio.sleep(0.05)
+            assert publisher.load_stats.published == 1 and heard["http://a"] == BackendLoad(1, 100)
+            await _until(lambda: heard["http://a"] == BackendLoad(3, 300))  # the interval passed: the latest
+            assert publisher.load_stats.published == 2
+        finally:
+            await publisher.stop()
+            await subscriber.stop()
+
+    asyncio.run(scenario())
