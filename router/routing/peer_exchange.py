@@ -277,11 +277,11 @@ class PeerExchange:
         return self._sub
 
     async def stop(self) -> None:
-        self._flush()  # a draining router's last placements and counts still reach its peers
         for timer in (self._heartbeat, self._report_timer):
             if timer is not None:
                 timer.cancel()
         self._heartbeat = self._report_timer = None
+        self._flush()  # a draining router's last placements and counts still reach its peers
         if self._inbox is not None:
             self._inbox.close()
         for socket in (self._sub, self._pub):
@@ -381,7 +381,8 @@ class PeerExchange:
             self.load_changed()
         changed, forgotten = self._peer_load.expire()
         self.load_stats.expired += forgotten
-        self._push_load(changed)
+        # Every sum again, not only the changed: a backend that joined the pool since starts at 0.
+        self._push_load(changed | self._peer_load.backends())
 
     def _receive(self) -> None:
         """Take the placements queued, up to :data:`RECEIVE_BATCH` per event-loop turn."""

@@ -113,6 +113,10 @@ class PeerLoad:
         """Peers whose report counts now."""
         return len(self._reports)
 
+    def backends(self) -> set[str]:
+        """The backends some peer reports requests in flight on."""
+        return set(self._totals)
+
     def total(self, url: str) -> BackendLoad:
         """What the peers last reported in flight on ``url``, summed."""
         return self._totals.get(url, NO_LOAD)

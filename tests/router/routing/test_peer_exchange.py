@@ -366,3 +366,45 @@ def test_reports_within_the_interval_leave_together_after_it(tmp_path: Path, mon
             await subscriber.stop()
 
     asyncio.run(scenario())
+
+
+def test_stopping_reports_the_last_counts_even_within_the_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(peer_exchange, "REPORT_INTERVAL_S", 10.0)
+
+    async def scenario() -> None:
+        own = {"http://a": BackendLoad(1, 100)}
+        heard: dict[str, BackendLoad] = {}
+        publisher, subscriber = await _reporting_pair(_bind("unix", tmp_path), own, heard)
+        try:
+            publisher.load_changed()
+            await _until(lambda: heard.get("http://a") == BackendLoad(1, 100))
+            own["http://a"] = NO_LOAD
+            publisher.load_changed()  # due in 10 s
+            await publisher.stop()
+            await _until(lambda: heard["http://a"] == NO_LOAD)
+        finally:
+            await subscriber.stop()
+
+    asyncio.run(scenario())
+
+
+def test_the_heartbeat_hands_every_sum_on_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend that joins the pool after a peer reported on it learns the peer's load within a beat."""
+    monkeypatch.setattr(peer_exchange, "HEARTBEAT_S", 0.05)
+
+    async def scenario() -> None:
+        own = {"http://a": BackendLoad(2, 20)}
+        heard: dict[str, BackendLoad] = {}
+        publisher, subscriber = await _reporting_pair(_bind("unix", tmp_path), own, heard)
+        try:
+            publisher.load_changed()
+            await _until(lambda: heard.get("http://a") == BackendLoad(2, 20))
+            heard.clear()  # as a backend added since would start: knowing nothing
+            await _until(lambda: heard.get("http://a") == BackendLoad(2, 20))
+        finally:
+            await publisher.stop()
+            await subscriber.stop()
+
+    asyncio.run(scenario())

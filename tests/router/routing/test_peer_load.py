@@ -69,7 +69,7 @@ def test_a_report_replaces_its_senders_last_and_sums_with_the_others() -> None:
     }
     assert table.total("http://x") == BackendLoad(3, 230)
     assert table.total("http://y") == NO_LOAD and table.total("http://z") == BackendLoad(4, 9)
-    assert table.peers == 2
+    assert table.peers == 2 and table.backends() == {"http://x", "http://z"}
 
 
 def test_its_own_report_coming_back_is_not_a_peers() -> None:
