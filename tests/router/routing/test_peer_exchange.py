@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -240,10 +241,13 @@ def test_one_router_follows_zmq_and_unix_peers_at_once(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
-async def _reporting_pair(
-    bind: str, own: dict[str, BackendLoad], heard: dict[str, BackendLoad]
-) -> tuple[PeerExchange, PeerExchange]:
-    """A router reporting ``own`` as its requests in flight, and one writing what it hears to ``heard``."""
+@contextlib.asynccontextmanager
+async def _reporting(
+    bind: str, own: dict[str, BackendLoad]
+) -> AsyncIterator[tuple[PeerExchange, PeerExchange, dict[str, BackendLoad]]]:
+    """A router reporting ``own`` as its requests in flight, and one subscribed to it, with
+    the sums it heard (both stopped on leaving)."""
+    heard: dict[str, BackendLoad] = {}
     publisher = PeerExchange(bind=bind, peers=[], apply=lambda _: None, max_bytes_per_s=1e9, own_load=own.copy)
     await publisher.start()
     endpoint = publisher.endpoint
@@ -251,18 +255,20 @@ async def _reporting_pair(
     subscriber = PeerExchange(
         bind=None, peers=[endpoint], apply=lambda _: None, max_bytes_per_s=1e9, apply_load=heard.__setitem__
     )
-    assert await subscriber.start(wait_for=[endpoint])
-    await asyncio.sleep(0.2)  # ZMQ: the subscription reaches the publisher after the handshake
-    return publisher, subscriber
+    try:
+        assert await subscriber.start(wait_for=[endpoint])
+        await asyncio.sleep(0.2)  # ZMQ: the subscription reaches the publisher after the handshake
+        yield publisher, subscriber, heard
+    finally:
+        await publisher.stop()
+        await subscriber.stop()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_routers_requests_in_flight_reach_its_peers(transport: str, tmp_path: Path) -> None:
     async def scenario() -> None:
         own: dict[str, BackendLoad] = {}
-        heard: dict[str, BackendLoad] = {}
-        publisher, subscriber = await _reporting_pair(_bind(transport, tmp_path), own, heard)
-        try:
+        async with _reporting(_bind(transport, tmp_path), own) as (publisher, subscriber, heard):
             own.update({"http://a": BackendLoad(1, 100), "http://b": NO_LOAD})
             publisher.load_changed()
             own["http://a"] = BackendLoad(2, 250)
@@ -274,9 +280,6 @@ def test_a_routers_requests_in_flight_reach_its_peers(transport: str, tmp_path: 
             publisher.load_changed()
             await _until(lambda: heard["http://a"] == NO_LOAD)
             assert subscriber.load_stats.malformed == 0 and subscriber.stats.received == 0
-        finally:
-            await publisher.stop()
-            await subscriber.stop()
 
     asyncio.run(scenario())
 
@@ -289,9 +292,7 @@ def test_reports_repeat_while_requests_run_and_a_silent_peer_is_forgotten(
 
     async def scenario() -> None:
         own = {"http://a": BackendLoad(1, 100)}
-        heard: dict[str, BackendLoad] = {}
-        publisher, subscriber = await _reporting_pair(_bind("unix", tmp_path), own, heard)
-        try:
+        async with _reporting(_bind("unix", tmp_path), own) as (publisher, subscriber, heard):
             publisher.load_changed()
             await _until(lambda: subscriber.load_stats.received >= 3)  # no change, still reported
             own["http://a"] = NO_LOAD
@@ -313,9 +314,6 @@ def test_reports_repeat_while_requests_run_and_a_silent_peer_is_forgotten(
             silent.close(linger=0)
             await _until(lambda: heard["http://a"] == NO_LOAD)
             assert subscriber.load_stats.expired == 1 and subscriber.load_stats.malformed == 1
-        finally:
-            await publisher.stop()
-            await subscriber.stop()
 
     asyncio.run(scenario())
 
@@ -349,9 +347,7 @@ def test_reports_within_the_interval_leave_together_after_it(tmp_path: Path, mon
 
     async def scenario() -> None:
         own = {"http://a": BackendLoad(1, 100)}
-        heard: dict[str, BackendLoad] = {}
-        publisher, subscriber = await _reporting_pair(_bind("unix", tmp_path), own, heard)
-        try:
+        async with _reporting(_bind("unix", tmp_path), own) as (publisher, _subscriber, heard):
             publisher.load_changed()  # the first change leaves at once
             await _until(lambda: heard.get("http://a") == BackendLoad(1, 100))
             for count in (2, 3):
@@ -361,9 +357,6 @@ def test_reports_within_the_interval_leave_together_after_it(tmp_path: Path, mon
             assert publisher.load_stats.published == 1 and heard["http://a"] == BackendLoad(1, 100)
             await _until(lambda: heard["http://a"] == BackendLoad(3, 300))  # the interval passed: the latest
             assert publisher.load_stats.published == 2
-        finally:
-            await publisher.stop()
-            await subscriber.stop()
 
     asyncio.run(scenario())
 
@@ -375,17 +368,13 @@ def test_stopping_reports_the_last_counts_even_within_the_interval(
 
     async def scenario() -> None:
         own = {"http://a": BackendLoad(1, 100)}
-        heard: dict[str, BackendLoad] = {}
-        publisher, subscriber = await _reporting_pair(_bind("unix", tmp_path), own, heard)
-        try:
+        async with _reporting(_bind("unix", tmp_path), own) as (publisher, _subscriber, heard):
             publisher.load_changed()
             await _until(lambda: heard.get("http://a") == BackendLoad(1, 100))
             own["http://a"] = NO_LOAD
             publisher.load_changed()  # due in 10 s
             await publisher.stop()
             await _until(lambda: heard["http://a"] == NO_LOAD)
-        finally:
-            await subscriber.stop()
 
     asyncio.run(scenario())
 
@@ -396,15 +385,10 @@ def test_the_heartbeat_hands_every_sum_on_again(tmp_path: Path, monkeypatch: pyt
 
     async def scenario() -> None:
         own = {"http://a": BackendLoad(2, 20)}
-        heard: dict[str, BackendLoad] = {}
-        publisher, subscriber = await _reporting_pair(_bind("unix", tmp_path), own, heard)
-        try:
+        async with _reporting(_bind("unix", tmp_path), own) as (publisher, _subscriber, heard):
             publisher.load_changed()
             await _until(lambda: heard.get("http://a") == BackendLoad(2, 20))
             heard.clear()  # as a backend added since would start: knowing nothing
             await _until(lambda: heard.get("http://a") == BackendLoad(2, 20))
-        finally:
-            await publisher.stop()
-            await subscriber.stop()
 
     asyncio.run(scenario())
