@@ -134,7 +134,9 @@ class Backend:
         self.peer_in_flight = 0
         self.peer_in_flight_work_tokens = 0
         #: What the policies weigh: requests in flight here that this router knows of (its
-        #: own and its peers'), and their work. Kept equal to own + peer by the pool.
+        #: own and its peers'), and their work. Kept equal to own + peer by the pool rather
+        #: than summed on each read: the policies read it several times per candidate per
+        #: request, and every ``BackendView`` stand-in (tests, the virtual fleet) sets it.
         self.in_flight = 0
         self.in_flight_work_tokens = 0
         self.engine_running: int | None = None
@@ -348,15 +350,20 @@ class BackendPool:
     def acquire(self, backend: Backend, work_tokens: int) -> None:
         """A request of ``work_tokens`` was sent to ``backend``: count it as in flight (and as
         the breaker's probe)."""
-        backend.own_in_flight += 1
-        backend.own_in_flight_work_tokens += work_tokens
-        backend.in_flight += 1
-        backend.in_flight_work_tokens += work_tokens
-        if self._on_load_changed is not None:
-            self._on_load_changed()
+        self._count_own(backend, 1, work_tokens)
         breaker = backend.breaker
         if breaker.state is not BreakerState.CLOSED and breaker.on_dispatch():
             self._changed()
+
+    def _count_own(self, backend: Backend, requests: int, work_tokens: int) -> None:
+        """This router's own requests there changed: in its own count and in the total the
+        policies weigh; the peer exchange hears of it."""
+        backend.own_in_flight += requests
+        backend.own_in_flight_work_tokens += work_tokens
+        backend.in_flight += requests
+        backend.in_flight_work_tokens += work_tokens
+        if self._on_load_changed is not None:
+            self._on_load_changed()
 
     def on_load_changed(self, listener: Callable[[], None] | None) -> None:
         """Call ``listener()`` whenever this router's own requests in flight change (one
@@ -375,12 +382,7 @@ class BackendPool:
 
     def release(self, backend: Backend, work_tokens: int) -> None:
         """That request finished (in any way); a draining or removed backend leaves once idle."""
-        backend.own_in_flight -= 1
-        backend.own_in_flight_work_tokens -= work_tokens
-        backend.in_flight -= 1
-        backend.in_flight_work_tokens -= work_tokens
-        if self._on_load_changed is not None:
-            self._on_load_changed()
+        self._count_own(backend, -1, -work_tokens)
         if backend.draining and backend.own_in_flight == 0:
             current = self._backends.get(backend.url)
             if current is backend:
