@@ -247,7 +247,7 @@ class BackendPool:
         self._on_added: list[BackendListener] = []
         self._on_removed: list[BackendListener] = []
         self._on_changed: list[Callable[[], None]] = []
-        self._on_load_changed: Callable[[], None] | None = None
+        self._on_load_changed: Callable[[bool], None] | None = None
 
     # --- membership ------------------------------------------------------------------
     def __iter__(self) -> Iterator[Backend]:
@@ -363,11 +363,11 @@ class BackendPool:
         backend.in_flight += requests
         backend.in_flight_work_tokens += work_tokens
         if self._on_load_changed is not None:
-            self._on_load_changed()
+            self._on_load_changed(requests < 0)
 
-    def on_load_changed(self, listener: Callable[[], None] | None) -> None:
-        """Call ``listener()`` whenever this router's own requests in flight change (one
-        listener: the peer exchange, which reports them)."""
+    def on_load_changed(self, listener: Callable[[bool], None] | None) -> None:
+        """Call ``listener(finished)`` whenever this router's own requests in flight change,
+        ``finished`` when one ended (one listener: the peer exchange, which reports them)."""
         self._on_load_changed = listener
 
     def set_peer_load(self, url: str, in_flight: int, work_tokens: int) -> None:

@@ -307,17 +307,23 @@ class PeerExchange:
         self._outbox.append(frames)
         self._schedule_flush()
 
-    def load_changed(self) -> None:
+    def load_changed(self, finished: bool = False) -> None:
         """This router's requests in flight changed: report them to the peers at the next
-        turn, or, within :data:`REPORT_INTERVAL_S` of the last report, when it has passed."""
+        turn, or, within :data:`REPORT_INTERVAL_S` of the last report, when it has passed.
+        A request that ``finished`` is reported at the next turn regardless: peers still
+        counting it would steer the client's next turn, often on its way already, away from
+        a backend that is idle."""
         if self._own_load is None or (self._pub is None and self._unix_pub is None):
             return
         self._load_changed = True
+        if finished and self._report_timer is not None:
+            self._report_timer.cancel()
+            self._report_timer = None
         if self._report_timer is not None:
             return  # a report is due soon anyway
         assert self._loop is not None
         wait = self._last_report + REPORT_INTERVAL_S - self._loop.time()
-        if wait <= 0:
+        if finished or wait <= 0:
             self._schedule_flush()
         else:
             self._report_timer = self._loop.call_later(wait, self._report_due)

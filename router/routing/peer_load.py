@@ -5,9 +5,9 @@ policies weigh that queue against cache hits. With two or more router replicas e
 only its share: in a burst, both send to the backend that looks idle to each of them, and
 a conversation leaves the replica that holds its history for one that only looks less
 busy. Routers exchanging placements (:mod:`kvroute.router.routing.peer_exchange`) also
-send a :class:`LoadReport` whenever their own counts change, at most one per
-:data:`REPORT_INTERVAL_S` (in the same write as placements where they meet), and again
-every :data:`HEARTBEAT_S` while they have requests in flight. A report
+send a :class:`LoadReport` whenever their own counts change: at once when a request
+finished, else at most one per :data:`REPORT_INTERVAL_S` (in the same write as placements
+where they meet), and again every :data:`HEARTBEAT_S` while they have requests in flight. A report
 holds the sender's own counts only, never what it heard from others, and replaces that
 sender's previous one: a lost report is corrected by the next, and a sender that stopped
 reporting (crashed, partitioned) is forgotten after :data:`REPORT_TTL_S`.
@@ -29,8 +29,8 @@ import orjson
 LOAD_TOPIC = b"kvroute-load"
 #: The head of a load report on a ``unix://`` link (never a valid placement head).
 LOAD_HEAD = b"kvroute-load/1"
-#: Reports leave at most this often: a burst's first change at once, the rest together
-#: after it. A report per change cost two workers 12 % more CPU per request at 250/s
+#: Reports of new requests leave at most this often: a burst's first at once, the rest
+#: together after it (a finished request is reported at once). A report per change cost two workers 12 % more CPU per request at 250/s
 #: (benchmarks/README.md, "Routers report their load to each other").
 REPORT_INTERVAL_S = 0.01
 #: A router with requests in flight repeats its report this often.

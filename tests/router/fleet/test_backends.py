@@ -110,8 +110,8 @@ def test_drain_removes_the_backend_once_its_last_request_finishes() -> None:
 
 def test_policies_weigh_peers_load_beside_this_routers_own() -> None:
     pool = BackendPool()
-    changes: list[int] = []
-    pool.on_load_changed(lambda: changes.append(1))
+    changes: list[bool] = []
+    pool.on_load_changed(changes.append)
     backend = healthy_backend(pool, "http://a:1")
     pool.acquire(backend, 100)
     pool.set_peer_load(backend.url, 3, 900)
@@ -121,6 +121,7 @@ def test_policies_weigh_peers_load_beside_this_routers_own() -> None:
     pool.release(backend, 100)
     assert (backend.in_flight, backend.in_flight_work_tokens) == (1, 200)
     assert len(changes) == 2  # only this router's own requests are reported on
+    assert changes == [False, True]  # started, finished
     state = backend.state()
     assert (state.in_flight, state.peer_in_flight, state.peer_in_flight_work_tokens) == (0, 1, 200)
     pool.set_peer_load("http://not-ours:1", 5, 5)  # a peer's backend that is not ours: ignored

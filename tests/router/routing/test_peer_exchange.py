@@ -361,6 +361,28 @@ def test_reports_within_the_interval_leave_together_after_it(tmp_path: Path, mon
     asyncio.run(scenario())
 
 
+def test_a_finished_request_is_reported_at_once_even_within_the_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client's next turn often follows its answer within milliseconds: a peer must not
+    still count the finished request on its home backend."""
+    monkeypatch.setattr(peer_exchange, "REPORT_INTERVAL_S", 10.0)
+
+    async def scenario() -> None:
+        own = {"http://a": BackendLoad(1, 100)}
+        async with _reporting(_bind("unix", tmp_path), own) as (publisher, _, heard):
+            publisher.load_changed()
+            await _until(lambda: heard.get("http://a") == BackendLoad(1, 100))
+            own["http://a"] = BackendLoad(2, 200)
+            publisher.load_changed()  # a new request: due in 10 s
+            own["http://a"] = BackendLoad(1, 100)
+            publisher.load_changed(finished=True)
+            await _until(lambda: publisher.load_stats.published == 2)
+            await _until(lambda: heard["http://a"] == BackendLoad(1, 100))
+
+    asyncio.run(scenario())
+
+
 def test_stopping_reports_the_last_counts_even_within_the_interval(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
