@@ -595,21 +595,24 @@ def default_block_size(api: str) -> int:
     return 1 if api == "sglang" else 16
 
 
+def _sim_spec(args: argparse.Namespace, time_scale: float, prefill: float) -> SimSpec:
+    """The sims the bench's flags describe."""
+    return SimSpec(
+        replicas=args.replicas,
+        model=args.model or "sim",
+        block_size=args.block_size,
+        kv_capacity_tokens=args.kv_capacity_tokens or DEFAULT_SIM_CAPACITY_TOKENS,
+        prefill_tokens_per_s=prefill,
+        decode_tokens_per_s=args.decode_tokens_per_s,
+        time_scale=time_scale,
+        tokenizer=args.tokenizer,
+        api=args.api,
+    )
+
+
 def _sim_fleet(args: argparse.Namespace, time_scale: float, prefill: float) -> SimFleet | VirtualFleet:
     fleet = VirtualFleet if args.engine == "virtual" else SimFleet
-    return fleet(
-        SimSpec(
-            replicas=args.replicas,
-            model=args.model or "sim",
-            block_size=args.block_size,
-            kv_capacity_tokens=args.kv_capacity_tokens or DEFAULT_SIM_CAPACITY_TOKENS,
-            prefill_tokens_per_s=prefill,
-            decode_tokens_per_s=args.decode_tokens_per_s,
-            time_scale=time_scale,
-            tokenizer=args.tokenizer,
-            api=args.api,
-        )
-    )
+    return fleet(_sim_spec(args, time_scale, prefill))
 
 
 def _sweep_points(args: argparse.Namespace) -> list[tuple[float, float]]:

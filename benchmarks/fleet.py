@@ -8,7 +8,8 @@ A benchmark needs the same engines behind every target, with caches emptied in b
 - :class:`ExternalFleet` uses engines that are already running (real vLLM or SGLang) and
   empties their caches with ``POST /reset_prefix_cache`` (vLLM needs
   ``VLLM_SERVER_DEV_MODE=1`` for that endpoint);
-- :func:`start_router` puts a fresh ``kvroute serve --policy P`` in front of them, and
+- :func:`start_router` puts a fresh ``kvroute serve --policy P`` in front of them (with
+  ``--kv-events`` and each engine's endpoints, for precise mode), and
   :func:`start_peer` the SGLang or vLLM router when its package is installed.
 
 Every child runs in its own process group (and, on Linux, dies with its parent), so
@@ -170,6 +171,15 @@ def stop_all(processes: Iterable[ManagedProcess]) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class KVEventEndpoints:
+    """Where a precise router reads one engine's KV events (ZMQ PUB) and asks for the ones
+    it missed (the replay ROUTER)."""
+
+    events: str
+    replay: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SimSpec:
     """How to run each simulated replica (``kvroute sim-engine`` flags)."""
 
@@ -184,8 +194,11 @@ class SimSpec:
     #: The engine API the sims speak (``--api``); SGLang sims report cache hits on the
     #: OpenAI endpoints (``--enable-cache-report``) and ``block_size`` is their page size.
     api: str = "vllm"
+    #: Publish KV events, so that routers can run in precise mode (``--kv-events``).
+    kv_events: bool = False
 
-    def argv(self, port: int) -> list[str]:
+    def argv(self, port: int, kv_event_ports: tuple[int, int] | None = None) -> list[str]:
+        """The replica's command line; ``kv_event_ports``: (events, replay) to publish on."""
         args = [
             "sim-engine",
             "--host",
@@ -209,6 +222,15 @@ class SimSpec:
             args += ["--tokenizer", self.tokenizer]
         if self.api != "vllm":
             args += ["--api", self.api, "--enable-cache-report"]
+        if kv_event_ports is not None:
+            events, replay = kv_event_ports
+            # A wildcard endpoint binds (as vLLM's publisher), a host one would connect.
+            args += [
+                "--kv-events-endpoint",
+                f"tcp://*:{events}",
+                "--kv-events-replay-endpoint",
+                f"tcp://127.0.0.1:{replay}",
+            ]
         return _kvroute(*args)
 
 
@@ -257,6 +279,12 @@ class SimFleet(SpecFleet):
         self.spec = spec
         self.ports = [free_port() for _ in range(spec.replicas)]
         self.processes: list[ManagedProcess] = []
+        self._kv_event_ports = {url: (free_port(), free_port()) for url in (self.urls if spec.kv_events else [])}
+        #: Where routers read each replica's KV events, by URL (empty unless ``spec.kv_events``).
+        self.kv_events = {
+            url: KVEventEndpoints(f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}")
+            for url, (events, replay) in self._kv_event_ports.items()
+        }
 
     @property
     def urls(self) -> list[str]:
@@ -272,7 +300,7 @@ class SimFleet(SpecFleet):
         # them) load numba's cache instead of all compiling them at once on a fresh machine.
         importlib.import_module("kvroute.tokenizer_index.kernels")
         self.processes = [
-            ManagedProcess(f"sim-{number}", self.spec.argv(port), url)
+            ManagedProcess(f"sim-{number}", self.spec.argv(port, self._kv_event_ports.get(url)), url)
             for number, (port, url) in enumerate(zip(self.ports, self.urls))
         ]
         await asyncio.gather(*(process.wait_ready() for process in self.processes))
@@ -286,12 +314,21 @@ class ExternalFleet:
     """Engines already running; :meth:`fresh` empties their prefix caches."""
 
     def __init__(
-        self, urls: Sequence[str], block_size: int = 16, capacity_tokens: int | None = None, api: str = "vllm"
+        self,
+        urls: Sequence[str],
+        block_size: int = 16,
+        capacity_tokens: int | None = None,
+        api: str = "vllm",
+        kv_events: Sequence[KVEventEndpoints] = (),
     ) -> None:
         self._urls = [url.rstrip("/") for url in urls]
+        if kv_events and len(kv_events) != len(self._urls):
+            raise FleetError(f"{len(kv_events)} KV-event endpoints for {len(self._urls)} engines")
         self.block_size = block_size
         self.capacity_tokens = capacity_tokens
         self.api = api
+        #: Each engine's KV-event endpoints, by URL (empty: the engines' events are not used).
+        self.kv_events = dict(zip(self._urls, kv_events))
 
     @property
     def urls(self) -> list[str]:
@@ -316,13 +353,19 @@ async def start_router(
     tokenizer: str | None = None,
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    kv_events: dict[str, KVEventEndpoints] | None = None,
 ) -> ManagedProcess:
     """A fresh ``kvroute serve --policy POLICY`` in front of ``backends``, all of them healthy
-    (``env``: extra environment, e.g. ``PYTHONPATH`` of another checkout to compare with)."""
+    (``env``: extra environment, e.g. ``PYTHONPATH`` of another checkout to compare with;
+    ``kv_events``: each backend's KV-event endpoints, for precise mode)."""
     port = free_port()
     args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warning"]
     for backend in backends:
         args += ["--backend", backend]
+    for backend, endpoints in (kv_events or {}).items():
+        args += ["--kv-events", "--kv-events-endpoint", f"{backend}={endpoints.events}"]
+        if endpoints.replay is not None:
+            args += ["--kv-events-replay-endpoint", f"{backend}={endpoints.replay}"]
     if block_size is not None:
         args += ["--block-size", str(block_size)]
     if capacity_tokens is not None:
@@ -420,6 +463,20 @@ async def scrape(client: aiohttp.ClientSession, url: str) -> dict[str, float]:
         for sample in family.samples:
             totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
     return totals
+
+
+async def kv_events_states(url: str) -> dict[str, int]:
+    """A router's ``kvroute_kv_events_state`` per backend (1: precise, its events answer)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
+        async with client.get(url + "/metrics") as response:
+            response.raise_for_status()
+            text = await response.text()
+    return {
+        sample.labels["backend"]: int(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvroute_kv_events_state"
+    }
 
 
 def _first(samples: dict[str, float], *names: str) -> float:

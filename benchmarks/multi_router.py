@@ -1,6 +1,7 @@
 """Several router replicas behind a client-side round robin: how much hit rate survives.
 
-``python -m kvroute.benchmarks.multi_router --routers 1,2,4 [kvroute bench's workload and fleet flags]``
+``python -m kvroute.benchmarks.multi_router --routers 1,2,4 [--index approximate,precise]
+[kvroute bench's workload and fleet flags]``
 
 For each router count N it starts N ``kvroute serve --policy cache_aware`` replicas in
 front of the same simulated engines and sends the workload request by request to router
@@ -9,8 +10,11 @@ routers). Two modes per N > 1: ``approximate`` (each router learns only from wha
 routed) and ``exchange`` (routers publish their placements to each other,
 ``--peer-bind``/``--peers``), and ``workers``: one ``kvroute serve --workers N`` (its
 workers exchange placements; the kernel spreads the client's connections over them, each
-worker sees only its own connections' load). Reports the engine-observed hit rate and its
-ratio to the single router's, median and spread over ``--repeat`` rounds.
+worker sees only its own connections' load). ``--index precise`` runs every arrangement
+again in precise mode: the engines publish KV events and every router keeps its index from
+them (sims: their own endpoints; ``--engine URL,...``: ``--kv-events-endpoints``). Reports
+the engine-observed hit rate and its ratio to the single router's of the same index mode,
+median and spread over ``--repeat`` rounds.
 """
 
 from __future__ import annotations
@@ -20,33 +24,57 @@ import asyncio
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import orjson
 
 from kvroute.benchmarks import fleet as fleets
-from kvroute.benchmarks.bench import RunSettings, _sim_fleet, _token_range, build_parser, default_block_size, summarize
-from kvroute.benchmarks.fleet import SimFleet, free_port
+from kvroute.benchmarks.bench import (
+    RunSettings,
+    _csv,
+    _served_model,
+    _sim_spec,
+    _token_range,
+    build_parser,
+    default_block_size,
+    summarize,
+)
+from kvroute.benchmarks.fleet import ExternalFleet, KVEventEndpoints, SimFleet, free_port
 from kvroute.benchmarks.replay import Progress, replay
 from kvroute.benchmarks.workloads import Workload, WorkloadOptions, make_workloads
+from kvroute.router.routing.kv_events import KVEventsState
+
+PRECISE = int(KVEventsState.PRECISE)
 
 MODES = ("approximate", "exchange", "workers")
+INDEXES = ("approximate", "precise")
 
 
 @dataclass(frozen=True, slots=True)
 class Arrangement:
-    """N router replicas, and whether they exchange placements."""
+    """N router replicas, whether they exchange placements, and whether their indexes
+    follow the engines' KV events (precise) or their own placements (approximate)."""
 
     routers: int
     mode: str
+    precise: bool = False
 
     @property
     def name(self) -> str:
         if self.routers == 1:
-            return "one router"
-        if self.mode == "workers":
-            return f"one router, --workers {self.routers}"
-        return f"{self.routers} routers, {self.mode}"
+            name = "one router"
+        elif self.mode == "workers":
+            name = f"one router, --workers {self.routers}"
+        elif self.precise and self.mode == "approximate":
+            name = f"{self.routers} routers, alone"  # each on its own, every index from the events
+        else:
+            name = f"{self.routers} routers, {self.mode}"
+        return name + (", precise" if self.precise else "")
+
+    @property
+    def single(self) -> Arrangement:
+        """The one router this arrangement is compared with: same index mode."""
+        return Arrangement(1, MODES[0], self.precise)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,18 +83,25 @@ class Row:
     workload: str
     hit_rates: list[float]
     ttft_p99_s: list[float]
+    #: The arrangement its hit rate is compared with: one router of the same index mode.
+    compared_with: str
 
     @property
     def hit_rate(self) -> float:
         return statistics.median(self.hit_rates)
 
 
-def arrangements(counts: Sequence[int]) -> list[Arrangement]:
-    return [Arrangement(n, mode) for n in counts for mode in (MODES if n > 1 else MODES[:1])]
+def arrangements(counts: Sequence[int], indexes: Sequence[str] = INDEXES[:1]) -> list[Arrangement]:
+    return [
+        Arrangement(n, mode, index == "precise")
+        for index in indexes
+        for n in counts
+        for mode in (MODES if n > 1 else MODES[:1])
+    ]
 
 
 async def start_routers(
-    arrangement: Arrangement, fleet: SimFleet, tokenizer: str | None
+    arrangement: Arrangement, fleet: SimFleet | ExternalFleet, tokenizer: str | None
 ) -> list[fleets.ManagedProcess]:
     endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(arrangement.routers)]
     if arrangement.mode == "workers":  # one router process; its workers wait for each other's subscriptions
@@ -88,6 +123,7 @@ async def start_routers(
                     capacity_tokens=fleet.capacity_tokens,
                     tokenizer=tokenizer,
                     extra_args=extra,
+                    kv_events=fleet.kv_events if arrangement.precise else None,
                 )
             )
         await asyncio.sleep(0.5)  # ZMQ subscriptions reach their publishers
@@ -98,9 +134,17 @@ async def start_routers(
 
 
 async def run_one(
-    arrangement: Arrangement, workload: Workload, fleet: SimFleet, settings: RunSettings, tokenizer: str | None
+    arrangement: Arrangement,
+    workload: Workload,
+    fleet: SimFleet | ExternalFleet,
+    settings: RunSettings,
+    tokenizer: str | None,
 ) -> tuple[float, float]:
     """(engine-observed hit rate, TTFT p99 in seconds) of one run."""
+    if arrangement.precise and isinstance(fleet, SimFleet):
+        # Fresh sims: their event streams start at the routers' first request, so every
+        # router is precise from the engine's first batch, not replaying earlier runs.
+        fleet.stop()
     await fleet.fresh()
     routers = await start_routers(arrangement, fleet, tokenizer)
     try:
@@ -114,20 +158,36 @@ async def run_one(
             progress=progress,
         )
         after = await fleets.engine_counters(fleet.urls)
+        served = {url: after[url] - before[url] for url in fleet.urls}
+        if arrangement.precise:  # an engine that served nothing published nothing to follow
+            await _check_precise(routers, [url for url, counters in served.items() if counters.requests > 0])
     finally:
         fleets.stop_all(routers)
-    result = summarize(arrangement.name, workload, run, {url: after[url] - before[url] for url in fleet.urls}, None)
+    result = summarize(arrangement.name, workload, run, served, None)
     return result.hit_rate_observed or 0.0, result.ttft_p99_s or 0.0
 
 
+async def _check_precise(routers: Sequence[fleets.ManagedProcess], backends: Sequence[str]) -> None:
+    """Every router still reads the events of every backend that served the run at its end
+    (state 1; ``--workers``: the highest of its workers'), or the run measured approximate
+    routing."""
+    for router in routers:
+        states = await fleets.kv_events_states(router.url)
+        lost = [url for url in backends if states.get(url) != PRECISE]
+        if lost:
+            raise fleets.FleetError(
+                f"{router.name}: not precise for {lost} at the end of the run ({states}); its log:\n{router.log_tail()}"
+            )
+
+
 def format_rows(rows: Sequence[Row]) -> str:
-    baseline = {row.workload: row.hit_rate for row in rows if row.arrangement == "one router"}
+    hit_rates = {(row.workload, row.arrangement): row.hit_rate for row in rows}
     lines = [
         "| workload | routers | hit rate (median) | spread | of one router | TTFT p99 (median) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
-        base = baseline.get(row.workload)
+        base = hit_rates.get((row.workload, row.compared_with))
         share = f"{row.hit_rate / base:.3f}" if base else "—"
         spread = f"{min(row.hit_rates):.3f}-{max(row.hit_rates):.3f}"
         ttft = statistics.median(row.ttft_p99_s)
@@ -138,10 +198,11 @@ def format_rows(rows: Sequence[Row]) -> str:
 async def _main(args: argparse.Namespace) -> int:
     counts = [int(value) for value in args.routers.split(",")]
     first_token, end_token = _token_range(args.tokenizer)
+    external = args.engine != "sim"
     options = WorkloadOptions(
         vocab_size=end_token,
         first_token_id=first_token,
-        model=args.model or "sim",
+        model=args.model or (await _served_model(_csv(args.engine)[0]) if external else "sim"),
         seed=args.seed,
         users=args.users,
         turns=args.turns,
@@ -158,18 +219,33 @@ async def _main(args: argparse.Namespace) -> int:
     workloads = [w for spec in args.workload or ["agent-sessions"] for w in make_workloads(spec, options)]
     if args.block_size is None:
         args.block_size = default_block_size(args.api)
-    fleet = _sim_fleet(args, args.time_scale, args.prefill_tokens_per_s)
-    settings = RunSettings(
-        speedup=args.speedup or args.time_scale, max_in_flight=args.max_in_flight, time_scale=args.time_scale
-    )
+    precise = "precise" in args.index
+    fleet: SimFleet | ExternalFleet
+    if not external:
+        fleet = SimFleet(replace(_sim_spec(args, args.time_scale, args.prefill_tokens_per_s), kv_events=precise))
+        settings = RunSettings(
+            speedup=args.speedup or args.time_scale, max_in_flight=args.max_in_flight, time_scale=args.time_scale
+        )
+    else:
+        events = [KVEventEndpoints(e, r) for e, r in zip(args.kv_events_endpoints, args.kv_events_replay_endpoints)]
+        fleet = ExternalFleet(
+            _csv(args.engine),
+            block_size=args.block_size,
+            capacity_tokens=args.kv_capacity_tokens,
+            api=args.api,
+            kv_events=events if precise else (),
+        )
+        settings = RunSettings(speedup=args.speedup or 1.0, max_in_flight=args.max_in_flight, time_scale=1.0)
     rows = []
     try:
         for workload in workloads:
-            runs: dict[Arrangement, list[tuple[float, float]]] = {a: [] for a in arrangements(counts)}
+            runs: dict[Arrangement, list[tuple[float, float]]] = {a: [] for a in arrangements(counts, args.index)}
             for _ in range(args.repeat):  # rounds: every arrangement once, then again
                 for arrangement, results in runs.items():
                     results.append(await run_one(arrangement, workload, fleet, settings, args.tokenizer))
-            rows += [Row(a.name, workload.name, [h for h, _ in r], [t for _, t in r]) for a, r in runs.items()]
+            rows += [
+                Row(a.name, workload.name, [h for h, _ in r], [t for _, t in r], a.single.name) for a, r in runs.items()
+            ]
     finally:
         fleet.stop()
     print(format_rows(rows))
@@ -184,11 +260,35 @@ async def _main(args: argparse.Namespace) -> int:
 def main(argv: list[str]) -> int:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--routers", default="1,2", help="router replica counts to compare (comma separated)")
+    own.add_argument(
+        "--index", default="approximate", help="index modes to compare: approximate, precise or both (comma separated)"
+    )
+    own.add_argument(
+        "--kv-events-endpoints",
+        default="",
+        help="--engine URL,...: each engine's KV-event PUB endpoint, in the same order (for --index precise)",
+    )
+    own.add_argument(
+        "--kv-events-replay-endpoints", default="", help="--engine URL,...: each engine's replay endpoint, same order"
+    )
     mine, rest = own.parse_known_args(argv)
     parser = build_parser()
     parser.prog = "python -m kvroute.benchmarks.multi_router"
     args = parser.parse_args(rest)
     args.routers = mine.routers
+    args.index = _csv(mine.index)
+    unknown = sorted(set(args.index) - set(INDEXES))
+    if unknown:
+        parser.error(f"--index: unknown modes {unknown}; known: {', '.join(INDEXES)}")
+    if args.engine == "virtual":
+        parser.error("--engine virtual: several routers need engines that answer over HTTP (sim or URLs)")
+    external = args.engine != "sim"
+    args.kv_events_endpoints = _csv(mine.kv_events_endpoints)
+    args.kv_events_replay_endpoints = _csv(mine.kv_events_replay_endpoints) or [None] * len(args.kv_events_endpoints)
+    if external and "precise" in args.index and len(args.kv_events_endpoints) != len(_csv(args.engine)):
+        parser.error("--index precise with --engine URL,...: give every engine's --kv-events-endpoints")
+    if len(args.kv_events_replay_endpoints) != len(args.kv_events_endpoints):
+        parser.error("--kv-events-replay-endpoints: one per KV-event endpoint")
     return fleets.run_stoppable(_main(args))
 
 
