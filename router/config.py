@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvroute.router.backend_url import parse_backend_url
 from kvroute.router.policy_catalog import POLICY_NAMES
+from kvroute.router.routing.peer_discovery import DnsName
 
 if TYPE_CHECKING:
     PolicyName = str
@@ -346,6 +347,10 @@ class Settings(BaseSettings):
         default_factory=list,
         description="comma-separated endpoints of the other routers' --peer-bind (ZMQ or unix://PATH); their placements enter this index",
     )
+    peers_dns: str | None = Field(
+        default=None,
+        description="NAME:PORT resolved every 5 s (e.g. a headless Service over the router pods); every address but this router's own is a peer at tcp://ADDRESS:PORT",
+    )
     peer_max_bytes_per_s: int = Field(
         default=16 * 1024 * 1024,
         gt=0,
@@ -385,6 +390,13 @@ class Settings(BaseSettings):
     def _split_csv(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("peers_dns")
+    @classmethod
+    def _check_peers_dns(cls, value: str | None) -> str | None:
+        if value is not None:
+            DnsName.parse(value)  # ValueError names the expected form
         return value
 
     @field_validator("ab", mode="before")

@@ -51,6 +51,7 @@ from kvroute.router.http.lean_server import LeanLimits, LeanRoute, LeanServer
 from kvroute.router.http.openapi import openapi_document
 from kvroute.router.http.security import ClientGate, SecretRedactor
 from kvroute.router.http.workers import Siblings, WorkerGroup
+from kvroute.router.routing.peer_discovery import DnsName, PeerDiscovery
 from kvroute.router.routing.peer_exchange import PeerExchange, Placement
 from kvroute.router.routing.peer_load import BackendLoad
 from kvroute.router.routing.precise_index import PreciseIndex
@@ -82,7 +83,7 @@ class RouterState:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     #: Precise mode (``--kv-events``): the index kept from the engines' KV events.
     precise: PreciseIndex | None = None
-    #: Placements shared with the other router replicas (``--peer-bind`` / ``--peers``).
+    #: Placements shared with the other router replicas (``--peer-bind`` / ``--peers`` / ``--peers-dns``).
     exchange: PeerExchange | None = None
     #: ``kvroute serve --workers N``: this worker's siblings (their internal Unix sockets).
     siblings: Siblings | None = None
@@ -195,7 +196,7 @@ def _internal_app(state: RouterState, admin: AdminAPI | None) -> web.Application
 def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine) -> PeerExchange | None:
     """The exchange with the other routers, if configured: placements to and from the routing
     engine, this router's own requests in flight to them and theirs into the pool."""
-    if settings.peer_bind is None and not settings.peers:
+    if settings.peer_bind is None and not settings.peers and settings.peers_dns is None:
         return None
 
     def apply(placement: Placement) -> None:
@@ -405,6 +406,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             wait_for = [siblings.group.placements_endpoint(i) for i in siblings.group.siblings] if siblings else []
             if not await state.exchange.start(wait_for=wait_for):
                 log.warning("placement exchange: not every sibling worker subscribed within 10 s")
+            if settings.peers_dns is not None:
+                discovery = PeerDiscovery(DnsName.parse(settings.peers_dns), state.exchange)
+                state.tasks.append(asyncio.create_task(discovery.run(), name="kvroute-peer-discovery"))
         yield
     finally:
         if state.exchange is not None:

@@ -8,8 +8,10 @@ this with the engines' own events; without them, routers tell each other what th
 * every routing decision that put blocks in the index is published on a ZMQ PUB socket
   (``--peer-bind``) as one message: block size, backend URL, prompt length, session key
   (if any) and the prompt's chained block hashes (8 bytes a block);
-* every router subscribes to its peers (``--peers``) and inserts what they placed into its
-  own index, and into its conversation ledger, as if it had routed the request itself.
+* every router subscribes to its peers (``--peers``, or every address a DNS name resolves
+  to, ``--peers-dns``: :mod:`kvroute.router.routing.peer_discovery`) and inserts what they
+  placed into its own index, and into its conversation ledger, as if it had routed the
+  request itself.
 
 Routers that place blocks also send each other their requests in flight per backend
 (:mod:`kvroute.router.routing.peer_load`), so that every router weighs the fleet's queues,
@@ -38,7 +40,7 @@ import contextlib
 import logging
 import struct
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -255,7 +257,7 @@ class PeerExchange:
         assert self._unix_sub is not None  # wait_for names peers, which connect() joined
         return await self._unix_sub.wait_ready(unix_waits, max(0.0, deadline - loop.time()))
 
-    def connect(self, peers: Sequence[str]) -> None:
+    def connect(self, peers: Iterable[str]) -> None:
         """Subscribe to more peers (their ``--peer-bind`` endpoints)."""
         for peer in peers:
             path = unix_path(peer)
@@ -266,10 +268,20 @@ class PeerExchange:
                 self._unix_sub = UnixSubscriber(self._take_parts, self._count_malformed)
             self._unix_sub.connect([path])
 
+    def disconnect(self, peers: Iterable[str]) -> None:
+        """Stop subscribing to peers that left (ZMQ endpoints: peers found by DNS). Their
+        load reports expire on their own; what they placed stays in the index."""
+        for peer in peers:
+            if unix_path(peer) is not None:
+                raise ValueError(f"{peer}: Unix links are fixed for the router's life")
+            with contextlib.suppress(zmq.ZMQError):  # never connected: nothing to undo
+                self._zmq_subscriber().disconnect(peer)
+
     def _zmq_subscriber(self) -> zmq.asyncio.Socket:
         if self._sub is None:
             sub = self._ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.IPV6, 1)  # peers found by DNS may have IPv6 addresses
             sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
             sub.setsockopt(zmq.SUBSCRIBE, LOAD_TOPIC)
             self._sub = sub

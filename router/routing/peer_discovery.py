@@ -1,0 +1,124 @@
+"""Peer routers found by DNS: every address a name resolves to is a router to subscribe to.
+
+A fixed ``--peers`` list fits a fixed set of routers. In Kubernetes the router replicas come
+and go (rollouts, an autoscaler), so ``--peers-dns NAME:PORT`` names a headless Service over
+the router pods instead: it resolves to every pod's IP. Each router resolves it every few
+seconds, subscribes to the addresses that appeared (``tcp://ADDRESS:PORT``, the port of
+their ``--peer-bind``) and drops the ones that left, skipping its own addresses (any address
+this host can bind). A failed lookup keeps the current peers: a DNS hiccup must not cut the
+exchange. A peer that is gone but still resolves costs nothing but a reconnecting socket;
+its load reports expire on their own (:mod:`kvroute.router.routing.peer_load`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+#: How often the name is resolved again: a new replica is heard from within this.
+REFRESH_S = 5.0
+
+Resolve = Callable[[str, int], Awaitable[list[str]]]
+
+
+class Subscriptions(Protocol):
+    """What discovery drives: the exchange's subscriptions to its peers' endpoints."""
+
+    def connect(self, peers: Iterable[str]) -> None: ...
+
+    def disconnect(self, peers: Iterable[str]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DnsName:
+    """``NAME:PORT``: the name to resolve and the port every peer publishes on."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, value: str) -> DnsName:
+        host, sep, port = value.strip().rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"expected NAME:PORT (e.g. kvroute-peers.default.svc:5600), got {value!r}")
+        return cls(host, int(port))
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+async def resolve_addresses(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to (IPv4 and IPv6), sorted, without repeats."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def is_local_address(address: str) -> bool:
+    """Whether this host owns ``address``: only then can a socket bind it."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
+def peer_endpoint(address: str, port: int) -> str:
+    """The ZMQ endpoint of a peer at ``address`` (IPv6 in brackets)."""
+    return f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}"
+
+
+class PeerDiscovery:
+    """Keeps ``subscriptions`` on every router ``name`` resolves to, but this one."""
+
+    def __init__(
+        self,
+        name: DnsName,
+        subscriptions: Subscriptions,
+        *,
+        refresh_s: float = REFRESH_S,
+        resolve: Resolve = resolve_addresses,
+        is_local: Callable[[str], bool] = is_local_address,
+    ) -> None:
+        self._name = name
+        self._subscriptions = subscriptions
+        self._refresh_s = refresh_s
+        self._resolve = resolve
+        self._is_local = is_local
+        #: The endpoints subscribed to now.
+        self.peers: frozenset[str] = frozenset()
+        self._failing = False
+
+    async def refresh(self) -> None:
+        """Resolve once; subscribe to new peers, drop gone ones. A failed lookup changes nothing."""
+        try:
+            addresses = await self._resolve(self._name.host, self._name.port)
+        except OSError as exc:
+            if not self._failing:
+                log.warning("peers: cannot resolve %s (%s); keeping %d peer(s)", self._name, exc, len(self.peers))
+            self._failing = True
+            return
+        self._failing = False
+        wanted = frozenset(peer_endpoint(a, self._name.port) for a in addresses if not self._is_local(a))
+        joined, left = sorted(wanted - self.peers), sorted(self.peers - wanted)
+        if left:
+            self._subscriptions.disconnect(left)
+        if joined:
+            self._subscriptions.connect(joined)
+        if joined or left:
+            log.info("peers from %s: %d (joined %s, left %s)", self._name, len(wanted), joined, left)
+        self.peers = wanted
+
+    async def run(self) -> None:
+        """Refresh every ``refresh_s`` until cancelled."""
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self._refresh_s)
