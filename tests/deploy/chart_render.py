@@ -5,7 +5,7 @@ package; no PyPI package ships the CLI for Python 3.11), so the chart is rendere
 ``helm-python-sdk``: a ctypes binding of Helm's Go SDK (``helm_c_version``/``helm_sdk_version``
 name it), which runs the same template engine, values merge and ``values.schema.json``
 check as ``helm template``. ``deploy/k8s/kvroute.yaml`` is the chart's rendered defaults,
-for ``kubectl apply`` without Helm; regenerate it with ``python3 tests/chart_render.py``.
+for ``kubectl apply`` without Helm; regenerate it with ``python3 -m tests.deploy.chart_render``.
 
 Imported by tests as ``from chart_render import ...`` (``tests/`` is on ``sys.path``).
 """
@@ -27,7 +27,7 @@ NAMESPACE = "llm"
 
 DEFAULTS_HEADER = f"""\
 # GENERATED from deploy/helm/kvroute with the chart's default values (do not edit; change the
-# chart and run `python3 tests/chart_render.py`). The same objects as
+# chart and run `python3 -m tests.deploy.chart_render`). The same objects as
 #   helm template {RELEASE} deploy/helm/kvroute --namespace {NAMESPACE}
 # for clusters without Helm:
 #   kubectl create namespace {NAMESPACE} && kubectl apply -f deploy/k8s/kvroute.yaml

@@ -196,6 +196,43 @@ def test_replicas_pdb_and_cpu_autoscaling() -> None:
     assert "PodDisruptionBudget" not in by_kind(objects(render({"podDisruptionBudget": {"enabled": False}})))
 
 
+def test_replicas_find_each_other_through_a_headless_service(tmp_path: Path) -> None:
+    """By default every replica publishes on the peers port and resolves a headless Service
+    over the router pods (not-ready ones too) to find the others, as they come and go."""
+    items = objects(render())
+    settings = router_settings(items, tmp_path)
+    deployment = router_deployment(items)
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    peers = next(item for item in by_kind(items)["Service"] if item["metadata"]["name"] == "kvroute-peers")
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"] is True
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert peers["spec"]["selector"].items() <= pod_labels.items()
+    ((service_port,),) = [peers["spec"]["ports"]]
+    assert service_port["targetPort"] == "peers" and ports["peers"] == service_port["port"] == 5600
+    assert settings.peer_bind == "tcp://0.0.0.0:5600"
+    assert settings.peers_dns == f"kvroute-peers.{NAMESPACE}.svc:5600"
+
+    items = objects(render({"peers": {"enabled": False}}))
+    settings = router_settings(items, tmp_path)
+    assert settings.peer_bind is None and settings.peers_dns is None
+    assert [item["metadata"]["name"] for item in by_kind(items)["Service"]] == ["kvroute"]
+    (container,) = router_deployment(items)["spec"]["template"]["spec"]["containers"]
+    assert [port["name"] for port in container["ports"]] == ["http"]
+
+
+def selects(selector: dict[str, Any], item: dict[str, Any]) -> bool:
+    """Whether a label selector (matchLabels, matchExpressions In/NotIn) selects ``item``."""
+    labels = item["metadata"]["labels"]
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        inside = labels.get(expression["key"]) in expression["values"]
+        if inside != {"In": True, "NotIn": False}[expression["operator"]]:
+            return False
+    return True
+
+
 def test_service_monitor_on_and_off() -> None:
     assert "ServiceMonitor" not in by_kind(objects(render()))
     items = objects(render(EVERYTHING))
@@ -207,11 +244,7 @@ def test_service_monitor_on_and_off() -> None:
         (endpoint,) = monitor["spec"]["endpoints"]
         assert endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
         # The operator scrapes the Services its selector matches, at the port of that name.
-        (service,) = [
-            service
-            for service in services.values()
-            if monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-        ]
+        (service,) = [service for service in services.values() if selects(monitor["spec"]["selector"], service)]
         assert endpoint["port"] in {port["name"] for port in service["spec"]["ports"]}, name
     engines = monitors["kvroute-engines"]["spec"]["endpoints"][0]
     assert engines["relabelings"] == [
@@ -295,7 +328,7 @@ def test_values_schema_rejects_what_kvroute_would_refuse() -> None:
 
 def test_rendered_defaults_file_is_the_chart() -> None:
     assert DEFAULTS_FILE.read_text() == rendered_defaults(), (
-        "deploy/k8s/kvroute.yaml differs from the chart's render: run python3 tests/chart_render.py"
+        "deploy/k8s/kvroute.yaml differs from the chart's render: run python3 -m tests.deploy.chart_render"
     )
     assert [path.name for path in DEFAULTS_FILE.parent.iterdir()] == ["kvroute.yaml"], "one source of truth"
     assert yaml.safe_load_all(DEFAULTS_FILE.read_text())

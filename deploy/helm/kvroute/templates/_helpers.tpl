@@ -60,5 +60,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $config "kv_events_port" .Values.precise.eventsPort }}
 {{- $_ := set $config "kv_events_replay_port" .Values.precise.replayPort }}
 {{- end }}
+{{- if .Values.peers.enabled }}
+{{- $_ := set $config "peer_bind" (printf "tcp://0.0.0.0:%d" (int .Values.peers.port)) }}
+{{- $_ := set $config "peers_dns" (printf "%s-peers.%s.svc:%d" (include "kvroute.fullname" .) .Release.Namespace (int .Values.peers.port)) }}
+{{- end }}
 {{- toYaml (merge (deepCopy .Values.extraConfig) $config) }}
 {{- end }}
