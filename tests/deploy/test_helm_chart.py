@@ -212,11 +212,23 @@ def test_replicas_find_each_other_through_a_headless_service(tmp_path: Path) -> 
     assert service_port["targetPort"] == "peers" and ports["peers"] == service_port["port"] == 5600
     assert settings.peer_bind == "tcp://0.0.0.0:5600"
     assert settings.peers_dns == f"kvroute-peers.{NAMESPACE}.svc:5600"
+    # Only router pods reach the (unauthenticated) exchange; every client reaches HTTP.
+    policy = one(items, "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    open_to_all, routers_only = policy["spec"]["ingress"]
+    assert "from" not in open_to_all and open_to_all["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert routers_only["ports"] == [{"port": "peers", "protocol": "TCP"}]
+    assert [peer["podSelector"]["matchLabels"] for peer in routers_only["from"]] == [
+        policy["spec"]["podSelector"]["matchLabels"]
+    ]
+    assert "NetworkPolicy" not in by_kind(objects(render({"peers": {"networkPolicy": False}})))
 
     items = objects(render({"peers": {"enabled": False}}))
     settings = router_settings(items, tmp_path)
     assert settings.peer_bind is None and settings.peers_dns is None
     assert [item["metadata"]["name"] for item in by_kind(items)["Service"]] == ["kvroute"]
+    assert "NetworkPolicy" not in by_kind(items)
     (container,) = router_deployment(items)["spec"]["template"]["spec"]["containers"]
     assert [port["name"] for port in container["ports"]] == ["http"]
 
