@@ -5,7 +5,7 @@ and go (rollouts, an autoscaler), so ``--peers-dns NAME:PORT`` names a headless 
 the router pods instead: it resolves to every pod's IP. Each router resolves it every few
 seconds, subscribes to the addresses that appeared (``tcp://ADDRESS:PORT``, the port of
 their ``--peer-bind``) and drops the ones that left, skipping its own addresses (any address
-this host can bind). A failed lookup keeps the current peers: a DNS hiccup must not cut the
+this host can bind) and, for a dual-stack name, the IPv6 ones. A failed lookup keeps the current peers: a DNS hiccup must not cut the
 exchange. A peer that is gone but still resolves costs nothing but a reconnecting socket;
 its load reports expire on their own (:mod:`kvroute.router.routing.peer_load`).
 """
@@ -71,6 +71,13 @@ def is_local_address(address: str) -> bool:
     return True
 
 
+def one_family(addresses: list[str]) -> list[str]:
+    """The IPv4 addresses if there are any, else the IPv6 ones: a dual-stack Service gives
+    each pod one of each, and subscribing to both would hear every placement twice."""
+    ipv4 = [address for address in addresses if ":" not in address]
+    return ipv4 or addresses
+
+
 def peer_endpoint(address: str, port: int) -> str:
     """The ZMQ endpoint of a peer at ``address`` (IPv6 in brackets)."""
     return f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}"
@@ -107,7 +114,8 @@ class PeerDiscovery:
             self._failing = True
             return
         self._failing = False
-        wanted = frozenset(peer_endpoint(a, self._name.port) for a in addresses if not self._is_local(a))
+        remote = one_family([address for address in addresses if not self._is_local(address)])
+        wanted = frozenset(peer_endpoint(address, self._name.port) for address in remote)
         joined, left = sorted(wanted - self.peers), sorted(self.peers - wanted)
         if left:
             self._subscriptions.disconnect(left)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import pytest
@@ -54,6 +54,34 @@ def test_the_real_resolver_and_the_own_address_check() -> None:
     assert not is_local_address("192.0.2.1")  # TEST-NET-1: never a host's own address
     assert peer_endpoint("10.1.2.3", 5600) == "tcp://10.1.2.3:5600"
     assert peer_endpoint("fd00::7", 5600) == "tcp://[fd00::7]:5600"
+
+
+def test_a_dual_stack_answer_gives_one_endpoint_per_pod() -> None:
+    """Each pod of a dual-stack Service resolves to an IPv4 and an IPv6 address: one family
+    is taken (IPv4 where there is any), or every placement would arrive twice."""
+    subscribed: list[str] = []
+
+    class Subscriptions:
+        def connect(self, peers: Iterable[str]) -> None:
+            subscribed.extend(peers)
+
+        def disconnect(self, peers: Iterable[str]) -> None:
+            raise AssertionError("nothing left")
+
+    async def dual_stack(host: str, port: int) -> list[str]:
+        return ["10.0.0.7", "10.0.0.8", "fd00::7", "fd00::8"]
+
+    async def ipv6_only(host: str, port: int) -> list[str]:
+        return ["fd00::7", "fd00::8"]
+
+    for resolve, expected in (
+        (dual_stack, ["tcp://10.0.0.7:5600", "tcp://10.0.0.8:5600"]),
+        (ipv6_only, ["tcp://[fd00::7]:5600", "tcp://[fd00::8]:5600"]),
+    ):
+        subscribed.clear()
+        discovery = PeerDiscovery(DnsName("peers", 5600), Subscriptions(), resolve=resolve, is_local=lambda _: False)
+        asyncio.run(discovery.refresh())
+        assert subscribed == expected
 
 
 def _free_port_on(addresses: list[str]) -> int:
