@@ -8,9 +8,12 @@ import pytest
 
 from kvroute.benchmarks import multi_router
 from kvroute.benchmarks.bench import RunSettings
-from kvroute.benchmarks.fleet import FleetError, SimFleet, SimSpec
+from kvroute.benchmarks.fleet import FleetError, KVEventEndpoints, SimFleet, SimSpec
 from kvroute.benchmarks.multi_router import Arrangement, arrangements, run_one
 from kvroute.benchmarks.workloads import WorkloadOptions, make_workloads
+
+#: Sims at 20x real time, replayed at the same pace.
+SETTINGS = RunSettings(speedup=20, max_in_flight=64, time_scale=20)
 
 
 def test_arrangements_per_router_count() -> None:
@@ -36,20 +39,14 @@ def test_precise_arrangements_follow_the_approximate_ones_and_compare_with_one_p
 
 
 async def test_two_precise_routers_read_the_sims_events_through_a_run() -> None:
-    """Sims that publish KV events, two exchanging routers in precise mode (their backends in
-    a --config file): the run completes and, at its end, both still read every engine's
+    """Sims that publish KV events, two exchanging routers in precise mode (each backend's
+    endpoints in flags): the run completes and, at its end, both still read every engine's
     events (``run_one`` raises otherwise); the shared system prompt is served from cache."""
     fleet = SimFleet(SimSpec(replicas=2, time_scale=20, kv_capacity_tokens=32768, kv_events=True))
     assert set(fleet.kv_events) == set(fleet.urls)
     (workload,) = make_workloads("system-prompt", WorkloadOptions(users=4, turns=3, system_tokens=400))
     try:
-        hit_rate, ttft_p99_s = await run_one(
-            Arrangement(2, "exchange", precise=True),
-            workload,
-            fleet,
-            RunSettings(speedup=20, max_in_flight=64, time_scale=20),
-            None,
-        )
+        hit_rate, ttft_p99_s = await run_one(Arrangement(2, "exchange", precise=True), workload, fleet, SETTINGS, None)
     finally:
         fleet.stop()
     assert hit_rate > 0.3 and ttft_p99_s > 0
@@ -60,16 +57,10 @@ async def test_a_router_without_the_events_fails_the_precise_check() -> None:
     benchmark says so rather than report its run as precise."""
     fleet = SimFleet(SimSpec(replicas=1, time_scale=20, kv_capacity_tokens=32768))
     (workload,) = make_workloads("system-prompt", WorkloadOptions(users=2, turns=2, system_tokens=200))
-    fleet.kv_events = {url: multi_router.KVEventEndpoints("tcp://127.0.0.1:1") for url in fleet.urls}
+    fleet.kv_events = {url: KVEventEndpoints("tcp://127.0.0.1:1") for url in fleet.urls}
     try:
         with pytest.raises(FleetError, match="not precise"):
-            await run_one(
-                Arrangement(1, "approximate", precise=True),
-                workload,
-                fleet,
-                RunSettings(speedup=20, max_in_flight=64, time_scale=20),
-                None,
-            )
+            await run_one(Arrangement(1, "approximate", precise=True), workload, fleet, SETTINGS, None)
     finally:
         fleet.stop()
 
