@@ -224,9 +224,12 @@ def test_replicas_find_each_other_through_a_headless_service(tmp_path: Path) -> 
     ]
     assert "NetworkPolicy" not in by_kind(objects(render({"peers": {"networkPolicy": False}})))
 
-    items = objects(render({"peers": {"enabled": False}}))
+    # kvroute refuses peer_bind with workers > 1: the chart says so at install, not in a crash loop.
+    with pytest.raises(helm.HelmError, match="workers > 1"):
+        render({"extraConfig": {"workers": 2}})
+    items = objects(render({"peers": {"enabled": False}, "extraConfig": {"workers": 2}}))
     settings = router_settings(items, tmp_path)
-    assert settings.peer_bind is None and settings.peers_dns is None
+    assert settings.peer_bind is None and settings.peers_dns is None and settings.workers == 2
     assert [item["metadata"]["name"] for item in by_kind(items)["Service"]] == ["kvroute"]
     assert "NetworkPolicy" not in by_kind(items)
     (container,) = router_deployment(items)["spec"]["template"]["spec"]["containers"]
