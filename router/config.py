@@ -423,14 +423,9 @@ class Settings(BaseSettings):
                 raise ValueError("ab: weights must be >= 0 and sum to more than 0")
         if self.discovery == "file" and self.backends_file is None:
             raise ValueError("discovery 'file' needs backends_file (--backends-file)")
-        if self.workers > 1 and self.peer_bind is not None:
-            # Each worker publishes on its own private endpoint; one external endpoint would
-            # need a forwarder in the supervisor, which is not built.
-            raise ValueError(
-                "peer_bind: cannot be combined with workers > 1 (each worker publishes its placements "
-                "on its own private endpoint); run one router per --peer-bind, or give the other "
-                "routers' endpoints with --peers only"
-            )
+        if self.workers > 1 and self.peer_bind is not None and self.peer_bind.startswith("unix://"):
+            # The supervisor relays the workers' messages to other routers over ZMQ only.
+            raise ValueError("peer_bind: with workers > 1 it must be a ZMQ endpoint (e.g. tcp://0.0.0.0:5600)")
         return self
 
 

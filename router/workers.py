@@ -8,8 +8,9 @@ renders, tokenizes and routes on its own core, listening on the same host and po
   ``unix://DIR/worker-i.placements`` and subscribes to every sibling's (the peer exchange
   of several router replicas, :mod:`kvroute.router.routing.peer_exchange`, over Unix
   stream sockets: :mod:`kvroute.router.routing.unix_links`), plus the
-  external ``--peers`` if any; ``--peer-bind`` cannot be combined with workers (each
-  worker publishes on its own endpoint);
+  external ``--peers`` (or ``--peers-dns``) if any; with ``--peer-bind`` the supervisor
+  binds it and relays every worker's messages there
+  (:mod:`kvroute.router.routing.peer_relay`), so other routers hear this one as one;
 * **metrics and admin writes**: over each worker's Unix socket ``DIR/worker-i.sock``
   (:mod:`kvroute.router.http.workers`).
 
@@ -56,8 +57,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from kvroute.router.config import Settings
 from kvroute.router.http.workers import WorkerGroup
+from kvroute.router.routing.peer_relay import PeerRelay
 
 log = logging.getLogger("kvroute")
 
@@ -156,6 +160,13 @@ class Supervisor:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        relay = self._peer_relay()
+        if relay is not None:
+            try:
+                relay.start()  # before the workers: a bad --peer-bind fails at once
+            except zmq.ZMQError as exc:
+                log.error("peer_bind %s: %s", self.settings.peer_bind, exc)
+                return 2
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stop.set)
         try:
@@ -180,6 +191,15 @@ class Supervisor:
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
+            if relay is not None:
+                relay.stop()
+
+    def _peer_relay(self) -> PeerRelay | None:
+        """With ``--peer-bind``: the relay of every worker's placements and load reports."""
+        if self.settings.peer_bind is None:
+            return None
+        group = WorkerGroup(0, self.count, self.directory)
+        return PeerRelay(self.settings.peer_bind, [group.placements_endpoint(index) for index in range(self.count)])
 
     async def _until_stopped(self, work: asyncio.Future[Any]) -> None:
         """Wait for ``work`` unless a stop signal comes first (then leave it cancelled)."""

@@ -224,12 +224,12 @@ def test_replicas_find_each_other_through_a_headless_service(tmp_path: Path) -> 
     ]
     assert "NetworkPolicy" not in by_kind(objects(render({"peers": {"networkPolicy": False}})))
 
-    # kvroute refuses peer_bind with workers > 1: the chart says so at install, not in a crash loop.
-    with pytest.raises(helm.HelmError, match="workers > 1"):
-        render({"extraConfig": {"workers": 2}})
-    items = objects(render({"peers": {"enabled": False}, "extraConfig": {"workers": 2}}))
+    # A pod of several workers takes part as one router: its supervisor relays them on peer_bind.
+    settings = router_settings(objects(render({"extraConfig": {"workers": 2}})), tmp_path)
+    assert settings.workers == 2 and settings.peer_bind == "tcp://0.0.0.0:5600"
+    items = objects(render({"peers": {"enabled": False}}))
     settings = router_settings(items, tmp_path)
-    assert settings.peer_bind is None and settings.peers_dns is None and settings.workers == 2
+    assert settings.peer_bind is None and settings.peers_dns is None
     assert [item["metadata"]["name"] for item in by_kind(items)["Service"]] == ["kvroute"]
     assert "NetworkPolicy" not in by_kind(items)
     (container,) = router_deployment(items)["spec"]["template"]["spec"]["containers"]

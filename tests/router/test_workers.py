@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import zmq
 
+from kvroute.benchmarks.fleet import free_port
 from kvroute.benchmarks.workloads import words
+from kvroute.router.routing.peer_exchange import TOPIC, Placement, decode
+from kvroute.router.routing.peer_load import LOAD_TOPIC, decode_report
 from tests.servers import Scrape, SimServer, wait_until
 
 LISTENING = re.compile(r"kvroute listening on http://[\d.]+:(\d+) \(policy [^,)]+(?:, (\d+) workers, pids ([\d ]+))?\)")
@@ -299,10 +304,58 @@ def test_a_taken_port_fails_kvroute_serve(serve_workers: Any) -> None:
     assert "Address already in use" in router.log
 
 
-def test_peer_bind_with_workers_is_refused(serve_workers: Any) -> None:
-    router = serve_workers("--workers", "2", "--peer-bind", "tcp://127.0.0.1:5999", wait=False)
+def test_other_routers_hear_every_worker_on_the_peer_bind(sim_engines: Any, serve_workers: Any) -> None:
+    """``--workers 2 --peer-bind``: the supervisor relays both workers' placements and load
+    reports there, so another router (a real ZMQ subscriber here) hears this one whole:
+    every placement the workers published, and the reports of both workers apart."""
+    sims = sim_engines(2)
+    port = free_port()
+    context = zmq.Context()
+    listener = context.socket(zmq.SUB)
+    listener.setsockopt(zmq.LINGER, 0)
+    for topic in (TOPIC, LOAD_TOPIC):
+        listener.setsockopt(zmq.SUBSCRIBE, topic)
+    listener.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        router = serve_workers("--workers", "2", "--peer-bind", f"tcp://127.0.0.1:{port}", *backend_args(sims))
+        time.sleep(0.5)  # the subscription reaches the relay
+        client = router.client()
+        sent = 16
+        for turn in range(sent):
+            chat(client, [{"role": "user", "content": f"question {turn}: " + "words " * 30}])
+        published = [router.worker_metrics(index) for index in (0, 1)]
+        assert all(scrape.value("kvroute_requests_total") > 0 for scrape in published)  # both served
+        placements: list[Placement] = []
+        senders: set[bytes] = set()
+        expected = sum(scrape.value("kvroute_peer_placements_total", event="published") for scrape in published)
+        deadline = time.monotonic() + 10
+        while (len(placements) < expected or len(senders) < 2) and time.monotonic() < deadline:
+            if not listener.poll(100):
+                continue
+            frames = listener.recv_multipart()
+            if frames[0] == LOAD_TOPIC:
+                senders.add(decode_report(frames[1]).sender)
+            else:
+                placements.append(decode(frames))
+        assert expected >= sent and len(placements) == expected
+        assert {placement.backend for placement in placements} <= {sim.url for sim in sims}
+        assert len(senders) == 2  # each worker's counts, summed apart by the peers
+    finally:
+        listener.close()
+        context.term()
+
+
+def test_a_peer_bind_the_supervisor_cannot_bind_fails_kvroute_serve(serve_workers: Any) -> None:
+    router = serve_workers("--workers", "2", "--peer-bind", "tcp://192.0.2.1:5999", wait=False)
     assert router.process.wait(timeout=60) == 2
-    wait_until(lambda: "peer_bind: cannot be combined with workers > 1" in router.log, timeout=10)
+    wait_until(lambda: "peer_bind tcp://192.0.2.1:5999" in router.log, timeout=10)
+    assert "kvroute listening" not in router.log
+
+
+def test_a_unix_peer_bind_with_workers_is_refused(serve_workers: Any) -> None:
+    router = serve_workers("--workers", "2", "--peer-bind", "unix:///tmp/kvroute-peers.sock", wait=False)
+    assert router.process.wait(timeout=60) == 2
+    wait_until(lambda: "peer_bind: with workers > 1 it must be a ZMQ endpoint" in router.log, timeout=10)
 
 
 def test_a_crashed_worker_is_restarted(sim_engines: Any, serve_workers: Any) -> None:

@@ -61,9 +61,6 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $config "kv_events_replay_port" .Values.precise.replayPort }}
 {{- end }}
 {{- if .Values.peers.enabled }}
-{{- if gt (int (.Values.extraConfig.workers | default 1)) 1 }}
-{{- fail "peers.enabled: a router with workers > 1 cannot publish to other replicas (its workers publish on private sockets); set peers.enabled=false, or run one worker per pod and scale replicas" }}
-{{- end }}
 {{- $_ := set $config "peer_bind" (printf "tcp://0.0.0.0:%d" (int .Values.peers.port)) }}
 {{- $_ := set $config "peers_dns" (printf "%s-peers.%s.svc:%d" (include "kvroute.fullname" .) .Release.Namespace (int .Values.peers.port)) }}
 {{- end }}
