@@ -4,17 +4,18 @@
 [kvroute bench's workload and fleet flags]``
 
 For each router count N it starts N ``kvroute serve --policy cache_aware`` replicas in
-front of the same simulated engines and sends the workload request by request to router
-``i % N``, as a client-side load balancer would (a conversation's turns alternate between
-routers). Two modes per N > 1: ``approximate`` (each router learns only from what it
-routed) and ``exchange`` (routers publish their placements to each other,
-``--peer-bind``/``--peers``), and ``workers``: one ``kvroute serve --workers N`` (its
-workers exchange placements; the kernel spreads the client's connections over them, each
-worker sees only its own connections' load). ``--index precise`` runs every arrangement
-again in precise mode: the engines publish KV events and every router keeps its index from
-them (sims: their own endpoints; ``--engine URL,...``: ``--kv-events-endpoints``). Reports
-the engine-observed hit rate and its ratio to the single router's of the same index mode,
-median and spread over ``--repeat`` rounds.
+front of the same engines (sims, or ``--engine URL,...``) and sends the workload request by
+request to router ``i % N``, as a client-side load balancer would (a conversation's turns
+alternate between routers). The arrangements per N > 1 (``--modes``): ``approximate``
+(each router learns only from what it routed), ``exchange`` (routers publish their
+placements and load to each other, ``--peer-bind``/``--peers``), ``workers`` (one
+``kvroute serve --workers N``: its workers exchange; the kernel spreads the client's
+connections over them) and, when asked for, ``relay`` (N exchanging routers of 2 workers
+each: their supervisors relay the workers' messages on ``--peer-bind``). ``--index
+precise`` runs every arrangement again in precise mode: the engines publish KV events and
+every router keeps its index from them (sims: their own endpoints; ``--engine URL,...``:
+``--kv-events-endpoints``). Reports the engine-observed hit rate and its ratio to the single
+router's of the same index mode, median and spread over ``--repeat`` rounds.
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ from kvroute.router.routing.kv_events import KVEventsState
 
 PRECISE = int(KVEventsState.PRECISE)
 
-MODES = ("approximate", "exchange", "workers")
+MODES = ("approximate", "exchange", "workers", "relay")
+#: What runs unless ``--modes`` says otherwise (``relay``: N routers of 2 workers each,
+#: exchanging through their supervisors' ``--peer-bind``).
+DEFAULT_MODES = MODES[:3]
+#: Workers of each router in the ``relay`` mode.
+RELAY_WORKERS = 2
 INDEXES = ("approximate", "precise")
 
 
@@ -65,6 +71,8 @@ class Arrangement:
             name = "one router"
         elif self.mode == "workers":
             name = f"one router, --workers {self.routers}"
+        elif self.mode == "relay":
+            name = f"{self.routers} routers of {RELAY_WORKERS} workers, exchange"
         elif self.precise and self.mode == "approximate":
             name = f"{self.routers} routers, alone"  # each on its own, every index from the events
         else:
@@ -91,12 +99,14 @@ class Row:
         return statistics.median(self.hit_rates)
 
 
-def arrangements(counts: Sequence[int], indexes: Sequence[str] = INDEXES[:1]) -> list[Arrangement]:
+def arrangements(
+    counts: Sequence[int], indexes: Sequence[str] = INDEXES[:1], modes: Sequence[str] = DEFAULT_MODES
+) -> list[Arrangement]:
     return [
         Arrangement(n, mode, index == "precise")
         for index in indexes
         for n in counts
-        for mode in (MODES if n > 1 else MODES[:1])
+        for mode in (modes if n > 1 else MODES[:1])
     ]
 
 
@@ -110,9 +120,11 @@ async def start_routers(
     try:
         for endpoint in endpoints:
             extra: list[str] = []
-            if arrangement.mode == "exchange" and arrangement.routers > 1:
+            if arrangement.mode in ("exchange", "relay") and arrangement.routers > 1:
                 peers = [other for other in endpoints if other != endpoint]
                 extra = ["--peer-bind", endpoint, "--peers", ",".join(peers)]
+                if arrangement.mode == "relay":
+                    extra += ["--workers", str(RELAY_WORKERS)]
             elif arrangement.mode == "workers":
                 extra = ["--workers", str(arrangement.routers)]
             routers.append(
@@ -239,7 +251,9 @@ async def _main(args: argparse.Namespace) -> int:
     rows = []
     try:
         for workload in workloads:
-            runs: dict[Arrangement, list[tuple[float, float]]] = {a: [] for a in arrangements(counts, args.index)}
+            runs: dict[Arrangement, list[tuple[float, float]]] = {
+                a: [] for a in arrangements(counts, args.index, args.modes)
+            }
             for _ in range(args.repeat):  # rounds: every arrangement once, then again
                 for arrangement, results in runs.items():
                     results.append(await run_one(arrangement, workload, fleet, settings, args.tokenizer))
@@ -271,6 +285,11 @@ def main(argv: list[str]) -> int:
     own.add_argument(
         "--kv-events-replay-endpoints", default="", help="--engine URL,...: each engine's replay endpoint, same order"
     )
+    own.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"arrangements of N > 1 routers to run, of {', '.join(MODES)} (comma separated)",
+    )
     mine, rest = own.parse_known_args(argv)
     parser = build_parser()
     parser.prog = "python -m kvroute.benchmarks.multi_router"
@@ -280,6 +299,10 @@ def main(argv: list[str]) -> int:
     unknown = sorted(set(args.index) - set(INDEXES))
     if unknown:
         parser.error(f"--index: unknown modes {unknown}; known: {', '.join(INDEXES)}")
+    args.modes = _csv(mine.modes)
+    unknown = sorted(set(args.modes) - set(MODES))
+    if unknown:
+        parser.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
     if args.engine == "virtual":
         parser.error("--engine virtual: several routers need engines that answer over HTTP (sim or URLs)")
     external = args.engine != "sim"

@@ -24,6 +24,11 @@ def test_arrangements_per_router_count() -> None:
         "one router, --workers 2",
     ]
     assert Arrangement(4, "workers").name == "one router, --workers 4"
+    assert [a.name for a in arrangements([1, 2], modes=["exchange", "relay"])] == [
+        "one router",
+        "2 routers, exchange",
+        "2 routers of 2 workers, exchange",
+    ]
 
 
 def test_precise_arrangements_follow_the_approximate_ones_and_compare_with_one_precise_router() -> None:
