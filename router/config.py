@@ -17,8 +17,8 @@ from pydantic import BaseModel, Field, FilePath, ValidationError, field_validato
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvroute.router.backend_url import parse_backend_url
+from kvroute.router.dns_name import DnsName
 from kvroute.router.policy_catalog import POLICY_NAMES
-from kvroute.router.routing.peer_discovery import DnsName
 
 if TYPE_CHECKING:
     PolicyName = str

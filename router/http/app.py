@@ -34,6 +34,7 @@ from aiohttp import hdrs, web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvroute.router.config import Settings
+from kvroute.router.dns_name import DnsName
 from kvroute.router.errors import JSON_CONTENT_TYPE, JsonErrorServer, error_middleware, error_response, json_response
 from kvroute.router.fleet.backends import Backend, BackendPool
 from kvroute.router.fleet.discovery import build_discovery, check_discovery
@@ -51,7 +52,7 @@ from kvroute.router.http.lean_server import LeanLimits, LeanRoute, LeanServer
 from kvroute.router.http.openapi import openapi_document
 from kvroute.router.http.security import ClientGate, SecretRedactor
 from kvroute.router.http.workers import Siblings, WorkerGroup
-from kvroute.router.routing.peer_discovery import DnsName, PeerDiscovery
+from kvroute.router.routing.peer_discovery import PeerDiscovery
 from kvroute.router.routing.peer_exchange import PeerExchange, Placement
 from kvroute.router.routing.peer_load import BackendLoad
 from kvroute.router.routing.precise_index import PreciseIndex

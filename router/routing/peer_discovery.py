@@ -16,8 +16,9 @@ import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from typing import Protocol
+
+from kvroute.router.dns_name import DnsName
 
 log = logging.getLogger(__name__)
 
@@ -33,25 +34,6 @@ class Subscriptions(Protocol):
     def connect(self, peers: Iterable[str]) -> None: ...
 
     def disconnect(self, peers: Iterable[str]) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class DnsName:
-    """``NAME:PORT``: the name to resolve and the port every peer publishes on."""
-
-    host: str
-    port: int
-
-    @classmethod
-    def parse(cls, value: str) -> DnsName:
-        host, sep, port = value.strip().rpartition(":")
-        host = host.removeprefix("[").removesuffix("]")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"expected NAME:PORT (e.g. kvroute-peers.default.svc:5600), got {value!r}")
-        return cls(host, int(port))
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
 
 
 async def resolve_addresses(host: str, port: int) -> list[str]:

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from kvroute.router.config import ConfigError, load_settings
+from kvroute.router.dns_name import DnsName
 from kvroute.router.routing.peer_discovery import (
-    DnsName,
     PeerDiscovery,
     is_local_address,
     peer_endpoint,
