@@ -162,6 +162,15 @@ async def start_server(
     return runner, f"http://127.0.0.1:{port}"
 
 
+async def until(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> None:
+    """In a test's event loop: yield to it until ``predicate`` holds; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(interval)
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, interval: float = 0.05) -> None:
     """Poll ``predicate`` until it holds; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from kvroute.router.routing.peer_discovery import (
     resolve_addresses,
 )
 from kvroute.router.routing.peer_exchange import PeerExchange, Placement
+from tests.servers import until
 
 
 def test_the_name_and_port_are_parsed() -> None:
@@ -99,13 +99,6 @@ def _free_port_on(addresses: list[str]) -> int:
         return port
 
 
-async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 def test_the_exchange_follows_the_name_as_routers_join_and_leave() -> None:
     """Two publishing routers on 127.0.0.2 and 127.0.0.3 (one port, as pods behind a headless
     Service); a third resolves the name to both and to its own address: it hears both and
@@ -137,7 +130,7 @@ def test_the_exchange_follows_the_name_as_routers_join_and_leave() -> None:
             before = len(received)
             publishers[number].publish(Placement("http://b", 16, np.array([number], dtype=np.uint64), number))
             try:
-                await _until(lambda: len(received) > before, timeout=1.0)
+                await until(lambda: len(received) > before, timeout=1.0)
             except AssertionError:
                 return False
             return received[-1].prompt_tokens == number

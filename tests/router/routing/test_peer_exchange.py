@@ -19,7 +19,7 @@ import zmq.asyncio
 from kvroute.router.routing import peer_exchange, peer_load
 from kvroute.router.routing.peer_exchange import RECEIVE_BATCH, ByteBudget, PeerExchange, Placement, decode, encode
 from kvroute.router.routing.peer_load import LOAD_TOPIC, NO_LOAD, BackendLoad, LoadReport, encode_report
-from tests.servers import RouterServer
+from tests.servers import RouterServer, until
 
 SYSTEM = "You are a careful assistant who answers questions about routing. " * 30
 
@@ -163,13 +163,6 @@ async def _connected_pair(received: list[Placement], bind: str) -> tuple[PeerExc
     return publisher, subscriber
 
 
-async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_burst_of_placements_arrives_whole_and_in_order(transport: str, tmp_path: Path) -> None:
     """One event-loop turn's placements leave together; the reader takes more than one
@@ -183,11 +176,11 @@ def test_a_burst_of_placements_arrives_whole_and_in_order(transport: str, tmp_pa
             for number in range(burst):
                 publisher.publish(Placement("http://b", 16, np.array([number], dtype=np.uint64), number))
             assert publisher.stats.published == 0  # queued until the next turn
-            await _until(lambda: len(received) == burst)
+            await until(lambda: len(received) == burst)
             assert [placement.prompt_tokens for placement in received] == list(range(burst))
             assert publisher.stats.published == subscriber.stats.received == burst
             publisher.publish(Placement("http://b", 16, np.array([7], dtype=np.uint64), 7, "late"))
-            await _until(lambda: len(received) == burst + 1)  # the reader still listens after a burst
+            await until(lambda: len(received) == burst + 1)  # the reader still listens after a burst
             assert received[-1].session_key == "late"
         finally:
             await publisher.stop()
@@ -204,7 +197,7 @@ def test_stopping_sends_what_is_queued(transport: str, tmp_path: Path) -> None:
         try:
             publisher.publish(Placement("http://b", 16, np.array([1, 2], dtype=np.uint64), 32, "last"))
             await publisher.stop()  # in the same turn as the publish
-            await _until(lambda: len(received) == 1)
+            await until(lambda: len(received) == 1)
             assert received[0].session_key == "last" and publisher.stats.published == 1
         finally:
             await subscriber.stop()
@@ -231,7 +224,7 @@ def test_one_router_follows_zmq_and_unix_peers_at_once(tmp_path: Path) -> None:
             await asyncio.sleep(0.2)  # ZMQ: the subscription reaches the publisher after the handshake
             for number, publisher in enumerate(publishers):
                 publisher.publish(Placement("http://b", 16, np.array([number], dtype=np.uint64), number))
-            await _until(lambda: len(received) == 2)
+            await until(lambda: len(received) == 2)
             assert sorted(placement.prompt_tokens for placement in received) == [0, 1]
             assert subscriber.stats.received == 2 and subscriber.stats.malformed == 0
         finally:
@@ -273,12 +266,12 @@ def test_a_routers_requests_in_flight_reach_its_peers(transport: str, tmp_path: 
             publisher.load_changed()
             own["http://a"] = BackendLoad(2, 250)
             publisher.load_changed()  # the same turn: one report, with the counts at its end
-            await _until(lambda: heard.get("http://a") == BackendLoad(2, 250))
+            await until(lambda: heard.get("http://a") == BackendLoad(2, 250))
             assert publisher.load_stats.published == 1 and subscriber.load_stats.received == 1
             assert "http://b" not in heard  # nothing there, nothing to say
             own["http://a"] = NO_LOAD
             publisher.load_changed()
-            await _until(lambda: heard["http://a"] == NO_LOAD)
+            await until(lambda: heard["http://a"] == NO_LOAD)
             assert subscriber.load_stats.malformed == 0 and subscriber.stats.received == 0
 
     asyncio.run(scenario())
@@ -294,10 +287,10 @@ def test_reports_repeat_while_requests_run_and_a_silent_peer_is_forgotten(
         own = {"http://a": BackendLoad(1, 100)}
         async with _reporting(_bind("unix", tmp_path), own) as (publisher, subscriber, heard):
             publisher.load_changed()
-            await _until(lambda: subscriber.load_stats.received >= 3)  # no change, still reported
+            await until(lambda: subscriber.load_stats.received >= 3)  # no change, still reported
             own["http://a"] = NO_LOAD
             publisher.load_changed()
-            await _until(lambda: heard["http://a"] == NO_LOAD)
+            await until(lambda: heard["http://a"] == NO_LOAD)
             published = publisher.load_stats.published
             await asyncio.sleep(0.3)
             assert publisher.load_stats.published == published  # nothing in flight: quiet
@@ -310,9 +303,9 @@ def test_reports_repeat_while_requests_run_and_a_silent_peer_is_forgotten(
                 [LOAD_TOPIC, encode_report(LoadReport("gone", {"http://a": BackendLoad(4, 1)}))]
             )
             await silent.send_multipart([LOAD_TOPIC, b'{"sender": "gone"}'])
-            await _until(lambda: heard["http://a"] == BackendLoad(4, 1))
+            await until(lambda: heard["http://a"] == BackendLoad(4, 1))
             silent.close(linger=0)
-            await _until(lambda: heard["http://a"] == NO_LOAD)
+            await until(lambda: heard["http://a"] == NO_LOAD)
             assert subscriber.load_stats.expired == 1 and subscriber.load_stats.malformed == 1
 
     asyncio.run(scenario())
@@ -349,13 +342,13 @@ def test_reports_within_the_interval_leave_together_after_it(tmp_path: Path, mon
         own = {"http://a": BackendLoad(1, 100)}
         async with _reporting(_bind("unix", tmp_path), own) as (publisher, _subscriber, heard):
             publisher.load_changed()  # the first change leaves at once
-            await _until(lambda: heard.get("http://a") == BackendLoad(1, 100))
+            await until(lambda: heard.get("http://a") == BackendLoad(1, 100))
             for count in (2, 3):
                 own["http://a"] = BackendLoad(count, 100 * count)
                 publisher.load_changed()
                 await asyncio.sleep(0.05)
             assert publisher.load_stats.published == 1 and heard["http://a"] == BackendLoad(1, 100)
-            await _until(lambda: heard["http://a"] == BackendLoad(3, 300))  # the interval passed: the latest
+            await until(lambda: heard["http://a"] == BackendLoad(3, 300))  # the interval passed: the latest
             assert publisher.load_stats.published == 2
 
     asyncio.run(scenario())
@@ -372,13 +365,13 @@ def test_a_finished_request_is_reported_at_once_even_within_the_interval(
         own = {"http://a": BackendLoad(1, 100)}
         async with _reporting(_bind("unix", tmp_path), own) as (publisher, _, heard):
             publisher.load_changed()
-            await _until(lambda: heard.get("http://a") == BackendLoad(1, 100))
+            await until(lambda: heard.get("http://a") == BackendLoad(1, 100))
             own["http://a"] = BackendLoad(2, 200)
             publisher.load_changed()  # a new request: due in 10 s
             own["http://a"] = BackendLoad(1, 100)
             publisher.load_changed(finished=True)
-            await _until(lambda: publisher.load_stats.published == 2)
-            await _until(lambda: heard["http://a"] == BackendLoad(1, 100))
+            await until(lambda: publisher.load_stats.published == 2)
+            await until(lambda: heard["http://a"] == BackendLoad(1, 100))
 
     asyncio.run(scenario())
 
@@ -392,11 +385,11 @@ def test_stopping_reports_the_last_counts_even_within_the_interval(
         own = {"http://a": BackendLoad(1, 100)}
         async with _reporting(_bind("unix", tmp_path), own) as (publisher, _subscriber, heard):
             publisher.load_changed()
-            await _until(lambda: heard.get("http://a") == BackendLoad(1, 100))
+            await until(lambda: heard.get("http://a") == BackendLoad(1, 100))
             own["http://a"] = NO_LOAD
             publisher.load_changed()  # due in 10 s
             await publisher.stop()
-            await _until(lambda: heard["http://a"] == NO_LOAD)
+            await until(lambda: heard["http://a"] == NO_LOAD)
 
     asyncio.run(scenario())
 
@@ -409,8 +402,8 @@ def test_the_heartbeat_hands_every_sum_on_again(tmp_path: Path, monkeypatch: pyt
         own = {"http://a": BackendLoad(2, 20)}
         async with _reporting(_bind("unix", tmp_path), own) as (publisher, _subscriber, heard):
             publisher.load_changed()
-            await _until(lambda: heard.get("http://a") == BackendLoad(2, 20))
+            await until(lambda: heard.get("http://a") == BackendLoad(2, 20))
             heard.clear()  # as a backend added since would start: knowing nothing
-            await _until(lambda: heard.get("http://a") == BackendLoad(2, 20))
+            await until(lambda: heard.get("http://a") == BackendLoad(2, 20))
 
     asyncio.run(scenario())

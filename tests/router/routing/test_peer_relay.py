@@ -4,8 +4,6 @@ subscribed to it hears both workers' placements and load reports as from two rou
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +12,7 @@ import pytest
 from kvroute.router.routing.peer_exchange import PeerExchange, Placement
 from kvroute.router.routing.peer_load import BackendLoad
 from kvroute.router.routing.peer_relay import PeerRelay
-
-
-async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
+from tests.servers import until
 
 
 def test_a_peer_hears_every_worker_through_the_relay(tmp_path: Path) -> None:
@@ -48,7 +40,7 @@ def test_a_peer_hears_every_worker_through_the_relay(tmp_path: Path) -> None:
             for number, worker in enumerate(workers):
                 worker.publish(Placement("http://a", 16, np.array([number], dtype=np.uint64), 16 * (number + 1)))
                 worker.load_changed()
-            await _until(lambda: len(received) == 2 and heard.get("http://a") == BackendLoad(3, 400))
+            await until(lambda: len(received) == 2 and heard.get("http://a") == BackendLoad(3, 400))
             assert sorted(placement.prompt_tokens for placement in received) == [16, 32]
             assert peer.load_stats.received == 2 and peer.stats.malformed == 0
             assert relay.stats.relayed == 4 and relay.stats.refused == 0

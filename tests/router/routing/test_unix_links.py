@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, cast
@@ -14,17 +13,11 @@ import pytest
 
 from kvroute.router.routing import unix_links
 from kvroute.router.routing.unix_links import HELLO, RECEIVE_BATCH, UnixPublisher, UnixSubscriber, frame, unix_path
+from tests.servers import until
 
 
 def _run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(asyncio.wait_for(scenario(), timeout=20))
-
-
-async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.005)
 
 
 class _Received:
@@ -60,7 +53,7 @@ def test_messages_arrive_whole_and_in_order(tmp_path: Path) -> None:
             burst = [(b"head-%d" % number, b"body-%d" % number) for number in range(2 * RECEIVE_BATCH + 3)]
             assert publisher.send(b"".join(frame(head, body) for head, body in burst)) == 0
             assert publisher.send(frame(b"", big) + frame(b"after", b"")) == 0
-            await _until(lambda: len(received.messages) == len(burst) + 2)
+            await until(lambda: len(received.messages) == len(burst) + 2)
             assert received.messages[: len(burst)] == burst
             assert received.messages[len(burst) :] == [(b"", big), (b"after", b"")]
             assert received.refused == 0 and publisher.readers == 1
@@ -85,13 +78,13 @@ def test_a_subscriber_waits_for_a_publisher_that_starts_later_and_one_that_resta
         try:
             assert await subscriber.wait_ready([path], timeout_s=5)
             publisher.send(frame(b"one", b""))
-            await _until(lambda: len(received.messages) == 1)
+            await until(lambda: len(received.messages) == 1)
             publisher.close()  # a worker that died; its successor binds the same path
             publisher = UnixPublisher(path)
             await publisher.start()
-            await _until(lambda: publisher.readers == 1)
+            await until(lambda: publisher.readers == 1)
             publisher.send(frame(b"two", b""))
-            await _until(lambda: len(received.messages) == 2)
+            await until(lambda: len(received.messages) == 2)
             assert [head for head, _ in received.messages] == [b"one", b"two"]
         finally:
             subscriber.close()
@@ -123,9 +116,9 @@ def test_a_peer_sending_anything_else_is_disconnected_and_counted(tmp_path: Path
         subscriber = received.subscriber()
         subscriber.connect([path])
         try:
-            await _until(lambda: received.refused >= 1)
+            await until(lambda: received.refused >= 1)
             assert received.messages == []
-            await _until(lambda: connections[0].is_closing())
+            await until(lambda: connections[0].is_closing())
         finally:
             subscriber.close()
             server.close()
@@ -148,7 +141,7 @@ def test_a_reader_too_far_behind_loses_messages_and_the_publisher_says_so(
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         stalled.connect(path)  # never reads
         try:
-            await _until(lambda: publisher.readers == 1)
+            await until(lambda: publisher.readers == 1)
             message = frame(b"h", bytes(64 * 1024))
             behind = 0
             for _ in range(200):  # 12.8 MiB: far past the socket's buffers and the limit
