@@ -86,6 +86,8 @@ class RouterState:
     precise: PreciseIndex | None = None
     #: Placements shared with the other router replicas (``--peer-bind`` / ``--peers`` / ``--peers-dns``).
     exchange: PeerExchange | None = None
+    #: ``--peers-dns``: the peers found by resolving the name (set on startup).
+    peer_discovery: PeerDiscovery | None = None
     #: ``kvroute serve --workers N``: this worker's siblings (their internal Unix sockets).
     siblings: Siblings | None = None
 
@@ -381,6 +383,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state.pool.on_removed(lambda backend: upstream.forget(backend.url))
     scraper = EngineScraper(session, timeout_s=settings.health_timeout_s, listeners=[state.routing.update_engine_stats])
     state.pool.on_removed(lambda backend: scraper.forget_backend(backend.url))
+    peer_discovery: asyncio.Task[None] | None = None
     try:
         await _admit_configured_backends(state.health, settings)
         state.tasks.append(asyncio.create_task(state.health.run(), name="kvroute-health"))
@@ -408,10 +411,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             if not await state.exchange.start(wait_for=wait_for):
                 log.warning("placement exchange: not every sibling worker subscribed within 10 s")
             if settings.peers_dns is not None:
-                discovery = PeerDiscovery(DnsName.parse(settings.peers_dns), state.exchange)
-                state.tasks.append(asyncio.create_task(discovery.run(), name="kvroute-peer-discovery"))
+                state.peer_discovery = PeerDiscovery(DnsName.parse(settings.peers_dns), state.exchange)
+                peer_discovery = asyncio.create_task(state.peer_discovery.run(), name="kvroute-peer-discovery")
         yield
     finally:
+        if peer_discovery is not None:  # first: it must not subscribe on a stopped exchange
+            peer_discovery.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await peer_discovery
         if state.exchange is not None:
             await state.exchange.stop()
         if state.precise is not None:

@@ -5,9 +5,10 @@ and go (rollouts, an autoscaler), so ``--peers-dns NAME:PORT`` names a headless 
 the router pods instead: it resolves to every pod's IP. Each router resolves it every few
 seconds, subscribes to the addresses that appeared (``tcp://ADDRESS:PORT``, the port of
 their ``--peer-bind``) and drops the ones that left, skipping its own addresses (any address
-this host can bind) and, for a dual-stack name, the IPv6 ones. A failed lookup keeps the current peers: a DNS hiccup must not cut the
-exchange. A peer that is gone but still resolves costs nothing but a reconnecting socket;
-its load reports expire on their own (:mod:`kvroute.router.routing.peer_load`).
+this host can bind) and, for a dual-stack name, the IPv6 ones. A failed lookup keeps the
+current peers: a DNS hiccup must not cut the exchange. A peer that is gone but still
+resolves costs nothing but a reconnecting socket; its load reports expire on their own
+(:mod:`kvroute.router.routing.peer_load`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class PeerDiscovery:
         self._is_local = is_local
         #: The endpoints subscribed to now.
         self.peers: frozenset[str] = frozenset()
+        #: Lookups that answered, and that failed.
+        self.lookups = 0
+        self.failed_lookups = 0
         self._failing = False
 
     async def refresh(self) -> None:
@@ -91,11 +95,13 @@ class PeerDiscovery:
         try:
             addresses = await self._resolve(self._name.host, self._name.port)
         except OSError as exc:
+            self.failed_lookups += 1
             if not self._failing:
                 log.warning("peers: cannot resolve %s (%s); keeping %d peer(s)", self._name, exc, len(self.peers))
             self._failing = True
             return
         self._failing = False
+        self.lookups += 1
         remote = one_family([address for address in addresses if not self._is_local(address)])
         wanted = frozenset(peer_endpoint(address, self._name.port) for address in remote)
         joined, left = sorted(wanted - self.peers), sorted(self.peers - wanted)

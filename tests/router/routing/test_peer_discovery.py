@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from kvroute.router.routing.peer_discovery import (
     resolve_addresses,
 )
 from kvroute.router.routing.peer_exchange import PeerExchange, Placement
-from tests.servers import until
+from tests.servers import until, wait_until
 
 
 def test_the_name_and_port_are_parsed() -> None:
@@ -154,3 +155,17 @@ def test_the_exchange_follows_the_name_as_routers_join_and_leave() -> None:
                 await publisher.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_router_with_peers_dns_serves_and_stops(sim_engines: Any, router_server: Any) -> None:
+    """Through the real application: the discovery runs beside the exchange (``localhost``
+    resolves to this host's own addresses only, so it finds no peer), the router serves,
+    and it stops with the discovery cancelled before the exchange (the fixture's teardown)."""
+    (sim,) = sim_engines(1)
+    router = router_server([sim], policy="cache_aware", peer_bind="tcp://127.0.0.1:*", peers_dns="localhost:5600")
+    discovery = router.state.peer_discovery
+    assert router.state.exchange is not None and discovery is not None
+    wait_until(lambda: discovery.lookups >= 1, timeout=5)
+    assert discovery.peers == frozenset() and discovery.failed_lookups == 0
+    reply = router.client().chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content is not None
