@@ -40,6 +40,7 @@ from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from kvroute.benchmarks.results import PEER_PREFIX
 from kvroute.router.engines import ENGINES
@@ -453,29 +454,28 @@ async def start_peer(name: str, backends: Sequence[str], policy: str = "cache_aw
     return PeerRouter(process, f"http://127.0.0.1:{metrics_port}/metrics")
 
 
-async def scrape(client: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """A ``/metrics`` page as sample name -> value summed over all label sets."""
+async def _samples(client: aiohttp.ClientSession, url: str) -> list[Sample]:
+    """Every sample of a ``/metrics`` page."""
     async with client.get(url) as response:
         response.raise_for_status()
         text = await response.text()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+async def scrape(client: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """A ``/metrics`` page as sample name -> value summed over all label sets."""
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
+    for sample in await _samples(client, url):
+        totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
     return totals
 
 
 async def kv_events_states(url: str) -> dict[str, int]:
     """A router's ``kvroute_kv_events_state`` per backend (1: precise, its events answer)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
-        async with client.get(url + "/metrics") as response:
-            response.raise_for_status()
-            text = await response.text()
+        samples = await _samples(client, url + "/metrics")
     return {
-        sample.labels["backend"]: int(sample.value)
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "kvroute_kv_events_state"
+        sample.labels["backend"]: int(sample.value) for sample in samples if sample.name == "kvroute_kv_events_state"
     }
 
 

@@ -119,6 +119,26 @@ def encode(placement: Placement) -> list[bytes]:
     return [TOPIC, head, np.ascontiguousarray(placement.hashes, dtype="<u8").tobytes()]
 
 
+def zmq_frames(head: bytes, body: bytes) -> list[bytes]:
+    """The ZMQ frames of one message as a Unix link carries it (``head``, ``body``): a load
+    report under :data:`LOAD_TOPIC`, a placement under :data:`TOPIC`."""
+    return [LOAD_TOPIC, body] if head == LOAD_HEAD else [TOPIC, head, body]
+
+
+def zmq_publisher(endpoint: str) -> zmq.Socket[bytes]:
+    """A PUB socket bound on ``endpoint``: a plain (non-asyncio) socket, whose sends never
+    block and need no future; past :data:`SEND_HWM` queued for a peer, it drops for it."""
+    pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.setsockopt(zmq.SNDHWM, SEND_HWM)
+    try:
+        pub.bind(endpoint)
+    except zmq.ZMQError:
+        pub.close(linger=0)
+        raise
+    return pub
+
+
 def decode(frames: Sequence[bytes]) -> Placement:
     """The inverse of :func:`encode`; ``ValueError`` on anything else."""
     if len(frames) != 3 or frames[0] != TOPIC:
@@ -227,12 +247,7 @@ class PeerExchange:
             self._unix_pub = UnixPublisher(path)
             await self._unix_pub.start()
         elif self._bind is not None:
-            # A plain (non-asyncio) socket: sending never blocks and needs no future.
-            pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
-            pub.setsockopt(zmq.LINGER, 0)
-            pub.setsockopt(zmq.SNDHWM, SEND_HWM)
-            pub.bind(self._bind)
-            self._pub = pub
+            self._pub = zmq_publisher(self._bind)
         self._heartbeat = loop.call_later(HEARTBEAT_S, self._beat)
         deadline = loop.time() + timeout_s
         zmq_waits = {peer for peer in wait_for if unix_path(peer) is None}
@@ -373,7 +388,7 @@ class PeerExchange:
                 self.stats.published += 1
             if report is not None:
                 with contextlib.suppress(zmq.Again):
-                    pub.send_multipart([LOAD_TOPIC, report], flags=zmq.NOBLOCK)
+                    pub.send_multipart(zmq_frames(LOAD_HEAD, report), flags=zmq.NOBLOCK)
         if report is not None:
             self.load_stats.published += 1
 

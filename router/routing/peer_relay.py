@@ -4,8 +4,8 @@ The workers of ``kvroute serve --workers N`` publish to each other over Unix str
 (:mod:`kvroute.router.routing.unix_links`), each on its own private path, so other router
 replicas could not subscribe to them. The supervisor binds the router's ``--peer-bind``
 (ZMQ PUB) and reads every worker's Unix publisher as a subscriber would, sending each
-message on as it came: a placement as ``[TOPIC, head, body]``, a load report as
-``[LOAD_TOPIC, report]``, exactly what a single router publishes, so its peers cannot tell
+message on as it came, framed as a single router frames it
+(:func:`~kvroute.router.routing.peer_exchange.zmq_frames`), so its peers cannot tell
 the difference (each worker's reports carry its own sender id and are summed apart). The
 other direction needs no relay: every worker subscribes to the external peers itself.
 
@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvroute.router.routing.peer_exchange import SEND_HWM, TOPIC
-from kvroute.router.routing.peer_load import LOAD_HEAD, LOAD_TOPIC
+from kvroute.router.routing.peer_exchange import zmq_frames, zmq_publisher
 from kvroute.router.routing.unix_links import UnixSubscriber, unix_path
 
 log = logging.getLogger(__name__)
@@ -57,11 +56,7 @@ class PeerRelay:
 
     def start(self) -> None:
         """Bind, and connect to every worker's publisher (needs the running loop)."""
-        pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.SNDHWM, SEND_HWM)
-        pub.bind(self._bind)
-        self._pub = pub
+        self._pub = zmq_publisher(self._bind)
         self._sub = UnixSubscriber(self._relay, self._count_refused)
         self._sub.connect(self._paths)
 
@@ -75,9 +70,8 @@ class PeerRelay:
     def _relay(self, head: bytes, body: bytes) -> None:
         if self._pub is None:
             return
-        parts = [LOAD_TOPIC, body] if head == LOAD_HEAD else [TOPIC, head, body]
         with contextlib.suppress(zmq.Again):  # a peer at its high-water mark: PUB drops for it
-            self._pub.send_multipart(parts, flags=zmq.NOBLOCK)
+            self._pub.send_multipart(zmq_frames(head, body), flags=zmq.NOBLOCK)
         self.stats.relayed += 1
 
     def _count_refused(self) -> None:
