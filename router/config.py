@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvroute.router.backend_url import parse_backend_url
 from kvroute.router.dns_name import DnsName
+from kvroute.router.peer_key import PeerKey
 from kvroute.router.policy_catalog import POLICY_NAMES
 
 if TYPE_CHECKING:
@@ -351,6 +352,10 @@ class Settings(BaseSettings):
         default=None,
         description="NAME:PORT resolved every 5 s (e.g. a headless Service over the router pods); every address but this router's own is a peer at tcp://ADDRESS:PORT",
     )
+    peer_secret_file: Path | None = Field(
+        default=None,
+        description="a file of at least 32 characters every router of the fleet shares: the exchange's ZMQ sockets then use CurveZMQ (encrypted; only holders of the secret hear or are heard)",
+    )
     peer_max_bytes_per_s: int = Field(
         default=16 * 1024 * 1024,
         gt=0,
@@ -423,6 +428,8 @@ class Settings(BaseSettings):
                 raise ValueError("ab: weights must be >= 0 and sum to more than 0")
         if self.discovery == "file" and self.backends_file is None:
             raise ValueError("discovery 'file' needs backends_file (--backends-file)")
+        if self.peer_secret_file is not None:
+            PeerKey.read(self.peer_secret_file)  # ValueError names the file and what is wrong
         if self.workers > 1 and self.peer_bind is not None and self.peer_bind.startswith("unix://"):
             # The supervisor relays the workers' messages to other routers over ZMQ only.
             raise ValueError("peer_bind: with workers > 1 it must be a ZMQ endpoint (e.g. tcp://0.0.0.0:5600)")

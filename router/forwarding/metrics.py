@@ -268,15 +268,18 @@ class _RuntimeCollector:
 
 
 class _EventCounters:
-    """One counter family by ``event`` label, read from a mapping at scrape time."""
+    """One counter family by one label (``event`` unless named), read from a mapping at scrape time."""
 
-    def __init__(self, name: str, documentation: str, counts: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(
+        self, name: str, documentation: str, counts: Callable[[], Mapping[str, int]], *, label: str = "event"
+    ) -> None:
         self._name = name
         self._documentation = documentation
         self._counts = counts
+        self._label = label
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(self._name, self._documentation, labels=["event"])
+        family = CounterMetricFamily(self._name, self._documentation, labels=[self._label])
         for event, count in self._counts().items():
             family.add_metric([event], count)
         yield family
@@ -319,9 +322,13 @@ class RouterMetrics:
             self.registry.register(_RuntimeCollector(runtime))
 
     def watch_peer_exchange(
-        self, placements: Callable[[], Mapping[str, int]], load_reports: Callable[[], Mapping[str, int]]
+        self,
+        placements: Callable[[], Mapping[str, int]],
+        load_reports: Callable[[], Mapping[str, int]],
+        handshakes: Callable[[], Mapping[str, int]],
     ) -> None:
-        """Export the exchange's counters (``--peer-bind`` / ``--peers``): placements, load reports."""
+        """Export the exchange's counters (``--peer-bind`` / ``--peers``): placements, load
+        reports, handshakes."""
         self.registry.register(
             _EventCounters(
                 "kvroute_peer_placements",
@@ -338,6 +345,17 @@ class RouterMetrics:
                 "(published, received, dropped_budget: over --peer-max-bytes-per-s, "
                 "expired: a peer with requests in flight whose reports stopped, malformed).",
                 load_reports,
+            )
+        )
+        self.registry.register(
+            _EventCounters(
+                "kvroute_peer_handshakes",
+                "ZMQ handshakes with peer routers, by result (succeeded; failed_no_detail: the "
+                "peer dropped it, e.g. another --peer-secret-file; failed_protocol: e.g. one side "
+                "without it; failed_auth: the peer refused this router's key; refused: subscribers "
+                "this router refused for holding another key).",
+                handshakes,
+                label="result",
             )
         )
 

@@ -17,7 +17,10 @@ Routers that place blocks also send each other their requests in flight per back
 (:mod:`kvroute.router.routing.peer_load`), so that every router weighs the fleet's queues,
 not only its own share of them, when it trades a cache hit against waiting.
 
-No broker, no consensus: the same ZMQ machinery precise mode uses. Routers on one host
+No broker, no consensus: the same ZMQ machinery precise mode uses; with the fleet's
+secret (``--peer-secret-file``) every ZMQ socket of it runs CurveZMQ
+(:mod:`kvroute.router.routing.peer_auth`), and ZMQ endpoints a protocol error made ZMQ give
+up are connected again (:mod:`kvroute.router.routing.zmq_handshakes`). Routers on one host
 (the workers of ``kvroute serve --workers N``) may use ``unix://PATH`` endpoints instead:
 the same messages over Unix stream sockets written and read in the event loop
 (:mod:`kvroute.router.routing.unix_links`), ~18 against ~48 us of CPU per placement
@@ -41,13 +44,14 @@ import logging
 import struct
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
+from kvroute.router.peer_key import PeerKey
+from kvroute.router.routing.peer_auth import Gatekeeper, secure_subscriber
 from kvroute.router.routing.peer_load import (
     HEARTBEAT_S,
     LOAD_HEAD,
@@ -61,6 +65,7 @@ from kvroute.router.routing.peer_load import (
     new_sender_id,
 )
 from kvroute.router.routing.unix_links import UnixPublisher, UnixSubscriber, frame, unix_path
+from kvroute.router.routing.zmq_handshakes import Handshakes, HandshakeStats
 from kvroute.router.routing.zmq_inbox import Inbox
 
 log = logging.getLogger(__name__)
@@ -125,18 +130,59 @@ def zmq_frames(head: bytes, body: bytes) -> list[bytes]:
     return [LOAD_TOPIC, body] if head == LOAD_HEAD else [TOPIC, head, body]
 
 
-def zmq_publisher(endpoint: str) -> zmq.Socket[bytes]:
-    """A PUB socket bound on ``endpoint``: a plain (non-asyncio) socket, whose sends never
-    block and need no future; past :data:`SEND_HWM` queued for a peer, it drops for it."""
-    pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.setsockopt(zmq.SNDHWM, SEND_HWM)
-    try:
-        pub.bind(endpoint)
-    except zmq.ZMQError:
-        pub.close(linger=0)
-        raise
-    return pub
+class ZmqPublisher:
+    """A PUB socket bound on ``endpoint``: plain, or with ``key`` a CURVE server admitting
+    only holders of the key (:mod:`kvroute.router.routing.peer_auth`). ``tcp://*:PORT``
+    listens on IPv6 and IPv4 where the host has both, ``tcp://[ADDRESS]:PORT`` on that IPv6
+    address. Its sends never block and need no future; past :data:`SEND_HWM` messages
+    queued for a peer, it drops for it."""
+
+    def __init__(self, endpoint: str, key: PeerKey | None = None) -> None:
+        self._gatekeeper = Gatekeeper(key) if key is not None else None
+        socket = self._gatekeeper.publisher() if self._gatekeeper else zmq.Context.instance().socket(zmq.PUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+        if _wants_ipv6(endpoint):  # not always: it names IPv4 binds in their mapped form
+            socket.setsockopt(zmq.IPV6, 1)
+        try:
+            socket.bind(endpoint)
+        except zmq.ZMQError:
+            socket.close(linger=0)
+            if self._gatekeeper is not None:
+                self._gatekeeper.close()
+            raise
+        self._socket: zmq.Socket[bytes] | None = socket
+
+    @property
+    def endpoint(self) -> str | None:
+        """Where it listens (with the port the OS chose for ``tcp://host:*``)."""
+        return None if self._socket is None else self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    @property
+    def refused(self) -> int:
+        """Subscribers its CURVE handler refused (they proved another key)."""
+        return 0 if self._gatekeeper is None else self._gatekeeper.refused
+
+    def send(self, frames: Sequence[bytes]) -> None:
+        """One message to every subscriber that can take it now (closed: nothing)."""
+        if self._socket is None:
+            return
+        with contextlib.suppress(zmq.Again):  # a peer at its high-water mark: PUB drops for it
+            self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        if self._gatekeeper is not None:
+            self._gatekeeper.close()
+            self._gatekeeper = None
+
+
+def _wants_ipv6(endpoint: str) -> bool:
+    """Whether a ``tcp://`` endpoint binds every address (``*``) or an IPv6 one (``[...]``)."""
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    return endpoint.startswith("tcp://") and (host == "*" or host.startswith("["))
 
 
 def decode(frames: Sequence[bytes]) -> Placement:
@@ -193,18 +239,22 @@ class PeerExchange:
         max_bytes_per_s: float,
         own_load: Callable[[], Mapping[str, BackendLoad]] | None = None,
         apply_load: Callable[[str, BackendLoad], None] | None = None,
+        key: PeerKey | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         """``own_load()``: this router's own requests in flight per backend, reported to the
         peers when :meth:`load_changed` says they changed; ``apply_load(url, load)``: the
-        peers' sum for ``url`` changed to ``load``."""
+        peers' sum for ``url`` changed to ``load``; ``key``: the fleet's CURVE key pair
+        (``--peer-secret-file``) for every ZMQ socket (None: plain ZMQ)."""
         self._bind = bind
         self._peers = list(peers)
         self._apply = apply
+        self._key = key
         self._budget = ByteBudget(max_bytes_per_s)
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._pub: zmq.Socket | None = None
+        self._pub: ZmqPublisher | None = None
         self._sub: zmq.asyncio.Socket | None = None
+        self._handshakes: Handshakes | None = None
         self._unix_pub: UnixPublisher | None = None
         self._unix_sub: UnixSubscriber | None = None
         self._inbox: Inbox | None = None
@@ -231,9 +281,7 @@ class PeerExchange:
         """Where the PUB socket listens (with the port the OS chose for ``tcp://host:*``)."""
         if self._unix_pub is not None:
             return self._bind
-        if self._pub is None:
-            return None
-        return self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        return None if self._pub is None else self._pub.endpoint
 
     async def start(self, *, wait_for: Sequence[str] = (), timeout_s: float = 10.0) -> bool:
         """Bind and subscribe. ``wait_for``: peers whose subscription must have completed
@@ -247,37 +295,32 @@ class PeerExchange:
             self._unix_pub = UnixPublisher(path)
             await self._unix_pub.start()
         elif self._bind is not None:
-            self._pub = zmq_publisher(self._bind)
+            self._pub = ZmqPublisher(self._bind, self._key)
         self._heartbeat = loop.call_later(HEARTBEAT_S, self._beat)
         deadline = loop.time() + timeout_s
+        self.connect(self._peers)
         zmq_waits = {peer for peer in wait_for if unix_path(peer) is None}
-        if not zmq_waits:
-            self.connect(self._peers)
-        else:
-            monitor = self._zmq_subscriber().get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            try:
-                self.connect(self._peers)
-                while zmq_waits:
-                    left = deadline - loop.time()
-                    if left <= 0 or not await monitor.poll(left * 1000):
-                        return False
-                    event = parse_monitor_message(await monitor.recv_multipart())
-                    zmq_waits.discard(event["endpoint"].decode())
-            finally:
-                self._zmq_subscriber().disable_monitor()
-                monitor.close(linger=0)
+        if zmq_waits and not await self._zmq_links().wait_for(zmq_waits, timeout_s):
+            return False
         unix_waits = [path for path in map(unix_path, wait_for) if path is not None]
         if not unix_waits:
             return True
         assert self._unix_sub is not None  # wait_for names peers, which connect() joined
         return await self._unix_sub.wait_ready(unix_waits, max(0.0, deadline - loop.time()))
 
+    def handshake_counts(self) -> dict[str, int]:
+        """The subscriber's handshakes with its ZMQ peers by outcome, and the subscribers
+        this router's publisher refused for holding another key."""
+        counts = asdict(self._handshakes.stats) if self._handshakes is not None else asdict(HandshakeStats())
+        counts["refused"] = self._pub.refused if self._pub is not None else 0
+        return counts
+
     def connect(self, peers: Iterable[str]) -> None:
         """Subscribe to more peers (their ``--peer-bind`` endpoints)."""
         for peer in peers:
             path = unix_path(peer)
             if path is None:
-                self._zmq_subscriber().connect(peer)
+                self._zmq_links().connect(peer)
                 continue
             if self._unix_sub is None:
                 self._unix_sub = UnixSubscriber(self._take_parts, self._count_malformed)
@@ -289,19 +332,22 @@ class PeerExchange:
         for peer in peers:
             if unix_path(peer) is not None:
                 raise ValueError(f"{peer}: Unix links are fixed for the router's life")
-            with contextlib.suppress(zmq.ZMQError):  # never connected: nothing to undo
-                self._zmq_subscriber().disconnect(peer)
+            self._zmq_links().disconnect(peer)
 
-    def _zmq_subscriber(self) -> zmq.asyncio.Socket:
-        if self._sub is None:
+    def _zmq_links(self) -> Handshakes:
+        """The SUB socket's connections (made with the first ZMQ peer)."""
+        if self._handshakes is None:
             sub = self._ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.IPV6, 1)  # peers found by DNS may have IPv6 addresses
             sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
             sub.setsockopt(zmq.SUBSCRIBE, LOAD_TOPIC)
+            if self._key is not None:
+                secure_subscriber(sub, self._key)
             self._sub = sub
+            self._handshakes = Handshakes(sub)
             self._inbox = Inbox(sub, on_ready=self._receive)
-        return self._sub
+        return self._handshakes
 
     async def stop(self) -> None:
         for timer in (self._heartbeat, self._report_timer):
@@ -311,10 +357,13 @@ class PeerExchange:
         self._flush()  # a draining router's last placements and counts still reach its peers
         if self._inbox is not None:
             self._inbox.close()
-        for socket in (self._sub, self._pub):
-            if socket is not None:
-                socket.close(linger=0)
-        self._pub = self._sub = self._inbox = None
+        if self._handshakes is not None:
+            self._handshakes.close()
+        if self._sub is not None:
+            self._sub.close(linger=0)
+        if self._pub is not None:
+            self._pub.close()
+        self._pub = self._sub = self._inbox = self._handshakes = None
         for link in (self._unix_pub, self._unix_sub):
             if link is not None:
                 link.close()
@@ -383,12 +432,10 @@ class PeerExchange:
             self.stats.published += len(outbox)
         if pub is not None:
             for parts in outbox:
-                with contextlib.suppress(zmq.Again):  # a peer at its high-water mark: PUB drops for it
-                    pub.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+                pub.send(parts)
                 self.stats.published += 1
             if report is not None:
-                with contextlib.suppress(zmq.Again):
-                    pub.send_multipart(zmq_frames(LOAD_HEAD, report), flags=zmq.NOBLOCK)
+                pub.send(zmq_frames(LOAD_HEAD, report))
         if report is not None:
             self.load_stats.published += 1
 

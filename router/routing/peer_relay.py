@@ -15,14 +15,12 @@ high-water mark) rather than queue it; it reconnects to a worker that restarts.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import zmq
-
-from kvroute.router.routing.peer_exchange import zmq_frames, zmq_publisher
+from kvroute.router.peer_key import PeerKey
+from kvroute.router.routing.peer_exchange import ZmqPublisher, zmq_frames
 from kvroute.router.routing.unix_links import UnixSubscriber, unix_path
 
 log = logging.getLogger(__name__)
@@ -39,24 +37,25 @@ class RelayStats:
 class PeerRelay:
     """Binds ``bind`` and relays every message of the workers' Unix publishers ``sources``."""
 
-    def __init__(self, bind: str, sources: Sequence[str]) -> None:
+    def __init__(self, bind: str, sources: Sequence[str], key: PeerKey | None = None) -> None:
         paths = [unix_path(source) for source in sources]
         if unix_path(bind) is not None or None in paths:
             raise ValueError("the relay binds a ZMQ endpoint and reads unix:// publishers")
         self._bind = bind
+        self._key = key
         self._paths = [path for path in paths if path is not None]
-        self._pub: zmq.Socket[bytes] | None = None
+        self._pub: ZmqPublisher | None = None
         self._sub: UnixSubscriber | None = None
         self.stats = RelayStats()
 
     @property
     def endpoint(self) -> str | None:
         """Where the PUB socket listens (with the port the OS chose for ``tcp://host:*``)."""
-        return None if self._pub is None else self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        return None if self._pub is None else self._pub.endpoint
 
     def start(self) -> None:
         """Bind, and connect to every worker's publisher (needs the running loop)."""
-        self._pub = zmq_publisher(self._bind)
+        self._pub = ZmqPublisher(self._bind, self._key)
         self._sub = UnixSubscriber(self._relay, self._count_refused)
         self._sub.connect(self._paths)
 
@@ -64,14 +63,13 @@ class PeerRelay:
         if self._sub is not None:
             self._sub.close()
         if self._pub is not None:
-            self._pub.close(linger=0)
+            self._pub.close()
         self._sub = self._pub = None
 
     def _relay(self, head: bytes, body: bytes) -> None:
         if self._pub is None:
             return
-        with contextlib.suppress(zmq.Again):  # a peer at its high-water mark: PUB drops for it
-            self._pub.send_multipart(zmq_frames(head, body), flags=zmq.NOBLOCK)
+        self._pub.send(zmq_frames(head, body))
         self.stats.relayed += 1
 
     def _count_refused(self) -> None:

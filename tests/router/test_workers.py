@@ -28,6 +28,8 @@ import zmq
 
 from kvroute.benchmarks.fleet import free_port
 from kvroute.benchmarks.workloads import words
+from kvroute.router.peer_key import PeerKey
+from kvroute.router.routing.peer_auth import secure_subscriber
 from kvroute.router.routing.peer_exchange import TOPIC, Placement, decode
 from kvroute.router.routing.peer_load import LOAD_TOPIC, decode_report
 from tests.servers import Scrape, SimServer, wait_until
@@ -304,20 +306,27 @@ def test_a_taken_port_fails_kvroute_serve(serve_workers: Any) -> None:
     assert "Address already in use" in router.log
 
 
-def test_other_routers_hear_every_worker_on_the_peer_bind(sim_engines: Any, serve_workers: Any) -> None:
-    """``--workers 2 --peer-bind``: the supervisor relays both workers' placements and load
-    reports there, so another router (a real ZMQ subscriber here) hears this one whole:
-    every placement the workers published, and the reports of both workers apart."""
+def test_other_routers_hear_every_worker_on_the_peer_bind(sim_engines: Any, serve_workers: Any, tmp_path: Path) -> None:
+    """``--workers 2 --peer-bind --peer-secret-file``: the supervisor relays both workers'
+    placements and load reports there over CurveZMQ, so another router holding the secret (a
+    real ZMQ subscriber here) hears this one whole: every placement the workers published,
+    and the reports of both workers apart."""
     sims = sim_engines(2)
     port = free_port()
+    secret = tmp_path / "peer-secret"
+    secret.write_text("fleet-secret-0123456789abcdefghijklmnop\n")
     context = zmq.Context()
     listener = context.socket(zmq.SUB)
     listener.setsockopt(zmq.LINGER, 0)
     for topic in (TOPIC, LOAD_TOPIC):
         listener.setsockopt(zmq.SUBSCRIBE, topic)
+    secure_subscriber(listener, PeerKey.read(secret))
     listener.connect(f"tcp://127.0.0.1:{port}")
     try:
-        router = serve_workers("--workers", "2", "--peer-bind", f"tcp://127.0.0.1:{port}", *backend_args(sims))
+        router = serve_workers(
+            "--workers", "2", "--peer-bind", f"tcp://127.0.0.1:{port}", "--peer-secret-file", str(secret),
+            *backend_args(sims),
+        )  # fmt: skip
         time.sleep(0.5)  # the subscription reaches the relay
         client = router.client()
         sent = 16

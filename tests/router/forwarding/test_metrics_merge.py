@@ -15,7 +15,9 @@ def worker_metrics(requests: int, *, blocks: int, duration_s: float) -> RouterMe
     metrics = RouterMetrics(
         lambda: [], lambda: RuntimeStats(active_requests=1, queued_requests=0, rejected={"queue_full": 2}, rate_limited_clients=0)
     )  # fmt: skip
-    metrics.watch_peer_exchange(lambda: {"published": 3, "received": 4}, lambda: {"published": 5, "expired": 1})
+    metrics.watch_peer_exchange(
+        lambda: {"published": 3, "received": 4}, lambda: {"published": 5, "expired": 1}, lambda: {"succeeded": 2}
+    )
     for _ in range(requests):
         metrics.record_request(
             AttemptOutcome(
@@ -59,6 +61,7 @@ def test_counters_and_histograms_sum_shared_state_takes_the_max() -> None:
     assert scrape.value("kvroute_admission_active_requests") == 2
     assert scrape.value("kvroute_peer_placements_total", event="received") == 8
     assert scrape.value("kvroute_peer_load_reports_total", event="published") == 10
+    assert scrape.value("kvroute_peer_handshakes_total", result="succeeded") == 4
     assert scrape.value("kvroute_index_blocks", backend="http://a") == 12  # max: the indexes converge
     assert scrape.value("kvroute_index_bytes") == 2000  # memory: sum
     assert scrape.value("kvroute_kv_events_state", backend="http://a") == 1

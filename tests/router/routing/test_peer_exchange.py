@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
@@ -405,5 +406,39 @@ def test_the_heartbeat_hands_every_sum_on_again(tmp_path: Path, monkeypatch: pyt
             await until(lambda: heard.get("http://a") == BackendLoad(2, 20))
             heard.clear()  # as a backend added since would start: knowing nothing
             await until(lambda: heard.get("http://a") == BackendLoad(2, 20))
+
+    asyncio.run(scenario())
+
+
+def _loopback_ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _loopback_ipv6(), reason="no IPv6 loopback on this host")
+def test_a_wildcard_bind_is_heard_over_ipv6_and_ipv4() -> None:
+    """``tcp://*:PORT`` (the Helm chart's) serves IPv6-only and IPv4 clusters alike."""
+
+    async def scenario() -> None:
+        publisher = PeerExchange(bind="tcp://*:*", peers=[], apply=lambda _: None, max_bytes_per_s=1e9)
+        await publisher.start()
+        endpoint = publisher.endpoint
+        assert endpoint is not None
+        port = endpoint.rpartition(":")[2]
+        peers = [f"tcp://[::1]:{port}", f"tcp://127.0.0.1:{port}"]
+        received: list[Placement] = []
+        subscriber = PeerExchange(bind=None, peers=peers, apply=received.append, max_bytes_per_s=1e9)
+        try:
+            assert await subscriber.start(wait_for=peers)
+            await asyncio.sleep(0.2)  # the subscriptions reach the publisher after the handshakes
+            publisher.publish(Placement("http://b", 16, np.array([1], dtype=np.uint64), 16))
+            await until(lambda: len(received) == 2)  # once over each family
+        finally:
+            await subscriber.stop()
+            await publisher.stop()
 
     asyncio.run(scenario())

@@ -9,13 +9,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvroute.router.peer_key import PeerKey
 from kvroute.router.routing.peer_exchange import PeerExchange, Placement
 from kvroute.router.routing.peer_load import BackendLoad
 from kvroute.router.routing.peer_relay import PeerRelay
 from tests.servers import until
 
 
-def test_a_peer_hears_every_worker_through_the_relay(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "key", [None, PeerKey.from_text("fleet-secret-0123456789abcdefghijklmnop")], ids=["plain", "curve"]
+)
+def test_a_peer_hears_every_worker_through_the_relay(tmp_path: Path, key: PeerKey | None) -> None:
+    """With ``--peer-secret-file`` the relay publishes as a CURVE server, as one router does."""
+
     async def scenario() -> None:
         sources = [f"unix://{tmp_path / f'worker-{index}.placements'}" for index in (0, 1)]
         loads = [{"http://a": BackendLoad(1, 100)}, {"http://a": BackendLoad(2, 300)}]
@@ -25,14 +31,19 @@ def test_a_peer_hears_every_worker_through_the_relay(tmp_path: Path) -> None:
         ]
         for worker in workers:
             await worker.start()
-        relay = PeerRelay("tcp://127.0.0.1:*", sources)
+        relay = PeerRelay("tcp://127.0.0.1:*", sources, key)
         relay.start()
         endpoint = relay.endpoint
         assert endpoint is not None and endpoint.startswith("tcp://127.0.0.1:")
         received: list[Placement] = []
         heard: dict[str, BackendLoad] = {}
         peer = PeerExchange(
-            bind=None, peers=[endpoint], apply=received.append, max_bytes_per_s=1e9, apply_load=heard.__setitem__
+            bind=None,
+            peers=[endpoint],
+            apply=received.append,
+            max_bytes_per_s=1e9,
+            apply_load=heard.__setitem__,
+            key=key,
         )
         try:
             assert await peer.start(wait_for=[endpoint])

@@ -1,0 +1,80 @@
+"""CurveZMQ for the peer exchange: only routers holding the fleet's secret hear each other.
+
+Placements carry block hashes, backend URLs and session keys, and what a router hears
+steers its routing: a stranger subscribed to a router's ``--peer-bind`` reads its traffic's
+shape, and one a router subscribes to can herd its conversations onto one backend. With
+``--peer-secret-file`` (:class:`~kvroute.router.peer_key.PeerKey`) every ZMQ socket of the
+exchange runs CURVE, encrypted both ways:
+
+* a publisher is a CURVE server with the fleet's key pair, and a ZAP handler
+  (:class:`Gatekeeper`, pyzmq's authenticator thread) admits only subscribers that prove
+  they hold the same pair;
+* a subscriber is a CURVE client that accepts only a publisher holding it.
+
+A router without the secret, or with another, completes no handshake either way: it
+neither hears nor is heard (``kvroute_peer_handshakes_total`` and a warning say so). Unix
+links (the workers of one router, in a 0700 directory) do not use it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from kvroute.router.peer_key import PeerKey
+
+log = logging.getLogger(__name__)
+
+#: The ZAP domain the exchange's publishers ask their handler about.
+ZAP_DOMAIN = "kvroute-peers"
+
+
+def secure_subscriber(socket: zmq.Socket, key: PeerKey) -> None:
+    """Make ``socket`` (before it connects) a CURVE client of publishers holding ``key``."""
+    socket.curve_serverkey = key.public
+    socket.curve_publickey = key.public
+    socket.curve_secretkey = key.secret
+
+
+class Gatekeeper:
+    """A context whose publishers are CURVE servers admitting only holders of one key pair.
+
+    ZAP handlers are per context, one each: every secured publisher gets a context of its
+    own (one more ZMQ I/O thread and the authenticator's thread, idle but at handshakes).
+    """
+
+    def __init__(self, key: PeerKey) -> None:
+        self._key = key
+        self.context = zmq.Context()
+        self._authenticator = ThreadAuthenticator(self.context, log=log)
+        self._authenticator.start()
+        self._authenticator.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self)
+        #: Subscribers admitted and refused (they proved another key).
+        self.admitted = 0
+        self.refused = 0
+
+    def publisher(self) -> zmq.Socket[bytes]:
+        """A PUB socket of this context, set up as a CURVE server (bind it next)."""
+        socket: zmq.Socket[bytes] = self.context.socket(zmq.PUB)
+        socket.curve_server = True
+        socket.curve_publickey = self._key.public
+        socket.curve_secretkey = self._key.secret
+        socket.zap_domain = ZAP_DOMAIN.encode()
+        return socket
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        """The ZAP decision (the authenticator's thread): the client's public key is the fleet's."""
+        admitted = domain == ZAP_DOMAIN and client_key == self._key.public
+        if admitted:
+            self.admitted += 1
+        else:
+            self.refused += 1
+            log.warning("peer exchange: refused a subscriber holding another key (is its --peer-secret-file ours?)")
+        return admitted
+
+    def close(self) -> None:
+        """Stop the handler and the context (close its sockets first)."""
+        self._authenticator.stop()
+        self.context.destroy(linger=0)

@@ -1,0 +1,174 @@
+"""A ZMQ socket's connections to its peers and their handshakes, read from its monitor.
+
+ZMQ says nothing when a peer refuses it: a subscriber whose publisher holds another CURVE
+key, or none, just never hears anything. The socket monitor reports every handshake; this
+keeps the counts (``kvroute_peer_handshakes_total``), warns once per endpoint while its
+handshakes fail, and lets a caller wait for given endpoints' first success (the workers
+wait for their siblings before they report ready).
+
+ZMQ retries a connection that failed, except after a protocol error (one side with CURVE,
+the other without) or a refusal: it gives that endpoint up for good, so a router would
+stay deaf to a peer that restarted with the right secret. Such an endpoint is connected
+again every :data:`RETRY_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+log = logging.getLogger(__name__)
+
+#: Seconds before an endpoint ZMQ gave up on (protocol error, refusal) is connected again.
+RETRY_S = 5.0
+
+_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+#: Why a handshake failed, as a warning says it.
+_WHY: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the peer dropped it: does it hold the same --peer-secret-file?",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error: one side has --peer-secret-file and the other not?",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the peer refused this router's key",
+}
+
+
+@dataclass(slots=True)
+class HandshakeStats:
+    """Handshakes by outcome (``kvroute_peer_handshakes_total{result}``)."""
+
+    succeeded: int = 0
+    failed_no_detail: int = 0
+    failed_protocol: int = 0
+    failed_auth: int = 0
+
+
+class Handshakes:
+    """Connects ``socket`` (through :meth:`connect`) and follows its monitor from the
+    running loop until :meth:`close`."""
+
+    def __init__(self, socket: zmq.asyncio.Socket) -> None:
+        self._socket = socket
+        self._monitor = socket.get_monitor_socket(_EVENTS)
+        self.stats = HandshakeStats()
+        #: Endpoints (:func:`address` form) that completed a handshake at least once.
+        self.succeeded: set[str] = set()
+        self._failing: set[str] = set()
+        #: What was connected, by :func:`address` form.
+        self._endpoints: dict[str, str] = {}
+        self._retries: dict[str, asyncio.TimerHandle] = {}
+        self._changed = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._follow(), name="kvroute-peer-handshakes")
+
+    def connect(self, endpoint: str) -> None:
+        self._socket.connect(endpoint)
+        self._endpoints[address(endpoint)] = endpoint
+
+    def disconnect(self, endpoint: str) -> None:
+        """Stop connecting to ``endpoint`` (nothing if it was never connected)."""
+        self._endpoints.pop(address(endpoint), None)
+        retry = self._retries.pop(address(endpoint), None)
+        if retry is not None:
+            retry.cancel()
+        with contextlib.suppress(zmq.ZMQError):  # never connected, or ZMQ gave it up
+            self._socket.disconnect(endpoint)
+
+    async def wait_for(self, endpoints: Iterable[str], timeout_s: float) -> bool:
+        """Whether every one of ``endpoints`` completed a handshake within ``timeout_s``."""
+        waiting = {address(endpoint) for endpoint in endpoints}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not waiting <= self.succeeded:
+            self._changed.clear()
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+        return True
+
+    def close(self) -> None:
+        """Stop following and retrying (before the socket closes)."""
+        self._task.cancel()
+        for retry in self._retries.values():
+            retry.cancel()
+        self._retries.clear()
+        with contextlib.suppress(zmq.ZMQError):
+            self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+            except zmq.ZMQError:
+                return  # closed
+            self._record(event["event"], address(event["endpoint"].decode(errors="replace")))
+
+    def _record(self, event: int, endpoint: str) -> None:
+        stats = self.stats
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            stats.succeeded += 1
+            self.succeeded.add(endpoint)
+            if endpoint in self._failing:
+                self._failing.discard(endpoint)
+                log.info("peer exchange: handshake with %s succeeded", endpoint)
+            self._changed.set()
+            return
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            stats.failed_auth += 1
+            self._retry_later(endpoint)
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            stats.failed_protocol += 1
+            self._retry_later(endpoint)
+        else:
+            stats.failed_no_detail += 1  # ZMQ retries these itself
+        if endpoint not in self._failing:  # ZMQ retries every ~100 ms: one warning until it works
+            self._failing.add(endpoint)
+            log.warning("peer exchange: handshake with %s failed (%s)", endpoint, _WHY.get(event, "unknown"))
+
+    def _retry_later(self, endpoint: str) -> None:
+        """Connect again what ZMQ gave up: ``endpoint``, or, when it names no endpoint
+        connected (a host name ZMQ reports resolved), every one connected by name."""
+        known = [endpoint] if endpoint in self._endpoints else [key for key in self._endpoints if _by_name(key)]
+        for key in known:
+            if key not in self._retries:
+                self._retries[key] = self._loop.call_later(RETRY_S, self._retry, key)
+
+    def _retry(self, key: str) -> None:
+        self._retries.pop(key, None)
+        endpoint = self._endpoints.get(key)
+        if endpoint is None:
+            return  # disconnected meanwhile
+        with contextlib.suppress(zmq.ZMQError):
+            self._socket.disconnect(endpoint)
+        self._socket.connect(endpoint)
+
+
+def address(endpoint: str) -> str:
+    """``endpoint`` with an IPv4 address as an IPv6 socket names it (``[::ffff:10.0.0.5]``)
+    written plainly (``10.0.0.5``): ZMQ's monitor reports reconnections so."""
+    if "[::ffff:" not in endpoint:
+        return endpoint
+    scheme, _, rest = endpoint.partition("[::ffff:")
+    host, _, port = rest.partition("]")
+    return scheme + host + port
+
+
+def _by_name(endpoint: str) -> bool:
+    """Whether a ``tcp://`` endpoint names its host rather than an IP address."""
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    if host.startswith("["):
+        return False
+    return not all(part.isdigit() for part in host.split("."))
