@@ -25,12 +25,19 @@ DEFAULTS_FILE = ROOT / "deploy" / "k8s" / "kvroute.yaml"
 RELEASE = "kvroute"
 NAMESPACE = "llm"
 
+#: The static manifest names the replicas' exchange secret rather than carrying one: a
+#: secret committed to a repository is no secret (the chart itself makes a random one).
+PEER_SECRET = f"{RELEASE}-peer-secret"
+STATIC_VALUES: dict[str, Any] = {"peers": {"existingSecret": PEER_SECRET}}
+
 DEFAULTS_HEADER = f"""\
 # GENERATED from deploy/helm/kvroute with the chart's default values (do not edit; change the
 # chart and run `python3 -m tests.deploy.chart_render`). The same objects as
-#   helm template {RELEASE} deploy/helm/kvroute --namespace {NAMESPACE}
-# for clusters without Helm:
-#   kubectl create namespace {NAMESPACE} && kubectl apply -f deploy/k8s/kvroute.yaml
+#   helm template {RELEASE} deploy/helm/kvroute --namespace {NAMESPACE} --set peers.existingSecret={PEER_SECRET}
+# for clusters without Helm; the replicas' exchange secret comes first:
+#   kubectl create namespace {NAMESPACE}
+#   kubectl -n {NAMESPACE} create secret generic {PEER_SECRET} --from-literal=secret="$(head -c 36 /dev/urandom | base64)"
+#   kubectl apply -f deploy/k8s/kvroute.yaml
 """
 
 
@@ -60,7 +67,7 @@ def objects(rendered: dict[str, str]) -> list[dict[str, Any]]:
 
 
 def rendered_defaults() -> str:
-    return DEFAULTS_HEADER + manifest(render())
+    return DEFAULTS_HEADER + manifest(render(STATIC_VALUES))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ deploy/prometheus/kvroute-alerts.yml, which promtool checks in tests/deploy/test
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ kubernetes_validate = pytest.importorskip(
 )
 
 from kvroute.router.config import POLICY_NAMES, load_settings  # noqa: E402
+from kvroute.router.peer_key import PeerKey  # noqa: E402
 from tests.deploy.chart_render import CHART_DIR, DEFAULTS_FILE, NAMESPACE, objects, render, rendered_defaults  # noqa: E402
 
 # autoscaling/v2, policy/v1 and discovery.k8s.io/v1 are all GA well before the oldest.
@@ -62,10 +64,34 @@ def router_deployment(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def router_settings(items: list[dict[str, Any]], tmp_path: Path) -> Any:
-    """The ConfigMap's config.yaml, loaded as ``kvroute serve --config`` loads it."""
+    """The ConfigMap's config.yaml, loaded as ``kvroute serve --config`` loads it, with the
+    peers' secret mounted as the pod mounts it (under ``tmp_path``)."""
+    config = yaml.safe_load(one(items, "ConfigMap")["data"]["config.yaml"])
+    if "peer_secret_file" in config:
+        config["peer_secret_file"] = str(mounted_peer_secret(items, config["peer_secret_file"], tmp_path))
     config_file = tmp_path / "config.yaml"
-    config_file.write_text(one(items, "ConfigMap")["data"]["config.yaml"])
+    config_file.write_text(yaml.safe_dump(config))
     return load_settings(None, config_file)
+
+
+def mounted_peer_secret(items: list[dict[str, Any]], path: str, tmp_path: Path) -> Path:
+    """The file the router container sees at ``path``: the chart's Secret, or a stand-in
+    for one it names but does not create (``peers.existingSecret``)."""
+    spec = router_deployment(items)["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    (mount,) = [mount for mount in container["volumeMounts"] if path.startswith(mount["mountPath"] + "/")]
+    (volume,) = [volume for volume in spec["volumes"] if volume["name"] == mount["name"]]
+    ((item,),) = [volume["secret"]["items"]]
+    assert path == f"{mount['mountPath']}/{item['path']}"
+    secrets = [
+        secret
+        for secret in by_kind(items).get("Secret", [])
+        if secret["metadata"]["name"] == volume["secret"]["secretName"]
+    ]
+    value = base64.b64decode(secrets[0]["data"][item["key"]]).decode() if secrets else "s" * 48
+    mounted = tmp_path / "peer-secret"
+    mounted.write_text(value)
+    return mounted
 
 
 def test_chart_lints_clean() -> None:
@@ -210,9 +236,9 @@ def test_replicas_find_each_other_through_a_headless_service(tmp_path: Path) -> 
     assert peers["spec"]["selector"].items() <= pod_labels.items()
     ((service_port,),) = [peers["spec"]["ports"]]
     assert service_port["targetPort"] == "peers" and ports["peers"] == service_port["port"] == 5600
-    assert settings.peer_bind == "tcp://0.0.0.0:5600"
+    assert settings.peer_bind == "tcp://*:5600"  # IPv6 and IPv4
     assert settings.peers_dns == f"kvroute-peers.{NAMESPACE}.svc:5600"
-    # Only router pods reach the (unauthenticated) exchange; every client reaches HTTP.
+    # Only router pods reach the exchange; every client reaches HTTP.
     policy = one(items, "NetworkPolicy")
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
     assert policy["spec"]["policyTypes"] == ["Ingress"]
@@ -226,7 +252,7 @@ def test_replicas_find_each_other_through_a_headless_service(tmp_path: Path) -> 
 
     # A pod of several workers takes part as one router: its supervisor relays them on peer_bind.
     settings = router_settings(objects(render({"extraConfig": {"workers": 2}})), tmp_path)
-    assert settings.workers == 2 and settings.peer_bind == "tcp://0.0.0.0:5600"
+    assert settings.workers == 2 and settings.peer_bind == "tcp://*:5600"
     items = objects(render({"peers": {"enabled": False}}))
     settings = router_settings(items, tmp_path)
     assert settings.peer_bind is None and settings.peers_dns is None
@@ -234,6 +260,36 @@ def test_replicas_find_each_other_through_a_headless_service(tmp_path: Path) -> 
     assert "NetworkPolicy" not in by_kind(items)
     (container,) = router_deployment(items)["spec"]["template"]["spec"]["containers"]
     assert [port["name"] for port in container["ports"]] == ["http"]
+
+
+def test_replicas_share_a_random_exchange_secret(tmp_path: Path) -> None:
+    """By default the chart makes a random 48-character secret every replica mounts
+    (``peer_secret_file``), readable by the pod's non-root group only; ``existingSecret``
+    names the operator's own instead, and ``auth: false`` leaves the exchange plain."""
+    items = objects(render())
+    settings = router_settings(items, tmp_path)
+    (secret,) = by_kind(items)["Secret"]
+    value = base64.b64decode(secret["data"]["secret"]).decode()
+    assert len(value) == 48 and value.isalnum() and secret["metadata"]["name"] == "kvroute-peer-secret"
+    assert PeerKey.read(settings.peer_secret_file) == PeerKey.from_text(value)
+    spec = router_deployment(items)["spec"]["template"]["spec"]
+    (volume,) = [volume for volume in spec["volumes"] if "secret" in volume]
+    assert volume["secret"]["defaultMode"] == 0o440 and spec["securityContext"]["fsGroup"] == 10001
+    assert value != base64.b64decode(one(objects(render()), "Secret")["data"]["secret"]).decode()  # no fixed value
+
+    items = objects(render({"peers": {"existingSecret": "fleet-peers"}}))
+    assert "Secret" not in by_kind(items)
+    (volume,) = [
+        volume for volume in router_deployment(items)["spec"]["template"]["spec"]["volumes"] if "secret" in volume
+    ]
+    assert volume["secret"]["secretName"] == "fleet-peers"
+    assert router_settings(items, tmp_path).peer_secret_file is not None
+
+    items = objects(render({"peers": {"auth": False}}))
+    assert "Secret" not in by_kind(items) and router_settings(items, tmp_path).peer_secret_file is None
+    assert not [
+        volume for volume in router_deployment(items)["spec"]["template"]["spec"]["volumes"] if "secret" in volume
+    ]
 
 
 def selects(selector: dict[str, Any], item: dict[str, Any]) -> bool:

@@ -61,8 +61,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $config "kv_events_replay_port" .Values.precise.replayPort }}
 {{- end }}
 {{- if .Values.peers.enabled }}
-{{- $_ := set $config "peer_bind" (printf "tcp://0.0.0.0:%d" (int .Values.peers.port)) }}
+{{- $_ := set $config "peer_bind" (printf "tcp://*:%d" (int .Values.peers.port)) }}
 {{- $_ := set $config "peers_dns" (printf "%s-peers.%s.svc:%d" (include "kvroute.fullname" .) .Release.Namespace (int .Values.peers.port)) }}
+{{- if .Values.peers.auth }}
+{{- $_ := set $config "peer_secret_file" "/etc/kvroute-peers/secret" }}
+{{- end }}
 {{- end }}
 {{- toYaml (merge (deepCopy .Values.extraConfig) $config) }}
+{{- end }}
+
+{{/* The Secret holding the replicas' exchange secret (key `secret`). */}}
+{{- define "kvroute.peersSecret" -}}
+{{- .Values.peers.existingSecret | default (printf "%s-peer-secret" (include "kvroute.fullname" .)) }}
 {{- end }}
