@@ -1,13 +1,14 @@
 """What one placement costs on the router exchange: CPU per message on each side.
 
-``python -m kvroute.benchmarks.bench_peer_exchange [--transport unix,ipc] [--rate 2000] [--count 4000] [--blocks 32] [--out FILE]``
+``python -m kvroute.benchmarks.bench_peer_exchange [--transport unix,ipc,tcp,curve] [--rate 2000] [--count 4000] [--blocks 32] [--out FILE]``
 
 A publishing :class:`PeerExchange` in this process sends ``count`` placements of
 ``blocks`` block hashes at ``rate`` per second, one per event-loop turn (as a router
 routing one request per turn does), to a subscribing exchange in a child process, both
 on uvloop as the router runs: over ``unix://`` (Unix stream sockets, as the workers of
-``kvroute serve --workers N`` are joined) or ZMQ's ``ipc://`` (how they were joined
-before). Each repeat runs every transport in turn. CPU is each process's user + system
+``kvroute serve --workers N`` are joined), ZMQ's ``ipc://`` (how they were joined
+before), ZMQ over loopback TCP (routers on different hosts), or the same with CurveZMQ
+(``curve``: ``--peer-secret-file``). Each repeat runs every transport in turn. CPU is each process's user + system
 time, ZMQ's I/O threads included. The publisher's pacing costs CPU of its own (a timer
 per turn), so a run with the same pacing and nothing published is subtracted from it.
 """
@@ -27,10 +28,14 @@ from pathlib import Path
 import numpy as np
 import uvloop
 
+from kvroute.benchmarks.fleet import free_port
 from kvroute.benchmarks.results import machine
+from kvroute.router.peer_key import PeerKey
 from kvroute.router.routing.peer_exchange import PeerExchange, Placement
 
-TRANSPORTS = ("unix", "ipc")
+TRANSPORTS = ("unix", "ipc", "tcp", "curve")
+#: The ``curve`` transport's key pair, derived alike in both processes.
+BENCH_KEY = PeerKey.from_text("bench-peer-exchange-secret-0123456789")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +60,8 @@ async def _paced(count: int, rate: float, publish: PeerExchange | None, placemen
     return time.process_time() - start
 
 
-async def _publish(endpoint: str, rate: float, count: int, blocks: int) -> tuple[float, float]:
-    exchange = PeerExchange(bind=endpoint, peers=[], apply=lambda _: None, max_bytes_per_s=1e12)
+async def _publish(endpoint: str, rate: float, count: int, blocks: int, key: PeerKey | None) -> tuple[float, float]:
+    exchange = PeerExchange(bind=endpoint, peers=[], apply=lambda _: None, max_bytes_per_s=1e12, key=key)
     await exchange.start()
     placement = Placement("http://10.0.0.1:8000", 16, np.arange(blocks, dtype=np.uint64), 16 * blocks)
     try:
@@ -68,9 +73,9 @@ async def _publish(endpoint: str, rate: float, count: int, blocks: int) -> tuple
     return idle, busy
 
 
-async def _subscribe(endpoint: str, count: int, timeout_s: float) -> None:
+async def _subscribe(endpoint: str, count: int, timeout_s: float, key: PeerKey | None) -> None:
     received: list[Placement] = []
-    exchange = PeerExchange(bind=None, peers=[endpoint], apply=received.append, max_bytes_per_s=1e12)
+    exchange = PeerExchange(bind=None, peers=[endpoint], apply=received.append, max_bytes_per_s=1e12, key=key)
     await exchange.start()
     print("ready", flush=True)
     deadline = time.monotonic() + timeout_s
@@ -87,14 +92,18 @@ async def _subscribe(endpoint: str, count: int, timeout_s: float) -> None:
 def measure(rate: float, count: int, blocks: int, transport: str = "unix") -> ExchangeCost:
     with tempfile.TemporaryDirectory() as folder:
         endpoint = f"{transport}://{folder}/exchange"
+        if transport in ("tcp", "curve"):
+            endpoint = f"tcp://127.0.0.1:{free_port()}"
+        curve = ["--curve"] if transport == "curve" else []
         child = subprocess.Popen(
-            [sys.executable, "-m", __spec__.name, "--subscriber", endpoint, "--count", str(count)],
+            [sys.executable, "-m", __spec__.name, "--subscriber", endpoint, "--count", str(count), *curve],
             stdout=subprocess.PIPE,
             text=True,
         )
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "ready"
-        idle, busy = uvloop.run(_publish(endpoint, rate, count, blocks))
+        key = BENCH_KEY if transport == "curve" else None
+        idle, busy = uvloop.run(_publish(endpoint, rate, count, blocks, key))
         report = json.loads(child.stdout.readline())
         child.wait(timeout=30)
     return ExchangeCost(
@@ -119,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--subscriber", help=argparse.SUPPRESS)
+    parser.add_argument("--curve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.subscriber:
-        uvloop.run(_subscribe(args.subscriber, args.count, timeout_s=60.0))
+        uvloop.run(_subscribe(args.subscriber, args.count, timeout_s=60.0, key=BENCH_KEY if args.curve else None))
         return 0
     transports = [name.strip() for name in args.transport.split(",") if name.strip()]
     unknown = sorted(set(transports) - set(TRANSPORTS))

@@ -10,9 +10,11 @@ from kvroute.benchmarks import bench_peer_exchange
 
 def test_every_placement_reaches_the_subscriber(tmp_path: Path) -> None:
     out = tmp_path / "exchange.json"
-    assert bench_peer_exchange.main(["--rate", "500", "--count", "100", "--repeats", "1", "--out", str(out)]) == 0
+    transports = ["unix", "ipc", "curve"]
+    argv = ["--transport", ",".join(transports), "--rate", "500", "--count", "100", "--repeats", "1"]
+    assert bench_peer_exchange.main([*argv, "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [row["transport"] for row in rows] == ["unix", "ipc"]  # both, alternated
+    assert [row["transport"] for row in rows] == transports  # every one, alternated
     for row in rows:
         assert row["received"] == row["count"] == 100 and row["blocks"] == 32
         assert row["subscriber_us"] > 0
