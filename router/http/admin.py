@@ -64,13 +64,15 @@ class AdminAPI:
         decisions: DecisionRecorder | None = None,
         index_tokens: Callable[[str], int] | None = None,
         siblings: Siblings | None = None,
+        peers: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         """``on_secret`` hears of every engine API key added at run time (log redaction);
         ``decisions`` holds the recent routing decisions ``GET /admin/decisions`` returns;
         ``index_tokens(url)`` says what the routing engine's prefix index holds of a backend
         (``RoutingEngine.index_tokens``; without it backends list ``"index_tokens": null``);
         ``siblings``: the other workers of ``kvroute serve --workers N``, which every write
-        is forwarded to."""
+        is forwarded to; ``peers()``: what ``GET /admin/peers`` shows of the exchange with
+        other routers."""
         if not settings.admin_token:
             raise ValueError("the admin API needs an admin token")
         self._token = settings.admin_token.encode()
@@ -80,6 +82,7 @@ class AdminAPI:
         self._decisions = decisions
         self._index_tokens = index_tokens
         self._siblings = siblings
+        self._peers = peers
         self._allowed_networks = [ipaddress.ip_network(net, strict=False) for net in settings.admin_allowed_networks]
 
     def add_routes(self, app: web.Application) -> None:
@@ -89,6 +92,7 @@ class AdminAPI:
         app.router.add_delete("/admin/backends", self._guard(self._everywhere(self.remove_backend)))
         app.router.add_post("/admin/backends/drain", self._guard(self._everywhere(self.drain_backend)))
         app.router.add_get("/admin/decisions", self._guard(self.list_decisions))
+        app.router.add_get("/admin/peers", self._guard(self.show_peers))
 
     def add_local_routes(self, app: web.Application) -> None:
         """The writes, unguarded and applied here only: a worker's internal application,
@@ -154,6 +158,10 @@ class AdminAPI:
             raise RouterError(400, "'last' must be a non-negative integer", code="invalid_last")
         decisions = self._decisions
         return json_response({"decisions": decisions.last(int(raw)) if decisions is not None else []})
+
+    async def show_peers(self, request: web.Request) -> web.Response:
+        """The exchange with other routers: each peer's state, CURVE, DNS discovery, counters."""
+        return json_response(self._peers() if self._peers is not None else {"exchange": None, "discovery": None})
 
     async def add_backend(self, request: web.Request) -> web.Response:
         """Probe and add a backend."""

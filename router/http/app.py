@@ -178,6 +178,7 @@ def build_app(
             decisions=routing.decisions,
             index_tokens=routing.index_tokens,
             siblings=state.siblings,
+            peers=lambda: _peers_status(state),
         )
         admin.add_routes(app)
     if workers is not None:
@@ -227,6 +228,22 @@ def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine
     routing.on_placement(exchange.publish)
     pool.on_load_changed(exchange.load_changed)
     return exchange
+
+
+def _peers_status(state: RouterState) -> dict[str, Any]:
+    """``GET /admin/peers``: the exchange's status and the DNS discovery's, each None when off."""
+    discovery = state.peer_discovery
+    return {
+        "exchange": state.exchange.status() if state.exchange is not None else None,
+        "discovery": None
+        if discovery is None
+        else {
+            "name": str(discovery.name),
+            "peers": sorted(discovery.peers),
+            "lookups": discovery.lookups,
+            "failed_lookups": discovery.failed_lookups,
+        },
+    }
 
 
 def _precise_index(settings: Settings, pool: BackendPool, metrics: RouterMetrics) -> PreciseIndex:

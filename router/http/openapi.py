@@ -208,6 +208,20 @@ def _admin_paths() -> dict[str, Any]:
                 },
             }
         },
+        "/admin/peers": {
+            "get": {
+                "operationId": "admin_show_peers",
+                "summary": "The exchange with other routers: each peer's state, CURVE, DNS discovery, counters.",
+                "security": secured,
+                "responses": {
+                    "200": {
+                        "description": "exchange and discovery, each null when not configured.",
+                        "content": {JSON: {"schema": {"type": "object", "required": ["exchange", "discovery"]}}},
+                    },
+                    "401": errors["401"],
+                },
+            }
+        },
     }
 
 

@@ -90,6 +90,10 @@ class PeerDiscovery:
         self.failed_lookups = 0
         self._failing = False
 
+    @property
+    def name(self) -> DnsName:
+        return self._name
+
     async def refresh(self) -> None:
         """Resolve once; subscribe to new peers, drop gone ones. A failed lookup changes nothing."""
         try:

@@ -45,6 +45,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import zmq
@@ -307,6 +308,24 @@ class PeerExchange:
             return True
         assert self._unix_sub is not None  # wait_for names peers, which connect() joined
         return await self._unix_sub.wait_ready(unix_waits, max(0.0, deadline - loop.time()))
+
+    def status(self) -> dict[str, Any]:
+        """What ``GET /admin/peers`` shows of the exchange: where it publishes, whether it
+        runs CURVE (and its public key, which is no secret), each peer and its state, the
+        peers heard reporting load, and the counters."""
+        peers = self._handshakes.states() if self._handshakes is not None else {}
+        if self._unix_sub is not None:
+            peers.update({f"unix://{path}": state for path, state in self._unix_sub.states().items()})
+        return {
+            "endpoint": self.endpoint,
+            "curve": self._key is not None,
+            "public_key": self._key.public.decode() if self._key is not None else None,
+            "peers": peers,
+            "reporting_peers": self._peer_load.peers,
+            "placements": asdict(self.stats),
+            "load_reports": asdict(self.load_stats),
+            "handshakes": self.handshake_counts(),
+        }
 
     def handshake_counts(self) -> dict[str, int]:
         """The subscriber's handshakes with its ZMQ peers by outcome, and the subscribers

@@ -127,6 +127,10 @@ class UnixSubscriber:
                 link = self._links[path] = _Link(path, self._on_message, self._on_refused)
                 link.task = loop.create_task(link.run(), name=f"kvroute-unix-link:{path}")
 
+    def states(self) -> dict[str, str]:
+        """Each publisher's path: ``connected`` while its connection is up, else ``connecting``."""
+        return {path: "connected" if link.connected else "connecting" for path, link in self._links.items()}
+
     async def wait_ready(self, paths: Sequence[str], timeout_s: float) -> bool:
         """Whether every publisher in ``paths`` greeted this subscriber within ``timeout_s``."""
         links = [self._links.get(path) for path in paths]
@@ -172,6 +176,10 @@ class _Link(asyncio.Protocol):
             await self._lost
             await asyncio.sleep(REFUSED_RETRY_S if self._refused else RETRY_S)
             self._refused = False
+
+    @property
+    def connected(self) -> bool:
+        return self._transport is not None
 
     def close(self) -> None:
         if self.task is not None:

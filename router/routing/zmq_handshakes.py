@@ -34,7 +34,10 @@ _EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_DISCONNECTED
 )
+#: What :meth:`Handshakes.states` says of an endpoint, by its last event.
+CONNECTING, CONNECTED, DISCONNECTED = "connecting", "connected", "disconnected"
 #: Why a handshake failed, as a warning says it.
 _WHY: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the peer dropped it: does it hold the same --peer-secret-file?",
@@ -66,6 +69,9 @@ class Handshakes:
         self._failing: set[str] = set()
         #: What was connected, by :func:`address` form.
         self._endpoints: dict[str, str] = {}
+        #: The last state of each endpoint (:func:`address` form): CONNECTED, DISCONNECTED
+        #: (ZMQ reconnects) or a failed handshake's :class:`HandshakeStats` field name.
+        self._states: dict[str, str] = {}
         self._retries: dict[str, asyncio.TimerHandle] = {}
         self._changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -75,9 +81,15 @@ class Handshakes:
         self._socket.connect(endpoint)
         self._endpoints[address(endpoint)] = endpoint
 
+    def states(self) -> dict[str, str]:
+        """Each endpoint connected (as given to :meth:`connect`) and its state: CONNECTING
+        until its first handshake, then CONNECTED, DISCONNECTED or the last failure."""
+        return {endpoint: self._states.get(key, CONNECTING) for key, endpoint in self._endpoints.items()}
+
     def disconnect(self, endpoint: str) -> None:
         """Stop connecting to ``endpoint`` (nothing if it was never connected)."""
         self._endpoints.pop(address(endpoint), None)
+        self._states.pop(address(endpoint), None)
         retry = self._retries.pop(address(endpoint), None)
         if retry is not None:
             retry.cancel()
@@ -118,7 +130,12 @@ class Handshakes:
 
     def _record(self, event: int, endpoint: str) -> None:
         stats = self.stats
+        if event == zmq.EVENT_DISCONNECTED:
+            if self._states.get(endpoint) == CONNECTED:
+                self._states[endpoint] = DISCONNECTED
+            return
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._states[endpoint] = CONNECTED
             stats.succeeded += 1
             self.succeeded.add(endpoint)
             if endpoint in self._failing:
@@ -128,12 +145,15 @@ class Handshakes:
             return
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             stats.failed_auth += 1
+            self._states[endpoint] = "failed_auth"
             self._retry_later(endpoint)
         elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             stats.failed_protocol += 1
+            self._states[endpoint] = "failed_protocol"
             self._retry_later(endpoint)
         else:
             stats.failed_no_detail += 1  # ZMQ retries these itself
+            self._states[endpoint] = "failed_no_detail"
         if endpoint not in self._failing:  # ZMQ retries every ~100 ms: one warning until it works
             self._failing.add(endpoint)
             log.warning("peer exchange: handshake with %s failed (%s)", endpoint, _WHY.get(event, "unknown"))

@@ -46,6 +46,14 @@ def test_admin_needs_the_bearer_token(headers: dict[str, str], sim_engines: Any,
     assert response.status_code == 401
     assert response.json()["error"]["type"] == "authentication_error"
     assert admin(router, "DELETE", headers=headers, json={"url": "http://x:1"}).status_code == 401
+    assert admin(router, "GET", "/admin/peers", headers=headers).status_code == 401
+
+
+def test_peers_without_an_exchange_say_so(sim_engines: Any, router_server: Any) -> None:
+    """``GET /admin/peers`` (shown with peers in tests/router/routing/test_peer_auth.py and
+    test_peer_discovery.py): a router that exchanges with no one answers nulls, not a 404."""
+    router = router_server(sim_engines(1), admin_token=TOKEN)
+    assert admin(router, "GET", "/admin/peers").json() == {"exchange": None, "discovery": None}
 
 
 def test_list_add_and_remove(sim_engines: Any, router_server: Any) -> None:

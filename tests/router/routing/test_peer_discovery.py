@@ -13,6 +13,7 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -162,10 +163,15 @@ def test_a_router_with_peers_dns_serves_and_stops(sim_engines: Any, router_serve
     resolves to this host's own addresses only, so it finds no peer), the router serves,
     and it stops with the discovery cancelled before the exchange (the fixture's teardown)."""
     (sim,) = sim_engines(1)
-    router = router_server([sim], policy="cache_aware", peer_bind="tcp://127.0.0.1:*", peers_dns="localhost:5600")
+    router = router_server(
+        [sim], policy="cache_aware", peer_bind="tcp://127.0.0.1:*", peers_dns="localhost:5600", admin_token="t"
+    )
     discovery = router.state.peer_discovery
     assert router.state.exchange is not None and discovery is not None
     wait_until(lambda: discovery.lookups >= 1, timeout=5)
     assert discovery.peers == frozenset() and discovery.failed_lookups == 0
     reply = router.client().chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
     assert reply.choices[0].message.content is not None
+    status = httpx.get(router.url + "/admin/peers", headers={"Authorization": "Bearer t"}).json()
+    assert status["discovery"]["name"] == "localhost:5600" and status["discovery"]["peers"] == []
+    assert status["discovery"]["lookups"] >= 1 and status["exchange"]["peers"] == {}
