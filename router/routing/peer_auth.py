@@ -19,6 +19,7 @@ links (the workers of one router, in a 0700 directory) do not use it.
 from __future__ import annotations
 
 import logging
+import time
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 
 #: The ZAP domain the exchange's publishers ask their handler about.
 ZAP_DOMAIN = "kvroute-peers"
+#: Seconds between two warnings of refused subscribers (a stranger may retry without end).
+WARN_EVERY_S = 60.0
 
 
 def secure_subscriber(socket: zmq.Socket, key: PeerKey) -> None:
@@ -54,6 +57,7 @@ class Gatekeeper:
         #: Subscribers admitted and refused (they proved another key).
         self.admitted = 0
         self.refused = 0
+        self._warned_at = float("-inf")
 
     def publisher(self) -> zmq.Socket[bytes]:
         """A PUB socket of this context, set up as a CURVE server (bind it next)."""
@@ -66,13 +70,18 @@ class Gatekeeper:
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         """The ZAP decision (the authenticator's thread): the client's public key is the fleet's."""
-        admitted = domain == ZAP_DOMAIN and client_key == self._key.public
-        if admitted:
+        if domain == ZAP_DOMAIN and client_key == self._key.public:
             self.admitted += 1
-        else:
-            self.refused += 1
-            log.warning("peer exchange: refused a subscriber holding another key (is its --peer-secret-file ours?)")
-        return admitted
+            return True
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            log.warning(
+                "peer exchange: refused a subscriber holding another key (%d so far; is its --peer-secret-file ours?)",
+                self.refused,
+            )
+        return False
 
     def close(self) -> None:
         """Stop the handler and the context (close its sockets first)."""
