@@ -380,6 +380,10 @@ class Settings(BaseSettings):
     # --- logging ---------------------------------------------------------------------
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log level")
 
+    def peer_key(self) -> PeerKey | None:
+        """The fleet's CURVE key pair from ``peer_secret_file`` (None without one)."""
+        return PeerKey.read(self.peer_secret_file) if self.peer_secret_file is not None else None
+
     @field_validator("backends", mode="before")
     @classmethod
     def _backends_from_urls(cls, value: Any) -> Any:
@@ -428,8 +432,7 @@ class Settings(BaseSettings):
                 raise ValueError("ab: weights must be >= 0 and sum to more than 0")
         if self.discovery == "file" and self.backends_file is None:
             raise ValueError("discovery 'file' needs backends_file (--backends-file)")
-        if self.peer_secret_file is not None:
-            PeerKey.read(self.peer_secret_file)  # ValueError names the file and what is wrong
+        self.peer_key()  # a ValueError names the secret file and what is wrong with it
         if self.workers > 1 and self.peer_bind is not None and self.peer_bind.startswith("unix://"):
             # The supervisor relays the workers' messages to other routers over ZMQ only.
             raise ValueError("peer_bind: with workers > 1 it must be a ZMQ endpoint (e.g. tcp://0.0.0.0:5600)")

@@ -61,7 +61,6 @@ import zmq
 
 from kvroute.router.config import Settings
 from kvroute.router.http.workers import WorkerGroup
-from kvroute.router.peer_key import PeerKey
 from kvroute.router.routing.peer_relay import PeerRelay
 
 log = logging.getLogger("kvroute")
@@ -200,9 +199,8 @@ class Supervisor:
         if self.settings.peer_bind is None:
             return None
         group = WorkerGroup(0, self.count, self.directory)
-        key = PeerKey.read(self.settings.peer_secret_file) if self.settings.peer_secret_file is not None else None
         sources = [group.placements_endpoint(index) for index in range(self.count)]
-        return PeerRelay(self.settings.peer_bind, sources, key)
+        return PeerRelay(self.settings.peer_bind, sources, self.settings.peer_key())
 
     async def _until_stopped(self, work: asyncio.Future[Any]) -> None:
         """Wait for ``work`` unless a stop signal comes first (then leave it cancelled)."""

@@ -52,7 +52,6 @@ from kvroute.router.http.lean_server import LeanLimits, LeanRoute, LeanServer
 from kvroute.router.http.openapi import openapi_document
 from kvroute.router.http.security import ClientGate, SecretRedactor
 from kvroute.router.http.workers import Siblings, WorkerGroup
-from kvroute.router.peer_key import PeerKey
 from kvroute.router.routing.peer_discovery import PeerDiscovery
 from kvroute.router.routing.peer_exchange import PeerExchange, Placement
 from kvroute.router.routing.peer_load import BackendLoad
@@ -223,7 +222,7 @@ def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine
         max_bytes_per_s=settings.peer_max_bytes_per_s,
         own_load=own_load,
         apply_load=apply_load,
-        key=PeerKey.read(settings.peer_secret_file) if settings.peer_secret_file is not None else None,
+        key=settings.peer_key(),
     )
     routing.on_placement(exchange.publish)
     pool.on_load_changed(exchange.load_changed)
