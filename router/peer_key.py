@@ -29,7 +29,7 @@ class PeerKey:
     """A Curve25519 key pair, Z85-encoded as ZMQ's CURVE options take it."""
 
     public: bytes
-    secret: bytes = b""
+    secret: bytes
 
     @classmethod
     def from_text(cls, text: str) -> PeerKey:

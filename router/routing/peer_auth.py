@@ -54,8 +54,7 @@ class Gatekeeper:
         self._authenticator = ThreadAuthenticator(self.context, log=log)
         self._authenticator.start()
         self._authenticator.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self)
-        #: Subscribers admitted and refused (they proved another key).
-        self.admitted = 0
+        #: Subscribers refused (they proved another key).
         self.refused = 0
         self._warned_at = float("-inf")
 
@@ -71,7 +70,6 @@ class Gatekeeper:
     def callback(self, domain: str, client_key: bytes) -> bool:
         """The ZAP decision (the authenticator's thread): the client's public key is the fleet's."""
         if domain == ZAP_DOMAIN and client_key == self._key.public:
-            self.admitted += 1
             return True
         self.refused += 1
         now = time.monotonic()

@@ -66,7 +66,7 @@ from kvroute.router.routing.peer_load import (
     new_sender_id,
 )
 from kvroute.router.routing.unix_links import UnixPublisher, UnixSubscriber, frame, unix_path
-from kvroute.router.routing.zmq_handshakes import Handshakes, HandshakeStats
+from kvroute.router.routing.zmq_handshakes import Handshakes, HandshakeStats, tcp_host
 from kvroute.router.routing.zmq_inbox import Inbox
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class ZmqPublisher:
 
 def _wants_ipv6(endpoint: str) -> bool:
     """Whether a ``tcp://`` endpoint binds every address (``*``) or an IPv6 one (``[...]``)."""
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    host = tcp_host(endpoint)
     return endpoint.startswith("tcp://") and (host == "*" or host.startswith("["))
 
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,21 +31,30 @@ log = logging.getLogger(__name__)
 #: Seconds before an endpoint ZMQ gave up on (protocol error, refusal) is connected again.
 RETRY_S = 5.0
 
-_EVENTS = (
-    zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_DISCONNECTED
-)
 #: What :meth:`Handshakes.states` says of an endpoint, by its last event.
 CONNECTING, CONNECTED, DISCONNECTED = "connecting", "connected", "disconnected"
-#: Why a handshake failed, as a warning says it.
-_WHY: dict[int, str] = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the peer dropped it: does it hold the same --peer-secret-file?",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error: one side has --peer-secret-file and the other not?",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the peer refused this router's key",
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """A failed handshake: its :class:`HandshakeStats` field (and state), why, as a warning
+    says it, and whether ZMQ gave the endpoint up (else it retries on its own)."""
+
+    name: str
+    why: str
+    given_up: bool
+
+
+_FAILURES: dict[int, _Failure] = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: _Failure(
+        "failed_no_detail", "the peer dropped it: does it hold the same --peer-secret-file?", given_up=False
+    ),
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: _Failure(
+        "failed_protocol", "protocol error: one side has --peer-secret-file and the other not?", given_up=True
+    ),
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: _Failure("failed_auth", "the peer refused this router's key", given_up=True),
 }
+_EVENTS = functools.reduce(operator.or_, _FAILURES, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
 
 
 @dataclass(slots=True)
@@ -66,7 +77,6 @@ class Handshakes:
         self.stats = HandshakeStats()
         #: Endpoints (:func:`address` form) that completed a handshake at least once.
         self.succeeded: set[str] = set()
-        self._failing: set[str] = set()
         #: What was connected, by :func:`address` form.
         self._endpoints: dict[str, str] = {}
         #: The last state of each endpoint (:func:`address` form): CONNECTED, DISCONNECTED
@@ -134,29 +144,22 @@ class Handshakes:
             if self._states.get(endpoint) == CONNECTED:
                 self._states[endpoint] = DISCONNECTED
             return
+        failed_before = self._states.get(endpoint, "").startswith("failed_")
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._states[endpoint] = CONNECTED
             stats.succeeded += 1
             self.succeeded.add(endpoint)
-            if endpoint in self._failing:
-                self._failing.discard(endpoint)
+            if failed_before:
                 log.info("peer exchange: handshake with %s succeeded", endpoint)
             self._changed.set()
             return
-        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            stats.failed_auth += 1
-            self._states[endpoint] = "failed_auth"
+        failure = _FAILURES[event]
+        setattr(stats, failure.name, getattr(stats, failure.name) + 1)
+        self._states[endpoint] = failure.name
+        if failure.given_up:
             self._retry_later(endpoint)
-        elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-            stats.failed_protocol += 1
-            self._states[endpoint] = "failed_protocol"
-            self._retry_later(endpoint)
-        else:
-            stats.failed_no_detail += 1  # ZMQ retries these itself
-            self._states[endpoint] = "failed_no_detail"
-        if endpoint not in self._failing:  # ZMQ retries every ~100 ms: one warning until it works
-            self._failing.add(endpoint)
-            log.warning("peer exchange: handshake with %s failed (%s)", endpoint, _WHY.get(event, "unknown"))
+        if not failed_before:  # ZMQ retries every ~100 ms: one warning until it works
+            log.warning("peer exchange: handshake with %s failed (%s)", endpoint, failure.why)
 
     def _retry_later(self, endpoint: str) -> None:
         """Connect again what ZMQ gave up: ``endpoint``, or, when it names no endpoint
@@ -186,9 +189,12 @@ def address(endpoint: str) -> str:
     return scheme + host + port
 
 
+def tcp_host(endpoint: str) -> str:
+    """The host of a ``tcp://HOST:PORT`` endpoint as written (``*``, ``[fd00::5]``, a name)."""
+    return endpoint.removeprefix("tcp://").rpartition(":")[0]
+
+
 def _by_name(endpoint: str) -> bool:
     """Whether a ``tcp://`` endpoint names its host rather than an IP address."""
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
-    if host.startswith("["):
-        return False
-    return not all(part.isdigit() for part in host.split("."))
+    host = tcp_host(endpoint)
+    return not host.startswith("[") and not all(part.isdigit() for part in host.split("."))
