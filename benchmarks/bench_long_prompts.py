@@ -44,19 +44,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
+from tokenizers import AddedToken, Tokenizer
 
 from kvroute.benchmarks.overhead import chat_bodies
 from kvroute.benchmarks.results import machine, percentile
@@ -74,6 +78,9 @@ CHAT = next(endpoint for endpoint in ENDPOINTS if endpoint.path == "/v1/chat/com
 MODEL = "agent"
 BLOCK_SIZE = 16
 BACKENDS = 16
+#: Chat templates for ``--chat-template`` (the tokenizer's own is ChatML).
+TEMPLATES = Path(__file__).parent / "templates"
+LLAMA3_ADDED_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 #: The fill's prompts: random token ids behind a few shared system prompts.
 FILL_VOCAB = 8_000
 FILL_SYSTEM_PROMPTS = 4
@@ -424,6 +431,29 @@ async def _stall_run(
     )
 
 
+def with_chat_template(tokenizer: Path, template: Path, added_tokens: Sequence[str] = ()) -> Path:
+    """A temporary copy of the ``tokenizer`` directory whose chat template is ``template``'s
+    text (as ``chat_template.jinja``, which takes precedence over ``tokenizer_config.json``'s),
+    with ``added_tokens`` added as special tokens (a model family's tokenizer has the ones
+    its template writes; the router cuts prompts into pieces at them)."""
+    copy = Path(tempfile.mkdtemp(prefix="kvroute-template-"))
+    atexit.register(shutil.rmtree, copy, ignore_errors=True)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer / name).exists():
+            shutil.copy(tokenizer / name, copy / name)
+    backend = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in added_tokens])
+    backend.save(str(copy / "tokenizer.json"))
+    (copy / "chat_template.jinja").write_text(template.read_text())
+    return copy
+
+
+def renders_incrementally(tokenizer: Path) -> bool:
+    """Whether the tokenizer's chat template (with tools) renders a conversation's new messages only."""
+    loaded = RequestTokenizer.from_pretrained(tokenizer)
+    return loaded.renders_incrementally(loaded.chat_template(tools=True))
+
+
 def measure_stalls(
     path: Path, modes: list[str], huge_tokens: int, huge_prompts: int, rate: float, quiet_s: float, seed: int
 ) -> list[StallResult]:
@@ -493,6 +523,18 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m kvroute.benchmarks.bench_long_prompts", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--tokenizer", type=Path, default=RequestTokenizer.default_path())
+    parser.add_argument(
+        "--chat-template",
+        type=Path,
+        help="render with this Jinja chat template instead of the tokenizer's (e.g. "
+        f"{TEMPLATES / 'llama31_style.jinja'}: Llama 3.1's shape, which peels the system message off)",
+    )
+    parser.add_argument(
+        "--added-tokens",
+        default="",
+        help="comma list of special tokens the template writes, added to the tokenizer with "
+        f"--chat-template (for Llama 3.1's shape: {','.join(LLAMA3_ADDED_TOKENS)})",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=100_000, help="the agent turn's prompt")
     parser.add_argument("--new-tokens", default="500,2000,8000", help="tool-result sizes per turn, comma-separated")
     parser.add_argument("--index-blocks", type=int, default=1_000_000, help="backend-blocks in the index")
@@ -505,6 +547,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench-out/long-prompts.json"))
     args = parser.parse_args(argv)
+    if args.chat_template is not None:
+        added = [token for token in args.added_tokens.split(",") if token]
+        args.tokenizer = with_chat_template(args.tokenizer, args.chat_template, added)
 
     turns = [
         measure_turns(args.tokenizer, int(size), args.prompt_tokens, args.index_blocks, args.repeats, args.seed)
@@ -541,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": list(os.getloadavg()),
         "block_size": BLOCK_SIZE,
         "index_blocks": args.index_blocks,
+        "chat_template": str(args.chat_template) if args.chat_template else None,
+        "renders_incrementally": renders_incrementally(args.tokenizer),
         "backends": BACKENDS,
         "turns": [asdict(row) for row in turns],
         "targets_met": met,

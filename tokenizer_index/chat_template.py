@@ -79,7 +79,8 @@ def _tojson(
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(format: str) -> str:
+def strftime_now(format: str) -> str:
+    """The template global transformers and vLLM provide: the local time, formatted."""
     return datetime.now().strftime(format)
 
 
@@ -102,7 +103,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env = _ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.globals["strftime_now"] = strftime_now
     return env
 
 

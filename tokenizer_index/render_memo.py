@@ -4,12 +4,15 @@ An agent's turn re-sends its ~300 messages; converting them to what the template
 (:mod:`kvroute.tokenizer_index.chat_messages`) and rendering them costs ~3 ms, where the
 new messages cost a few tens of microseconds. For a template that renders every message
 on its own (:mod:`kvroute.tokenizer_index.template_prefix`), a conversation ``P + Q``
-renders as ``render(P)`` without its generation prompt, then ``render([P[0]] + Q)`` after
-the text of ``[P[0]]`` alone. So each long conversation is remembered with its text
-without the generation prompt (its *body*), the JSON of its messages and of everything
-else the render read (tools, documents, variables); a request whose messages' JSON
-starts with a remembered conversation's, with the same other JSON, takes that body and
-renders only the first and the new messages.
+renders as ``render(P)`` without its generation prompt, then ``render(P[:k] + Q)`` after
+the text of ``P[:k]`` alone, where ``k`` is the template's number of *anchors* (1, or more
+where its head peels leading messages off, as Llama 3's takes the system message out). So
+each long conversation is remembered with its text without the generation prompt (its
+*body*), the JSON of its messages and of everything else the render read (tools,
+documents, variables, and the texts of the ``strftime_now`` formats it calls, so a render
+made yesterday is not reused today); a request whose messages' JSON starts with a
+remembered conversation's, with the same other JSON, takes that body and renders only the
+anchors and the new messages.
 
 Exact: equal JSON is equal input for a template (the request's messages are JSON; objects
 that JSON cannot tell apart from others, subclasses, dataclasses and datetimes, make
@@ -30,13 +33,14 @@ from typing import Any
 import orjson
 
 from kvroute.tokenizer_index.chat_messages import conversation_from_request
-from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError
+from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError, strftime_now
 from kvroute.tokenizer_index.prompt_memo import (
     ENTRY_OVERHEAD_BYTES,
     PromptMemo,
     PromptMemoStats,
     conversation_keys,
 )
+from kvroute.tokenizer_index.template_prefix import PLAIN, PrefixShape
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ MIN_MESSAGES = 16
 # and list, dataclasses and datetimes instead of writing them as their JSON look-alikes.
 _EXACT_JSON = orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
 _LIST_SEPARATORS = (ord(","), ord("]"))
-# A render's text, the first message's text alone, and the generation prompt's.
+# A render's text, the anchors' text alone, and the generation prompt's.
 _Rendered = tuple[str, str, str | None]
 
 
@@ -60,6 +64,8 @@ class RenderSettings:
     documents: Sequence[Mapping[str, Any]] | None
     variables: Mapping[str, Any]
     add_generation_prompt: bool
+    #: What the template's syntax promises (:func:`~kvroute.tokenizer_index.template_prefix.prefix_shape`).
+    shape: PrefixShape = PLAIN
 
     def render(self, conversation: list[dict[str, Any]], *, add_generation_prompt: bool | None = None) -> str:
         """The template's text for an already converted conversation."""
@@ -80,6 +86,11 @@ class RenderSettings:
     def render_whole(self, messages: Sequence[Any]) -> str:
         return self.render(self.convert(messages))
 
+    def context(self) -> list[Any]:
+        """Everything besides the messages a render reads, as JSON can write it."""
+        clock = [strftime_now(format) for format in self.shape.clock_formats]
+        return [self.tools, self.documents, self.variables, clock]
+
 
 @dataclass(frozen=True, slots=True)
 class RenderedConversation:
@@ -93,7 +104,7 @@ class RenderedConversation:
     template: ChatTemplate
     #: The JSON of the tools, documents and variables.
     context_json: bytes
-    #: The render of the first message alone, without generation prompt.
+    #: The render of the anchors (the first messages) alone, without generation prompt.
     head: str
     #: What a generation prompt adds after the last message.
     generation_prompt: str
@@ -140,7 +151,7 @@ class RenderMemo:
             return settings.render_whole(messages)
         try:
             messages_json = orjson.dumps(messages, option=_EXACT_JSON)
-            context_json = orjson.dumps([settings.tools, settings.documents, settings.variables], option=_EXACT_JSON)
+            context_json = orjson.dumps(settings.context(), option=_EXACT_JSON)
         except TypeError:  # values JSON cannot stand for exactly
             return settings.render_whole(messages)
         keys = conversation_keys(messages)
@@ -176,31 +187,38 @@ class RenderMemo:
         return None
 
     def _render_first(self, messages: Sequence[Any], settings: RenderSettings) -> _Rendered:
-        """All the messages rendered; and the first one's text alone, and the generation
+        """All the messages rendered; and the anchors' text alone, and the generation
         prompt, which the conversation's next turns are cut and joined at (``None`` if it
-        is no suffix: then nothing is remembered)."""
+        is no suffix, or the conversation is shorter than its anchors: then nothing is
+        remembered)."""
         conversation = settings.convert(messages)
         text = settings.render(conversation)
-        head = settings.render(conversation[:1], add_generation_prompt=False)
-        with_prompt = settings.render(conversation[:1], add_generation_prompt=True)
+        anchors = settings.shape.anchors
+        if len(conversation) < anchors:
+            return text, "", None
+        try:
+            head = settings.render(conversation[:anchors], add_generation_prompt=False)
+            with_prompt = settings.render(conversation[:anchors], add_generation_prompt=True)
+        except ChatTemplateError:  # the anchors alone are refused: the next turn renders whole
+            return text, "", None
         return text, head, with_prompt[len(head) :] if with_prompt.startswith(head) else None
 
     def _render_after(
         self, previous: RenderedConversation, messages: Sequence[Any], settings: RenderSettings
     ) -> _Rendered | None:
-        """``previous``'s text, then the messages after it rendered behind the first one.
+        """``previous``'s text, then the messages after it rendered behind the anchors.
 
-        ``None`` if the render of those does not start with the first message's own text
-        (the template broke the promise its syntax made: render whole).
+        ``None`` if the render of those does not start with the anchors' own text (the
+        template broke the promise its syntax made: render whole).
         """
         tail = previous.generation_prompt if settings.add_generation_prompt else ""
         head, generation_prompt = previous.head, previous.generation_prompt
         new = messages[previous.count :]
         if not new:  # the same conversation again (a retry)
             return previous.text + tail, head, generation_prompt
-        rendered = settings.render(settings.convert([messages[0], *new]))
+        rendered = settings.render(settings.convert([*messages[: settings.shape.anchors], *new]))
         if not rendered.startswith(head):
-            log.warning("chat template rendered a conversation's first message differently; rendering whole")
+            log.warning("chat template rendered a conversation's first messages differently; rendering whole")
             return None
         return previous.text + rendered[len(head) :], head, generation_prompt
 
@@ -244,7 +262,7 @@ PROBE_CONVERSATIONS: tuple[tuple[dict[str, Any], ...], ...] = (
 )
 
 
-def incremental_render_agrees(template: ChatTemplate, variables: Mapping[str, Any]) -> bool:
+def incremental_render_agrees(template: ChatTemplate, variables: Mapping[str, Any], shape: PrefixShape = PLAIN) -> bool:
     """Whether the probe conversations, remembered up to every message and then rendered
     whole through the memo, equal their plain renders (with and without tools and a
     generation prompt). A conversation the template refuses proves nothing; at least
@@ -253,7 +271,7 @@ def incremental_render_agrees(template: ChatTemplate, variables: Mapping[str, An
     for conversation in PROBE_CONVERSATIONS:
         for tools in (None, _PROBE_TOOLS):
             for add_generation_prompt in (True, False):
-                settings = RenderSettings(template, tools, None, variables, add_generation_prompt)
+                settings = RenderSettings(template, tools, None, variables, add_generation_prompt, shape)
                 try:
                     expected = settings.render_whole(list(conversation))
                 except (ChatTemplateError, ValueError):
@@ -269,7 +287,12 @@ def _every_split_agrees(messages: Sequence[dict[str, Any]], settings: RenderSett
     for split in range(1, len(conversation) + 1):
         memo = RenderMemo(1 << 20, min_messages=1)
         # The earlier turn with the other generation-prompt setting: a body must not depend on it.
-        memo.render(conversation[:split], replace(settings, add_generation_prompt=not settings.add_generation_prompt))
-        if memo.render(conversation, settings) != expected or memo.stats().reused != 1:
+        other = replace(settings, add_generation_prompt=not settings.add_generation_prompt)
+        try:
+            memo.render(conversation[:split], other)
+            remembered = split >= settings.shape.anchors  # a turn shorter than its anchors is not
+        except (ChatTemplateError, ValueError):
+            remembered = False  # the template refuses the earlier turn alone
+        if memo.render(conversation, settings) != expected or memo.stats().reused != remembered:
             return False
     return True

@@ -7,22 +7,30 @@ last-query index kept in a namespace, the message after it), so the render of a 
 of the messages is in general no prefix of the whole render. This module decides, from
 the template's syntax tree, whether a template is of a shape where it is:
 
-* exactly one loop over ``messages``, at the top level, with a plain loop variable;
-* everything before it (the head) and the loop's body read ``messages`` only as
-  ``messages[0]...`` or ``messages | length > 0`` (the same for every non-empty list that
-  starts with the same first message), and the body reads of its loop only ``loop.first``;
+* exactly one loop over ``messages`` (or over a name the head set to it), at the top
+  level, with a plain loop variable;
+* the head (everything before the loop) may peel leading messages off, as Llama 3's
+  templates take the system message out: ``{% set messages = messages[1:] %}`` or
+  ``{% set loop_messages = messages[1:] %}`` (or ``= messages``), outside any loop or
+  macro; each such statement runs at most once, so ``m`` of them peel at most ``m``;
+* the head and the loop's body read the messages only as ``messages[0]`` (or
+  ``loop_messages[0]``) and ``messages | length > 0`` (or ``!= 0``), which are the same
+  for every list that starts with the same ``m + 1`` messages, and the body reads of its
+  loop only ``loop.first`` (or ``loop.index0 == 0``, ``loop.index == 1``);
 * nothing carries state from one message to the next: no ``{% set ns.x %}`` in the body or
   in a macro, no ``{% break %}``, no stateful or random globals and filters
-  (``cycler``, ``joiner``, ``lipsum``, ``random``, ``strftime_now``), no identity test;
+  (``cycler``, ``joiner``, ``lipsum``, ``random``), no identity test; ``strftime_now`` only
+  with a constant format (its texts are part of what a remembered render was made with);
 * after the loop only ``{% if add_generation_prompt ... %}`` blocks without ``else``, and
   ``add_generation_prompt`` read nowhere else;
 * no ``extends``, ``include``, ``import`` or blocks (no other template's code).
 
-For such a template and any non-empty message list ``L``, with the other variables fixed,
-``render(L) = head(L[0]) + text(L[0], first) + ... + text(L[-1], not first) +
-tail(L[0], add_generation_prompt)``, and the tail is empty without a generation prompt.
-So, for a conversation ``P + Q``: ``render(P + Q) = render(P, no generation prompt) +
-render([P[0]] + Q)[len(render([P[0]], no generation prompt)):]``, which
+For such a template, its ``k = m + 1`` *anchors*, and any message list ``L`` of at least
+``k`` messages, with the other variables fixed, ``render(L) = head(L[:k]) + text(L[p]) +
+... + text(L[-1]) + tail(L[:k], add_generation_prompt)`` where ``p < k`` is how many the
+head peeled, and the tail is empty without a generation prompt. So, for a conversation
+``P + Q`` with ``len(P) >= k``: ``render(P + Q) = render(P, no generation prompt) +
+render(P[:k] + Q)[len(render(P[:k], no generation prompt)):]``, which
 :mod:`kvroute.tokenizer_index.render_memo` uses to render only the new messages. Every
 other template is rendered whole every time.
 """
@@ -36,8 +44,9 @@ import jinja2.nodes as nodes
 
 MESSAGES = "messages"
 GENERATION_FLAG = "add_generation_prompt"
+CLOCK = "strftime_now"
 # Globals with state across calls or with a different answer each call.
-_UNSTABLE_GLOBALS = frozenset({"cycler", "joiner", "lipsum", "strftime_now"})
+_UNSTABLE_GLOBALS = frozenset({"cycler", "joiner", "lipsum"})
 _UNSTABLE_FILTERS = frozenset({"random"})
 # Tests that see an object's identity, which a remembered render cannot reproduce.
 _IDENTITY_TESTS = frozenset({"sameas"})
@@ -53,6 +62,24 @@ _REFUSED_NODES: tuple[type[nodes.Node], ...] = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixShape:
+    """What the syntax check found: whether a template renders every message on its own
+    (see the module docstring) and, if so, what an incremental render must repeat."""
+
+    #: Why not, or None when it does.
+    refusal: str | None = None
+    #: The leading messages every incremental render repeats (1 + the messages the head may peel).
+    anchors: int = 1
+    #: The constant formats the template hands ``strftime_now``: their texts now are part
+    #: of what a render was made with.
+    clock_formats: tuple[str, ...] = ()
+
+    @property
+    def stable(self) -> bool:
+        return self.refusal is None
+
+
 @dataclass(frozen=True)
 class _Scope:
     """Where a node sits: in the messages loop's own body (not a nested loop's), inside a
@@ -64,45 +91,190 @@ class _Scope:
     in_tail: bool = False
 
 
+_HEAD = _Scope()
+#: A template that renders every message on its own, peels none off and reads no clock.
+PLAIN = PrefixShape()
+
+
 class _Refusal(Exception):
     """The template is not of the shape above; the message says why."""
 
 
-def prefix_stable_reason(tree: nodes.Template) -> str | None:
-    """``None`` when the template renders every message on its own (see the module
-    docstring), else why not."""
+def prefix_shape(tree: nodes.Template) -> PrefixShape:
+    """Whether the template renders every message on its own (see the module docstring),
+    with its anchors and clock formats, or why not."""
+    check = _ShapeCheck(_message_lists(tree))
     try:
-        _check_template(tree)
+        check.template(tree)
     except _Refusal as refusal:
-        return str(refusal)
+        return PrefixShape(refusal=str(refusal))
+    return PrefixShape(anchors=1 + check.peels, clock_formats=tuple(dict.fromkeys(check.clock_formats)))
+
+
+def _message_lists(tree: nodes.Template) -> frozenset[str]:
+    """``messages`` and the names the head sets to it or to a peeled copy of it
+    (``{% set loop_messages = messages[1:] %}``), in the order the head runs."""
+    names = {MESSAGES}
+    for node in _head_statements(tree.body):
+        if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name):
+            if _peeled_list(node.node, frozenset(names)) is not None:
+                names.add(node.target.name)
+    return frozenset(names)
+
+
+def _head_statements(body: list[nodes.Node]) -> Iterator[nodes.Node]:
+    """The top-level statements and those in top-level ``if`` blocks, in order, up to the
+    first top-level loop (a loop's or a macro's statements may run more than once)."""
+    for node in body:
+        if isinstance(node, nodes.For):
+            return
+        yield node
+        if isinstance(node, nodes.If):
+            yield from _head_statements([*node.body, *(part for branch in node.elif_ for part in branch.body)])
+            yield from _head_statements(node.else_)
+
+
+def _peeled_list(node: nodes.Node, lists: frozenset[str]) -> int | None:
+    """How many messages ``node`` peels off one of ``lists``: 0 for the name itself, 1 for
+    ``name[1:]``; None when it is neither."""
+    if isinstance(node, nodes.Name) and node.ctx == "load" and node.name in lists:
+        return 0
+    if (
+        isinstance(node, nodes.Getitem)
+        and isinstance(node.node, nodes.Name)
+        and node.node.name in lists
+        and isinstance(node.arg, nodes.Slice)
+        and _is_int(node.arg.start, 1)
+        and node.arg.stop is None
+        and node.arg.step is None
+    ):
+        return 1
     return None
 
 
-def _check_template(tree: nodes.Template) -> None:
-    loops = [node for node in tree.body if isinstance(node, nodes.For) and _is_messages(node.iter)]
-    if len(loops) != 1:
-        raise _Refusal("no single top-level loop over messages")
-    loop = loops[0]
-    if loop.else_ or loop.test is not None or loop.recursive or not isinstance(loop.target, nodes.Name):
-        raise _Refusal("the messages loop has an else, a filter, recursion or an unpacking target")
-    position = tree.body.index(loop)
-    for node in tree.body[:position]:
-        _check(node, _Scope())
-    for node in loop.body:
-        _check(node, _Scope(in_message_loop=True, in_any_loop=True, no_namespace_writes=True))
-    for node in tree.body[position + 1 :]:
-        _check_tail_node(node)
+class _ShapeCheck:
+    """One walk over a template's syntax tree; counts the head's peels and clock formats."""
 
+    def __init__(self, lists: frozenset[str]) -> None:
+        self.lists = lists
+        self.peels = 0
+        self.clock_formats: list[str] = []
 
-def _check_tail_node(node: nodes.Node) -> None:
-    """After the loop: only text-free output or blocks shown with the generation prompt."""
-    if isinstance(node, nodes.Output) and all(
-        isinstance(part, nodes.TemplateData) and not part.data for part in node.nodes
-    ):
-        return
-    if not (isinstance(node, nodes.If) and not node.elif_ and not node.else_ and _needs_generation_flag(node.test)):
-        raise _Refusal("something after the messages loop is not under {% if add_generation_prompt %}")
-    _check(node, _Scope(in_tail=True))
+    def template(self, tree: nodes.Template) -> None:
+        loops = [node for node in tree.body if isinstance(node, nodes.For) and self._is_list(node.iter)]
+        if len(loops) != 1:
+            raise _Refusal("no single top-level loop over messages")
+        loop = loops[0]
+        if loop.else_ or loop.test is not None or loop.recursive or not isinstance(loop.target, nodes.Name):
+            raise _Refusal("the messages loop has an else, a filter, recursion or an unpacking target")
+        position = tree.body.index(loop)
+        for node in tree.body[:position]:
+            self.check(node, _HEAD)
+        for node in loop.body:
+            self.check(node, _Scope(in_message_loop=True, in_any_loop=True, no_namespace_writes=True))
+        for node in tree.body[position + 1 :]:
+            self.tail_node(node)
+
+    def tail_node(self, node: nodes.Node) -> None:
+        """After the loop: only text-free output or blocks shown with the generation prompt."""
+        if isinstance(node, nodes.Output) and all(
+            isinstance(part, nodes.TemplateData) and not part.data for part in node.nodes
+        ):
+            return
+        if not (isinstance(node, nodes.If) and not node.elif_ and not node.else_ and _needs_generation_flag(node.test)):
+            raise _Refusal("something after the messages loop is not under {% if add_generation_prompt %}")
+        self.check(node, _Scope(in_tail=True))
+
+    def check(self, node: nodes.Node, scope: _Scope) -> None:
+        """Refuse ``node`` or anything under it that could make one message's text depend on
+        another message, on the list's length, or on state kept between messages."""
+        if isinstance(node, _REFUSED_NODES):
+            raise _Refusal(f"the template uses {type(node).__name__}")
+        if self._is_first_message(node) or self._is_non_empty_test(node):
+            return  # the same for every list that starts with the same messages
+        if self._is_peel(node, scope) or self._is_clock(node):
+            return
+        if isinstance(node, nodes.Name):
+            self._check_name(node, scope)
+        elif isinstance(node, nodes.Filter) and node.name in _UNSTABLE_FILTERS:
+            raise _Refusal(f"the template uses the {node.name!r} filter")
+        elif isinstance(node, nodes.Test) and node.name in _IDENTITY_TESTS:
+            raise _Refusal(f"the template uses the {node.name!r} test")
+        elif isinstance(node, nodes.NSRef) and scope.no_namespace_writes:
+            raise _Refusal("a namespace is written inside the messages loop or a macro")
+        elif isinstance(node, nodes.Break) and scope.in_message_loop:
+            raise _Refusal("the messages loop may break")
+        elif isinstance(node, nodes.Getattr) and _is_loop(node.node) and scope.in_message_loop:
+            if node.attr != "first":
+                raise _Refusal(f"the messages loop reads loop.{node.attr}")
+            return
+        elif isinstance(node, nodes.Compare) and scope.in_message_loop and _is_first_position(node):
+            return
+        for child, child_scope in _children(node, scope):
+            self.check(child, child_scope)
+
+    def _check_name(self, name: nodes.Name, scope: _Scope) -> None:
+        if name.name in self.lists:
+            raise _Refusal(f"{name.name} is read other than as {name.name}[0] or {name.name} | length > 0")
+        if name.name in _UNSTABLE_GLOBALS:
+            raise _Refusal(f"the template calls {name.name}")
+        if name.name == CLOCK:
+            raise _Refusal(f"{CLOCK} is used other than called with a constant format")
+        if name.name == GENERATION_FLAG and not scope.in_tail:
+            raise _Refusal("add_generation_prompt is read before the end of the messages loop")
+        if name.name == "loop" and (scope.in_message_loop or not scope.in_any_loop):
+            # In the messages loop only loop.first (checked above) is position-free; outside
+            # any loop, a macro could be handed a loop in ways not worth following.
+            raise _Refusal("the messages loop's loop object is read whole")
+
+    def _is_list(self, node: nodes.Node) -> bool:
+        return isinstance(node, nodes.Name) and node.name in self.lists and node.ctx == "load"
+
+    def _is_first_message(self, node: nodes.Node) -> bool:
+        """``messages[0]`` (or of a name set to the messages)."""
+        return isinstance(node, nodes.Getitem) and self._is_list(node.node) and _is_int(node.arg, 0)
+
+    def _is_non_empty_test(self, node: nodes.Node) -> bool:
+        """``messages | length > 0`` or ``!= 0``."""
+        if not (isinstance(node, nodes.Compare) and len(node.ops) == 1):
+            return False
+        length, [operand] = node.expr, node.ops
+        return (
+            isinstance(length, nodes.Filter)
+            and length.name == "length"
+            and length.node is not None
+            and self._is_list(length.node)
+            and not (length.args or length.kwargs or length.dyn_args or length.dyn_kwargs)
+            and operand.op in ("gt", "ne")
+            and _is_int(operand.expr, 0)
+        )
+
+    def _is_peel(self, node: nodes.Node, scope: _Scope) -> bool:
+        """A head statement that sets ``messages`` or another name to the messages or to
+        the messages after the first; counts the peels."""
+        if not (isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name) and scope == _HEAD):
+            return False
+        if node.target.name not in self.lists:
+            return False
+        peeled = _peeled_list(node.node, self.lists)
+        if peeled is None:
+            return False
+        self.peels += peeled
+        return True
+
+    def _is_clock(self, node: nodes.Node) -> bool:
+        """``strftime_now('...')`` with a constant format (recorded), or ``strftime_now is defined``."""
+        if isinstance(node, nodes.Test) and node.name == "defined" and _is_name(node.node, CLOCK):
+            return True
+        if not (isinstance(node, nodes.Call) and _is_name(node.node, CLOCK)):
+            return False
+        if node.kwargs or node.dyn_args or node.dyn_kwargs or len(node.args) != 1:
+            return False
+        [format] = node.args
+        if not (isinstance(format, nodes.Const) and isinstance(format.value, str)):
+            return False
+        self.clock_formats.append(format.value)
+        return True
 
 
 def _needs_generation_flag(test: nodes.Node) -> bool:
@@ -112,44 +284,6 @@ def _needs_generation_flag(test: nodes.Node) -> bool:
     if isinstance(test, nodes.And):
         return _needs_generation_flag(test.left) or _needs_generation_flag(test.right)
     return False
-
-
-def _check(node: nodes.Node, scope: _Scope) -> None:
-    """Refuse ``node`` or anything under it that could make one message's text depend on
-    another message, on the list's length, or on state kept between messages."""
-    if isinstance(node, _REFUSED_NODES):
-        raise _Refusal(f"the template uses {type(node).__name__}")
-    if _is_first_message(node) or _is_non_empty_test(node):
-        return  # the same for every list that starts with the same message
-    if isinstance(node, nodes.Name):
-        _check_name(node, scope)
-    elif isinstance(node, nodes.Filter) and node.name in _UNSTABLE_FILTERS:
-        raise _Refusal(f"the template uses the {node.name!r} filter")
-    elif isinstance(node, nodes.Test) and node.name in _IDENTITY_TESTS:
-        raise _Refusal(f"the template uses the {node.name!r} test")
-    elif isinstance(node, nodes.NSRef) and scope.no_namespace_writes:
-        raise _Refusal("a namespace is written inside the messages loop or a macro")
-    elif isinstance(node, nodes.Break) and scope.in_message_loop:
-        raise _Refusal("the messages loop may break")
-    elif isinstance(node, nodes.Getattr) and _is_loop(node.node) and scope.in_message_loop:
-        if node.attr != "first":
-            raise _Refusal(f"the messages loop reads loop.{node.attr}")
-        return
-    for child, child_scope in _children(node, scope):
-        _check(child, child_scope)
-
-
-def _check_name(name: nodes.Name, scope: _Scope) -> None:
-    if name.name == MESSAGES:
-        raise _Refusal("messages is read other than as messages[0] or messages | length > 0")
-    if name.name in _UNSTABLE_GLOBALS:
-        raise _Refusal(f"the template calls {name.name}")
-    if name.name == GENERATION_FLAG and not scope.in_tail:
-        raise _Refusal("add_generation_prompt is read before the end of the messages loop")
-    if name.name == "loop" and (scope.in_message_loop or not scope.in_any_loop):
-        # In the messages loop only loop.first (checked above) is position-free; outside
-        # any loop, a macro could be handed a loop in ways not worth following.
-        raise _Refusal("the messages loop's loop object is read whole")
 
 
 def _children(node: nodes.Node, scope: _Scope) -> Iterator[tuple[nodes.Node, _Scope]]:
@@ -183,38 +317,25 @@ def _children(node: nodes.Node, scope: _Scope) -> Iterator[tuple[nodes.Node, _Sc
         yield child, scope
 
 
-def _is_messages(node: nodes.Node) -> bool:
-    return isinstance(node, nodes.Name) and node.name == MESSAGES and node.ctx == "load"
+def _is_name(node: nodes.Node | None, name: str) -> bool:
+    return isinstance(node, nodes.Name) and node.name == name and node.ctx == "load"
 
 
 def _is_loop(node: nodes.Node) -> bool:
-    return isinstance(node, nodes.Name) and node.name == "loop"
+    return _is_name(node, "loop")
 
 
-def _is_first_message(node: nodes.Node) -> bool:
-    """``messages[0]``."""
-    return (
-        isinstance(node, nodes.Getitem)
-        and _is_messages(node.node)
-        and isinstance(node.arg, nodes.Const)
-        and type(node.arg.value) is int
-        and node.arg.value == 0
-    )
+def _is_int(node: nodes.Node | None, value: int) -> bool:
+    return isinstance(node, nodes.Const) and type(node.value) is int and node.value == value
 
 
-def _is_non_empty_test(node: nodes.Node) -> bool:
-    """``messages | length > 0``."""
-    if not (isinstance(node, nodes.Compare) and len(node.ops) == 1):
+def _is_first_position(node: nodes.Compare) -> bool:
+    """``loop.index0 == 0`` or ``loop.index == 1``: ``loop.first`` spelt out."""
+    if len(node.ops) != 1 or node.ops[0].op != "eq":
         return False
-    length, [operand] = node.expr, node.ops
+    position, value = node.expr, node.ops[0].expr
     return (
-        isinstance(length, nodes.Filter)
-        and length.name == "length"
-        and length.node is not None
-        and _is_messages(length.node)
-        and not (length.args or length.kwargs or length.dyn_args or length.dyn_kwargs)
-        and operand.op == "gt"
-        and isinstance(operand.expr, nodes.Const)
-        and type(operand.expr.value) is int
-        and operand.expr.value == 0
+        isinstance(position, nodes.Getattr)
+        and _is_loop(position.node)
+        and ((position.attr == "index0" and _is_int(value, 0)) or (position.attr == "index" and _is_int(value, 1)))
     )

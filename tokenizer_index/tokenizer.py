@@ -35,8 +35,9 @@ that text, takes the ids of all of it but its last few added tokens (kept as the
 runs they were joined from, never copied) and only the rest is cut into pieces and looked up.
 
 Rendered incrementally: a chat of 16 messages or more is remembered with its rendered text
-(:mod:`kvroute.tokenizer_index.render_memo`); its next turn renders only the first and the
-new messages and joins them to that text, under templates whose syntax guarantees that this
+(:mod:`kvroute.tokenizer_index.render_memo`); its next turn renders only the first (or, where
+the template peels a system message off, the first few) and the new messages and joins them
+to that text, under templates whose syntax guarantees that this
 equals the whole render (:mod:`kvroute.tokenizer_index.template_prefix`) and whose probe
 conversations agree at first use (:meth:`RequestTokenizer.renders_incrementally`); every other
 template renders every message every time.
@@ -62,7 +63,7 @@ from kvroute.tokenizer_index.chat_template import ChatTemplate
 from kvroute.tokenizer_index.piece_cache import PieceCache, PieceCacheStats, frozen_ids
 from kvroute.tokenizer_index.prompt_memo import PromptMemo, PromptMemoStats, RememberedPrompt, conversation_keys
 from kvroute.tokenizer_index.render_memo import RenderMemo, RenderSettings, incremental_render_agrees
-from kvroute.tokenizer_index.template_prefix import prefix_stable_reason
+from kvroute.tokenizer_index.template_prefix import PrefixShape, prefix_shape
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ class RequestTokenizer:
         self._template_sources = templates
         self._templates: dict[str, ChatTemplate] = {}
         # Per template source: whether its conversations may be rendered incrementally.
-        self._renders_incrementally: dict[str, bool] = {}
+        self._incremental_shapes: dict[str, PrefixShape | None] = {}
         self._render_memo = RenderMemo(render_memo_bytes)
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         # One shared int object per token id: cached list forms then cost a pointer per token.
@@ -499,14 +500,19 @@ class RequestTokenizer:
         after a remembered earlier turn (:mod:`kvroute.tokenizer_index.render_memo`): the
         template's syntax must promise it and probe conversations must agree, checked at
         its first use."""
-        verdict = self._renders_incrementally.get(template.source)
-        if verdict is None:
-            reason = prefix_stable_reason(template.syntax_tree)
-            if reason is None and not incremental_render_agrees(template, self.special_tokens):
-                reason = "probe conversations rendered incrementally differ from whole renders"
-            if reason is not None:
-                log.info("tokenizer %s: rendering chats whole under this chat template: %s", self.name, reason)
-            verdict = self._renders_incrementally[template.source] = reason is None
+        return self._incremental_shape(template) is not None
+
+    def _incremental_shape(self, template: ChatTemplate) -> PrefixShape | None:
+        """The template's shape when it renders incrementally (above), else None."""
+        if template.source in self._incremental_shapes:
+            return self._incremental_shapes[template.source]
+        shape = prefix_shape(template.syntax_tree)
+        reason = shape.refusal
+        if reason is None and not incremental_render_agrees(template, self.special_tokens, shape):
+            reason = "probe conversations rendered incrementally differ from whole renders"
+        if reason is not None:
+            log.info("tokenizer %s: rendering chats whole under this chat template: %s", self.name, reason)
+        verdict = self._incremental_shapes[template.source] = shape if reason is None else None
         return verdict
 
     def render_chat(
@@ -532,8 +538,11 @@ class RequestTokenizer:
             continue_final_message = bool(request_kwargs.pop("continue_final_message", continue_final_message))
             documents = request_kwargs.pop("documents", documents)
             variables.update(request_kwargs)
-        if not continue_final_message and self.renders_incrementally(template):
-            settings = RenderSettings(template, tools_from_request(tools), documents, variables, add_generation_prompt)
+        shape = None if continue_final_message else self._incremental_shape(template)
+        if shape is not None:
+            settings = RenderSettings(
+                template, tools_from_request(tools), documents, variables, add_generation_prompt, shape
+            )
             return self._render_memo.render(messages, settings)
         conversation = conversation_from_request(messages, template.content_format)
         return template.render(

@@ -29,3 +29,14 @@ def test_tiny_long_prompt_run(tmp_path: Path) -> None:
     assert by_mode["sync"]["huge_loop_ms"] == by_mode["sync"]["huge_route_ms"]
     assert by_mode["thread"]["huge_loop_ms"][0] < by_mode["thread"]["huge_route_ms"][0]
     assert by_mode["thread"]["huge_tokens"] >= 30_000
+
+
+def test_a_template_that_peels_the_system_message_renders_incrementally(tmp_path: Path) -> None:
+    out = tmp_path / "long-prompts.json"
+    template = bench_long_prompts.TEMPLATES / "llama31_style.jinja"
+    argv = ["--prompt-tokens", "6000", "--new-tokens", "300", "--index-blocks", "20000", "--repeats", "2"]
+    argv += ["--chat-template", str(template), "--added-tokens", ",".join(bench_long_prompts.LLAMA3_ADDED_TOKENS)]
+    assert bench_long_prompts.main([*argv, "--huge-tokens", "0", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["renders_incrementally"] and report["chat_template"] == str(template)
+    assert all(turn["exact"] for turn in report["turns"])

@@ -8,20 +8,23 @@ Templates whose syntax breaks the prefix property must be refused and rendered w
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.tokenizer_index import RequestTokenizer
+from kvroute.tokenizer_index import RequestTokenizer, chat_template
 from kvroute.tokenizer_index.chat_template import ChatTemplate
 from kvroute.tokenizer_index.prompt_memo import conversation_keys
 from kvroute.tokenizer_index.render_memo import MIN_MESSAGES, RenderMemo, RenderSettings, incremental_render_agrees
-from kvroute.tokenizer_index.template_prefix import prefix_stable_reason
+from kvroute.tokenizer_index.template_prefix import prefix_shape
 from tests.tokenizer_index.test_prompt_memo import TEMPLATES
 from tests.tokenizer_index.tokenizers_fixtures import (
+    LLAMA3_INDEX_TEMPLATE,
     LLAMA3_STYLE_TEMPLATE,
+    LLAMA31_STYLE_TEMPLATE,
     MISTRAL_STYLE_TEMPLATE,
     OPENAI_PARTS_TEMPLATE,
 )
@@ -32,10 +35,23 @@ ALL_TEMPLATES = {
     **TEMPLATES,
     "default": RequestTokenizer.default().chat_template().source,
     "llama3": LLAMA3_STYLE_TEMPLATE,
+    "llama3_index": LLAMA3_INDEX_TEMPLATE,
+    "llama31": LLAMA31_STYLE_TEMPLATE,
     "mistral": MISTRAL_STYLE_TEMPLATE,
     "openai_parts": OPENAI_PARTS_TEMPLATE,
 }
-INCREMENTAL = {"prefix_stable", "raw", "thinking_prompt", "default", "openai_parts"}
+INCREMENTAL = {
+    "prefix_stable",
+    "raw",
+    "thinking_prompt",
+    "default",
+    "openai_parts",
+    "llama3",
+    "llama3_index",
+    "llama31",
+}
+#: The leading messages each incremental template's renders repeat (the head peels the rest off).
+ANCHORS = {"llama3": 2, "llama31": 3}
 
 TOOLS = [
     {
@@ -114,7 +130,9 @@ def renderers(request: pytest.FixtureRequest) -> Renderers:
 @pytest.mark.parametrize("name", sorted(ALL_TEMPLATES))
 def test_templates_that_keep_the_prefix_property_are_recognised(name: str) -> None:
     template = ChatTemplate.from_source(ALL_TEMPLATES[name])
-    assert (prefix_stable_reason(template.syntax_tree) is None) == (name in INCREMENTAL)
+    shape = prefix_shape(template.syntax_tree)
+    assert shape.stable == (name in INCREMENTAL)
+    assert shape.anchors == ANCHORS.get(name, 1)
     renderers = Renderers(ALL_TEMPLATES[name])
     assert renderers.memo.renders_incrementally(renderers.memo.chat_template()) == (name in INCREMENTAL)
 
@@ -132,8 +150,10 @@ def test_each_turn_and_branch_renders_as_the_whole(
         renderers.agree(history + branch, tools=tools, add_generation_prompt=data.draw(st.booleans()))
     reused = renderers.memo.render_memo_stats().reused
     if renderers.agree(history, tools=tools) and conversation_keys(history):  # the same conversation again
-        incremental = renderers.memo.renders_incrementally(renderers.memo.chat_template())
-        assert renderers.memo.render_memo_stats().reused == reused + incremental
+        template = renderers.memo.chat_template()
+        anchors = prefix_shape(template.syntax_tree).anchors
+        remembered = renderers.memo.renders_incrementally(template) and len(history) >= anchors
+        assert renderers.memo.render_memo_stats().reused == reused + remembered
     renderers.agree(history, tools=None if tools else TOOLS)  # other tools: nothing reused
     renderers.agree(history + branches[0], chat_template_kwargs={"extra": 1}, continue_final_message=False)
 
@@ -184,7 +204,17 @@ def test_a_template_that_breaks_the_prefix_property_renders_whole(name: str) -> 
         "{% for m in messages %}{% if m['role'] == 'tool' %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}",
         "{% set j = joiner(',') %}{% for m in messages %}{{ j() }}{{ m['content'] }}{% endfor %}",
         "{% for m in messages %}{{ m['content'] }}{{ [1, 2] | random }}{% endfor %}",
-        "{{ strftime_now('%Y') }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        "{{ strftime_now(m) }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        "{% set f = strftime_now %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        # Peels messages where it may run more than once, or other than the first.
+        "{% for t in tools %}{% set messages = messages[1:] %}{% endfor %}{% for m in messages %}{{ m }}{% endfor %}",
+        "{% macro peel() %}{% set messages = messages[1:] %}{% endmacro %}{% for m in messages %}{{ m }}{% endfor %}",
+        "{% set messages = messages[2:] %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        "{% set messages = messages[:-1] %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        "{% set rest = messages[1:] %}{% for m in rest %}{{ rest | length }}{{ m['content'] }}{% endfor %}",
+        "{% set rest = messages[1:] %}{% for m in rest %}{% set rest = 1 %}{{ m['content'] }}{% endfor %}",
+        "{% set rest = messages[1:] %}{% for m in rest %}{{ m }}{% endfor %}{% set messages = rest %}",
+        "{% for m in messages %}{% if loop.index0 == 1 %}x{% endif %}{{ m['content'] }}{% endfor %}",
         # Writes after the messages whatever the generation prompt, or reads it before.
         "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ eos_token }}",
         "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}a{% else %}b{% endif %}",
@@ -196,9 +226,47 @@ def test_a_template_that_breaks_the_prefix_property_renders_whole(name: str) -> 
 )
 def test_syntax_that_may_break_the_prefix_property_is_refused(source: str) -> None:
     template = ChatTemplate.from_source(source)
-    assert prefix_stable_reason(template.syntax_tree) is not None
+    assert prefix_shape(template.syntax_tree).refusal is not None
     renderers = Renderers(source)
     assert not renderers.memo.renders_incrementally(renderers.memo.chat_template())
+
+
+@pytest.mark.parametrize("name", sorted(ANCHORS))
+def test_templates_that_peel_messages_render_long_conversations_incrementally(name: str) -> None:
+    renderers = Renderers(ALL_TEMPLATES[name])
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You route requests."}]
+    for turn in range(12):
+        messages.append({"role": "user", "content": f"question {turn}"})
+        assert renderers.agree(messages, tools=TOOLS)
+        messages.append({"role": "assistant", "content": f"answer {turn}"})
+    stats = renderers.memo.render_memo_stats()
+    # Every turn from the one that holds the anchors on is remembered and reused by the next.
+    assert stats.reused == 12 - (ANCHORS[name] + 1) // 2
+
+
+class _Clock:
+    """``datetime`` for the chat template module, at a day the test sets."""
+
+    today = datetime(2026, 12, 1, 23, 59)
+
+    @classmethod
+    def now(cls) -> datetime:
+        return cls.today
+
+
+def test_a_render_made_on_another_day_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chat_template, "datetime", _Clock)
+    renderers = Renderers(ALL_TEMPLATES["llama31"])
+    messages = [{"role": "user" if turn % 2 == 0 else "assistant", "content": f"m{turn}"} for turn in range(20)]
+    assert renderers.agree(messages)
+    assert "01 Dec 2026" in renderers.memo.render_chat(messages)
+    reused = renderers.memo.render_memo_stats().reused
+    monkeypatch.setattr(_Clock, "today", datetime(2026, 12, 2, 0, 1))
+    longer = [*messages, {"role": "user", "content": "next day"}]
+    assert renderers.agree(longer)
+    assert renderers.memo.render_memo_stats().reused == reused  # yesterday's render is not today's
+    assert "02 Dec 2026" in renderers.memo.render_chat(longer)
+    assert renderers.memo.render_memo_stats().reused == reused + 1  # today's is
 
 
 def test_values_json_cannot_tell_apart_are_not_reused() -> None:

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from tests.paths import REPO
+
 PipelineKind = Literal["byte_level", "metaspace_first", "metaspace_always"]
 
 _CORPUS = [
@@ -67,6 +69,17 @@ LLAMA3_STYLE_TEMPLATE = """{{- bos_token }}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}
 """
+# Llama 3.1's shape (the system message peeled off, then, with tools and
+# tools_in_user_message, the first user message too), shared with the long-prompt benchmark.
+LLAMA31_STYLE_TEMPLATE = (REPO / "benchmarks" / "templates" / "llama31_style.jinja").read_text()
+# Llama 3's first shape: the BOS token joined to the first message's text by position.
+LLAMA3_INDEX_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    " + (message['content'] or '') | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
 LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
 MISTRAL_STYLE_TEMPLATE = (
