@@ -10,6 +10,10 @@ ZMQ retries a connection that failed, except after a protocol error (one side wi
 the other without) or a refusal: it gives that endpoint up for good, so a router would
 stay deaf to a peer that restarted with the right secret. Such an endpoint is connected
 again every :data:`RETRY_S`.
+
+The monitor names a peer connected by host name (``tcp://router-b:5600``) by the address
+ZMQ resolved it to, so such names are resolved here too, and again whenever an event names
+an address not known yet (a peer that moved): its events count for the name.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
+
+from kvroute.router.routing.peer_discovery import peer_endpoint, resolve_addresses
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +85,14 @@ class Handshakes:
         self.succeeded: set[str] = set()
         #: What was connected, by :func:`address` form.
         self._endpoints: dict[str, str] = {}
-        #: The last state of each endpoint (:func:`address` form): CONNECTED, DISCONNECTED
-        #: (ZMQ reconnects) or a failed handshake's :class:`HandshakeStats` field name.
-        self._states: dict[str, str] = {}
+        #: The addresses endpoints connected by host name resolved to -> that endpoint's key.
+        self._aliases: dict[str, str] = {}
+        self._resolving: asyncio.Task[None] | None = None
+        #: The last state of each endpoint the monitor named (:func:`address` form), with the
+        #: event's number: CONNECTED, DISCONNECTED (ZMQ reconnects) or a failed handshake's
+        #: :class:`HandshakeStats` field name.
+        self._states: dict[str, tuple[int, str]] = {}
+        self._events = 0
         self._retries: dict[str, asyncio.TimerHandle] = {}
         self._changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -89,18 +100,30 @@ class Handshakes:
 
     def connect(self, endpoint: str) -> None:
         self._socket.connect(endpoint)
-        self._endpoints[address(endpoint)] = endpoint
+        key = address(endpoint)
+        self._endpoints[key] = endpoint
+        if _by_name(key):
+            self._resolve_names()
 
     def states(self) -> dict[str, str]:
         """Each endpoint connected (as given to :meth:`connect`) and its state: CONNECTING
-        until its first handshake, then CONNECTED, DISCONNECTED or the last failure."""
-        return {endpoint: self._states.get(key, CONNECTING) for key, endpoint in self._endpoints.items()}
+        until its first handshake, then CONNECTED, DISCONNECTED or the last failure (for a
+        host name, the latest of the addresses it resolved to)."""
+        states = {}
+        for key, endpoint in self._endpoints.items():
+            named = [self._states[name] for name in self._names_of(key) if name in self._states]
+            states[endpoint] = max(named)[1] if named else CONNECTING
+        return states
 
     def disconnect(self, endpoint: str) -> None:
         """Stop connecting to ``endpoint`` (nothing if it was never connected)."""
-        self._endpoints.pop(address(endpoint), None)
-        self._states.pop(address(endpoint), None)
-        retry = self._retries.pop(address(endpoint), None)
+        key = address(endpoint)
+        for name in self._names_of(key):
+            self._states.pop(name, None)
+        self._endpoints.pop(key, None)
+        for alias in [alias for alias, owner in self._aliases.items() if owner == key]:
+            del self._aliases[alias]
+        retry = self._retries.pop(key, None)
         if retry is not None:
             retry.cancel()
         with contextlib.suppress(zmq.ZMQError):  # never connected, or ZMQ gave it up
@@ -111,7 +134,7 @@ class Handshakes:
         waiting = {address(endpoint) for endpoint in endpoints}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not waiting <= self.succeeded:
+        while not all(self._succeeded(key) for key in waiting):
             self._changed.clear()
             left = deadline - loop.time()
             if left <= 0:
@@ -123,6 +146,8 @@ class Handshakes:
     def close(self) -> None:
         """Stop following and retrying (before the socket closes)."""
         self._task.cancel()
+        if self._resolving is not None:
+            self._resolving.cancel()
         for retry in self._retries.values():
             retry.cancel()
         self._retries.clear()
@@ -140,13 +165,17 @@ class Handshakes:
 
     def _record(self, event: int, endpoint: str) -> None:
         stats = self.stats
+        if endpoint not in self._endpoints and endpoint not in self._aliases:
+            self._resolve_names()  # a name that moved, or one not resolved yet
+        self._events += 1
+        before = self._states.get(endpoint, (0, ""))[1]
         if event == zmq.EVENT_DISCONNECTED:
-            if self._states.get(endpoint) == CONNECTED:
-                self._states[endpoint] = DISCONNECTED
+            if before == CONNECTED:
+                self._states[endpoint] = (self._events, DISCONNECTED)
             return
-        failed_before = self._states.get(endpoint, "").startswith("failed_")
+        failed_before = before.startswith("failed_")
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self._states[endpoint] = CONNECTED
+            self._states[endpoint] = (self._events, CONNECTED)
             stats.succeeded += 1
             self.succeeded.add(endpoint)
             if failed_before:
@@ -155,19 +184,50 @@ class Handshakes:
             return
         failure = _FAILURES[event]
         setattr(stats, failure.name, getattr(stats, failure.name) + 1)
-        self._states[endpoint] = failure.name
+        self._states[endpoint] = (self._events, failure.name)
         if failure.given_up:
             self._retry_later(endpoint)
         if not failed_before:  # ZMQ retries every ~100 ms: one warning until it works
             log.warning("peer exchange: handshake with %s failed (%s)", endpoint, failure.why)
 
     def _retry_later(self, endpoint: str) -> None:
-        """Connect again what ZMQ gave up: ``endpoint``, or, when it names no endpoint
-        connected (a host name ZMQ reports resolved), every one connected by name."""
-        known = [endpoint] if endpoint in self._endpoints else [key for key in self._endpoints if _by_name(key)]
+        """Connect again what ZMQ gave up: ``endpoint``, the host name it resolved from, or,
+        when it is neither (a name not resolved here yet), every one connected by name."""
+        owner = endpoint if endpoint in self._endpoints else self._aliases.get(endpoint)
+        known = [owner] if owner is not None else [key for key in self._endpoints if _by_name(key)]
         for key in known:
             if key not in self._retries:
                 self._retries[key] = self._loop.call_later(RETRY_S, self._retry, key)
+
+    def _names_of(self, key: str) -> list[str]:
+        """``key`` and the addresses it resolved to: the names the monitor may use for it."""
+        return [key, *(alias for alias, owner in self._aliases.items() if owner == key)]
+
+    def _succeeded(self, key: str) -> bool:
+        return any(name in self.succeeded for name in self._names_of(key))
+
+    def _resolve_names(self) -> None:
+        """Resolve every endpoint connected by host name, unless that is under way."""
+        if not any(_by_name(key) for key in self._endpoints):
+            return
+        if self._resolving is None or self._resolving.done():
+            self._resolving = self._loop.create_task(self._resolve(), name="kvroute-peer-names")
+
+    async def _resolve(self) -> None:
+        for key in [key for key in self._endpoints if _by_name(key)]:
+            host, _, port = key.removeprefix("tcp://").rpartition(":")
+            try:
+                resolved = await resolve_addresses(host, int(port))
+            except (OSError, ValueError) as exc:
+                log.debug("peer exchange: cannot resolve %s: %r", key, exc)
+                continue
+            if key not in self._endpoints:
+                continue  # disconnected meanwhile
+            for alias in [alias for alias, owner in self._aliases.items() if owner == key]:
+                del self._aliases[alias]
+            for resolved_address in resolved:
+                self._aliases[address(peer_endpoint(resolved_address, int(port)))] = key
+        self._changed.set()  # a waiter's name may have succeeded under an address
 
     def _retry(self, key: str) -> None:
         self._retries.pop(key, None)

@@ -54,6 +54,19 @@ async def _publisher(key: PeerKey | None, load: dict[str, BackendLoad] | None = 
     return publisher
 
 
+async def _restarted(endpoint: str, key: PeerKey | None) -> PeerExchange:
+    """A publisher started again on the ``endpoint`` another one just left."""
+    restarted = PeerExchange(bind=endpoint, peers=[], apply=lambda _: None, max_bytes_per_s=1e9, key=key)
+    for _ in range(100):  # ZMQ closes the old listener in its I/O thread, a moment later
+        try:
+            await restarted.start()
+            break
+        except zmq.ZMQError:
+            await asyncio.sleep(0.02)
+    assert restarted.endpoint == endpoint
+    return restarted
+
+
 def test_routers_holding_the_secret_exchange_placements_and_load() -> None:
     async def scenario() -> None:
         publisher = await _publisher(FLEET, {"http://b": BackendLoad(2, 64)})
@@ -169,14 +182,7 @@ def test_a_peer_restarted_with_the_secret_is_heard_again(monkeypatch: pytest.Mon
             assert not await subscriber.start(wait_for=[endpoint], timeout_s=0.5)
             await until(lambda: subscriber.handshake_counts()["failed_protocol"] >= 1)
             await plain.stop()
-            restarted = PeerExchange(bind=endpoint, peers=[], apply=lambda _: None, max_bytes_per_s=1e9, key=FLEET)
-            for _ in range(100):  # ZMQ closes the old listener in its I/O thread, a moment later
-                try:
-                    await restarted.start()
-                    break
-                except zmq.ZMQError:
-                    await asyncio.sleep(0.02)
-            assert restarted.endpoint == endpoint
+            restarted = await _restarted(endpoint, FLEET)
             await until(lambda: subscriber.handshake_counts()["succeeded"] >= 1)
             await _publish_until_heard(restarted, received)
         finally:
@@ -184,6 +190,35 @@ def test_a_peer_restarted_with_the_secret_is_heard_again(monkeypatch: pytest.Mon
             for publisher in (plain, restarted):
                 if publisher is not None:
                     await publisher.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("key", [FLEET, None], ids=["curve", "plain"])
+def test_a_peer_named_by_host_name_is_followed_under_its_name(key: PeerKey | None) -> None:
+    """ZMQ's monitor names a peer connected as ``tcp://localhost:PORT`` by the address it
+    resolved; its state, the workers' wait and /admin/peers follow the name all the same."""
+
+    async def scenario() -> None:
+        publisher = await _publisher(key)
+        endpoint = publisher.endpoint
+        assert endpoint is not None
+        named = endpoint.replace("127.0.0.1", "localhost")
+        received: list[Placement] = []
+        subscriber = PeerExchange(bind=None, peers=[named], apply=received.append, max_bytes_per_s=1e9, key=key)
+        try:
+            assert await subscriber.start(wait_for=[named], timeout_s=5)
+            await until(lambda: subscriber.status()["peers"] == {named: "connected"})
+            await _publish_until_heard(publisher, received)
+            await publisher.stop()
+            await until(lambda: subscriber.status()["peers"] == {named: "disconnected"})
+            publisher = await _restarted(endpoint, key)
+            # ZMQ names the reconnection by the address it resolved.
+            await until(lambda: subscriber.status()["peers"] == {named: "connected"})
+            await _publish_until_heard(publisher, received)
+        finally:
+            await subscriber.stop()
+            await publisher.stop()
 
     asyncio.run(scenario())
 
