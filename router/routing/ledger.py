@@ -17,8 +17,22 @@ from dataclasses import dataclass
 #: A conversation not seen for this long no longer counts in any backend's working set:
 #: about the longest pause between an agent's turns (a long tool run) or a user's reads.
 CONVERSATION_IDLE_S = 600.0
-#: Bound on tracked conversations (about 200 bytes each); the least recent are dropped.
+#: Bound on tracked conversations (~400 bytes each, ~580 with two anchors: ~120 MB at most);
+#: the least recent are dropped.
 MAX_CONVERSATIONS = 200_000
+#: Besides its last full block (its leaf), a conversation is found by the blocks this many
+#: blocks before it: a next turn that does not repeat the previous prompt's tail still
+#: holds one of them (a template that rewrites the last turn, a client that trims it, a
+#: trace hashed in 512-token blocks whose partial last block the next turn replaces).
+ANCHOR_DEPTHS = (16, 64)
+
+
+def anchor_positions(blocks: int, shared_blocks: int) -> list[int]:
+    """Where a prompt of ``blocks`` full blocks has its anchors (:data:`ANCHOR_DEPTHS` before
+    its last block), past the ``shared_blocks`` it began sharing with other conversations:
+    a shared prefix names no one conversation."""
+    last = blocks - 1
+    return [last - depth for depth in ANCHOR_DEPTHS if last - depth >= shared_blocks]
 
 
 @dataclass(slots=True, eq=False)
@@ -36,6 +50,8 @@ class Conversation:
     last_seen: float = 0.0
     #: Hash of the last full block of its latest prompt: the next turn contains it.
     leaf: int | None = None
+    #: Hashes of earlier blocks of that prompt (:func:`anchor_positions`), should it not.
+    anchors: tuple[int, ...] = ()
 
     @property
     def counted(self) -> bool:
@@ -55,7 +71,8 @@ class WorkingSets:
 
     A conversation is identified by its session key when the client sends one, else by
     its prompt chain: turn N+1's prompt extends turn N's, so it contains the hash of turn
-    N's last full block (its *leaf*). A conversation counts in its backend's working set
+    N's last full block (its *leaf*), or, where it rewrote turn N's tail, one of its
+    *anchors* a few blocks before. A conversation counts in its backend's working set
     from its second request on, so one-off requests never inflate it, and stops counting
     after :data:`CONVERSATION_IDLE_S` without a request.
     """
@@ -103,9 +120,9 @@ class WorkingSets:
             return self._conversations.get(key) or Conversation(key, shared_tokens=shared_tokens)
         leaves = self._leaves
         conversations = self._conversations
-        # The leaves in the prompt, found in one pass in C (a first-seen or branched 100K-token
-        # prompt's 6,300 blocks: ~0.25 ms, against ~0.65 ms walked in Python); nearly always
-        # none or one. The latest one whose conversation is still tracked is the one it continues.
+        # The leaves and anchors in the prompt, found in one pass in C (a first-seen or branched
+        # 100K-token prompt's 6,300 blocks: ~0.25 ms, against ~0.65 ms walked in Python); a
+        # handful at most. The latest one whose conversation is still tracked is the one it continues.
         for leaf in sorted(leaves.keys() & hashes, key=hashes.index, reverse=True):
             found = conversations.get(leaves[leaf])
             if found is not None:
@@ -154,8 +171,17 @@ class WorkingSets:
             return 0
         return -(loss // overflow)
 
-    def record(self, conversation: Conversation, backend: str, prompt_tokens: int, leaf: int | None) -> None:
-        """``conversation``'s request of ``prompt_tokens`` went to ``backend``."""
+    def record(
+        self,
+        conversation: Conversation,
+        backend: str,
+        prompt_tokens: int,
+        leaf: int | None,
+        anchors: Sequence[int] = (),
+    ) -> None:
+        """``conversation``'s request of ``prompt_tokens`` went to ``backend``; ``leaf`` and
+        ``anchors`` are hashes of its prompt's last full block and of the blocks at
+        :func:`anchor_positions`."""
         now = self._clock()
         stays = conversation.counted and conversation.backend == backend
         if conversation.counted and not stays:
@@ -177,13 +203,13 @@ class WorkingSets:
         conversation.backend = backend
         conversation.tokens = size
         conversation.last_seen = now
-        previous = conversation.leaf
-        if leaf != previous:
-            if previous is not None and self._leaves.get(previous) == conversation.key:
-                del self._leaves[previous]
+        if leaf != conversation.leaf:
+            self._unlink(conversation)
             conversation.leaf = leaf
-            if leaf is not None and not conversation.key.startswith("session:"):
-                self._leaves[leaf] = conversation.key
+            conversation.anchors = tuple(anchors)
+            if not conversation.key.startswith("session:"):
+                for block in (*conversation.anchors, *(() if leaf is None else (leaf,))):
+                    self._leaves[block] = conversation.key
         conversations = self._conversations
         if conversations.get(conversation.key) is conversation:
             conversations.move_to_end(conversation.key)
@@ -208,11 +234,17 @@ class WorkingSets:
             return
         self._tokens[backend] -= conversation.tokens
 
+    def _unlink(self, conversation: Conversation) -> None:
+        """Its leaf and anchors no longer find it (those another conversation took stay)."""
+        leaves = self._leaves
+        for block in (conversation.leaf, *conversation.anchors):
+            if block is not None and leaves.get(block) == conversation.key:
+                del leaves[block]
+
     def _drop(self, conversation: Conversation) -> None:
         if conversation.counted:
             self._uncount(conversation)
-        if conversation.leaf is not None and self._leaves.get(conversation.leaf) == conversation.key:
-            del self._leaves[conversation.leaf]
+        self._unlink(conversation)
         if conversation.backend is not None:
             self._hosted[conversation.backend] -= 1
         del self._conversations[conversation.key]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.router.routing.ledger import WorkingSets, thrash_loss
+from kvroute.router.routing.ledger import ANCHOR_DEPTHS, WorkingSets, anchor_positions, thrash_loss
 from tests.router.routing.ledger_helpers import settle
 
 
@@ -37,6 +37,37 @@ def test_derived_conversation_is_found_by_its_previous_last_block() -> None:
     assert (again.turns, again.counted, working_sets.demand("http://b0")) == (2, True, (80, 1))
     stranger = working_sets.find(None, [11, 12, 99], 32)
     assert stranger is not first and stranger is not None and stranger.shared_tokens == 32
+
+
+def test_a_turn_that_rewrote_the_previous_tail_is_found_by_an_anchor() -> None:
+    """The next turn lacks the previous prompt's last block (a template rewrote it, or a
+    trace hashed in 512-token blocks replaced its partial last one) but holds an earlier one."""
+    working_sets = WorkingSets()
+    prompt = list(range(100, 200))  # 100 blocks; the first 4 shared with other conversations
+    first = working_sets.find(None, prompt, 64)
+    assert first is not None
+    anchors = [prompt[position] for position in anchor_positions(len(prompt), 4)]
+    assert anchors == [prompt[99 - depth] for depth in ANCHOR_DEPTHS]
+    working_sets.record(first, "http://b0", 1600, prompt[-1], anchors)
+    rewritten = prompt[:90] + list(range(900, 950))  # its last 10 blocks differ
+    assert working_sets.find(None, rewritten, 1440) is first
+    trimmed = prompt[:30] + list(range(900, 950))  # parts before every anchor: a new one
+    assert working_sets.find(None, trimmed, 480) is not first
+
+
+def test_no_anchor_lies_in_a_prefix_shared_with_others() -> None:
+    """Anchors inside the prefix a conversation began sharing (a system prompt) would link
+    every conversation of that prompt: a short conversation has none there."""
+    assert anchor_positions(20, 0) == [3]
+    assert anchor_positions(20, 4) == []
+    assert anchor_positions(100, 35) == [83, 35]
+    working_sets = WorkingSets()
+    system = list(range(50))
+    alice = working_sets.find(None, [*system, 1000, 1001], 50 * 16)
+    assert alice is not None
+    working_sets.record(alice, "http://b0", 52 * 16, 1001, [])
+    bob = working_sets.find(None, [*system, 2000, 2001], 50 * 16)
+    assert bob is not alice
 
 
 def test_a_prompt_holding_several_leaves_continues_the_latest_tracked_one() -> None:

@@ -278,6 +278,23 @@ def test_block_hashes_become_python_ints_only_where_a_prompt_chain_is_walked() -
     assert retry.backend != first.backend and retry.request.prompt_tokens == first.request.prompt_tokens
 
 
+def test_a_turn_that_replaces_the_previous_partial_trace_block_continues_its_conversation() -> None:
+    """Mooncake's traces hash prompts in 512-token blocks: a conversation's next turn keeps
+    its predecessor's full blocks and replaces its partial last one. The ledger finds the
+    conversation by an anchor before that block, so the turn counts as its second."""
+    engine = RoutingEngine(Settings(policy="cache_aware", block_size=16))
+    backends = fleet(2)
+    shared = list(range(1000, 1512))  # every request's first 512 tokens
+    history = shared + list(range(5000, 5000 + 2 * 512 + 300))  # two full trace blocks, a partial one
+    first = engine.route("/v1/completions", {"model": "sim", "prompt": history}, {}, backends)
+    assert first.request.conversation is not None and first.request.conversation.turns == 1
+    engine.observe(first, 0)
+    following = history[: 3 * 512] + list(range(9000, 9000 + 700))  # the partial block replaced
+    second = engine.route("/v1/completions", {"model": "sim", "prompt": following}, {}, backends)
+    assert second.request.conversation is first.request.conversation
+    assert second.request.conversation.turns == 2 and second.backend == first.backend
+
+
 def test_forgetting_a_backend_drops_its_index_and_conversations() -> None:
     engine = RoutingEngine(Settings(policy="cache_aware"))
     backends = fleet(2)
