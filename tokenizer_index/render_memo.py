@@ -162,7 +162,8 @@ class RenderMemo:
         text, head, generation_prompt = rendered
         if keys and generation_prompt is not None:
             tail = generation_prompt if settings.add_generation_prompt else ""
-            if text.startswith(head) and text.endswith(tail):
+            # (A lookaround template's anchors alone render as the last messages, not as the head.)
+            if text.endswith(tail) and (settings.shape.lookaround or text.startswith(head)):
                 body = text[: len(text) - len(tail)]
                 entry = RenderedConversation(
                     body, messages_json[:-1], len(messages), settings.template, context_json, head, generation_prompt
@@ -216,11 +217,57 @@ class RenderMemo:
         new = messages[previous.count :]
         if not new:  # the same conversation again (a retry)
             return previous.text + tail, head, generation_prompt
+        if settings.shape.lookaround:
+            text = _render_around(previous, messages, settings)
+            return (text, head, generation_prompt) if text is not None else None
         rendered = settings.render(settings.convert([*messages[: settings.shape.anchors], *new]))
         if not rendered.startswith(head):
             log.warning("chat template rendered a conversation's first messages differently; rendering whole")
             return None
         return previous.text + rendered[len(head) :], head, generation_prompt
+
+
+#: Remembered messages rendered again behind a lookaround template's anchors: the last one's
+#: text changes with what follows it, and the two before it make the cut findable.
+LOOKAROUND_WINDOW = 3
+
+
+def _render_around(previous: RenderedConversation, messages: Sequence[Any], settings: RenderSettings) -> str | None:
+    """``messages`` (which continue ``previous``'s) rendered under a template whose message
+    texts depend on their neighbours; None when there are too few remembered messages.
+
+    With ``P`` the remembered messages (``X = render(P)`` without generation prompt), ``Q``
+    the new ones and ``W`` the anchors then ``P``'s last three: ``Y = render(W + Q)`` and
+    ``Z = render(W)`` without generation prompt agree up to where the last of ``P`` first
+    renders differently followed by ``Q`` than last; ``X`` ends as ``Z`` does (the two
+    messages before it render alike in both). So ``render(P + Q)`` is ``X`` less what ``Z``
+    has past that point, then ``Y`` from it.
+    """
+    anchors = settings.shape.anchors
+    start = previous.count - LOOKAROUND_WINDOW
+    if start < anchors:
+        return None
+    window = [*messages[:anchors], *messages[start : previous.count]]
+    joined = settings.render(settings.convert([*window, *messages[previous.count :]]))
+    alone = settings.render(settings.convert(window), add_generation_prompt=False)
+    common = _common_prefix(joined, alone)
+    cut = len(alone) - common
+    if not previous.text.endswith(alone[common:]):  # the template broke its syntax's promise
+        log.warning("chat template rendered a conversation's last messages differently; rendering whole")
+        return None
+    return previous.text[: len(previous.text) - cut] + joined[common:]
+
+
+def _common_prefix(first: str, second: str) -> int:
+    """The length of the longest prefix ``first`` and ``second`` share (compared in C)."""
+    low, high = 0, min(len(first), len(second))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if first[:middle] == second[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 # --- the check at a template's first use ------------------------------------------------------

@@ -16,7 +16,12 @@ the template's syntax tree, whether a template is of a shape where it is:
 * the head and the loop's body read the messages only as ``messages[0]`` (or
   ``loop_messages[0]``) and ``messages | length > 0`` (or ``!= 0``), which are the same
   for every list that starts with the same ``m + 1`` messages, and the body reads of its
-  loop only ``loop.first`` (or ``loop.index0 == 0``, ``loop.index == 1``);
+  loop only ``loop.first`` (or ``loop.index0 == 0``, ``loop.index == 1``) and
+  ``loop.last``;
+* the body may read a message's neighbours, as Qwen 2.5's template groups consecutive tool
+  results, only guarded: ``messages[loop.index0 - 1]`` after ``loop.first or`` (or
+  ``loop.index0 == 0 or``, ``not loop.first and``), ``messages[loop.index0 + 1]`` after
+  ``loop.last or`` (or ``not loop.last and``), on the list the loop runs over;
 * nothing carries state from one message to the next: no ``{% set ns.x %}`` in the body or
   in a macro, no ``{% break %}``, no stateful or random globals and filters
   (``cycler``, ``joiner``, ``lipsum``, ``random``), no identity test; ``strftime_now`` only
@@ -31,14 +36,16 @@ For such a template, its ``k = m + 1`` *anchors*, and any message list ``L`` of 
 head peeled, and the tail is empty without a generation prompt. So, for a conversation
 ``P + Q`` with ``len(P) >= k``: ``render(P + Q) = render(P, no generation prompt) +
 render(P[:k] + Q)[len(render(P[:k], no generation prompt)):]``, which
-:mod:`kvroute.tokenizer_index.render_memo` uses to render only the new messages. Every
-other template is rendered whole every time.
+:mod:`kvroute.tokenizer_index.render_memo` uses to render only the new messages. Where
+the body reads ``loop.last`` or a neighbour (*lookaround*), a message's text also depends
+on the messages beside it, so the memo renders the last few remembered messages again
+with the new ones (``render_memo``). Every other template is rendered whole every time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jinja2.nodes as nodes
 
@@ -74,6 +81,9 @@ class PrefixShape:
     #: The constant formats the template hands ``strftime_now``: their texts now are part
     #: of what a render was made with.
     clock_formats: tuple[str, ...] = ()
+    #: Whether a message's text depends on its neighbours (``loop.last``, the messages
+    #: before and after it): then the last remembered messages are rendered again.
+    lookaround: bool = False
 
     @property
     def stable(self) -> bool:
@@ -89,6 +99,9 @@ class _Scope:
     in_any_loop: bool = False
     no_namespace_writes: bool = False
     in_tail: bool = False
+    #: Under ``loop.first or ...`` (the message before exists) or ``loop.last or ...`` (the next).
+    previous_guarded: bool = False
+    next_guarded: bool = False
 
 
 _HEAD = _Scope()
@@ -108,7 +121,9 @@ def prefix_shape(tree: nodes.Template) -> PrefixShape:
         check.template(tree)
     except _Refusal as refusal:
         return PrefixShape(refusal=str(refusal))
-    return PrefixShape(anchors=1 + check.peels, clock_formats=tuple(dict.fromkeys(check.clock_formats)))
+    return PrefixShape(
+        anchors=1 + check.peels, clock_formats=tuple(dict.fromkeys(check.clock_formats)), lookaround=check.lookaround
+    )
 
 
 def _message_lists(tree: nodes.Template) -> frozenset[str]:
@@ -159,6 +174,9 @@ class _ShapeCheck:
         self.lists = lists
         self.peels = 0
         self.clock_formats: list[str] = []
+        self.lookaround = False
+        #: The name the messages loop runs over (its neighbours are read from it).
+        self.loop_list = MESSAGES
 
     def template(self, tree: nodes.Template) -> None:
         loops = [node for node in tree.body if isinstance(node, nodes.For) and self._is_list(node.iter)]
@@ -167,6 +185,8 @@ class _ShapeCheck:
         loop = loops[0]
         if loop.else_ or loop.test is not None or loop.recursive or not isinstance(loop.target, nodes.Name):
             raise _Refusal("the messages loop has an else, a filter, recursion or an unpacking target")
+        assert isinstance(loop.iter, nodes.Name)  # _is_list
+        self.loop_list = loop.iter.name
         position = tree.body.index(loop)
         for node in tree.body[:position]:
             self.check(node, _HEAD)
@@ -192,7 +212,9 @@ class _ShapeCheck:
             raise _Refusal(f"the template uses {type(node).__name__}")
         if self._is_first_message(node) or self._is_non_empty_test(node):
             return  # the same for every list that starts with the same messages
-        if self._is_peel(node, scope) or self._is_clock(node):
+        if self._is_peel(node, scope) or self._is_clock(node) or self._is_neighbour(node, scope):
+            return
+        if scope.in_message_loop and isinstance(node, nodes.Or | nodes.And) and self._guarded(node, scope):
             return
         if isinstance(node, nodes.Name):
             self._check_name(node, scope)
@@ -205,8 +227,9 @@ class _ShapeCheck:
         elif isinstance(node, nodes.Break) and scope.in_message_loop:
             raise _Refusal("the messages loop may break")
         elif isinstance(node, nodes.Getattr) and _is_loop(node.node) and scope.in_message_loop:
-            if node.attr != "first":
+            if node.attr not in ("first", "last"):
                 raise _Refusal(f"the messages loop reads loop.{node.attr}")
+            self.lookaround |= node.attr == "last"
             return
         elif isinstance(node, nodes.Compare) and scope.in_message_loop and _is_first_position(node):
             return
@@ -260,6 +283,41 @@ class _ShapeCheck:
         if peeled is None:
             return False
         self.peels += peeled
+        return True
+
+    def _guarded(self, node: nodes.Or | nodes.And, scope: _Scope) -> bool:
+        """``loop.first or X`` (``loop.index0 == 0 or X``, ``not loop.first and X``): X may
+        read the message before; ``loop.last or X`` (``not loop.last and X``) the one after.
+        Checks both sides and says True, or says False for any other ``or``/``and``."""
+        test = node.left
+        if isinstance(node, nodes.And):
+            if not isinstance(test, nodes.Not):
+                return False
+            test = test.node
+        if _is_loop_attr(test, "first") or (isinstance(test, nodes.Compare) and _is_first_position(test)):
+            inner = replace(scope, previous_guarded=True)
+        elif _is_loop_attr(test, "last"):
+            inner = replace(scope, next_guarded=True)
+        else:
+            return False
+        self.check(node.left, scope)
+        self.check(node.right, inner)
+        return True
+
+    def _is_neighbour(self, node: nodes.Node, scope: _Scope) -> bool:
+        """``messages[loop.index0 - 1]`` or ``[loop.index0 + 1]`` under its guard (:meth:`_guarded`)."""
+        if not (
+            scope.in_message_loop
+            and isinstance(node, nodes.Getitem)
+            and _is_name(node.node, self.loop_list)
+            and isinstance(node.arg, nodes.Sub | nodes.Add)
+            and _is_loop_attr(node.arg.left, "index0")
+            and _is_int(node.arg.right, 1)
+        ):
+            return False
+        if not (scope.previous_guarded if isinstance(node.arg, nodes.Sub) else scope.next_guarded):
+            raise _Refusal("the messages loop reads a neighbour without loop.first or loop.last before it")
+        self.lookaround = True
         return True
 
     def _is_clock(self, node: nodes.Node) -> bool:
@@ -323,6 +381,10 @@ def _is_name(node: nodes.Node | None, name: str) -> bool:
 
 def _is_loop(node: nodes.Node) -> bool:
     return _is_name(node, "loop")
+
+
+def _is_loop_attr(node: nodes.Node, attr: str) -> bool:
+    return isinstance(node, nodes.Getattr) and _is_loop(node.node) and node.attr == attr
 
 
 def _is_int(node: nodes.Node | None, value: int) -> bool:

@@ -36,8 +36,9 @@ runs they were joined from, never copied) and only the rest is cut into pieces a
 
 Rendered incrementally: a chat of 16 messages or more is remembered with its rendered text
 (:mod:`kvroute.tokenizer_index.render_memo`); its next turn renders only the first (or, where
-the template peels a system message off, the first few) and the new messages and joins them
-to that text, under templates whose syntax guarantees that this
+the template peels a system message off, the first few) and the new messages, and where the
+template reads a message's neighbours the last few remembered ones, and joins them to that
+text, under templates whose syntax guarantees that this
 equals the whole render (:mod:`kvroute.tokenizer_index.template_prefix`) and whose probe
 conversations agree at first use (:meth:`RequestTokenizer.renders_incrementally`); every other
 template renders every message every time.

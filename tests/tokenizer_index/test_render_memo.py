@@ -20,6 +20,7 @@ from kvroute.tokenizer_index.chat_template import ChatTemplate
 from kvroute.tokenizer_index.prompt_memo import conversation_keys
 from kvroute.tokenizer_index.render_memo import MIN_MESSAGES, RenderMemo, RenderSettings, incremental_render_agrees
 from kvroute.tokenizer_index.template_prefix import prefix_shape
+from tests.paths import REPO
 from tests.tokenizer_index.test_prompt_memo import TEMPLATES
 from tests.tokenizer_index.tokenizers_fixtures import (
     LLAMA3_INDEX_TEMPLATE,
@@ -37,19 +38,16 @@ ALL_TEMPLATES = {
     "llama3": LLAMA3_STYLE_TEMPLATE,
     "llama3_index": LLAMA3_INDEX_TEMPLATE,
     "llama31": LLAMA31_STYLE_TEMPLATE,
+    "qwen25": (REPO / "benchmarks" / "templates" / "qwen25_style.jinja").read_text(),
     "mistral": MISTRAL_STYLE_TEMPLATE,
     "openai_parts": OPENAI_PARTS_TEMPLATE,
 }
 INCREMENTAL = {
-    "prefix_stable",
-    "raw",
-    "thinking_prompt",
-    "default",
-    "openai_parts",
-    "llama3",
-    "llama3_index",
-    "llama31",
+    *("prefix_stable", "raw", "thinking_prompt", "default", "openai_parts"),
+    *("llama3", "llama3_index", "llama31", "marks_last", "qwen25"),
 }
+#: Those whose message texts depend on their neighbours (the memo renders the last few again).
+LOOKAROUND = {"marks_last", "qwen25"}
 #: The leading messages each incremental template's renders repeat (the head peels the rest off).
 ANCHORS = {"llama3": 2, "llama31": 3}
 
@@ -63,6 +61,7 @@ TOOLS = [
         },
     }
 ]
+_CALL = {"id": "call-1", "type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}
 FRAGMENTS = ["the router", " cache", "中文", "e\u0301", "😀", "\n", "  ", "<|im_end|>", "<|im_start|>", "{{ x }}"]
 texts = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=5), min_size=0, max_size=6).map("".join)
 tool_calls = st.lists(
@@ -133,6 +132,7 @@ def test_templates_that_keep_the_prefix_property_are_recognised(name: str) -> No
     shape = prefix_shape(template.syntax_tree)
     assert shape.stable == (name in INCREMENTAL)
     assert shape.anchors == ANCHORS.get(name, 1)
+    assert shape.lookaround == (name in LOOKAROUND)
     renderers = Renderers(ALL_TEMPLATES[name])
     assert renderers.memo.renders_incrementally(renderers.memo.chat_template()) == (name in INCREMENTAL)
 
@@ -174,9 +174,8 @@ def test_a_long_conversation_renders_only_its_new_messages() -> None:
     assert 0 < stats.bytes <= stats.max_bytes
 
 
-@pytest.mark.parametrize("name", ["counted", "marks_last"])
-def test_a_template_that_breaks_the_prefix_property_renders_whole(name: str) -> None:
-    renderers = Renderers(ALL_TEMPLATES[name])
+def test_a_template_that_breaks_the_prefix_property_renders_whole() -> None:
+    renderers = Renderers(ALL_TEMPLATES["counted"])
     messages = [{"role": "user" if turn % 2 else "assistant", "content": f"m{turn}"} for turn in range(30)]
     for end in range(1, len(messages) + 1):
         renderers.agree(messages[:end])
@@ -186,12 +185,37 @@ def test_a_template_that_breaks_the_prefix_property_renders_whole(name: str) -> 
     assert not incremental_render_agrees(template, renderers.memo.special_tokens)
 
 
+@pytest.mark.parametrize("name", sorted(LOOKAROUND))
+def test_a_template_reading_neighbours_renders_its_last_messages_again(name: str) -> None:
+    """Its last message renders differently once another follows (``loop.last``, a tool
+    result group closed): spliced as one message, it would differ, and the probes say so;
+    with its last few messages rendered again it equals the whole render."""
+    template = ChatTemplate.from_source(ALL_TEMPLATES[name])
+    shape = prefix_shape(template.syntax_tree)
+    specials = {"bos_token": "<s>", "eos_token": "</s>"}
+    assert not incremental_render_agrees(template, specials)  # as if it read no neighbour
+    assert incremental_render_agrees(template, specials, shape)
+    renderers = Renderers(ALL_TEMPLATES[name])
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You route requests."}]
+    for turn in range(8):
+        messages.append({"role": "user", "content": f"question {turn}"})
+        messages.append({"role": "assistant", "content": None, "tool_calls": [_CALL]})
+        messages += [{"role": "tool", "tool_call_id": "call-1", "content": f"r{turn}.{n}"} for n in range(2)]
+        assert renderers.agree(messages, tools=TOOLS)
+    # The first two turns (5 and 9 messages) leave too few to render again behind the anchor.
+    assert renderers.memo.render_memo_stats().reused == 7
+
+
 @pytest.mark.parametrize(
     "source",
     [
         # Reads another message, the list's length, or positions other than the first.
         "{% for m in messages %}{{ messages[loop.index0 - 1]['role'] }}{{ m['content'] }}{% endfor %}",
-        "{% for m in messages %}{{ m['content'] }}{% if not loop.last %},{% endif %}{% endfor %}",
+        "{% for m in messages %}{{ m['content'] }}{% if loop.first or true %}{{ messages[loop.index0 + 1] }}{% endif %}"
+        "{% endfor %}",
+        "{% for m in messages %}{{ loop.last or messages[loop.index0 - 1]['role'] }}{% endfor %}",
+        "{% for m in messages %}{{ loop.index0 == 0 or messages[loop.index0 - 2]['role'] }}{% endfor %}",
+        "{% set rest = messages[1:] %}{% for m in rest %}{{ loop.first or messages[loop.index0 - 1] }}{% endfor %}",
         "{% for m in messages %}{{ loop.index }}{{ m['content'] }}{% endfor %}",
         "{% for m in messages %}{{ m['content'] }}{{ loop.cycle('a', 'b') }}{% endfor %}",
         "{% set rest = messages[1:] %}{% for m in messages %}{{ m['content'] }}{% endfor %}{{ rest | length }}",
