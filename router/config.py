@@ -356,6 +356,10 @@ class Settings(BaseSettings):
         default=None,
         description="a file of at least 32 characters every router of the fleet shares: the exchange's ZMQ sockets then use CurveZMQ (encrypted; only holders of the secret hear or are heard)",
     )
+    peer_accepted_secret_file: Path | None = Field(
+        default=None,
+        description="a second secret, for rotating peer_secret_file's: peers holding either are heard and hear this router (deploy/README.md, 'Rotating the peer secret')",
+    )
     peer_max_bytes_per_s: int = Field(
         default=16 * 1024 * 1024,
         gt=0,
@@ -383,6 +387,11 @@ class Settings(BaseSettings):
     def peer_key(self) -> PeerKey | None:
         """The fleet's CURVE key pair from ``peer_secret_file`` (None without one)."""
         return PeerKey.read(self.peer_secret_file) if self.peer_secret_file is not None else None
+
+    def peer_accepted_key(self) -> PeerKey | None:
+        """The pair of the second secret (``peer_accepted_secret_file``), if any."""
+        path = self.peer_accepted_secret_file
+        return PeerKey.read(path) if path is not None else None
 
     @field_validator("backends", mode="before")
     @classmethod
@@ -433,6 +442,9 @@ class Settings(BaseSettings):
         if self.discovery == "file" and self.backends_file is None:
             raise ValueError("discovery 'file' needs backends_file (--backends-file)")
         self.peer_key()  # a ValueError names the secret file and what is wrong with it
+        if self.peer_accepted_secret_file is not None and self.peer_secret_file is None:
+            raise ValueError("peer_accepted_secret_file needs peer_secret_file (it is a second secret)")
+        self.peer_accepted_key()
         if self.workers > 1 and self.peer_bind is not None and self.peer_bind.startswith("unix://"):
             # The supervisor relays the workers' messages to other routers over ZMQ only.
             raise ValueError("peer_bind: with workers > 1 it must be a ZMQ endpoint (e.g. tcp://0.0.0.0:5600)")

@@ -200,7 +200,8 @@ class Supervisor:
             return None
         group = WorkerGroup(0, self.count, self.directory)
         sources = [group.placements_endpoint(index) for index in range(self.count)]
-        return PeerRelay(self.settings.peer_bind, sources, self.settings.peer_key())
+        settings = self.settings
+        return PeerRelay(settings.peer_bind, sources, settings.peer_key(), settings.peer_accepted_key())
 
     async def _until_stopped(self, work: asyncio.Future[Any]) -> None:
         """Wait for ``work`` unless a stop signal comes first (then leave it cancelled)."""

@@ -223,6 +223,7 @@ def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine
         own_load=own_load,
         apply_load=apply_load,
         key=settings.peer_key(),
+        accepted_key=settings.peer_accepted_key(),
     )
     routing.on_placement(exchange.publish)
     pool.on_load_changed(exchange.load_changed)

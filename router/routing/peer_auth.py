@@ -14,6 +14,13 @@ exchange runs CURVE, encrypted both ways:
 A router without the secret, or with another, completes no handshake either way: it
 neither hears nor is heard (``kvroute_peer_handshakes_total`` and a warning say so). Unix
 links (the workers of one router, in a 0700 directory) do not use it.
+
+Rotating the secret (``--peer-accepted-secret-file``, a second secret): a router given
+one admits subscribers proving either pair, and its subscriber tries the other pair on a
+publisher that refuses its first (:class:`~kvroute.router.routing.zmq_handshakes.Handshakes`).
+Three rollouts then change the fleet's secret with every router hearing every other
+throughout: add the new secret as the accepted one; swap the two; drop the old one
+(``deploy/README.md``, "Rotating the peer secret").
 """
 
 from __future__ import annotations
@@ -42,14 +49,16 @@ def secure_subscriber(socket: zmq.Socket, key: PeerKey) -> None:
 
 
 class Gatekeeper:
-    """A context whose publishers are CURVE servers admitting only holders of one key pair.
+    """A context whose publishers are CURVE servers with ``key``, admitting only holders of
+    it or of ``accepted`` (the other secret while one is rotated).
 
     ZAP handlers are per context, one each: every secured publisher gets a context of its
     own (one more ZMQ I/O thread and the authenticator's thread, idle but at handshakes).
     """
 
-    def __init__(self, key: PeerKey) -> None:
+    def __init__(self, key: PeerKey, accepted: PeerKey | None = None) -> None:
         self._key = key
+        self._admitted = {key.public} | ({accepted.public} if accepted is not None else set())
         self.context = zmq.Context()
         self._authenticator = ThreadAuthenticator(self.context, log=log)
         self._authenticator.start()
@@ -69,7 +78,7 @@ class Gatekeeper:
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         """The ZAP decision (the authenticator's thread): the client's public key is the fleet's."""
-        if domain == ZAP_DOMAIN and client_key == self._key.public:
+        if domain == ZAP_DOMAIN and client_key in self._admitted:
             return True
         self.refused += 1
         now = time.monotonic()

@@ -52,7 +52,7 @@ import zmq
 import zmq.asyncio
 
 from kvroute.router.peer_key import PeerKey
-from kvroute.router.routing.peer_auth import Gatekeeper, secure_subscriber
+from kvroute.router.routing.peer_auth import Gatekeeper
 from kvroute.router.routing.peer_load import (
     HEARTBEAT_S,
     LOAD_HEAD,
@@ -138,8 +138,8 @@ class ZmqPublisher:
     address. Its sends never block and need no future; past :data:`SEND_HWM` messages
     queued for a peer, it drops for it."""
 
-    def __init__(self, endpoint: str, key: PeerKey | None = None) -> None:
-        self._gatekeeper = Gatekeeper(key) if key is not None else None
+    def __init__(self, endpoint: str, key: PeerKey | None = None, accepted: PeerKey | None = None) -> None:
+        self._gatekeeper = Gatekeeper(key, accepted) if key is not None else None
         socket = self._gatekeeper.publisher() if self._gatekeeper else zmq.Context.instance().socket(zmq.PUB)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -241,16 +241,19 @@ class PeerExchange:
         own_load: Callable[[], Mapping[str, BackendLoad]] | None = None,
         apply_load: Callable[[str, BackendLoad], None] | None = None,
         key: PeerKey | None = None,
+        accepted_key: PeerKey | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         """``own_load()``: this router's own requests in flight per backend, reported to the
         peers when :meth:`load_changed` says they changed; ``apply_load(url, load)``: the
         peers' sum for ``url`` changed to ``load``; ``key``: the fleet's CURVE key pair
-        (``--peer-secret-file``) for every ZMQ socket (None: plain ZMQ)."""
+        (``--peer-secret-file``) for every ZMQ socket (None: plain ZMQ); ``accepted_key``:
+        a second pair accepted as well while the secret is rotated (``peer_auth``)."""
         self._bind = bind
         self._peers = list(peers)
         self._apply = apply
         self._key = key
+        self._accepted_key = accepted_key if key is not None else None
         self._budget = ByteBudget(max_bytes_per_s)
         self._ctx = context or zmq.asyncio.Context.instance()
         self._pub: ZmqPublisher | None = None
@@ -296,7 +299,7 @@ class PeerExchange:
             self._unix_pub = UnixPublisher(path)
             await self._unix_pub.start()
         elif self._bind is not None:
-            self._pub = ZmqPublisher(self._bind, self._key)
+            self._pub = ZmqPublisher(self._bind, self._key, self._accepted_key)
         self._heartbeat = loop.call_later(HEARTBEAT_S, self._beat)
         deadline = loop.time() + timeout_s
         self.connect(self._peers)
@@ -320,6 +323,7 @@ class PeerExchange:
             "endpoint": self.endpoint,
             "curve": self._key is not None,
             "public_key": self._key.public.decode() if self._key is not None else None,
+            "accepted_public_key": self._accepted_key.public.decode() if self._accepted_key is not None else None,
             "peers": peers,
             "reporting_peers": self._peer_load.peers,
             "placements": asdict(self.stats),
@@ -361,10 +365,9 @@ class PeerExchange:
             sub.setsockopt(zmq.IPV6, 1)  # peers found by DNS may have IPv6 addresses
             sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
             sub.setsockopt(zmq.SUBSCRIBE, LOAD_TOPIC)
-            if self._key is not None:
-                secure_subscriber(sub, self._key)
             self._sub = sub
-            self._handshakes = Handshakes(sub)
+            keys = [key for key in (self._key, self._accepted_key) if key is not None]
+            self._handshakes = Handshakes(sub, keys)
             self._inbox = Inbox(sub, on_ready=self._receive)
         return self._handshakes
 

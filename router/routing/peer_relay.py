@@ -37,12 +37,15 @@ class RelayStats:
 class PeerRelay:
     """Binds ``bind`` and relays every message of the workers' Unix publishers ``sources``."""
 
-    def __init__(self, bind: str, sources: Sequence[str], key: PeerKey | None = None) -> None:
+    def __init__(
+        self, bind: str, sources: Sequence[str], key: PeerKey | None = None, accepted_key: PeerKey | None = None
+    ) -> None:
         paths = [unix_path(source) for source in sources]
         if unix_path(bind) is not None or None in paths:
             raise ValueError("the relay binds a ZMQ endpoint and reads unix:// publishers")
         self._bind = bind
         self._key = key
+        self._accepted_key = accepted_key
         self._paths = [path for path in paths if path is not None]
         self._pub: ZmqPublisher | None = None
         self._sub: UnixSubscriber | None = None
@@ -55,7 +58,7 @@ class PeerRelay:
 
     def start(self) -> None:
         """Bind, and connect to every worker's publisher (needs the running loop)."""
-        self._pub = ZmqPublisher(self._bind, self._key)
+        self._pub = ZmqPublisher(self._bind, self._key, self._accepted_key)
         self._sub = UnixSubscriber(self._relay, self._count_refused)
         self._sub.connect(self._paths)
 

@@ -11,6 +11,10 @@ the other without) or a refusal: it gives that endpoint up for good, so a router
 stay deaf to a peer that restarted with the right secret. Such an endpoint is connected
 again every :data:`RETRY_S`.
 
+With two key pairs (``--peer-accepted-secret-file``, while the fleet's secret is rotated),
+an endpoint whose handshake fails is connected again with the other pair after
+:data:`RETRY_S`: a peer may publish with either while the rollout runs.
+
 The monitor names a peer connected by host name (``tcp://router-b:5600``) by the address
 ZMQ resolved it to, so such names are resolved here too, and again whenever an event names
 an address not known yet (a peer that moved): its events count for the name.
@@ -23,13 +27,15 @@ import contextlib
 import functools
 import logging
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvroute.router.peer_key import PeerKey
+from kvroute.router.routing.peer_auth import secure_subscriber
 from kvroute.router.routing.peer_discovery import peer_endpoint, resolve_addresses
 
 log = logging.getLogger(__name__)
@@ -74,11 +80,17 @@ class HandshakeStats:
 
 
 class Handshakes:
-    """Connects ``socket`` (through :meth:`connect`) and follows its monitor from the
-    running loop until :meth:`close`."""
+    """Connects ``socket`` (through :meth:`connect`; with ``keys``, a CURVE client of
+    publishers holding the first or, failing that, the next) and follows its monitor from
+    the running loop until :meth:`close`."""
 
-    def __init__(self, socket: zmq.asyncio.Socket) -> None:
+    def __init__(self, socket: zmq.asyncio.Socket, keys: Sequence[PeerKey] = ()) -> None:
         self._socket = socket
+        self._keys = list(keys)
+        #: Per endpoint (:func:`address` form), which of ``keys`` it is connected with.
+        self._key_index: dict[str, int] = {}
+        #: Per endpoint, its handshakes failed since its last success (with any key).
+        self._misses: dict[str, int] = {}
         self._monitor = socket.get_monitor_socket(_EVENTS)
         self.stats = HandshakeStats()
         #: Endpoints (:func:`address` form) that completed a handshake at least once.
@@ -99,9 +111,9 @@ class Handshakes:
         self._task = self._loop.create_task(self._follow(), name="kvroute-peer-handshakes")
 
     def connect(self, endpoint: str) -> None:
-        self._socket.connect(endpoint)
         key = address(endpoint)
         self._endpoints[key] = endpoint
+        self._connect(key)
         if _by_name(key):
             self._resolve_names()
 
@@ -121,6 +133,8 @@ class Handshakes:
         for name in self._names_of(key):
             self._states.pop(name, None)
         self._endpoints.pop(key, None)
+        self._key_index.pop(key, None)
+        self._misses.pop(key, None)
         for alias in [alias for alias, owner in self._aliases.items() if owner == key]:
             del self._aliases[alias]
         retry = self._retries.pop(key, None)
@@ -173,31 +187,44 @@ class Handshakes:
             if before == CONNECTED:
                 self._states[endpoint] = (self._events, DISCONNECTED)
             return
-        failed_before = before.startswith("failed_")
+        owner = self._owner(endpoint) or endpoint
+        # One warning per peer until it works (ZMQ retries every ~100 ms), once every key failed.
+        warn_after = max(1, len(self._keys))
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._states[endpoint] = (self._events, CONNECTED)
             stats.succeeded += 1
             self.succeeded.add(endpoint)
-            if failed_before:
+            if self._misses.pop(owner, 0) >= warn_after:
                 log.info("peer exchange: handshake with %s succeeded", endpoint)
             self._changed.set()
             return
         failure = _FAILURES[event]
         setattr(stats, failure.name, getattr(stats, failure.name) + 1)
         self._states[endpoint] = (self._events, failure.name)
-        if failure.given_up:
+        if failure.given_up or len(self._keys) > 1:
             self._retry_later(endpoint)
-        if not failed_before:  # ZMQ retries every ~100 ms: one warning until it works
+        misses = self._misses[owner] = self._misses.get(owner, 0) + 1
+        if misses == warn_after:
             log.warning("peer exchange: handshake with %s failed (%s)", endpoint, failure.why)
 
     def _retry_later(self, endpoint: str) -> None:
-        """Connect again what ZMQ gave up: ``endpoint``, the host name it resolved from, or,
-        when it is neither (a name not resolved here yet), every one connected by name."""
-        owner = endpoint if endpoint in self._endpoints else self._aliases.get(endpoint)
+        """Connect again (with the next key, if there are two) what ZMQ gave up or refused:
+        ``endpoint``, the host name it resolved from, or, when it is neither (a name not
+        resolved here yet), every one connected by name."""
+        owner = self._owner(endpoint)
         known = [owner] if owner is not None else [key for key in self._endpoints if _by_name(key)]
         for key in known:
             if key not in self._retries:
                 self._retries[key] = self._loop.call_later(RETRY_S, self._retry, key)
+
+    def _owner(self, endpoint: str) -> str | None:
+        """The connected endpoint (:func:`address` form) the monitor means by ``endpoint``."""
+        return endpoint if endpoint in self._endpoints else self._aliases.get(endpoint)
+
+    def _connect(self, key: str) -> None:
+        if self._keys:  # ZMQ takes the socket's CURVE options as they are at connect
+            secure_subscriber(self._socket, self._keys[self._key_index.get(key, 0)])
+        self._socket.connect(self._endpoints[key])
 
     def _names_of(self, key: str) -> list[str]:
         """``key`` and the addresses it resolved to: the names the monitor may use for it."""
@@ -234,9 +261,11 @@ class Handshakes:
         endpoint = self._endpoints.get(key)
         if endpoint is None:
             return  # disconnected meanwhile
+        if len(self._keys) > 1:
+            self._key_index[key] = (self._key_index.get(key, 0) + 1) % len(self._keys)
         with contextlib.suppress(zmq.ZMQError):
             self._socket.disconnect(endpoint)
-        self._socket.connect(endpoint)
+        self._connect(key)
 
 
 def address(endpoint: str) -> str:

@@ -65,31 +65,32 @@ def router_deployment(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 def router_settings(items: list[dict[str, Any]], tmp_path: Path) -> Any:
     """The ConfigMap's config.yaml, loaded as ``kvroute serve --config`` loads it, with the
-    peers' secret mounted as the pod mounts it (under ``tmp_path``)."""
+    peers' secrets mounted as the pod mounts them (under ``tmp_path``)."""
     config = yaml.safe_load(one(items, "ConfigMap")["data"]["config.yaml"])
-    if "peer_secret_file" in config:
-        config["peer_secret_file"] = str(mounted_peer_secret(items, config["peer_secret_file"], tmp_path))
+    for setting in ("peer_secret_file", "peer_accepted_secret_file"):
+        if setting in config:
+            config[setting] = str(mounted_peer_secret(items, config[setting], tmp_path))
     config_file = tmp_path / "config.yaml"
     config_file.write_text(yaml.safe_dump(config))
     return load_settings(None, config_file)
 
 
 def mounted_peer_secret(items: list[dict[str, Any]], path: str, tmp_path: Path) -> Path:
-    """The file the router container sees at ``path``: the chart's Secret, or a stand-in
-    for one it names but does not create (``peers.existingSecret``)."""
+    """The file the router container sees at ``path``: a key of the chart's Secret, or a
+    stand-in for one it names but does not create (``peers.existingSecret``: the key's name,
+    repeated to 48 characters)."""
     spec = router_deployment(items)["spec"]["template"]["spec"]
     (container,) = spec["containers"]
     (mount,) = [mount for mount in container["volumeMounts"] if path.startswith(mount["mountPath"] + "/")]
     (volume,) = [volume for volume in spec["volumes"] if volume["name"] == mount["name"]]
-    ((item,),) = [volume["secret"]["items"]]
-    assert path == f"{mount['mountPath']}/{item['path']}"
+    (item,) = [item for item in volume["secret"]["items"] if path == f"{mount['mountPath']}/{item['path']}"]
     secrets = [
         secret
         for secret in by_kind(items).get("Secret", [])
         if secret["metadata"]["name"] == volume["secret"]["secretName"]
     ]
-    value = base64.b64decode(secrets[0]["data"][item["key"]]).decode() if secrets else "s" * 48
-    mounted = tmp_path / "peer-secret"
+    value = base64.b64decode(secrets[0]["data"][item["key"]]).decode() if secrets else (item["key"] * 48)[:48]
+    mounted = tmp_path / f"peer-{item['path']}"
     mounted.write_text(value)
     return mounted
 
@@ -287,9 +288,23 @@ def test_replicas_share_a_random_exchange_secret(tmp_path: Path) -> None:
 
     items = objects(render({"peers": {"auth": False}}))
     assert "Secret" not in by_kind(items) and router_settings(items, tmp_path).peer_secret_file is None
+    assert router_settings(items, tmp_path).peer_accepted_secret_file is None
     assert not [
         volume for volume in router_deployment(items)["spec"]["template"]["spec"]["volumes"] if "secret" in volume
     ]
+
+
+@pytest.mark.parametrize(
+    ("secret_key", "accepted_key"), [("secret", "next"), ("next", "secret"), ("next", "")], ids=["add", "swap", "drop"]
+)
+def test_a_secret_rotation_is_three_value_changes(secret_key: str, accepted_key: str, tmp_path: Path) -> None:
+    """``peers.secretKey`` and ``peers.acceptedSecretKey`` name the keys of one Secret the
+    pods mount as ``peer_secret_file`` and ``peer_accepted_secret_file``."""
+    values = {"peers": {"existingSecret": "fleet-peers", "secretKey": secret_key, "acceptedSecretKey": accepted_key}}
+    settings = router_settings(objects(render(values)), tmp_path)
+    assert settings.peer_key() == PeerKey.from_text((secret_key * 48)[:48])
+    expected = PeerKey.from_text((accepted_key * 48)[:48]) if accepted_key else None
+    assert settings.peer_accepted_key() == expected
 
 
 def selects(selector: dict[str, Any], item: dict[str, Any]) -> bool:

@@ -46,3 +46,22 @@ def test_settings_check_the_secret_file_at_start(tmp_path: Path) -> None:
     good = tmp_path / "secret"
     good.write_text(SECRET)
     assert load_settings({"backends": ["http://127.0.0.1:9"], "peer_secret_file": good}).peer_secret_file == good
+
+
+def test_an_accepted_secret_needs_the_secret_and_is_checked_at_start(tmp_path: Path) -> None:
+    good = tmp_path / "secret"
+    good.write_text(SECRET)
+    other = tmp_path / "next"
+    other.write_text(SECRET[::-1])
+    with pytest.raises(ConfigError, match="needs peer_secret_file"):
+        load_settings({"backends": ["http://127.0.0.1:9"], "peer_accepted_secret_file": other})
+    short = tmp_path / "short"
+    short.write_text("too short\n")
+    with pytest.raises(ConfigError, match="at least 32 characters"):
+        load_settings(
+            {"backends": ["http://127.0.0.1:9"], "peer_secret_file": good, "peer_accepted_secret_file": short}
+        )
+    settings = load_settings(
+        {"backends": ["http://127.0.0.1:9"], "peer_secret_file": good, "peer_accepted_secret_file": other}
+    )
+    assert settings.peer_accepted_key() == PeerKey.from_text(SECRET[::-1]) != settings.peer_key()

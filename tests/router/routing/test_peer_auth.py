@@ -194,6 +194,68 @@ def test_a_peer_restarted_with_the_secret_is_heard_again(monkeypatch: pytest.Mon
     asyncio.run(scenario())
 
 
+#: The three rollouts that change the fleet's secret from FLEET to OTHER: a router of one
+#: rollout and one of the next run side by side while it rolls.
+ROTATION = [(FLEET, None), (FLEET, OTHER), (OTHER, FLEET), (OTHER, None)]
+
+
+@pytest.mark.parametrize("step", range(len(ROTATION) - 1), ids=["add", "swap", "drop"])
+def test_routers_hear_each_other_at_every_step_of_a_secret_rotation(step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--peer-accepted-secret-file``: add the new secret as the accepted one, swap the
+    two, drop the old one; a router of each step and one of the next hear each other both
+    ways (a subscriber refused with its first key tries the other)."""
+    monkeypatch.setattr(zmq_handshakes, "RETRY_S", 0.2)
+
+    async def scenario() -> None:
+        routers: list[tuple[PeerExchange, list[Placement]]] = []
+        try:
+            for key, accepted in ROTATION[step : step + 2]:
+                received: list[Placement] = []
+                exchange = PeerExchange(
+                    bind="tcp://127.0.0.1:*",
+                    peers=[],
+                    apply=received.append,
+                    max_bytes_per_s=1e9,
+                    key=key,
+                    accepted_key=accepted,
+                )
+                await exchange.start()
+                routers.append((exchange, received))
+            (first, heard_by_first), (second, heard_by_second) = routers
+            assert first.endpoint is not None and second.endpoint is not None
+            first.connect([second.endpoint])
+            second.connect([first.endpoint])
+            await _publish_until_heard(first, heard_by_second)
+            await _publish_until_heard(second, heard_by_first)
+            for exchange, _ in routers:
+                assert list(exchange.status()["peers"].values()) == ["connected"]
+                assert exchange.handshake_counts()["refused"] == 0
+        finally:
+            for exchange, _ in routers:
+                await exchange.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_router_skipping_a_rotation_step_is_not_heard() -> None:
+    """A router still on the old secret alone does not hear one that publishes with the
+    new one (the rotation's second rollout starts once the first is done)."""
+
+    async def scenario() -> None:
+        swapped = await _publisher(OTHER)  # the "swap" step publishes with the new key...
+        assert swapped.endpoint is not None
+        received: list[Placement] = []
+        old = PeerExchange(bind=None, peers=[swapped.endpoint], apply=received.append, max_bytes_per_s=1e9, key=FLEET)
+        try:
+            assert not await old.start(wait_for=[swapped.endpoint], timeout_s=0.5)
+            assert old.handshake_counts()["succeeded"] == 0
+        finally:
+            await old.stop()
+            await swapped.stop()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("key", [FLEET, None], ids=["curve", "plain"])
 def test_a_peer_named_by_host_name_is_followed_under_its_name(key: PeerKey | None) -> None:
     """ZMQ's monitor names a peer connected as ``tcp://localhost:PORT`` by the address it

@@ -65,6 +65,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $config "peers_dns" (printf "%s-peers.%s.svc:%d" (include "kvroute.fullname" .) .Release.Namespace (int .Values.peers.port)) }}
 {{- if .Values.peers.auth }}
 {{- $_ := set $config "peer_secret_file" "/etc/kvroute-peers/secret" }}
+{{- if .Values.peers.acceptedSecretKey }}
+{{- $_ := set $config "peer_accepted_secret_file" "/etc/kvroute-peers/accepted" }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- toYaml (merge (deepCopy .Values.extraConfig) $config) }}
