@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 #: A conversation not seen for this long no longer counts in any backend's working set:
@@ -122,9 +122,13 @@ class WorkingSets:
         conversations = self._conversations
         # The leaves and anchors in the prompt, found in one pass in C (a first-seen or branched
         # 100K-token prompt's 6,300 blocks: ~0.25 ms, against ~0.65 ms walked in Python); a
-        # handful at most. The latest one whose conversation is still tracked is the one it continues.
-        for leaf in sorted(leaves.keys() & hashes, key=hashes.index, reverse=True):
-            found = conversations.get(leaves[leaf])
+        # handful at most, usually one conversation's. The latest one whose conversation is
+        # still tracked is the one it continues (ordering them scans the prompt once each).
+        blocks: Iterable[int] = leaves.keys() & hashes
+        if len({leaves[block] for block in blocks}) > 1:
+            blocks = sorted(blocks, key=hashes.index, reverse=True)
+        for block in blocks:
+            found = conversations.get(leaves[block])
             if found is not None:
                 return found
         if not hashes:
