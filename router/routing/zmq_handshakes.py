@@ -242,9 +242,9 @@ class Handshakes:
 
     async def _resolve(self) -> None:
         for key in [key for key in self._endpoints if _by_name(key)]:
-            host, _, port = key.removeprefix("tcp://").rpartition(":")
+            port = key.rpartition(":")[2]
             try:
-                resolved = await resolve_addresses(host, int(port))
+                resolved = await resolve_addresses(tcp_host(key), int(port))
             except (OSError, ValueError) as exc:
                 log.debug("peer exchange: cannot resolve %s: %r", key, exc)
                 continue
