@@ -353,7 +353,9 @@ class RouterMetrics:
                 "ZMQ handshakes with peer routers, by result (succeeded; failed_no_detail: the "
                 "peer dropped it, e.g. another --peer-secret-file; failed_protocol: e.g. one side "
                 "without it; failed_auth: the peer refused this router's key; refused: subscribers "
-                "this router refused for holding another key).",
+                "this router refused for holding another key; accepted: succeeded with "
+                "--peer-accepted-secret-file's key: while a rotation rolls, it grows; once no "
+                "router's does, the old secret can go).",
                 handshakes,
                 label="result",
             )

@@ -325,6 +325,7 @@ class PeerExchange:
             "public_key": self._key.public.decode() if self._key is not None else None,
             "accepted_public_key": self._accepted_key.public.decode() if self._accepted_key is not None else None,
             "peers": peers,
+            "peer_keys": self._handshakes.key_names() if self._handshakes is not None else {},
             "reporting_peers": self._peer_load.peers,
             "placements": asdict(self.stats),
             "load_reports": asdict(self.load_stats),
@@ -332,8 +333,9 @@ class PeerExchange:
         }
 
     def handshake_counts(self) -> dict[str, int]:
-        """The subscriber's handshakes with its ZMQ peers by outcome, and the subscribers
-        this router's publisher refused for holding another key."""
+        """The subscriber's handshakes with its ZMQ peers by outcome (``accepted``: those
+        that succeeded with the second key), and the subscribers this router's publisher
+        refused for holding another key."""
         counts = asdict(self._handshakes.stats) if self._handshakes is not None else asdict(HandshakeStats())
         counts["refused"] = self._pub.refused if self._pub is not None else 0
         return counts

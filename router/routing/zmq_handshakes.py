@@ -77,6 +77,8 @@ class HandshakeStats:
     failed_no_detail: int = 0
     failed_protocol: int = 0
     failed_auth: int = 0
+    #: Succeeded with the second (accepted) key pair.
+    accepted: int = 0
 
 
 class Handshakes:
@@ -126,6 +128,16 @@ class Handshakes:
             named = [self._states[name] for name in self._names_of(key) if name in self._states]
             states[endpoint] = max(named)[1] if named else CONNECTING
         return states
+
+    def key_names(self) -> dict[str, str]:
+        """With two key pairs, which each endpoint is connected with: ``secret`` (the first)
+        or ``accepted`` (the second); empty with one or none."""
+        if len(self._keys) < 2:
+            return {}
+        return {
+            endpoint: "accepted" if self._key_index.get(key, 0) else "secret"
+            for key, endpoint in self._endpoints.items()
+        }
 
     def disconnect(self, endpoint: str) -> None:
         """Stop connecting to ``endpoint`` (nothing if it was never connected)."""
@@ -193,6 +205,7 @@ class Handshakes:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._states[endpoint] = (self._events, CONNECTED)
             stats.succeeded += 1
+            stats.accepted += self._key_index.get(owner, 0) > 0
             self.succeeded.add(endpoint)
             if self._misses.pop(owner, 0) >= warn_after:
                 log.info("peer exchange: handshake with %s succeeded", endpoint)

@@ -227,9 +227,16 @@ def test_routers_hear_each_other_at_every_step_of_a_secret_rotation(step: int, m
             second.connect([first.endpoint])
             await _publish_until_heard(first, heard_by_second)
             await _publish_until_heard(second, heard_by_first)
-            for exchange, _ in routers:
-                assert list(exchange.status()["peers"].values()) == ["connected"]
-                assert exchange.handshake_counts()["refused"] == 0
+            # Only at the swap does each side hear the other with its second key.
+            swapped = step == 1
+            for (exchange, _), (_, accepted) in zip(routers, ROTATION[step : step + 2], strict=True):
+                status = exchange.status()
+                assert list(status["peers"].values()) == ["connected"]
+                assert list(status["peer_keys"].values()) == (
+                    [] if accepted is None else ["accepted" if swapped else "secret"]
+                )
+                counts = exchange.handshake_counts()
+                assert counts["refused"] == 0 and (counts["accepted"] >= 1) == swapped
         finally:
             for exchange, _ in routers:
                 await exchange.stop()
