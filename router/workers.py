@@ -196,11 +196,11 @@ class Supervisor:
 
     def _peer_relay(self) -> PeerRelay | None:
         """With ``--peer-bind``: the relay of every worker's placements and load reports."""
-        if self.settings.peer_bind is None:
+        settings = self.settings
+        if settings.peer_bind is None:
             return None
         group = WorkerGroup(0, self.count, self.directory)
         sources = [group.placements_endpoint(index) for index in range(self.count)]
-        settings = self.settings
         return PeerRelay(settings.peer_bind, sources, settings.peer_key(), settings.peer_accepted_key())
 
     async def _until_stopped(self, work: asyncio.Future[Any]) -> None:
