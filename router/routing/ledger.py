@@ -181,11 +181,13 @@ class WorkingSets:
         backend: str,
         prompt_tokens: int,
         leaf: int | None,
-        anchors: Sequence[int] = (),
+        chain: Sequence[int] = (),
+        block_size: int = 1,
     ) -> None:
-        """``conversation``'s request of ``prompt_tokens`` went to ``backend``; ``leaf`` and
-        ``anchors`` are hashes of its prompt's last full block and of the blocks at
-        :func:`anchor_positions`."""
+        """``conversation``'s request of ``prompt_tokens`` went to ``backend``; ``leaf`` is
+        the hash of its prompt's last full block; ``chain`` all its blocks' hashes (none with
+        a session key), whose blocks at :func:`anchor_positions` become its anchors (past
+        its shared prefix, in blocks of ``block_size`` tokens)."""
         now = self._clock()
         stays = conversation.counted and conversation.backend == backend
         if conversation.counted and not stays:
@@ -207,10 +209,11 @@ class WorkingSets:
         conversation.backend = backend
         conversation.tokens = size
         conversation.last_seen = now
-        if leaf != conversation.leaf:
+        if leaf != conversation.leaf:  # a new turn (a retry keeps its leaf and anchors)
             self._unlink(conversation)
             conversation.leaf = leaf
-            conversation.anchors = tuple(anchors)
+            shared_blocks = conversation.shared_tokens // block_size
+            conversation.anchors = tuple(chain[position] for position in anchor_positions(len(chain), shared_blocks))
             if not conversation.key.startswith("session:"):
                 for block in (*conversation.anchors, *(() if leaf is None else (leaf,))):
                     self._leaves[block] = conversation.key

@@ -61,7 +61,7 @@ from kvroute.router.routing import request_info
 from kvroute.router.routing.cache_model import CacheModel
 from kvroute.router.routing.decisions import RING_SIZE, DecisionRecorder
 from kvroute.router.routing.kv_events import KVEventsState
-from kvroute.router.routing.ledger import Conversation, WorkingSets, anchor_positions
+from kvroute.router.routing.ledger import Conversation, WorkingSets
 from kvroute.router.routing.peer_exchange import Placement
 from kvroute.router.routing.policies import (
     POLICIES,
@@ -187,11 +187,6 @@ class RoutingIndexStats:
 
     blocks: dict[str, int] = field(default_factory=dict)
     bytes: int = 0
-
-
-def _anchors(conversation: Conversation, chain: Sequence[int], block_size: int) -> list[int]:
-    """The hashes that find ``conversation`` besides its leaf (the ledger's anchors)."""
-    return [chain[position] for position in anchor_positions(len(chain), conversation.shared_tokens // block_size)]
 
 
 def _tokenize(tokenizer: RequestTokenizer, endpoint: str, body: Mapping[str, Any]) -> np.ndarray | None:
@@ -423,13 +418,8 @@ class RoutingEngine:
         chain = hashes.tolist() if placement.session_key is None else ()
         conversation = self._working_sets.find(placement.session_key, chain, shared)
         if conversation is not None:
-            anchors = _anchors(conversation, chain, placement.block_size)
             self._working_sets.record(
-                conversation,
-                placement.backend,
-                placement.prompt_tokens,
-                chain[-1] if chain else int(hashes[-1]),
-                anchors,
+                conversation, placement.backend, placement.prompt_tokens, int(hashes[-1]), chain, placement.block_size
             )
 
     def forget_backend(self, url: str) -> None:
@@ -566,8 +556,8 @@ class RoutingEngine:
         conversation = request.conversation
         if conversation is not None:
             leaf = prompt.hash_at(-1) if blocks else None
-            anchors = _anchors(conversation, prompt.hash_list, prompt.block_size) if request.session_key is None else []
-            self._working_sets.record(conversation, backend, prompt.tokens, leaf, anchors)
+            chain = prompt.hash_list if request.session_key is None else ()  # as route() found it by
+            self._working_sets.record(conversation, backend, prompt.tokens, leaf, chain, prompt.block_size)
 
     def _index_capacities(self, candidates: Sequence[BackendView]) -> dict[str, int]:
         """Per candidate with a known cache size, the tokens its index is bounded to."""

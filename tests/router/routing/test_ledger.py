@@ -48,7 +48,8 @@ def test_a_turn_that_rewrote_the_previous_tail_is_found_by_an_anchor() -> None:
     assert first is not None
     anchors = [prompt[position] for position in anchor_positions(len(prompt), 4)]
     assert anchors == [prompt[99 - depth] for depth in ANCHOR_DEPTHS]
-    working_sets.record(first, "http://b0", 1600, prompt[-1], anchors)
+    working_sets.record(first, "http://b0", 1600, prompt[-1], prompt, 16)
+    assert first.anchors == tuple(anchors)
     rewritten = prompt[:90] + list(range(900, 950))  # its last 10 blocks differ
     assert working_sets.find(None, rewritten, 1440) is first
     trimmed = prompt[:30] + list(range(900, 950))  # parts before every anchor: a new one
@@ -65,7 +66,8 @@ def test_no_anchor_lies_in_a_prefix_shared_with_others() -> None:
     system = list(range(50))
     alice = working_sets.find(None, [*system, 1000, 1001], 50 * 16)
     assert alice is not None
-    working_sets.record(alice, "http://b0", 52 * 16, 1001, [])
+    working_sets.record(alice, "http://b0", 52 * 16, 1001, [*system, 1000, 1001], 16)
+    assert alice.anchors == ()
     bob = working_sets.find(None, [*system, 2000, 2001], 50 * 16)
     assert bob is not alice
 
