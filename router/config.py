@@ -147,6 +147,11 @@ class BackendConfig(BaseModel):
         return [secret for secret in (self.api_key, self.password) if secret]
 
 
+def _key_in(path: Path | None) -> PeerKey | None:
+    """The key pair derived from the secret in ``path`` (None without a file)."""
+    return PeerKey.read(path) if path is not None else None
+
+
 class Settings(BaseSettings):
     """Every setting of ``kvroute serve``. Environment: ``KVROUTE_<FIELD>`` (upper case)."""
 
@@ -386,12 +391,11 @@ class Settings(BaseSettings):
 
     def peer_key(self) -> PeerKey | None:
         """The fleet's CURVE key pair from ``peer_secret_file`` (None without one)."""
-        return PeerKey.read(self.peer_secret_file) if self.peer_secret_file is not None else None
+        return _key_in(self.peer_secret_file)
 
     def peer_accepted_key(self) -> PeerKey | None:
         """The pair of the second secret (``peer_accepted_secret_file``), if any."""
-        path = self.peer_accepted_secret_file
-        return PeerKey.read(path) if path is not None else None
+        return _key_in(self.peer_accepted_secret_file)
 
     @field_validator("backends", mode="before")
     @classmethod
