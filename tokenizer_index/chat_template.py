@@ -15,6 +15,7 @@ the template loops over a message's ``content`` (a list of typed parts), else ``
 from __future__ import annotations
 
 import json
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -26,6 +27,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 ContentFormat = Literal["string", "openai"]
 
@@ -84,17 +86,49 @@ def strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-class _ChatSandbox(ImmutableSandboxedEnvironment):
-    """transformers' sandbox, answering its most frequent question without asking it.
+# What a plain dict answers as an attribute; any other name a template reads off a dict
+# (``message.role``) is one of its keys or undefined.
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+# Objects whose public attributes the general check always finds safe: not functions,
+# methods, types, frames or generators, and not known mutable containers.
+_PUBLIC_ATTRIBUTES_SAFE = (LoopContext, str, Namespace)
+_METHOD_TYPES = (types.MethodType, types.BuiltinMethodType)
+_FORMAT_METHODS = frozenset({"format", "format_map"})
 
-    Templates read ``loop.first``/``loop.last`` once per message; the general check
-    (internal attribute? does it mutate a known container, through four ABC instance
-    checks?) costs more than the rest of that message's render. A public attribute of a
-    loop is always safe, as the general check would also find.
+
+class _ChatSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, answering its most frequent questions without asking them.
+
+    Templates read ``message.role``, ``loop.last``, ``ns.flag`` and ``content.startswith``
+    once or more per message, and the general paths cost more than the rest of that
+    message's render: a dict's key read as an attribute first raises and catches
+    ``AttributeError``, and every other read runs the safety check (internal attribute?
+    does it mutate a known container, through four ABC instance checks?). The shortcuts
+    give the answers the general paths give (``tests/tokenizer_index/
+    test_chat_template_sandbox.py`` compares them).
     """
 
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        kind = type(obj)
+        if kind is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        if kind in _PUBLIC_ATTRIBUTES_SAFE and not attribute.startswith("_"):
+            try:
+                value = getattr(obj, attribute)
+            except AttributeError:
+                return super().getattr(obj, attribute)
+            # A str's format method (or one kept in a namespace) goes the general way,
+            # which sandboxes its formatting (at the read since Jinja 3.1.5, at the call before).
+            if isinstance(value, _METHOD_TYPES) and value.__name__ in _FORMAT_METHODS:
+                return super().getattr(obj, attribute)
+            return value
+        return super().getattr(obj, attribute)
+
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
-        if type(obj) is LoopContext:
+        if type(obj) in _PUBLIC_ATTRIBUTES_SAFE:
             return not attr.startswith("_")
         return super().is_safe_attribute(obj, attr, value)
 

@@ -39,6 +39,8 @@ ALL_TEMPLATES = {
     "llama3_index": LLAMA3_INDEX_TEMPLATE,
     "llama31": LLAMA31_STYLE_TEMPLATE,
     "qwen25": (REPO / "benchmarks" / "templates" / "qwen25_style.jinja").read_text(),
+    # Its messages' texts depend on the position of the last user query: rendered whole.
+    "qwen3": (REPO / "benchmarks" / "templates" / "qwen3_style.jinja").read_text(),
     "mistral": MISTRAL_STYLE_TEMPLATE,
     "openai_parts": OPENAI_PARTS_TEMPLATE,
 }
