@@ -265,12 +265,14 @@ class KVEventsState(enum.IntEnum):
 
     * ``APPROXIMATE`` (0): no usable stream (not configured, not connected yet, disconnected,
       or silent while requests were sent there); the approximate index answers for it.
-    * ``PRECISE`` (1): gap-free since the engine's first batch; the events answer.
+    * ``PRECISE`` (1): gap-free since the engine's first batch, or since it last emptied its
+      cache (``AllBlocksCleared``, e.g. ``POST /reset_prefix_cache``); the events answer.
     * ``RECOVERING`` (2): fetching batches missed in a gap from the replay socket; the
       events keep answering (they are right up to the gap).
     * ``PARTIAL`` (3): gap-free from now on, but part of the engine's history could not be
       replayed (the router joined late, or a gap outran the replay buffer): blocks seen in
-      events answer exactly, and the approximate index fills in for older blocks.
+      events answer exactly, and the approximate index fills in for older blocks, until
+      the engine empties its cache.
     """
 
     APPROXIMATE = 0
@@ -481,6 +483,12 @@ class KVEventSubscriber:
             self.stats.apply_errors += 1
             self._sink.clear_backend(self.backend)
             self._complete = False
+            return
+        if not self._complete and any(isinstance(event, AllBlocksCleared) for event in batch.events):
+            # The engine holds nothing from before this batch, and every batch since is
+            # applied: the history this stream missed no longer matters.
+            log.info("kv events of %s: the engine emptied its cache, the index is complete", self.backend)
+            self._complete = True
 
     def _engine_restarted(self) -> None:
         log.info("kv events of %s: engine restarted, clearing its blocks", self.backend)

@@ -60,9 +60,10 @@ def follow_kv_events(fleet: VllmFleet, *routers: RouterProcess, timeout_s: float
 
     A subscriber learns where a stream stands only from the next message, and ZMQ connects
     in the background: each reset (published with the engine's next step) makes both engines
-    send AllBlocksCleared, so resetting until every router leaves the approximate state leaves
-    them all holding exactly the engines' (empty) caches. Returns the states reached
-    (1 precise, 3 precise from now on with older history missing).
+    send AllBlocksCleared. A router that joined after the engine's replay buffer stopped
+    reaching back to its first batch is partial (3) until it applies such a clear, after
+    which it is precise (1), holding exactly the engines' (empty) caches: resetting until
+    every router is precise checks that on real vLLM. Returns the states reached.
     """
     deadline = time.monotonic() + timeout_s
     while True:
@@ -73,7 +74,7 @@ def follow_kv_events(fleet: VllmFleet, *routers: RouterProcess, timeout_s: float
         for router in routers:
             metrics = router.metrics()
             states += [metrics.get(f"kvroute_kv_events_state{{backend={url}}}", 0.0) for url in fleet.urls]
-        if all(state in (1.0, 3.0) for state in states):
+        if all(state == 1.0 for state in states):
             return states
         if time.monotonic() > deadline:
             logs = "\n".join(tail(router.log, 20) for router in routers)

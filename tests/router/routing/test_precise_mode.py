@@ -567,6 +567,32 @@ def test_gaps_without_a_replay_socket_clear_and_go_partial(
         assert running.match(prompt).get(sim.url, 0) <= sim.cached_tokens(prompt)
 
 
+def test_an_emptied_cache_completes_a_partial_stream(
+    evented_sims: Callable[..., list[EventedSim]],
+    running_index: Callable[..., RunningIndex],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (sim,) = evented_sims(1, block_size=8, kv_capacity_tokens=8 * 48)
+    monkeypatch.setattr("kvroute.router.routing.precise_index.KVEventSubscriber", DroppingSubscriber)
+    running = running_index([sim], replay=False)
+    running.go_live(sim)
+    _drop_next(running, sim, {2})
+    for prompt in workload(8, 12, 8):
+        sim.complete(prompt)
+    running.catch_up(sim)
+    assert running.state(sim) is KVEventsState.PARTIAL
+
+    # The engine drops everything it held, as after POST /reset_prefix_cache: every block it
+    # holds from then on was announced in a batch the router applied.
+    httpx.post(sim.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+    after = workload(9, 30, 8)
+    for prompt in after:
+        sim.complete(prompt)
+    running.catch_up(sim)
+    assert running.state(sim) is KVEventsState.PRECISE
+    assert_index_equals_engine(running, sim, after)
+
+
 def test_an_engine_restart_clears_its_blocks(
     evented_sims: Callable[..., list[EventedSim]], running_index: Callable[..., RunningIndex]
 ) -> None:
