@@ -136,6 +136,10 @@ class RoutePlan:
     prompt: PreparedPrompt | None = None
     #: The part of the prediction that completed requests put in the index.
     confirmed_cached_tokens: int = 0
+    #: The same, as the router's own model of the backend's cache (the approximate index)
+    #: predicted it: on a backend whose KV events predict exactly, the engine's report
+    #: checks this model (its capacity, its eviction rate) instead.
+    modelled_cached_tokens: int = 0
     serial: int = 0
 
     @property
@@ -329,13 +333,14 @@ class RoutingEngine:
         if prepared is None and self._tracking:
             prepared = self.prepare(endpoint, body)
         raw_matches: Mapping[str, int] = {}
+        modelled_matches: Mapping[str, int] = {}
         index: PrefixIndex | None = None
         if prepared is not None:
             size = prepared.block_size
             index = self._index_for(size, candidates)
-            raw_matches = index.match_hashes(prepared.hashes)
+            modelled_matches = raw_matches = index.match_hashes(prepared.hashes)
             if prepared.precise is not None and self._precise is not None:
-                raw_matches = self._precise.match(prepared.precise, raw_matches)
+                raw_matches = self._precise.match(prepared.precise, modelled_matches)
             # Engines compute a prompt's last token even when all of it is cached.
             cacheable = (prepared.tokens - 1) // size * size
             request.prompt_tokens = prepared.tokens
@@ -360,7 +365,7 @@ class RoutingEngine:
             decision = policy.choose(request, candidates)
         plan = RoutePlan(decision=decision, policy=label, request=request, prompt=prepared, serial=serial)
         if prepared is not None and index is not None:
-            self._learn(plan, index, raw_matches.get(decision.backend, 0) // prepared.block_size)
+            self._learn(plan, index, raw_matches.get(decision.backend, 0), modelled_matches.get(decision.backend, 0))
             if prepared.precise is not None and self._precise is not None:
                 self._precise.speculate(decision.backend, prepared.precise)
         return plan
@@ -377,9 +382,11 @@ class RoutingEngine:
         feedback.observed_tokens += cached_tokens
         size = prompt.block_size
         backend = plan.backend
-        precise = self._precise is not None and self._precise.state(backend) is not KVEventsState.APPROXIMATE
-        drifted = plan.confirmed_cached_tokens - cached_tokens >= size
-        if plan.confirmed_cached_tokens >= size and not precise:
+        # The engine checks the router's own model of its cache, also where KV events made
+        # the prediction exact: the model's evictions weigh the capacity term on every backend.
+        modelled = plan.modelled_cached_tokens
+        drifted = modelled - cached_tokens >= size
+        if modelled >= size:
             self.cache_model.answered(backend, evicted=drifted)
         if not drifted:
             return
@@ -390,9 +397,9 @@ class RoutingEngine:
         # The engine computed the whole prompt: it holds every full block now, head most recent.
         index.insert_hashes(backend, prompt.hashes)
         configured = self._configured_tokens.get(backend)
-        if precise or configured is None:
-            return  # KV events keep that index exact; an unknown capacity has nothing to correct
-        missing = plan.confirmed_cached_tokens - cached_tokens
+        if configured is None:
+            return  # an unknown capacity has nothing to correct
+        missing = modelled - cached_tokens
         self.cache_model.shortfall(backend, configured, self.index_tokens(backend), missing)
         feedback.capacity_corrections += 1
         self._apply_capacity(index, size, backend, configured)
@@ -532,16 +539,26 @@ class RoutingEngine:
             index.set_capacity(url, blocks)
             self._capacities[key] = blocks
 
-    def _learn(self, plan: RoutePlan, index: PrefixIndex, matched_blocks: int) -> None:
-        """Insert the request's blocks for its backend; track the blocks it computes."""
+    def _learn(self, plan: RoutePlan, index: PrefixIndex, matched: int, modelled: int) -> None:
+        """Insert the request's blocks for its backend; track the blocks it computes.
+
+        ``matched``: the tokens of the prompt the backend holds, as predicted; ``modelled``:
+        as the approximate index alone predicted them (the same unless KV events answered).
+        """
         backend = plan.backend
         prompt = plan.prompt
         assert prompt is not None
         blocks = len(prompt.hashes)
+        matched_blocks = matched // prompt.block_size
         # The prediction counts as confirmed up to the first block a request still in flight put there.
         request = plan.request
         still_computing = request.computing_tokens.get(backend, 0)
         plan.confirmed_cached_tokens = plan.predicted_cached_tokens - still_computing
+        if modelled == matched:
+            plan.modelled_cached_tokens = plan.confirmed_cached_tokens
+        else:
+            cacheable = (prompt.tokens - 1) // prompt.block_size * prompt.block_size
+            plan.modelled_cached_tokens = max(0, min(modelled, cacheable) - still_computing)
         if blocks > matched_blocks:
             first_new = (matched_blocks, prompt.hash_at(matched_blocks))
             self._computing.setdefault(backend, {})[plan.serial] = first_new
@@ -569,13 +586,10 @@ class RoutingEngine:
         return capacities
 
     def _eviction_rates(self, candidates: Sequence[BackendView]) -> dict[str, float]:
-        """Per candidate whose answers check the index (not those on KV events: their index
-        is exact, so an eviction never shows as a shortfall), its recent eviction rate."""
+        """Per candidate whose answers checked the model of its cache, its recent eviction rate."""
         rates: dict[str, float] = {}
         for backend in candidates:
             url = backend.url
-            if self._precise is not None and self._precise.state(url) is not KVEventsState.APPROXIMATE:
-                continue
             rate = self.cache_model.eviction_rate(url)
             if rate is not None:
                 rates[url] = rate

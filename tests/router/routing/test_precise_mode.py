@@ -292,6 +292,36 @@ def test_the_routing_engine_predicts_from_events_with_the_engines_block_size() -
     assert stats.blocks["http://b0"] == 2 and stats.bytes > 0
 
 
+def test_on_a_precise_backend_the_engines_report_checks_the_routers_own_model() -> None:
+    """Events make the prediction exact, so an eviction can only show against the router's
+    own model of the cache (the approximate index beside them). Its eviction rate weighs
+    the capacity term on a precise backend as on any other (it used to count in full there,
+    which kept 2 x 8K-token sims at 0.741-0.747 in lockstep against 0.784-0.788 approximate)."""
+    precise = precise_index("http://b0")
+    routing = RoutingEngine(Settings(policy="cache_aware"), precise=precise)
+    backends = [Backend("http://b0", capacity_tokens=4096)]
+    precise.apply_events("http://b0", [stored([1], tokens(29, 32), block_size=32)])  # its block size
+    prompt = tokens(30, 96)
+    first = routing.route("/v1/completions", {"model": "sim", "prompt": prompt, "max_tokens": 4}, {}, backends)
+    assert (first.predicted_cached_tokens, first.modelled_cached_tokens) == (0, 0)
+    routing.observe(first, 0)
+    # The engine stored the prompt's three blocks and has evicted them since.
+    precise.apply_events(
+        "http://b0", [stored([2, 3, 4], prompt, block_size=32), BlockRemoved(block_hashes=[2, 3, 4])]
+    )
+    body = {"model": "sim", "prompt": prompt + tokens(31, 40), "max_tokens": 4}
+    second = routing.route("/v1/completions", body, {}, backends)
+    assert second.predicted_cached_tokens == 0  # exact: nothing is left
+    assert second.modelled_cached_tokens == 96  # the router's model still holds all of it
+    assert routing.cache_model.eviction_rate("http://b0") is None
+    routing.observe(second, 0)
+    rate = routing.cache_model.eviction_rate("http://b0")
+    assert rate is not None and rate > 0
+    assert routing.feedback.drifts == 1  # and the model corrected its capacity
+    third = routing.route("/v1/completions", {"model": "sim", "prompt": tokens(32, 64)}, {}, backends)
+    assert third.request.eviction_rates == {"http://b0": rate}
+
+
 # --------------------------------------------------------------------------- with sim engines
 
 
