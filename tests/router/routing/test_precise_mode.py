@@ -306,9 +306,7 @@ def test_on_a_precise_backend_the_engines_report_checks_the_routers_own_model() 
     assert (first.predicted_cached_tokens, first.modelled_cached_tokens) == (0, 0)
     routing.observe(first, 0)
     # The engine stored the prompt's three blocks and has evicted them since.
-    precise.apply_events(
-        "http://b0", [stored([2, 3, 4], prompt, block_size=32), BlockRemoved(block_hashes=[2, 3, 4])]
-    )
+    precise.apply_events("http://b0", [stored([2, 3, 4], prompt, block_size=32), BlockRemoved(block_hashes=[2, 3, 4])])
     body = {"model": "sim", "prompt": prompt + tokens(31, 40), "max_tokens": 4}
     second = routing.route("/v1/completions", body, {}, backends)
     assert second.predicted_cached_tokens == 0  # exact: nothing is left
