@@ -4,6 +4,10 @@ and a precise arrangement run for real on evented sims."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
 import pytest
 
 from kvroute.benchmarks import multi_router
@@ -11,6 +15,7 @@ from kvroute.benchmarks.bench import RunSettings
 from kvroute.benchmarks.fleet import FleetError, KVEventEndpoints, SimFleet, SimSpec
 from kvroute.benchmarks.multi_router import Arrangement, arrangements, run_one
 from kvroute.benchmarks.workloads import WorkloadOptions, make_workloads
+from tests.servers import SimServer
 
 #: Sims at 20x real time, replayed at the same pace.
 SETTINGS = RunSettings(speedup=20, max_in_flight=64, time_scale=20)
@@ -75,3 +80,25 @@ def test_precise_over_external_engines_needs_their_endpoints(capsys: pytest.Capt
         multi_router.main(["--index", "precise", "--engine", "http://127.0.0.1:1,http://127.0.0.1:2"])
     assert exit_.value.code == 2
     assert "--kv-events-endpoints" in capsys.readouterr().err
+
+
+def test_refused_runs_are_counted_and_the_series_goes_on(
+    sim_engines: Callable[..., list[SimServer]], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Engines whose events no router can read: every precise run is refused, each with its
+    reason on stderr, the series runs every round anyway, the table and JSON count the
+    refusals, and the exit status says an arrangement has no figures."""
+    (sim,) = sim_engines(1, time_scale=20)
+    code = multi_router.main(
+        [
+            *("--engine", sim.url, "--index", "precise", "--routers", "1", "--repeat", "2"),
+            *("--kv-events-endpoints", "tcp://127.0.0.1:1", "--workload", "system-prompt", "--users", "2"),
+            *("--turns", "2", "--system-tokens", "200", "--out", str(tmp_path)),
+        ]
+    )
+    output = capsys.readouterr()
+    assert code == 1
+    assert output.err.count("one router, precise: refused") == 2
+    assert "| system-prompt | one router, precise (2 of 2 refused) | — |" in output.out
+    [row] = orjson.loads((tmp_path / "multi_router.json").read_bytes())
+    assert (row["refused"], row["hit_rates"], row["hit_rate"]) == (2, [], None)
