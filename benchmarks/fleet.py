@@ -470,13 +470,28 @@ async def scrape(client: aiohttp.ClientSession, url: str) -> dict[str, float]:
     return totals
 
 
-async def kv_events_states(url: str) -> dict[str, int]:
-    """A router's ``kvroute_kv_events_state`` per backend (1: precise, its events answer)."""
+@dataclass(frozen=True, slots=True)
+class KVEventStreams:
+    """A router's KV-event streams as its ``/metrics`` show them, per backend."""
+
+    #: ``kvroute_kv_events_state`` (1: precise, its events answer).
+    states: dict[str, int]
+    #: ``kvroute_kv_events_total`` by event (messages, gaps, disconnects, ...).
+    counts: dict[str, dict[str, int]]
+
+
+async def kv_event_streams(url: str) -> KVEventStreams:
+    """What a router's ``/metrics`` say of its KV-event streams."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
         samples = await _samples(client, url + "/metrics")
-    return {
-        sample.labels["backend"]: int(sample.value) for sample in samples if sample.name == "kvroute_kv_events_state"
-    }
+    states: dict[str, int] = {}
+    counts: dict[str, dict[str, int]] = {}
+    for sample in samples:
+        if sample.name == "kvroute_kv_events_state":
+            states[sample.labels["backend"]] = int(sample.value)
+        elif sample.name == "kvroute_kv_events_total" and sample.value:
+            counts.setdefault(sample.labels["backend"], {})[sample.labels["event"]] = int(sample.value)
+    return KVEventStreams(states, counts)
 
 
 def _first(samples: dict[str, float], *names: str) -> float:

@@ -193,11 +193,14 @@ async def _check_precise(routers: Sequence[fleets.ManagedProcess], backends: Seq
     (state 1; ``--workers``: the highest of its workers'), or the run measured approximate
     routing."""
     for router in routers:
-        states = await fleets.kv_events_states(router.url)
+        streams = await fleets.kv_event_streams(router.url)
+        states = streams.states
         lost = [url for url in backends if states.get(url) != PRECISE]
         if lost:
+            counts = {url: streams.counts.get(url, {}) for url in lost}
             raise NotPrecise(
-                f"{router.name}: not precise for {lost} at the end of the run ({states}); its log:\n{router.log_tail()}"
+                f"{router.name}: not precise for {lost} at the end of the run ({states}; their streams' "
+                f"counters {counts}); its log:\n{router.log_tail()}"
             )
 
 

@@ -285,6 +285,27 @@ class _EventCounters:
         yield family
 
 
+class _BackendEventCounters:
+    """``kvroute_kv_events_total{backend,event}``, read from the streams at scrape time."""
+
+    def __init__(self, counts: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "kvroute_kv_events",
+            "KV-event stream counters per backend, by event: messages and events applied, gaps "
+            "and the batches replayed for them, unrecoverable_gaps, restarts (engine restarts "
+            "seen), disconnects, replay_failures, apply_errors, and what the decoder skipped "
+            "(malformed_messages, malformed_events, unknown_events).",
+            labels=["backend", "event"],
+        )
+        for backend, events in self._counts().items():
+            for event, count in events.items():
+                family.add_metric([backend, event], count)
+        yield family
+
+
 class RouterMetrics:
     """Every metric of the router, in its own :class:`CollectorRegistry`."""
 
@@ -360,6 +381,10 @@ class RouterMetrics:
                 label="result",
             )
         )
+
+    def watch_kv_events(self, counts: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+        """Export each KV-event stream's counters (``--kv-events``), per backend and event."""
+        self.registry.register(_BackendEventCounters(counts))
 
     # --- hot path ----------------------------------------------------------------------
     def record_request(self, outcome: AttemptOutcome) -> None:

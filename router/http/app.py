@@ -250,6 +250,7 @@ def _precise_index(settings: Settings, pool: BackendPool, metrics: RouterMetrics
     """The KV-event index, following the pool and exporting each stream's state."""
     gauge = metrics.kv_events_state
     precise = PreciseIndex.from_settings(settings, on_state=lambda url, kv_state: gauge.labels(url).set(int(kv_state)))
+    metrics.watch_kv_events(precise.stream_counts)
     pool.on_added(lambda backend: precise.add_backend(backend.url, backend.kv_events_endpoint))
     pool.on_removed(lambda backend: precise.remove_backend(backend.url))
     return precise

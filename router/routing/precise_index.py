@@ -45,7 +45,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -584,6 +584,14 @@ class PreciseIndex:
     def subscriber(self, backend_url: str) -> KVEventSubscriber | None:
         """The backend's subscriber (for its counters), if it has one."""
         return self._subscribers.get(backend_url)
+
+    def stream_counts(self) -> dict[str, dict[str, int]]:
+        """Per backend with a subscriber, its stream's counters by name (messages, gaps,
+        disconnects, ...; what its decoder skipped included), for ``/metrics``."""
+        return {
+            url: asdict(subscriber.stats) | asdict(subscriber.decoder.stats)
+            for url, subscriber in self._subscribers.items()
+        }
 
     async def start(self) -> None:
         """Start every subscriber and the silence watchdog (needs the running loop); once."""

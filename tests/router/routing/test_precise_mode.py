@@ -762,6 +762,9 @@ def test_two_routers_serving_the_same_engines_converge_and_decide_alike(
         for scrape in scrapes:
             assert scrape.value("kvroute_index_blocks", backend=sim.url) == engine_blocks
             assert scrape.value("kvroute_kv_events_state", backend=sim.url) == KVEventsState.PRECISE
+            # The stream's counters: every batch the engine published was applied, none lost.
+            assert scrape.value("kvroute_kv_events_total", backend=sim.url, event="messages") == sim.published()
+            assert scrape.value("kvroute_kv_events_total", backend=sim.url, event="unrecoverable_gaps") == 0
     # The same request, asked of each router: the same backend, the same prediction. The
     # requests are prompts an engine holds whole, so answering them stores nothing new and
     # the engines (and both indexes) stay as they are between the two routers' answers.
