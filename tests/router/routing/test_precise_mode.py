@@ -574,21 +574,35 @@ def test_dropped_messages_are_recovered_by_replay(
     assert running.state(sim) is KVEventsState.PRECISE
 
 
+def _partial_stream(
+    evented_sims: Callable[..., list[EventedSim]],
+    running_index: Callable[..., RunningIndex],
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    lost: int,
+    seed: int,
+) -> tuple[EventedSim, RunningIndex, DroppingSubscriber, list[list[int]]]:
+    """A sim's stream without a replay socket that loses its ``lost``-th next batch while 12
+    prompts of ``workload(seed)`` are served: partial from then on."""
+    (sim,) = evented_sims(1, block_size=8, kv_capacity_tokens=8 * 48)
+    monkeypatch.setattr("kvroute.router.routing.precise_index.KVEventSubscriber", DroppingSubscriber)
+    running = running_index([sim], replay=False)
+    running.go_live(sim)
+    subscriber = _drop_next(running, sim, {lost})
+    prompts = workload(seed, 12, 8)
+    for prompt in prompts:
+        sim.complete(prompt)
+    running.catch_up(sim)
+    assert running.state(sim) is KVEventsState.PARTIAL
+    return sim, running, subscriber, prompts
+
+
 def test_gaps_without_a_replay_socket_clear_and_go_partial(
     evented_sims: Callable[..., list[EventedSim]],
     running_index: Callable[..., RunningIndex],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    (sim,) = evented_sims(1, block_size=8, kv_capacity_tokens=8 * 48)
-    monkeypatch.setattr("kvroute.router.routing.precise_index.KVEventSubscriber", DroppingSubscriber)
-    running = running_index([sim], replay=False)
-    running.go_live(sim)
-    subscriber = _drop_next(running, sim, {3})
-    prompts = workload(4, 12, 8)
-    for prompt in prompts:
-        sim.complete(prompt)
-    running.catch_up(sim)
-    assert running.state(sim) is KVEventsState.PARTIAL
+    sim, running, subscriber, prompts = _partial_stream(evented_sims, running_index, monkeypatch, lost=3, seed=4)
     assert running.call(lambda: subscriber.stats.unrecoverable_gaps) == 1
     # Cleared at the gap: whatever it still holds, the engine holds too.
     for prompt in prompts:
@@ -600,16 +614,7 @@ def test_an_emptied_cache_completes_a_partial_stream(
     running_index: Callable[..., RunningIndex],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    (sim,) = evented_sims(1, block_size=8, kv_capacity_tokens=8 * 48)
-    monkeypatch.setattr("kvroute.router.routing.precise_index.KVEventSubscriber", DroppingSubscriber)
-    running = running_index([sim], replay=False)
-    running.go_live(sim)
-    _drop_next(running, sim, {2})
-    for prompt in workload(8, 12, 8):
-        sim.complete(prompt)
-    running.catch_up(sim)
-    assert running.state(sim) is KVEventsState.PARTIAL
-
+    sim, running, _, _ = _partial_stream(evented_sims, running_index, monkeypatch, lost=2, seed=8)
     # The engine drops everything it held, as after POST /reset_prefix_cache: every block it
     # holds from then on was announced in a batch the router applied.
     httpx.post(sim.url + "/reset_prefix_cache", timeout=30).raise_for_status()
