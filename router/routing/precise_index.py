@@ -585,6 +585,16 @@ class PreciseIndex:
         """The backend's subscriber (for its counters), if it has one."""
         return self._subscribers.get(backend_url)
 
+    def expect_block_size(self, backend: str, block_size: int) -> None:
+        """The engine's block size as its metrics state it: index the backend under it until
+        a stored event says otherwise, so that the blocks of the first requests routed there
+        are held speculatively before the engine has announced any. Ignored once events have
+        told it, and for a backend that is not tracked."""
+        known = self._backends.get(backend)
+        if known is None or known.block_size is not None or block_size <= 0:
+            return
+        self._use_block_size(backend, known, block_size)
+
     def stream_counts(self) -> dict[str, dict[str, int]]:
         """Per backend with a subscriber, its stream's counters by name (messages, gaps,
         disconnects, ...; what its decoder skipped included), for ``/metrics``."""

@@ -450,6 +450,8 @@ class RoutingEngine:
         """Listener for :mod:`kvroute.router.fleet.engine_stats`: learns each engine's block size."""
         if stats.block_size:
             self._engine_block_sizes[url] = stats.block_size
+            if self._precise is not None:
+                self._precise.expect_block_size(url, stats.block_size)
 
     # --- internals -----------------------------------------------------------------------
     def _policy(self, label: str) -> Policy:

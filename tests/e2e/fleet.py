@@ -126,6 +126,16 @@ class VllmFleet:
             )
             assert response.status_code == 200, f"{url}/v1/completions: {response.status_code} {response.text}"
 
+    def store_blocks(self, seed: int) -> None:
+        """Make each engine compute and cache a fresh prompt of a few blocks (token ids from
+        ``seed``), so that it publishes a batch of stored-block events."""
+        prompt = [100 + (seed * 7919 + position * 104729) % 1000 for position in range(4 * BLOCK_SIZE)]
+        for url in self.urls:
+            response = httpx.post(
+                url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=60
+            )
+            assert response.status_code == 200, f"{url}/v1/completions: {response.status_code} {response.text}"
+
     def prefix_cache_counters(self) -> tuple[float, float]:
         """(hits, queries) in tokens, summed over the replicas' vLLM metrics.
 
@@ -256,12 +266,13 @@ class RouterProcess:
 
 
 def launch_router(
-    fleet: VllmFleet, workdir: Path, policy: str, precise: bool = False, **settings: Any
+    fleet: VllmFleet, workdir: Path, policy: str, precise: bool = False, replay: bool = True, **settings: Any
 ) -> RouterProcess:
     """A healthy ``kvroute serve`` subprocess in front of ``fleet`` (the caller stops it).
 
-    ``precise`` turns on ``--kv-events`` with each replica's event and replay endpoints;
-    ``settings`` are further Settings fields, written with the rest into a --config file.
+    ``precise`` turns on ``--kv-events`` with each replica's event endpoint and, with
+    ``replay``, its replay endpoint; ``settings`` are further Settings fields, written with
+    the rest into a --config file.
     """
     (port,) = free_ports(1)
     backends: list[dict[str, str]] = []
@@ -269,7 +280,8 @@ def launch_router(
         backend = {"url": replica.url}
         if precise:
             backend["kv_events_endpoint"] = replica.events_endpoint
-            backend["kv_events_replay_endpoint"] = replica.replay_endpoint
+            if replay:
+                backend["kv_events_replay_endpoint"] = replica.replay_endpoint
         backends.append(backend)
     config = {
         "host": "127.0.0.1",

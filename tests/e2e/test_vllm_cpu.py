@@ -148,6 +148,31 @@ def test_precise_mode_matches_cached_tokens_under_eviction(
     assert run.agreement() >= 0.99, f"predicted != reported (session, turn, predicted, vLLM): {misses}"
 
 
+def test_a_router_that_missed_the_engines_history_is_precise_after_a_reset(
+    vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]
+) -> None:
+    """A precise router without the replay sockets, started after the engines published, is
+    partial (3: blocks stored before it joined are unknown) until the engines empty their
+    caches; their AllBlocksCleared makes it precise (1), and it then predicts what vLLM
+    reports."""
+    vllm_fleet.store_blocks(seed=1)  # history this router never sees
+    router = kvroute("cache_aware", precise=True, replay=False)
+    deadline = time.monotonic() + 60
+    states: list[float] = []
+    for seed in range(2, 200):
+        vllm_fleet.store_blocks(seed)  # batches it does see, after a gap it cannot fill
+        time.sleep(0.3)
+        metrics = router.metrics()
+        states = [metrics.get(f"kvroute_kv_events_state{{backend={url}}}", 0.0) for url in vllm_fleet.urls]
+        if states == [3.0, 3.0] or time.monotonic() > deadline:
+            break
+    assert states == [3.0, 3.0], f"the router should be partial on both engines: {states}\n{tail(router.log, 20)}"
+    follow_kv_events(vllm_fleet, router)  # resets until both streams are precise
+    run = run_workload(vllm_fleet, router, conversation_workload(users=4, turns=3, seed=31))
+    report(describe("cache_aware (precise, joined late)", run))
+    assert run.agreement() >= 0.99
+
+
 def test_two_precise_routers_hold_the_same_index(vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]) -> None:
     first = kvroute("cache_aware", precise=True)
     second = kvroute("cache_aware", precise=True)

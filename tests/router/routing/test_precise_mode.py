@@ -24,6 +24,7 @@ import pytest
 
 from kvroute.router.config import Settings
 from kvroute.router.fleet.backends import Backend
+from kvroute.router.fleet.engine_stats import EngineStats
 from kvroute.router.routing.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -290,6 +291,28 @@ def test_the_routing_engine_predicts_from_events_with_the_engines_block_size() -
     assert routing.route("/v1/completions", longer, {}, backends).predicted_cached_tokens == 64
     stats = routing.index_stats()
     assert stats.blocks["http://b0"] == 2 and stats.bytes > 0
+
+
+def test_the_engines_metrics_tell_the_block_size_before_its_first_event() -> None:
+    """Before an engine has stored anything, its block size from its metrics (vLLM's
+    ``cache_config_info``) lets the router hold the first requests' blocks speculatively:
+    a burst of prompts sharing a prefix predicts it from the second on, as vLLM, which
+    shares blocks of running requests, will report (the e2e tier's first turns did not)."""
+    precise = precise_index("http://b0")
+    routing = RoutingEngine(Settings(policy="cache_aware"), precise=precise)
+    backends = [Backend("http://b0")]
+    shared = tokens(40, 96)
+    first = {"model": "sim", "prompt": shared + tokens(41, 8), "max_tokens": 4}
+    second = {"model": "sim", "prompt": shared + tokens(42, 8), "max_tokens": 4}
+    assert routing.route("/v1/completions", first, {}, backends).predicted_cached_tokens == 0
+    assert routing.route("/v1/completions", second, {}, backends).predicted_cached_tokens == 0  # no block size yet
+    routing.update_engine_stats("http://b0", EngineStats(kind="vllm", block_size=32))
+    assert precise.engine_block_size == 32
+    routing.route("/v1/completions", first, {}, backends)
+    assert routing.route("/v1/completions", second, {}, backends).predicted_cached_tokens == 96
+    # The first stored event confirms it; one of another size would start the backend over.
+    precise.apply_events("http://b0", [stored([1], tokens(43, 32), block_size=32)])
+    assert precise.engine_block_size == 32
 
 
 def test_on_a_precise_backend_the_engines_report_checks_the_routers_own_model() -> None:
