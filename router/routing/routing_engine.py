@@ -116,6 +116,12 @@ class PreparedPrompt:
             object.__setattr__(self, "_hash_list", hashes)  # a cache: frozen for everything else
         return hashes
 
+    @property
+    def cacheable_tokens(self) -> int:
+        """The most an engine reports cached: whole blocks, never the one holding the last
+        token (an engine computes it even when all of the prompt is cached)."""
+        return (self.tokens - 1) // self.block_size * self.block_size
+
     def hash_at(self, position: int) -> int:
         """One block's hash as a Python int, without converting the others.
 
@@ -341,8 +347,7 @@ class RoutingEngine:
             modelled_matches = raw_matches = index.match_hashes(prepared.hashes)
             if prepared.precise is not None and self._precise is not None:
                 raw_matches = self._precise.match(prepared.precise, modelled_matches)
-            # Engines compute a prompt's last token even when all of it is cached.
-            cacheable = (prepared.tokens - 1) // size * size
+            cacheable = prepared.cacheable_tokens
             request.prompt_tokens = prepared.tokens
             request.matched_tokens = {url: min(tokens, cacheable) for url, tokens in raw_matches.items()}
             request.computing_tokens = self._computing_tokens(request.matched_tokens, prepared)
@@ -556,11 +561,11 @@ class RoutingEngine:
         request = plan.request
         still_computing = request.computing_tokens.get(backend, 0)
         plan.confirmed_cached_tokens = plan.predicted_cached_tokens - still_computing
-        if modelled == matched:
-            plan.modelled_cached_tokens = plan.confirmed_cached_tokens
-        else:
-            cacheable = (prompt.tokens - 1) // prompt.block_size * prompt.block_size
-            plan.modelled_cached_tokens = max(0, min(modelled, cacheable) - still_computing)
+        plan.modelled_cached_tokens = (
+            plan.confirmed_cached_tokens
+            if modelled == matched
+            else max(0, min(modelled, prompt.cacheable_tokens) - still_computing)
+        )
         if blocks > matched_blocks:
             first_new = (matched_blocks, prompt.hash_at(matched_blocks))
             self._computing.setdefault(backend, {})[plan.serial] = first_new

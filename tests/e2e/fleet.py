@@ -120,16 +120,15 @@ class VllmFleet:
         """Make each engine run one step: vLLM publishes queued KV events (such as the
         AllBlocksCleared of a cache reset) only with a step. The prompt is shorter than a
         block, so it stores nothing in the prefix cache."""
-        for url in self.urls:
-            response = httpx.post(
-                url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, timeout=60
-            )
-            assert response.status_code == 200, f"{url}/v1/completions: {response.status_code} {response.text}"
+        self._complete_on_each("hi")
 
     def store_blocks(self, seed: int) -> None:
         """Make each engine compute and cache a fresh prompt of a few blocks (token ids from
         ``seed``), so that it publishes a batch of stored-block events."""
-        prompt = [100 + (seed * 7919 + position * 104729) % 1000 for position in range(4 * BLOCK_SIZE)]
+        self._complete_on_each([100 + (seed * 7919 + position * 104729) % 1000 for position in range(4 * BLOCK_SIZE)])
+
+    def _complete_on_each(self, prompt: str | list[int]) -> None:
+        """One single-token completion of ``prompt`` on each engine, directly."""
         for url in self.urls:
             response = httpx.post(
                 url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=60
