@@ -157,6 +157,24 @@ def compile_template(source: str) -> jinja2.Template:
     return template
 
 
+def compile_syntax_tree(tree: jinja2.nodes.Template) -> jinja2.Template:
+    """A template built from parts of a parsed chat template, compiled in the same sandbox."""
+    template = _ENVIRONMENT.from_string(tree)
+    template.globals = dict(template.globals)
+    return template
+
+
+def render_compiled(template: jinja2.Template, variables: Mapping[str, Any]) -> str:
+    """Render a compiled chat template (or part of one); whatever it raises is the request's
+    fault, a :class:`ChatTemplateError`."""
+    try:
+        return template.render(variables)
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"chat template error: {exc}") from exc
+    except Exception as exc:  # the template is code: whatever it raises is the request's fault
+        raise ChatTemplateError(f"chat template failed on this request: {exc!r}") from exc
+
+
 # --- content format detection ----------------------------------------------------------------
 
 
@@ -263,18 +281,17 @@ class ChatTemplate:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         final_text = _tag_final_message(conversation, self.source) if continue_final_message else None
-        try:
-            rendered = self._template.render(
-                messages=conversation,
-                tools=tools,
-                documents=documents,
-                add_generation_prompt=add_generation_prompt,
-                **(variables or {}),
-            )
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template error: {exc}") from exc
-        except Exception as exc:  # the template is code: whatever it raises is the request's fault
-            raise ChatTemplateError(f"chat template failed on this request: {exc!r}") from exc
+        arguments = {
+            "messages": conversation,
+            "tools": tools,
+            "documents": documents,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        if variables:
+            if clash := arguments.keys() & variables.keys():
+                raise ChatTemplateError(f"chat template variables may not set {', '.join(sorted(clash))}")
+            arguments.update(variables)
+        rendered = render_compiled(self._template, arguments)
         if final_text is not None:
             rendered = _cut_at_tag(rendered, final_text)
         return rendered

@@ -260,6 +260,10 @@ def test_reasoning_and_template_kwargs(
     assert no_prompt == hf_chat_ids(llama_hf, messages, add_generation_prompt=False)
     with pytest.raises(ValueError):
         llama_tok.encode_chat(messages, chat_template_kwargs={"tokenize": False})
+    # Nor may they set what the render is handed itself (transformers: a TypeError).
+    for name in ("messages", "tools"):
+        with pytest.raises(ChatTemplateError, match=f"may not set {name}"):
+            llama_tok.encode_chat(messages, chat_template_kwargs={name: []})
 
 
 def test_continue_final_message(pair: tuple[RequestTokenizer, Any]) -> None:
