@@ -51,8 +51,19 @@ MIN_MESSAGES = 16
 # and list, dataclasses and datetimes instead of writing them as their JSON look-alikes.
 _EXACT_JSON = orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
 _LIST_SEPARATORS = (ord(","), ord("]"))
-# A render's text, the anchors' text alone, and the generation prompt's.
-_Rendered = tuple[str, str, str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Rendered:
+    """A render's text, what its next turn is cut and joined at, and its match."""
+
+    text: str
+    #: The anchors' text alone, without generation prompt.
+    head: str
+    #: What a generation prompt adds after the last message (None: nothing is remembered).
+    generation_prompt: str | None
+    #: The message the template's last-match loop picks (``PrefixShape.last_match``).
+    match: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +107,11 @@ class RenderSettings:
 class RenderedConversation:
     """A conversation's render without its generation prompt, and what it was rendered from."""
 
-    #: The render up to the end of the last message's text (no generation prompt).
-    text: str
-    #: The JSON array of the messages, without its closing bracket.
+    #: The render as it was returned; its first ``length`` characters end with the last
+    #: message's text (no generation prompt). Kept whole: cutting the prompt off copied it.
+    rendered: str
+    length: int
+    #: The JSON array of the messages (kept whole: cutting its bracket off copied it).
     messages_json: bytes
     count: int
     template: ChatTemplate
@@ -108,11 +121,18 @@ class RenderedConversation:
     head: str
     #: What a generation prompt adds after the last message.
     generation_prompt: str
+    #: The message the template's last-match loop picks, if it has one and one is.
+    match: int | None = None
+
+    @property
+    def body(self) -> str:
+        """The render up to the end of the last message's text."""
+        return self.rendered[: self.length]
 
     @property
     def nbytes(self) -> int:
         """What it is charged against the memo's bound."""
-        texts = sys.getsizeof(self.text) + sys.getsizeof(self.head) + sys.getsizeof(self.generation_prompt)
+        texts = sys.getsizeof(self.rendered) + sys.getsizeof(self.head) + sys.getsizeof(self.generation_prompt)
         return ENTRY_OVERHEAD_BYTES + texts + len(self.messages_json) + len(self.context_json)
 
     def replaces(self, other: RenderedConversation) -> bool:
@@ -127,7 +147,7 @@ class RenderedConversation:
     def continues(self, template: ChatTemplate, context_json: bytes, messages_json: bytes) -> bool:
         """Whether a render with this template and context, of messages with this JSON,
         starts with this conversation's messages."""
-        opened = self.messages_json
+        opened = memoryview(self.messages_json)[:-1]  # without its closing bracket
         return (
             template is self.template
             and context_json == self.context_json
@@ -149,6 +169,8 @@ class RenderMemo:
         remembered earlier turn's text where there is one, else all of them."""
         if type(messages) is not list or len(messages) < self.min_messages or not self._memo.max_bytes:
             return settings.render_whole(messages)
+        if asks_again(messages, settings):
+            return settings.render_whole(messages)
         try:
             messages_json = orjson.dumps(messages, option=_EXACT_JSON)
             context_json = orjson.dumps(settings.context(), option=_EXACT_JSON)
@@ -159,14 +181,23 @@ class RenderMemo:
         rendered = self._render_after(previous, messages, settings) if previous is not None else None
         if rendered is None:
             rendered = self._render_first(messages, settings)
-        text, head, generation_prompt = rendered
+        else:
+            self._memo.reused()
+        text, head, generation_prompt = rendered.text, rendered.head, rendered.generation_prompt
         if keys and generation_prompt is not None:
             tail = generation_prompt if settings.add_generation_prompt else ""
-            # (A lookaround template's anchors alone render as the last messages, not as the head.)
-            if text.endswith(tail) and (settings.shape.lookaround or text.startswith(head)):
-                body = text[: len(text) - len(tail)]
+            # (A windowed template's anchors alone render as the last messages, not as the head.)
+            if text.endswith(tail) and (settings.shape.windowed or text.startswith(head)):
                 entry = RenderedConversation(
-                    body, messages_json[:-1], len(messages), settings.template, context_json, head, generation_prompt
+                    text,
+                    len(text) - len(tail),
+                    messages_json,
+                    len(messages),
+                    settings.template,
+                    context_json,
+                    head,
+                    generation_prompt,
+                    rendered.match,
                 )
                 self._memo.remember(keys[0], entry)
         return text
@@ -183,7 +214,6 @@ class RenderMemo:
         """The remembered conversation these messages continue (or repeat), if any."""
         for candidate in self._memo.candidates(keys):
             if candidate.continues(template, context_json, messages_json):
-                self._memo.reused()
                 return candidate
         return None
 
@@ -194,15 +224,16 @@ class RenderMemo:
         remembered)."""
         conversation = settings.convert(messages)
         text = settings.render(conversation)
-        anchors = settings.shape.anchors
+        anchors, last_match = settings.shape.anchors, settings.shape.last_match
         if len(conversation) < anchors:
-            return text, "", None
+            return _Rendered(text, "", None)
         try:
             head = settings.render(conversation[:anchors], add_generation_prompt=False)
             with_prompt = settings.render(conversation[:anchors], add_generation_prompt=True)
         except ChatTemplateError:  # the anchors alone are refused: the next turn renders whole
-            return text, "", None
-        return text, head, with_prompt[len(head) :] if with_prompt.startswith(head) else None
+            return _Rendered(text, "", None)
+        generation_prompt = with_prompt[len(head) :] if with_prompt.startswith(head) else None
+        return _Rendered(text, head, generation_prompt, last_match.find(conversation) if last_match else None)
 
     def _render_after(
         self, previous: RenderedConversation, messages: Sequence[Any], settings: RenderSettings
@@ -216,15 +247,37 @@ class RenderMemo:
         head, generation_prompt = previous.head, previous.generation_prompt
         new = messages[previous.count :]
         if not new:  # the same conversation again (a retry)
-            return previous.text + tail, head, generation_prompt
-        if settings.shape.lookaround:
+            return _Rendered(previous.body + tail, head, generation_prompt, previous.match)
+        if settings.shape.windowed:
             text = _render_around(previous, messages, settings)
-            return (text, head, generation_prompt) if text is not None else None
+            return _Rendered(text, head, generation_prompt, previous.match) if text is not None else None
         rendered = settings.render(settings.convert([*messages[: settings.shape.anchors], *new]))
         if not rendered.startswith(head):
             log.warning("chat template rendered a conversation's first messages differently; rendering whole")
             return None
-        return previous.text + rendered[len(head) :], head, generation_prompt
+        return _Rendered(previous.body + rendered[len(head) :], head, generation_prompt)
+
+
+def asks_again(messages: Sequence[Any], settings: RenderSettings) -> bool:
+    """Whether, under a template with a last-match loop (Qwen 3's last query), the
+    conversation ends with a match that follows another match and answers only: a chat's
+    next question. Nothing remembered is of use to it (its new match changes earlier
+    texts), and its own next turn brings another question, so remembering it (the JSON and
+    text of a 100K-token conversation, ~0.3 ms, mostly fresh memory) would buy nothing. An
+    agent's query follows tool results, and its tool turns reuse its render."""
+    last_match = settings.shape.last_match
+    if last_match is None or len(messages) < 2:
+        return False
+    earlier = len(messages) - 2
+    while earlier > 0 and isinstance(messages[earlier], Mapping) and messages[earlier].get("role") == "assistant":
+        earlier -= 1
+    try:
+        return (
+            last_match.find(settings.convert(messages[earlier:])) == len(messages) - 1 - earlier
+            and last_match.find(settings.convert([messages[earlier]])) == 0
+        )
+    except (ChatTemplateError, ValueError):  # the whole render says what is wrong
+        return False
 
 
 #: Remembered messages rendered again behind a lookaround template's anchors: the last one's
@@ -234,28 +287,41 @@ LOOKAROUND_WINDOW = 3
 
 def _render_around(previous: RenderedConversation, messages: Sequence[Any], settings: RenderSettings) -> str | None:
     """``messages`` (which continue ``previous``'s) rendered under a template whose message
-    texts depend on their neighbours; None when there are too few remembered messages.
+    texts depend on their neighbours or on a last match; None when there are too few
+    remembered messages, or the new ones hold a match (every earlier message may render
+    differently now), or the window alone is refused.
 
     With ``P`` the remembered messages (``X = render(P)`` without generation prompt), ``Q``
-    the new ones and ``W`` the anchors then ``P``'s last three: ``Y = render(W + Q)`` and
-    ``Z = render(W)`` without generation prompt agree up to where the last of ``P`` first
-    renders differently followed by ``Q`` than last; ``X`` ends as ``Z`` does (the two
-    messages before it render alike in both). So ``render(P + Q)`` is ``X`` less what ``Z``
-    has past that point, then ``Y`` from it.
+    the new ones and ``W`` the anchors, the remembered match (if it is between the anchors
+    and the rest), then ``P``'s last three: ``Y = render(W + Q)`` and ``Z = render(W)``
+    without generation prompt agree up to where the last of ``P`` first renders differently
+    followed by ``Q`` than last; ``X`` ends as ``Z`` does (the two messages before it render
+    alike in both). So ``render(P + Q)`` is ``X`` less what ``Z`` has past that point, then
+    ``Y`` from it.
     """
-    anchors = settings.shape.anchors
+    shape = settings.shape
     start = previous.count - LOOKAROUND_WINDOW
-    if start < anchors:
+    if start < shape.anchors:
         return None
-    window = [*messages[:anchors], *messages[start : previous.count]]
-    joined = settings.render(settings.convert([*window, *messages[previous.count :]]))
-    alone = settings.render(settings.convert(window), add_generation_prompt=False)
+    new = settings.convert(messages[previous.count :])
+    if shape.last_match is not None and shape.last_match.find(new) is not None:
+        return None
+    match = previous.match
+    remembered = [*messages[: shape.anchors]]
+    if match is not None and shape.anchors <= match < start:
+        remembered.append(messages[match])
+    window = settings.convert([*remembered, *messages[start : previous.count]])
+    try:
+        joined = settings.render([*window, *new])
+        alone = settings.render(window, add_generation_prompt=False)
+    except ChatTemplateError:  # the window alone is refused (the whole render says whether it is)
+        return None
     common = _common_prefix(joined, alone)
     cut = len(alone) - common
-    if not previous.text.endswith(alone[common:]):  # the template broke its syntax's promise
+    if not previous.rendered.endswith(alone[common:], 0, previous.length):  # it broke its syntax's promise
         log.warning("chat template rendered a conversation's last messages differently; rendering whole")
         return None
-    return previous.text[: len(previous.text) - cut] + joined[common:]
+    return previous.rendered[: previous.length - cut] + joined[common:]
 
 
 def _common_prefix(first: str, second: str) -> int:
@@ -306,6 +372,16 @@ PROBE_CONVERSATIONS: tuple[tuple[dict[str, Any], ...], ...] = (
         {"role": "developer", "content": "dev"},
         {"role": "user", "content": "c"},
     ),
+    (  # an agent's turns after its user's query: a last-match template's match stays put
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "a", "reasoning": "r1"},
+        {"role": "user", "content": "Find it."},
+        {"role": "assistant", "content": "<think>\nhm\n</think>\n\nLooking.", "tool_calls": [_PROBE_CALL]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "found: a"},
+        {"role": "user", "content": "<tool_response>\nlate\n</tool_response>"},
+        {"role": "assistant", "content": "Found.", "reasoning": "done"},
+    ),
 )
 
 
@@ -340,6 +416,10 @@ def _every_split_agrees(messages: Sequence[dict[str, Any]], settings: RenderSett
             remembered = split >= settings.shape.anchors  # a turn shorter than its anchors is not
         except (ChatTemplateError, ValueError):
             remembered = False  # the template refuses the earlier turn alone
-        if memo.render(conversation, settings) != expected or memo.stats().reused != remembered:
+        if memo.render(conversation, settings) != expected:
+            return False
+        reused = memo.stats().reused
+        # (A windowed template renders whole where its window is too short or a match is new.)
+        if reused > remembered or (reused < remembered and not settings.shape.windowed):
             return False
     return True

@@ -22,8 +22,9 @@ the template's syntax tree, whether a template is of a shape where it is:
   results, only guarded: ``messages[loop.index0 - 1]`` after ``loop.first or`` (or
   ``loop.index0 == 0 or``, ``not loop.first and``), ``messages[loop.index0 + 1]`` after
   ``loop.last or`` (or ``not loop.last and``), on the list the loop runs over;
-* nothing carries state from one message to the next: no ``{% set ns.x %}`` in the body or
-  in a macro, no ``{% break %}``, no stateful or random globals and filters
+* the head may find the last message that passes a test, as Qwen 3's finds the last user
+  query (a *last-match loop*, below); otherwise nothing carries state from one message to
+  the next: no ``{% set ns.x %}`` in the body or in a macro, no ``{% break %}``, no stateful or random globals and filters
   (``cycler``, ``joiner``, ``lipsum``, ``random``), no identity test; ``strftime_now`` only
   with a constant format (its texts are part of what a remembered render was made with);
 * after the loop only ``{% if add_generation_prompt ... %}`` blocks without ``else``, and
@@ -40,14 +41,36 @@ render(P[:k] + Q)[len(render(P[:k], no generation prompt)):]``, which
 the body reads ``loop.last`` or a neighbour (*lookaround*), a message's text also depends
 on the messages beside it, so the memo renders the last few remembered messages again
 with the new ones (``render_memo``). Every other template is rendered whole every time.
+
+A *last-match loop* is Qwen 3's pre-loop, exactly of this form (names may differ)::
+
+    {% set ns = namespace(flag=true, index=messages|length - 1) %}
+    {% for message in messages[::-1] %}
+        {% set i = (messages|length - 1) - loop.index0 %}
+        {% if ns.flag and <a test of message alone> %}
+            {% set ns.flag = false %}{% set ns.index = i %}
+        {% endif %}
+    {% endfor %}
+
+``ns.index`` is then the last message passing the test (the list's last when none does),
+and the messages loop may read it only as ``loop.index0 > ns.index`` (or another
+comparison of the two). A message's text then depends on which message that is, so the
+memo reuses a remembered render only while the new messages hold no match (an agent's
+tool turns after its user's query), and renders its window with the remembered match
+among the anchors: every comparison then comes out as in the whole render.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any, ClassVar
 
+import jinja2
 import jinja2.nodes as nodes
+
+from kvroute.tokenizer_index.chat_template import compile_syntax_tree
 
 MESSAGES = "messages"
 GENERATION_FLAG = "add_generation_prompt"
@@ -84,10 +107,55 @@ class PrefixShape:
     #: Whether a message's text depends on its neighbours (``loop.last``, the messages
     #: before and after it): then the last remembered messages are rendered again.
     lookaround: bool = False
+    #: The head's last-match loop, if it has one.
+    last_match: LastMatch | None = None
 
     @property
     def stable(self) -> bool:
         return self.refusal is None
+
+    @property
+    def windowed(self) -> bool:
+        """Whether an incremental render renders the last remembered messages again (with
+        the match among the anchors)."""
+        return self.lookaround or self.last_match is not None
+
+
+@dataclass(frozen=True, eq=False)
+class LastMatch:
+    """A head's last-match loop (module docstring), run alone: which message it picks."""
+
+    #: The head's namespace, the loop, and an output of the index it found ("" for none).
+    program: nodes.Template = field(repr=False)
+
+    #: Messages searched at the end of a conversation before the rest of it: a chat's last
+    #: query is among its last few, an agent's may be hundreds of messages back.
+    RECENT: ClassVar[int] = 8
+
+    @classmethod
+    def of(cls, namespace: nodes.Assign, loop: nodes.For, name: str, flag: str, index: str) -> LastMatch:
+        found = nodes.Not(nodes.Getattr(nodes.Name(name, "load"), flag, "load"))
+        picked = nodes.Getattr(nodes.Name(name, "load"), index, "load")
+        report = nodes.Output([nodes.CondExpr(found, picked, nodes.Const(""))])
+        program = nodes.Template([namespace, loop, report])
+        program.set_lineno(1)
+        return cls(program)
+
+    def find(self, conversation: list[dict[str, Any]], start: int = 0) -> int | None:
+        """The last message of ``conversation[start:]`` the loop picks, or None if none is."""
+        recent = max(start, len(conversation) - self.RECENT)
+        found = self._find_in(conversation, recent)
+        if found is None and recent > start:
+            found = self._find_in(conversation[:recent], start)
+        return found
+
+    def _find_in(self, conversation: list[dict[str, Any]], start: int) -> int | None:
+        picked = self._compiled.render(messages=conversation[start:])
+        return start + int(picked) if picked else None
+
+    @cached_property
+    def _compiled(self) -> jinja2.Template:
+        return compile_syntax_tree(self.program)
 
 
 @dataclass(frozen=True)
@@ -121,8 +189,13 @@ def prefix_shape(tree: nodes.Template) -> PrefixShape:
         check.template(tree)
     except _Refusal as refusal:
         return PrefixShape(refusal=str(refusal))
+    if check.last_match is not None and check.peels:
+        return PrefixShape(refusal="a last-match loop in a template that peels messages")
     return PrefixShape(
-        anchors=1 + check.peels, clock_formats=tuple(dict.fromkeys(check.clock_formats)), lookaround=check.lookaround
+        anchors=1 + check.peels,
+        clock_formats=tuple(dict.fromkeys(check.clock_formats)),
+        lookaround=check.lookaround,
+        last_match=check.last_match,
     )
 
 
@@ -177,6 +250,12 @@ class _ShapeCheck:
         self.lookaround = False
         #: The name the messages loop runs over (its neighbours are read from it).
         self.loop_list = MESSAGES
+        self.last_match: LastMatch | None = None
+        #: The last-match loop's namespace, the attribute its index is kept in, and the
+        #: two head statements checked as a whole (:meth:`_find_last_match`).
+        self.match_namespace: str | None = None
+        self.match_index = ""
+        self.match_statements: tuple[nodes.Node, ...] = ()
 
     def template(self, tree: nodes.Template) -> None:
         loops = [node for node in tree.body if isinstance(node, nodes.For) and self._is_list(node.iter)]
@@ -188,6 +267,7 @@ class _ShapeCheck:
         assert isinstance(loop.iter, nodes.Name)  # _is_list
         self.loop_list = loop.iter.name
         position = tree.body.index(loop)
+        self._find_last_match(tree.body[:position])
         for node in tree.body[:position]:
             self.check(node, _HEAD)
         for node in loop.body:
@@ -210,6 +290,8 @@ class _ShapeCheck:
         another message, on the list's length, or on state kept between messages."""
         if isinstance(node, _REFUSED_NODES):
             raise _Refusal(f"the template uses {type(node).__name__}")
+        if any(node is statement for statement in self.match_statements):
+            return  # checked whole by _find_last_match
         if self._is_first_message(node) or self._is_non_empty_test(node):
             return  # the same for every list that starts with the same messages
         if self._is_peel(node, scope) or self._is_clock(node) or self._is_neighbour(node, scope):
@@ -222,8 +304,8 @@ class _ShapeCheck:
             raise _Refusal(f"the template uses the {node.name!r} filter")
         elif isinstance(node, nodes.Test) and node.name in _IDENTITY_TESTS:
             raise _Refusal(f"the template uses the {node.name!r} test")
-        elif isinstance(node, nodes.NSRef) and scope.no_namespace_writes:
-            raise _Refusal("a namespace is written inside the messages loop or a macro")
+        elif isinstance(node, nodes.NSRef) and (scope.no_namespace_writes or node.name == self.match_namespace):
+            raise _Refusal("a namespace is written inside the messages loop or a macro, or after a last-match loop")
         elif isinstance(node, nodes.Break) and scope.in_message_loop:
             raise _Refusal("the messages loop may break")
         elif isinstance(node, nodes.Getattr) and _is_loop(node.node) and scope.in_message_loop:
@@ -233,10 +315,14 @@ class _ShapeCheck:
             return
         elif isinstance(node, nodes.Compare) and scope.in_message_loop and _is_first_position(node):
             return
+        elif isinstance(node, nodes.Compare) and scope.in_message_loop and self._is_match_comparison(node):
+            return
         for child, child_scope in _children(node, scope):
             self.check(child, child_scope)
 
     def _check_name(self, name: nodes.Name, scope: _Scope) -> None:
+        if name.name == self.match_namespace:
+            raise _Refusal(f"{name.name} is used other than as loop.index0 > {name.name}.{self.match_index}")
         if name.name in self.lists:
             raise _Refusal(f"{name.name} is read other than as {name.name}[0] or {name.name} | length > 0")
         if name.name in _UNSTABLE_GLOBALS:
@@ -249,6 +335,75 @@ class _ShapeCheck:
             # In the messages loop only loop.first (checked above) is position-free; outside
             # any loop, a macro could be handed a loop in ways not worth following.
             raise _Refusal("the messages loop's loop object is read whole")
+
+    def _find_last_match(self, head: list[nodes.Node]) -> None:
+        """Recognise the head's last-match loop (module docstring), if it has one, and
+        check it whole; any other loop over the messages in reverse is refused later."""
+        loops = [node for node in head if isinstance(node, nodes.For) and _is_reversed(node.iter)]
+        if not loops:
+            return
+        if len(loops) > 1:
+            raise _Refusal("more than one loop over the messages in reverse")
+        [loop] = loops
+        if self.lists != {MESSAGES} or self.loop_list != MESSAGES:
+            raise _Refusal("a last-match loop in a template that peels messages")
+        if loop.else_ or loop.test is not None or loop.recursive or not isinstance(loop.target, nodes.Name):
+            raise _Refusal("the last-match loop has an else, a filter, recursion or an unpacking target")
+        *positions, choice = loop.body
+        if not isinstance(choice, nodes.If) or choice.elif_ or choice.else_ or len(positions) > 1:
+            raise _Refusal("the reverse loop over the messages is not one test of each message")
+        position_names = {
+            statement.target.name
+            for statement in positions
+            if isinstance(statement, nodes.Assign)
+            and isinstance(statement.target, nodes.Name)
+            and _is_reverse_position(statement.node)
+        }
+        if len(position_names) != len(positions):
+            raise _Refusal("the last-match loop sets something other than the message's position")
+        flag, *test = _conjuncts(choice.test)
+        if not (test and isinstance(flag, nodes.Getattr) and isinstance(flag.node, nodes.Name)):
+            raise _Refusal("the last-match loop's test does not start with a namespace flag")
+        namespace = flag.node.name
+        writes = {
+            statement.target.attr: statement.node
+            for statement in choice.body
+            if isinstance(statement, nodes.Assign)
+            and isinstance(statement.target, nodes.NSRef)
+            and statement.target.name == namespace
+        }
+        picked = writes.pop(flag.attr, None)
+        [(index, position)] = writes.items() if len(writes) == 1 else [("", None)]
+        if (
+            len(choice.body) != 2
+            or not _is_const(picked, False)
+            or not (_is_reverse_position(position) or any(_is_name(position, name) for name in position_names))
+        ):
+            raise _Refusal("the last-match loop does not keep exactly a flag and the matched position")
+        target = loop.target.name
+        for condition in test:
+            if any(name.name != target for name in condition.find_all(nodes.Name)):
+                raise _Refusal("the last-match loop's test reads more than the message")
+            self.check(condition, _Scope(in_any_loop=True, no_namespace_writes=True))
+        declaration = _namespace_declaration(head[: head.index(loop)], namespace, flag.attr, index)
+        self.last_match = LastMatch.of(declaration, loop, namespace, flag.attr, index)
+        self.match_namespace, self.match_index = namespace, index
+        self.match_statements = (declaration, loop)
+
+    def _is_match_comparison(self, node: nodes.Compare) -> bool:
+        """``loop.index0 > ns.index`` (any comparison, either way round): the same answer
+        for a message in the whole list and in a window holding the match (module docstring)."""
+        if self.match_namespace is None or len(node.ops) != 1:
+            return False
+        sides = (node.expr, node.ops[0].expr)
+        matched = [
+            side
+            for side in sides
+            if isinstance(side, nodes.Getattr)
+            and _is_name(side.node, self.match_namespace)
+            and side.attr == self.match_index
+        ]
+        return len(matched) == 1 and any(_is_loop_attr(side, "index0") for side in sides)
 
     def _is_list(self, node: nodes.Node) -> bool:
         return isinstance(node, nodes.Name) and node.name in self.lists and node.ctx == "load"
@@ -333,6 +488,71 @@ class _ShapeCheck:
             return False
         self.clock_formats.append(format.value)
         return True
+
+
+def _namespace_declaration(head: list[nodes.Node], namespace: str, flag: str, index: str) -> nodes.Assign:
+    """The top-level ``{% set ns = namespace(flag=true, index=messages|length - 1) %}`` before
+    the last-match loop."""
+    for statement in head:
+        if not (isinstance(statement, nodes.Assign) and _is_store(statement.target, namespace)):
+            continue
+        call = statement.node
+        if (
+            isinstance(call, nodes.Call)
+            and _is_name(call.node, "namespace")
+            and not (call.args or call.dyn_args or call.dyn_kwargs)
+            and len(call.kwargs) == 2
+        ):
+            values = {keyword.key: keyword.value for keyword in call.kwargs}
+            if _is_const(values.get(flag), True) and _is_last_position(values.get(index)):
+                return statement
+    raise _Refusal(f"the last-match loop's namespace is not set to namespace({flag}=true, {index}=messages|length - 1)")
+
+
+def _conjuncts(test: nodes.Node) -> list[nodes.Node]:
+    """``a and b and c`` as ``[a, b, c]``."""
+    if isinstance(test, nodes.And):
+        return [*_conjuncts(test.left), *_conjuncts(test.right)]
+    return [test]
+
+
+def _is_reversed(node: nodes.Node) -> bool:
+    """``messages[::-1]``."""
+    return (
+        isinstance(node, nodes.Getitem)
+        and _is_name(node.node, MESSAGES)
+        and isinstance(node.arg, nodes.Slice)
+        and node.arg.start is None
+        and node.arg.stop is None
+        and isinstance(node.arg.step, nodes.Neg)
+        and _is_int(node.arg.step.node, 1)
+    )
+
+
+def _is_last_position(node: nodes.Node | None) -> bool:
+    """``messages|length - 1``."""
+    return (
+        isinstance(node, nodes.Sub)
+        and isinstance(node.left, nodes.Filter)
+        and node.left.name == "length"
+        and _is_name(node.left.node, MESSAGES)
+        and not (node.left.args or node.left.kwargs or node.left.dyn_args or node.left.dyn_kwargs)
+        and _is_int(node.right, 1)
+    )
+
+
+def _is_reverse_position(node: nodes.Node | None) -> bool:
+    """``(messages|length - 1) - loop.index0``: the position in the list of the message a
+    reverse loop is at."""
+    return isinstance(node, nodes.Sub) and _is_last_position(node.left) and _is_loop_attr(node.right, "index0")
+
+
+def _is_store(node: nodes.Node, name: str) -> bool:
+    return isinstance(node, nodes.Name) and node.name == name and node.ctx == "store"
+
+
+def _is_const(node: nodes.Node | None, value: bool) -> bool:
+    return isinstance(node, nodes.Const) and node.value is value
 
 
 def _needs_generation_flag(test: nodes.Node) -> bool:

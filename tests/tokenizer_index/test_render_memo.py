@@ -18,7 +18,13 @@ from hypothesis import strategies as st
 from kvroute.tokenizer_index import RequestTokenizer, chat_template
 from kvroute.tokenizer_index.chat_template import ChatTemplate
 from kvroute.tokenizer_index.prompt_memo import conversation_keys
-from kvroute.tokenizer_index.render_memo import MIN_MESSAGES, RenderMemo, RenderSettings, incremental_render_agrees
+from kvroute.tokenizer_index.render_memo import (
+    MIN_MESSAGES,
+    RenderMemo,
+    RenderSettings,
+    asks_again,
+    incremental_render_agrees,
+)
 from kvroute.tokenizer_index.template_prefix import prefix_shape
 from tests.paths import REPO
 from tests.tokenizer_index.test_prompt_memo import TEMPLATES
@@ -39,17 +45,17 @@ ALL_TEMPLATES = {
     "llama3_index": LLAMA3_INDEX_TEMPLATE,
     "llama31": LLAMA31_STYLE_TEMPLATE,
     "qwen25": (REPO / "benchmarks" / "templates" / "qwen25_style.jinja").read_text(),
-    # Its messages' texts depend on the position of the last user query: rendered whole.
+    # Its messages' texts depend on the position of the last user query (a last-match loop).
     "qwen3": (REPO / "benchmarks" / "templates" / "qwen3_style.jinja").read_text(),
     "mistral": MISTRAL_STYLE_TEMPLATE,
     "openai_parts": OPENAI_PARTS_TEMPLATE,
 }
 INCREMENTAL = {
     *("prefix_stable", "raw", "thinking_prompt", "default", "openai_parts"),
-    *("llama3", "llama3_index", "llama31", "marks_last", "qwen25"),
+    *("llama3", "llama3_index", "llama31", "marks_last", "qwen25", "qwen3"),
 }
 #: Those whose message texts depend on their neighbours (the memo renders the last few again).
-LOOKAROUND = {"marks_last", "qwen25"}
+LOOKAROUND = {"marks_last", "qwen25", "qwen3"}
 #: The leading messages each incremental template's renders repeat (the head peels the rest off).
 ANCHORS = {"llama3": 2, "llama31": 3}
 
@@ -64,7 +70,10 @@ TOOLS = [
     }
 ]
 _CALL = {"id": "call-1", "type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}
-FRAGMENTS = ["the router", " cache", "中文", "e\u0301", "😀", "\n", "  ", "<|im_end|>", "<|im_start|>", "{{ x }}"]
+FRAGMENTS = [
+    *("the router", " cache", "中文", "e\u0301", "😀", "\n", "  ", "<|im_end|>", "<|im_start|>", "{{ x }}"),
+    *("<tool_response>", "</tool_response>", "<think>", "</think>"),
+]
 texts = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=5), min_size=0, max_size=6).map("".join)
 tool_calls = st.lists(
     st.fixed_dictionaries(
@@ -153,8 +162,9 @@ def test_each_turn_and_branch_renders_as_the_whole(
     reused = renderers.memo.render_memo_stats().reused
     if renderers.agree(history, tools=tools) and conversation_keys(history):  # the same conversation again
         template = renderers.memo.chat_template()
-        anchors = prefix_shape(template.syntax_tree).anchors
-        remembered = renderers.memo.renders_incrementally(template) and len(history) >= anchors
+        shape = prefix_shape(template.syntax_tree)
+        remembered = renderers.memo.renders_incrementally(template) and len(history) >= shape.anchors
+        remembered &= not asks_again(history, RenderSettings(template, None, None, {}, True, shape))
         assert renderers.memo.render_memo_stats().reused == reused + remembered
     renderers.agree(history, tools=None if tools else TOOLS)  # other tools: nothing reused
     renderers.agree(history + branches[0], chat_template_kwargs={"extra": 1}, continue_final_message=False)
@@ -204,8 +214,9 @@ def test_a_template_reading_neighbours_renders_its_last_messages_again(name: str
         messages.append({"role": "assistant", "content": None, "tool_calls": [_CALL]})
         messages += [{"role": "tool", "tool_call_id": "call-1", "content": f"r{turn}.{n}"} for n in range(2)]
         assert renderers.agree(messages, tools=TOOLS)
-    # The first two turns (5 and 9 messages) leave too few to render again behind the anchor.
-    assert renderers.memo.render_memo_stats().reused == 7
+    # The first two turns (5 and 9 messages) leave too few to render again behind the anchor;
+    # under a last-query template every turn's new query changes earlier texts: all whole.
+    assert renderers.memo.render_memo_stats().reused == (0 if shape.last_match else 7)
 
 
 @pytest.mark.parametrize(
@@ -255,6 +266,141 @@ def test_syntax_that_may_break_the_prefix_property_is_refused(source: str) -> No
     assert prefix_shape(template.syntax_tree).refusal is not None
     renderers = Renderers(source)
     assert not renderers.memo.renders_incrementally(renderers.memo.chat_template())
+
+
+# Qwen 3's last-query loop, cut down: the texts of assistant messages after the last user
+# query (not a wrapped tool result) show their reasoning.
+_LAST_MATCH_HEAD = (
+    "{% set ns = namespace(flag=true, last=messages|length - 1) %}"
+    "{% for message in messages[::-1] %}{% set index = (messages|length - 1) - loop.index0 %}"
+    "{% if ns.flag and message.role == 'user' and not message.content.startswith('<r>') %}"
+    "{% set ns.flag = false %}{% set ns.last = index %}{% endif %}{% endfor %}"
+)
+_LAST_MATCH_BODY = (
+    "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+    "{% if m.role == 'assistant' and loop.index0 > ns.last %}[{{ m.reasoning_content }}]{% endif %}|{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        _LAST_MATCH_HEAD + _LAST_MATCH_BODY,
+        # The position written straight into the namespace; the comparison the other way round.
+        _LAST_MATCH_HEAD.replace("{% set index = (messages|length - 1) - loop.index0 %}", "").replace(
+            "ns.last = index", "ns.last = (messages|length - 1) - loop.index0"
+        )
+        + _LAST_MATCH_BODY.replace("loop.index0 > ns.last", "ns.last < loop.index0"),
+    ],
+)
+def test_a_last_match_loop_is_recognised(source: str) -> None:
+    shape = prefix_shape(ChatTemplate.from_source(source).syntax_tree)
+    assert shape.stable and shape.last_match is not None and shape.windowed
+    renderers = Renderers(source)
+    assert renderers.memo.renders_incrementally(renderers.memo.chat_template())
+
+
+@pytest.mark.parametrize(
+    ("head", "body"),
+    [
+        # The test reads more than the message: another message, the position, the namespace.
+        ("message.role == 'user'", "messages[0].role == 'user'"),
+        ("message.role == 'user'", "loop.index0 > 2"),
+        ("message.role == 'user'", "ns.last > 2"),
+        # The namespace starts elsewhere than the last message, or keeps more.
+        ("last=messages|length - 1", "last=0"),
+        ("flag=true, last=messages|length - 1", "flag=true, last=messages|length - 1, more=1"),
+        # The match is kept other than as the position, or with more state.
+        ("{% set ns.last = index %}", "{% set ns.last = index + 1 %}"),
+        ("{% set ns.flag = false %}", "{% set ns.flag = false %}{% set ns.more = 1 %}"),
+        ("{% set ns.flag = false %}", ""),
+        ("{% endif %}{% endfor %}", "{% endif %}{{ message.content }}{% endfor %}"),
+        ("{% endif %}{% endfor %}", "{% else %}{% set ns.flag = true %}{% endif %}{% endfor %}"),
+        ("messages[::-1]", "messages[1:][::-1]"),
+    ],
+)
+def test_last_match_loops_of_another_shape_are_refused(head: str, body: str) -> None:
+    source = _LAST_MATCH_HEAD.replace(head, body) + _LAST_MATCH_BODY
+    assert source != _LAST_MATCH_HEAD + _LAST_MATCH_BODY
+    assert prefix_shape(ChatTemplate.from_source(source).syntax_tree).refusal is not None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # The match read other than compared with a message's position, or the flag read.
+        "{% for m in messages %}{{ m.content }}{{ ns.last }}{% endfor %}",
+        "{% for m in messages %}{{ m.content }}{% if ns.flag %}!{% endif %}{% endfor %}",
+        "{% for m in messages %}{% if loop.index > ns.last %}{{ m.content }}{% endif %}{% endfor %}",
+        "{% for m in messages %}{% if loop.index0 > ns.last + 1 %}{{ m.content }}{% endif %}{% endfor %}",
+        "{% for m in messages %}{% for c in m.content %}{{ loop.index0 > ns.last }}{% endfor %}{% endfor %}",
+        "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}{{ ns.last }}{% endif %}",
+        # Written again after the loop, or a second reverse loop.
+        "{% set ns.last = 0 %}" + _LAST_MATCH_BODY,
+        "{% for m in messages[::-1] %}{% endfor %}" + _LAST_MATCH_BODY,
+    ],
+)
+def test_a_last_match_read_other_than_by_position_is_refused(body: str) -> None:
+    tree = ChatTemplate.from_source(_LAST_MATCH_HEAD + body).syntax_tree
+    assert prefix_shape(tree).refusal is not None
+
+
+def _qwen3_agent_turn(number: int) -> list[dict[str, Any]]:
+    call = {**_CALL, "id": f"call-{number}"}
+    return [
+        {"role": "assistant", "content": f"<think>\nstep {number}\n</think>\n\nCalling.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": f"call-{number}", "content": f"result {number}"},
+    ]
+
+
+def test_qwen3_agent_turns_render_incrementally_until_a_new_query() -> None:
+    """An agent's tool turns after its user's query reuse the remembered render (the query
+    carried in the window, so the newest turns show their reasoning as in the whole render);
+    a new query makes every earlier turn render without it, so that turn renders whole."""
+    renderers = Renderers(ALL_TEMPLATES["qwen3"])
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You act."},
+        {"role": "user", "content": "Do the task."},
+    ]
+    for number in range(10):
+        messages += _qwen3_agent_turn(number)
+        assert renderers.agree(messages, tools=TOOLS)
+    stats = renderers.memo.render_memo_stats()
+    assert stats.reused == stats.lookups - 1 == 9  # from the second turn on (4 messages), every one
+    rendered = renderers.memo.render_chat(messages, tools=TOOLS)
+    assert "<think>\nstep 9\n</think>" in rendered and "<think>\nstep 0\n</think>" in rendered
+    messages.append({"role": "user", "content": "<tool_response>\nlate result\n</tool_response>"})
+    assert renderers.agree(messages, tools=TOOLS)  # a wrapped tool result is no query: reused
+    messages.append({"role": "user", "content": "Now another task."})
+    assert renderers.agree(messages, tools=TOOLS)  # a query: whole, every step's reasoning gone
+    assert "step 9" not in renderers.memo.render_chat(messages, tools=TOOLS)
+    for number in range(10, 14):
+        messages += _qwen3_agent_turn(number)
+        assert renderers.agree(messages, tools=TOOLS)
+    # Two retries (the render_chat calls), the wrapped result, and every turn after the new
+    # query's (whole) one.
+    assert renderers.memo.render_memo_stats().reused == stats.reused + 3 + 4
+
+
+def test_a_qwen3_chats_follow_up_questions_render_whole_without_the_memo() -> None:
+    """Each turn of a chat brings a new query, so no turn reuses the one before, and none is
+    remembered past the first (a query after only a system prompt: it may be an agent's)."""
+    renderers = Renderers(ALL_TEMPLATES["qwen3"])
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You help."}]
+    for turn in range(24):
+        messages.append({"role": "user", "content": f"question {turn}"})
+        assert renderers.agree(messages)
+        messages.append({"role": "assistant", "content": f"<think>\nhm\n</think>\n\nanswer {turn}"})
+    stats = renderers.memo.render_memo_stats()
+    assert (stats.reused, stats.lookups, stats.entries) == (0, 1, 1)
+    # Tool turns after the chat's last query: the first renders whole (the query's turn was
+    # not remembered), and is remembered; the next reuses it.
+    messages += _qwen3_agent_turn(0)
+    assert renderers.agree(messages)
+    assert renderers.memo.render_memo_stats().reused == 0
+    messages += _qwen3_agent_turn(1)
+    assert renderers.agree(messages)
+    assert renderers.memo.render_memo_stats().reused == 1
 
 
 @pytest.mark.parametrize("name", sorted(ANCHORS))
