@@ -146,12 +146,20 @@ class Samples:
 # --- the agent conversation and the index ---------------------------------------------------------
 
 
-class AgentConversation:
-    """An agent's messages: system prompt, task, then (tool call, tool result) turns."""
+#: What one turn adds: an assistant's tool call and the tool's result (``agent``), or an
+#: assistant's answer and the user's next question (``chat``: under Qwen 3's template a new
+#: query every turn, which its incremental render cannot reuse across).
+TURN_SHAPES = ("agent", "chat")
 
-    def __init__(self, seed: int, result_tokens: int) -> None:
+
+class AgentConversation:
+    """An agent's messages: system prompt, task, then (tool call, tool result) turns, or
+    (answer, question) turns for a chat."""
+
+    def __init__(self, seed: int, result_tokens: int, shape: str = "agent") -> None:
         self._rng = np.random.default_rng(seed)
         self.result_tokens = result_tokens
+        self.shape = shape
         self.messages: list[dict[str, Any]] = [
             {"role": "system", "content": words(self._rng, AGENT_SYSTEM_TOKENS)},
             {"role": "user", "content": "Task: " + words(self._rng, AGENT_TASK_TOKENS)},
@@ -162,7 +170,13 @@ class AgentConversation:
         self.messages += self.turn(self._rng, len(self.messages))
 
     def turn(self, rng: np.random.Generator, number: int) -> list[dict[str, Any]]:
-        """The messages of one turn: the assistant's text and tool call, the tool's result."""
+        """The messages of one turn: the assistant's text and tool call, the tool's result
+        (or, for a chat, the assistant's text and the user's next question)."""
+        if self.shape == "chat":
+            return [
+                {"role": "assistant", "content": words(rng, ASSISTANT_TOKENS)},
+                {"role": "user", "content": words(rng, self.result_tokens)},
+            ]
         function = AGENT_TOOLS[int(rng.integers(len(AGENT_TOOLS)))]["function"]
         argument = function["parameters"]["required"][0]
         call_id = f"call-{number}"
@@ -228,7 +242,7 @@ class TurnResult:
 
 
 def measure_turns(
-    path: Path, result_tokens: int, prompt_tokens: int, index_blocks: int, repeats: int, seed: int
+    path: Path, result_tokens: int, prompt_tokens: int, index_blocks: int, repeats: int, seed: int, shape: str = "agent"
 ) -> TurnResult:
     names = [f"http://10.0.0.{number + 1}:8000" for number in range(BACKENDS)]
     capacity = index_blocks // BACKENDS
@@ -259,7 +273,7 @@ def measure_turns(
         engine.route(CHAT.path, body, {}, candidates)
         return ids
 
-    agent = AgentConversation(seed, result_tokens)
+    agent = AgentConversation(seed, result_tokens, shape)
     ids = route_here(agent.body())
     turn_tokens = len(route_here(agent.next_turn_body(seed))) - len(ids)
     while len(ids) + turn_tokens < prompt_tokens:  # every earlier turn was routed
@@ -539,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", default="500,2000,8000", help="tool-result sizes per turn, comma-separated")
     parser.add_argument("--index-blocks", type=int, default=1_000_000, help="backend-blocks in the index")
     parser.add_argument("--repeats", type=int, default=15, help="agent turns timed per size")
+    parser.add_argument("--turn", choices=TURN_SHAPES, default="agent", help="what each turn adds (see TURN_SHAPES)")
     parser.add_argument("--huge-tokens", type=int, default=1_000_000, help="0 skips the stall measurement")
     parser.add_argument("--huge-prompts", type=int, default=2, help="huge prompts per mode")
     parser.add_argument("--modes", default=",".join(MODES), help=f"ways to route the huge prompts, of {MODES}")
@@ -552,7 +567,9 @@ def main(argv: list[str] | None = None) -> int:
         args.tokenizer = with_chat_template(args.tokenizer, args.chat_template, added)
 
     turns = [
-        measure_turns(args.tokenizer, int(size), args.prompt_tokens, args.index_blocks, args.repeats, args.seed)
+        measure_turns(
+            args.tokenizer, int(size), args.prompt_tokens, args.index_blocks, args.repeats, args.seed, args.turn
+        )
         for size in args.new_tokens.split(",")
     ]
     print(format_turns(turns))
@@ -587,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": BLOCK_SIZE,
         "index_blocks": args.index_blocks,
         "chat_template": str(args.chat_template) if args.chat_template else None,
+        "turn": args.turn,
         "renders_incrementally": renders_incrementally(args.tokenizer),
         "backends": BACKENDS,
         "turns": [asdict(row) for row in turns],

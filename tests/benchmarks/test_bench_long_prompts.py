@@ -40,3 +40,17 @@ def test_a_template_that_peels_the_system_message_renders_incrementally(tmp_path
     report = json.loads(out.read_text())
     assert report["renders_incrementally"] and report["chat_template"] == str(template)
     assert all(turn["exact"] for turn in report["turns"])
+
+
+def test_qwen3s_template_renders_agent_and_chat_turns_exactly(tmp_path: Path) -> None:
+    """Its last-query loop: agent turns reuse the remembered render, chat turns (a new
+    query each) render whole; the ids equal the tokenizers library's either way."""
+    template = bench_long_prompts.TEMPLATES / "qwen3_style.jinja"
+    argv = ["--prompt-tokens", "6000", "--new-tokens", "300", "--index-blocks", "20000", "--repeats", "2"]
+    argv += ["--chat-template", str(template), "--huge-tokens", "0"]
+    for turn in bench_long_prompts.TURN_SHAPES:
+        out = tmp_path / f"{turn}.json"
+        assert bench_long_prompts.main([*argv, "--turn", turn, "--out", str(out)]) == 0
+        report = json.loads(out.read_text())
+        assert report["renders_incrementally"] and report["turn"] == turn
+        assert all(row["exact"] for row in report["turns"])
