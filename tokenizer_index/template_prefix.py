@@ -62,6 +62,7 @@ among the anchors: every comparison then comes out as in the whole render.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -137,7 +138,8 @@ class LastMatch:
         found = nodes.Not(nodes.Getattr(nodes.Name(name, "load"), flag, "load"))
         picked = nodes.Getattr(nodes.Name(name, "load"), index, "load")
         report = nodes.Output([nodes.CondExpr(found, picked, nodes.Const(""))])
-        program = nodes.Template([namespace, loop, report])
+        # Copies: compiling optimises a tree in place, and the template's own must stay as parsed.
+        program = nodes.Template([copy.deepcopy(namespace), copy.deepcopy(loop), report])
         program.set_lineno(1)
         return cls(program)
 

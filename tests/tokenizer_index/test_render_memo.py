@@ -345,6 +345,16 @@ def test_a_last_match_read_other_than_by_position_is_refused(body: str) -> None:
     assert prefix_shape(tree).refusal is not None
 
 
+def test_running_the_last_match_loop_leaves_the_template_as_parsed() -> None:
+    """Compiling the loop alone optimises its tree in place: it runs on copies."""
+    template = ChatTemplate.from_source(ALL_TEMPLATES["qwen3"])
+    last_match = prefix_shape(template.syntax_tree).last_match
+    assert last_match is not None
+    assert last_match.find([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]) == 0
+    assert template.syntax_tree == ChatTemplate.from_source(ALL_TEMPLATES["qwen3"]).syntax_tree  # parsed afresh
+    assert prefix_shape(template.syntax_tree).last_match is not None
+
+
 def _qwen3_agent_turn(number: int) -> list[dict[str, Any]]:
     call = {**_CALL, "id": f"call-{number}"}
     return [
