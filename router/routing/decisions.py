@@ -107,6 +107,8 @@ def build_record(plan: RoutePlan, outcome: AttemptOutcome) -> dict[str, Any]:
         "status": outcome.status,
         "prompt_tokens": request.prompt_tokens if outcome.prompt_tokens is None else outcome.prompt_tokens,
         "predicted_cached_tokens": plan.predicted_cached_tokens,
+        # What the router's own model of the cache predicted (differs where KV events answered).
+        "modelled_cached_tokens": plan.modelled_cached_tokens,
         "observed_cached_tokens": outcome.cached_tokens,
         "ttft_s": outcome.ttft_s,
         "duration_s": round(outcome.duration_s, 6),
@@ -115,5 +117,8 @@ def build_record(plan: RoutePlan, outcome: AttemptOutcome) -> dict[str, Any]:
     if explanation is not None:
         record["home"] = explanation.home
         record["load_weight"] = round(explanation.load_weight, 4)
+        # Each candidate's recent share of answers showing evictions the model missed: how
+        # much the ledger's thrash estimate counts there (policies.cache_aware.thrash_weight).
+        record["eviction_rates"] = {url: round(rate, 3) for url, rate in request.eviction_rates.items()}
         record["candidates"] = [asdict(candidate) for candidate in explanation.candidates]
     return record

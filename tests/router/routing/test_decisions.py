@@ -77,6 +77,10 @@ def test_admin_decisions_explain_each_request_by_its_cost_terms(sim_engines: Any
     assert (first["reason"], first["home"]) == ("cold_spread", None)
     assert later["home"] == first["backend"] and later["reason"] == "prefix_match"
     assert later["predicted_cached_tokens"] > 0
+    # No KV events: the router's model made the prediction; each candidate's eviction rate
+    # (the engines held every prediction) is there once an answer checked one.
+    assert later["modelled_cached_tokens"] == later["predicted_cached_tokens"]
+    assert later["eviction_rates"] == {later["backend"]: 0.0}
     assert [d["request_id"] for d in recent(router, 1)] == [later["request_id"]]
 
 
