@@ -347,9 +347,10 @@ class RouterMetrics:
         placements: Callable[[], Mapping[str, int]],
         load_reports: Callable[[], Mapping[str, int]],
         handshakes: Callable[[], Mapping[str, int]],
+        evidence: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         """Export the exchange's counters (``--peer-bind`` / ``--peers``): placements, load
-        reports, handshakes."""
+        reports, handshakes, eviction evidence."""
         self.registry.register(
             _EventCounters(
                 "kvroute_peer_placements",
@@ -379,6 +380,15 @@ class RouterMetrics:
                 "router's does, the old secret can go).",
                 handshakes,
                 label="result",
+            )
+        )
+        self.registry.register(
+            _EventCounters(
+                "kvroute_peer_evidence",
+                "Messages of eviction evidence (how often engines evicted what each router's "
+                "model held, which weighs the capacity term) exchanged with peer routers, by event "
+                "(published, received, dropped_budget: over --peer-max-bytes-per-s, malformed).",
+                evidence,
             )
         )
 

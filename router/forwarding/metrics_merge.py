@@ -44,6 +44,7 @@ RULES: dict[str, Rule] = {
     "kvroute_rejected_requests": "sum",
     "kvroute_peer_placements": "sum",
     "kvroute_peer_load_reports": "sum",
+    "kvroute_peer_evidence": "sum",
     "kvroute_peer_handshakes": "sum",
     "kvroute_backend_breaker_trips": "sum",
     # each worker's own load and resources

@@ -53,6 +53,7 @@ from kvroute.router.http.openapi import openapi_document
 from kvroute.router.http.security import ClientGate, SecretRedactor
 from kvroute.router.http.workers import Siblings, WorkerGroup
 from kvroute.router.routing.peer_discovery import PeerDiscovery
+from kvroute.router.routing.peer_evidence import Answers
 from kvroute.router.routing.peer_exchange import PeerExchange, Placement
 from kvroute.router.routing.peer_load import BackendLoad
 from kvroute.router.routing.precise_index import PreciseIndex
@@ -148,7 +149,10 @@ def build_app(
     if state.exchange is not None:
         exchange = state.exchange
         metrics.watch_peer_exchange(
-            lambda: asdict(exchange.stats), lambda: asdict(exchange.load_stats), exchange.handshake_counts
+            lambda: asdict(exchange.stats),
+            lambda: asdict(exchange.load_stats),
+            exchange.handshake_counts,
+            lambda: asdict(exchange.evidence_stats),
         )
 
     app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
@@ -215,6 +219,10 @@ def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine
     def apply_load(url: str, load: BackendLoad) -> None:
         pool.set_peer_load(url, load.in_flight, load.work_tokens)
 
+    def apply_evidence(url: str, answers: Answers) -> None:
+        if url in pool:
+            routing.apply_answers(url, answers)
+
     exchange = PeerExchange(
         bind=settings.peer_bind,
         peers=settings.peers,
@@ -222,10 +230,12 @@ def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine
         max_bytes_per_s=settings.peer_max_bytes_per_s,
         own_load=own_load,
         apply_load=apply_load,
+        apply_evidence=apply_evidence,
         key=settings.peer_key(),
         accepted_key=settings.peer_accepted_key(),
     )
     routing.on_placement(exchange.publish)
+    routing.on_answer(exchange.answered)
     pool.on_load_changed(exchange.load_changed)
     return exchange
 

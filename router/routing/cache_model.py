@@ -60,10 +60,15 @@ class CacheModel:
         """An answer checked a prediction: the engine evicted part of it (a :meth:`shortfall`
         follows where the capacity is known), or held all of it, and the modelled cache
         creeps back towards the configured size."""
-        rate = self._eviction_rates.get(backend, 0.0)
-        self._eviction_rates[backend] = rate + EVICTION_RATE_WEIGHT * (float(evicted) - rate)
+        self.peer_answered(backend, evicted)
         if not evicted:
             self._grow(backend)
+
+    def peer_answered(self, backend: str, evicted: bool) -> None:
+        """A peer router's answer: moves the eviction rate as this router's own do, so the
+        routers of a fleet weigh the thrash estimate alike; the scale stays this model's."""
+        rate = self._eviction_rates.get(backend, 0.0)
+        self._eviction_rates[backend] = rate + EVICTION_RATE_WEIGHT * (float(evicted) - rate)
 
     def scale(self, backend: str) -> float:
         return self._scales.get(backend, 1.0)

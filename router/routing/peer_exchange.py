@@ -53,6 +53,13 @@ import zmq.asyncio
 
 from kvroute.router.peer_key import PeerKey
 from kvroute.router.routing.peer_auth import Gatekeeper
+from kvroute.router.routing.peer_evidence import (
+    EVIDENCE_HEAD,
+    EVIDENCE_TOPIC,
+    Answers,
+    decode_evidence,
+    encode_evidence,
+)
 from kvroute.router.routing.peer_load import (
     HEARTBEAT_S,
     LOAD_HEAD,
@@ -117,6 +124,18 @@ class LoadReportStats:
     malformed: int = 0
 
 
+@dataclass(slots=True)
+class EvidenceStats:
+    """The eviction evidence's counters (``kvroute_peer_evidence_total{event}``), in messages."""
+
+    published: int = 0
+    received: int = 0
+    #: Messages not sent because the byte budget was spent.
+    dropped_budget: int = 0
+    #: Messages from peers that could not be decoded.
+    malformed: int = 0
+
+
 def encode(placement: Placement) -> list[bytes]:
     """The ZMQ frames of one placement: topic, head with the backend URL and session key, hash bytes."""
     url = placement.backend.encode()
@@ -128,7 +147,11 @@ def encode(placement: Placement) -> list[bytes]:
 def zmq_frames(head: bytes, body: bytes) -> list[bytes]:
     """The ZMQ frames of one message as a Unix link carries it (``head``, ``body``): a load
     report under :data:`LOAD_TOPIC`, a placement under :data:`TOPIC`."""
-    return [LOAD_TOPIC, body] if head == LOAD_HEAD else [TOPIC, head, body]
+    if head == LOAD_HEAD:
+        return [LOAD_TOPIC, body]
+    if head == EVIDENCE_HEAD:
+        return [EVIDENCE_TOPIC, body]
+    return [TOPIC, head, body]
 
 
 class ZmqPublisher:
@@ -240,13 +263,16 @@ class PeerExchange:
         max_bytes_per_s: float,
         own_load: Callable[[], Mapping[str, BackendLoad]] | None = None,
         apply_load: Callable[[str, BackendLoad], None] | None = None,
+        apply_evidence: Callable[[str, Answers], None] | None = None,
         key: PeerKey | None = None,
         accepted_key: PeerKey | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         """``own_load()``: this router's own requests in flight per backend, reported to the
         peers when :meth:`load_changed` says they changed; ``apply_load(url, load)``: the
-        peers' sum for ``url`` changed to ``load``; ``key``: the fleet's CURVE key pair
+        peers' sum for ``url`` changed to ``load``; ``apply_evidence(url, answers)``: a peer's
+        answers about ``url`` (its model's eviction evidence; :meth:`answered` sends this
+        router's only where it is given); ``key``: the fleet's CURVE key pair
         (``--peer-secret-file``) for every ZMQ socket (None: plain ZMQ); ``accepted_key``:
         a second pair accepted as well while the secret is rotated (``peer_auth``)."""
         self._bind = bind
@@ -268,6 +294,9 @@ class PeerExchange:
         self._flush_scheduled = False
         self._own_load = own_load
         self._apply_load = apply_load
+        self._apply_evidence = apply_evidence
+        #: What this router's answers said since its last evidence message, per backend.
+        self._answers: dict[str, Answers] = {}
         self._peer_load = PeerLoad(new_sender_id())
         #: This router's counts changed since its last report.
         self._load_changed = False
@@ -279,6 +308,7 @@ class PeerExchange:
         self._heartbeat: asyncio.TimerHandle | None = None
         self.stats = ExchangeStats()
         self.load_stats = LoadReportStats()
+        self.evidence_stats = EvidenceStats()
 
     @property
     def endpoint(self) -> str | None:
@@ -367,6 +397,7 @@ class PeerExchange:
             sub.setsockopt(zmq.IPV6, 1)  # peers found by DNS may have IPv6 addresses
             sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
             sub.setsockopt(zmq.SUBSCRIBE, LOAD_TOPIC)
+            sub.setsockopt(zmq.SUBSCRIBE, EVIDENCE_TOPIC)
             self._sub = sub
             keys = [key for key in (self._key, self._accepted_key) if key is not None]
             self._handshakes = Handshakes(sub, keys)
@@ -405,6 +436,15 @@ class PeerExchange:
             self.stats.dropped_budget += 1
             return
         self._outbox.append(frames)
+        self._schedule_flush()
+
+    def answered(self, backend: str, evicted: bool) -> None:
+        """An engine's answer checked this router's model of its cache (``evicted``: it had
+        evicted part of what the model held): sent to the peers at the next event-loop turn
+        with the others of this turn (:mod:`~kvroute.router.routing.peer_evidence`)."""
+        if self._apply_evidence is None or (self._pub is None and self._unix_pub is None):
+            return
+        self._answers.setdefault(backend, Answers()).add(evicted)
         self._schedule_flush()
 
     def load_changed(self, finished: bool = False) -> None:
@@ -446,11 +486,14 @@ class PeerExchange:
         if pub is None and self._unix_pub is None:
             return  # stopped
         report = self._report() if self._load_changed and self._report_timer is None else None
-        if self._unix_pub is not None and (outbox or report is not None):
+        evidence = self._evidence()
+        if self._unix_pub is not None and (outbox or report is not None or evidence is not None):
             # One write per reader for the whole turn's messages.
             frames = [frame(parts[1], parts[2]) for parts in outbox]
             if report is not None:
                 frames.append(frame(LOAD_HEAD, report))
+            if evidence is not None:
+                frames.append(frame(EVIDENCE_HEAD, evidence))
             behind = self._unix_pub.send(b"".join(frames))
             self.stats.dropped_slow += behind * len(outbox)
             self.stats.published += len(outbox)
@@ -460,8 +503,23 @@ class PeerExchange:
                 self.stats.published += 1
             if report is not None:
                 pub.send(zmq_frames(LOAD_HEAD, report))
+            if evidence is not None:
+                pub.send(zmq_frames(EVIDENCE_HEAD, evidence))
         if report is not None:
             self.load_stats.published += 1
+
+    def _evidence(self) -> bytes | None:
+        """This turn's answers as one message, if any and the byte budget allows it (else
+        they are dropped: the rates they would move are recent means, not totals)."""
+        if not self._answers:
+            return None
+        body = encode_evidence(self._answers)
+        self._answers = {}
+        if not self._budget.take(len(body)):
+            self.evidence_stats.dropped_budget += 1
+            return None
+        self.evidence_stats.published += 1
+        return body
 
     def _report(self) -> bytes | None:
         """This router's own counts as a report, if the byte budget allows it now."""
@@ -504,6 +562,9 @@ class PeerExchange:
         if frames and frames[0] == LOAD_TOPIC:
             self._take_report(frames[1] if len(frames) == 2 else b"")
             return
+        if frames and frames[0] == EVIDENCE_TOPIC:
+            self._take_evidence(frames[1] if len(frames) == 2 else b"")
+            return
         try:
             placement = decode(frames)
         except ValueError:
@@ -514,6 +575,9 @@ class PeerExchange:
     def _take_parts(self, head: bytes, body: bytes) -> None:
         if head == LOAD_HEAD:
             self._take_report(body)
+            return
+        if head == EVIDENCE_HEAD:
+            self._take_evidence(body)
             return
         try:
             placement = decode_parts(head, body)
@@ -540,6 +604,17 @@ class PeerExchange:
             return
         self.load_stats.received += 1
         self._push_load(self._peer_load.apply(report))
+
+    def _take_evidence(self, data: bytes) -> None:
+        try:
+            evidence = decode_evidence(data)
+        except ValueError:
+            self.evidence_stats.malformed += 1
+            return
+        self.evidence_stats.received += 1
+        if self._apply_evidence is not None:
+            for url, answers in evidence.items():
+                self._apply_evidence(url, answers)
 
     def _push_load(self, changed: set[str]) -> None:
         if self._apply_load is None:

@@ -62,6 +62,7 @@ from kvroute.router.routing.cache_model import CacheModel
 from kvroute.router.routing.decisions import RING_SIZE, DecisionRecorder
 from kvroute.router.routing.kv_events import KVEventsState
 from kvroute.router.routing.ledger import Conversation, WorkingSets
+from kvroute.router.routing.peer_evidence import Answers
 from kvroute.router.routing.peer_exchange import Placement
 from kvroute.router.routing.policies import (
     POLICIES,
@@ -240,6 +241,7 @@ class RoutingEngine:
         self._configured_tokens: dict[str, int] = {}
         self.cache_model = CacheModel()
         self._placement_listener: Callable[[Placement], None] | None = None
+        self._answer_listener: Callable[[str, bool], None] | None = None
         # Attempts routed and not yet observed that added blocks, oldest first; per backend
         # the first block each is computing (serial -> (position, hash)).
         self._computing_attempts: OrderedDict[int, _Computing] = OrderedDict()
@@ -393,6 +395,8 @@ class RoutingEngine:
         drifted = modelled - cached_tokens >= size
         if modelled >= size:
             self.cache_model.answered(backend, evicted=drifted)
+            if self._answer_listener is not None:
+                self._answer_listener(backend, drifted)
         if not drifted:
             return
         feedback.drifts += 1
@@ -425,14 +429,26 @@ class RoutingEngine:
         if not len(hashes):
             return
         shared = max(index.match_hashes(hashes).values(), default=0)
-        if self._precise is None or self._precise.state(placement.backend) is KVEventsState.APPROXIMATE:
-            index.insert_hashes(placement.backend, hashes)  # else the engine's KV events say what it holds
+        # Also where KV events say what the engine holds: this index is then the model of the
+        # cache whose misses the engines' answers count (peer_evidence), and it misses the
+        # peers' traffic's evictions unless it sees that traffic.
+        index.insert_hashes(placement.backend, hashes)
         chain = hashes.tolist() if placement.session_key is None else ()
         conversation = self._working_sets.find(placement.session_key, chain, shared)
         if conversation is not None:
             self._working_sets.record(
                 conversation, placement.backend, placement.prompt_tokens, int(hashes[-1]), chain, placement.block_size
             )
+
+    def on_answer(self, listener: Callable[[str, bool], None] | None) -> None:
+        """Call ``listener(backend, evicted)`` for each engine answer that checked the
+        router's model of that backend's cache (the peer exchange sends them on)."""
+        self._answer_listener = listener
+
+    def apply_answers(self, backend: str, answers: Answers) -> None:
+        """A peer router's answers about ``backend``: counted in its eviction rate."""
+        for evicted in answers.in_order():
+            self.cache_model.peer_answered(backend, evicted)
 
     def forget_backend(self, url: str) -> None:
         """A backend left the pool: drop its index entries, ledger entries and policy state."""

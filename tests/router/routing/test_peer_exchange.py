@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from kvroute.router.routing import peer_exchange, peer_load
+from kvroute.router.routing.peer_evidence import EVIDENCE_TOPIC, Answers
 from kvroute.router.routing.peer_exchange import RECEIVE_BATCH, ByteBudget, PeerExchange, Placement, decode, encode
 from kvroute.router.routing.peer_load import LOAD_TOPIC, NO_LOAD, BackendLoad, LoadReport, encode_report
 from tests.servers import RouterServer, until
@@ -310,6 +311,73 @@ def test_reports_repeat_while_requests_run_and_a_silent_peer_is_forgotten(
             assert subscriber.load_stats.expired == 1 and subscriber.load_stats.malformed == 1
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_routers_eviction_evidence_reaches_its_peers(transport: str, tmp_path: Path) -> None:
+    """One event-loop turn's answers leave as one message of counts per backend; a
+    malformed one is counted and dropped."""
+
+    async def scenario() -> None:
+        heard: list[tuple[str, Answers]] = []
+        publisher = PeerExchange(
+            bind=_bind(transport, tmp_path),
+            peers=[],
+            apply=lambda _: None,
+            max_bytes_per_s=1e9,
+            apply_evidence=lambda url, answers: None,
+        )
+        await publisher.start()
+        endpoint = publisher.endpoint
+        assert endpoint is not None
+        subscriber = PeerExchange(
+            bind=None,
+            peers=[endpoint],
+            apply=lambda _: None,
+            max_bytes_per_s=1e9,
+            apply_evidence=lambda url, answers: heard.append((url, answers)),
+        )
+        try:
+            assert await subscriber.start(wait_for=[endpoint])
+            await asyncio.sleep(0.2)  # ZMQ: the subscription reaches the publisher after the handshake
+            for evicted in (True, False, True):
+                publisher.answered("http://a", evicted)
+            publisher.answered("http://b", False)
+            await until(lambda: len(heard) == 2)
+            assert dict(heard) == {"http://a": Answers(3, 2), "http://b": Answers(1, 0)}
+            publisher.answered("http://a", False)
+            await until(lambda: len(heard) == 3)
+            assert heard[-1] == ("http://a", Answers(1, 0))  # a delta: the next turn's answers only
+            if transport == "tcp":
+                rogue = zmq.asyncio.Context.instance().socket(zmq.PUB)
+                port = rogue.bind_to_random_port("tcp://127.0.0.1")
+                subscriber.connect([f"tcp://127.0.0.1:{port}"])
+                await asyncio.sleep(0.2)
+                await rogue.send_multipart([EVIDENCE_TOPIC, b'{"http://a": [1, 5]}'])
+                await until(lambda: subscriber.evidence_stats.malformed == 1)
+                rogue.close(linger=0)
+            assert len(heard) == 3 and subscriber.stats.received == 0
+            assert (publisher.evidence_stats.published, subscriber.evidence_stats.received) == (2, 2)
+        finally:
+            await publisher.stop()
+            await subscriber.stop()
+
+    asyncio.run(scenario())
+
+
+def test_peer_routers_weigh_each_others_eviction_evidence(sim_engines: Any, router_server: Any) -> None:
+    """An answer one router checks moves the other's eviction rate for that backend too."""
+    first, second = _pair(sim_engines, router_server)
+    conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How do prefix caches work?"}]
+    backend, _, reply = _ask(first, conversation)
+    conversation += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And eviction?"}]
+    assert _ask(first, conversation)[0] == backend  # its model predicted the history: an answer checks it
+    _wait_for(lambda: first.state.routing.cache_model.eviction_rate(backend) is not None)
+    _wait_for(lambda: second.state.routing.cache_model.eviction_rate(backend) is not None)
+    assert second.state.routing.cache_model.eviction_rate(backend) == 0.0  # the engine held it all
+    assert second.state.exchange.evidence_stats.malformed == 0
+    metrics = httpx.get(second.url + "/metrics").text
+    assert 'kvroute_peer_evidence_total{event="received"}' in metrics
 
 
 def test_peer_routers_see_each_others_requests_in_flight(sim_engines: Any, router_server: Any) -> None:
