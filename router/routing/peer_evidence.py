@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import orjson
 
+from kvroute.router.routing.peer_load import count_pairs, decode_object
+
 #: The topic of evidence on the ZMQ exchange (routers without it do not subscribe to it).
 EVIDENCE_TOPIC = b"kvroute-evidence"
 #: The head of evidence on a ``unix://`` link (never a valid placement head).
@@ -53,24 +55,9 @@ def encode_evidence(answers: Mapping[str, Answers]) -> bytes:
 
 def decode_evidence(data: bytes) -> dict[str, Answers]:
     """The inverse of :func:`encode_evidence`; ``ValueError`` on anything else."""
-    if len(data) > MAX_EVIDENCE_BYTES:
-        raise ValueError("evidence too large")
-    try:
-        message = orjson.loads(data)
-    except orjson.JSONDecodeError as error:
-        raise ValueError("evidence is not JSON") from error
-    if not isinstance(message, dict):
-        raise ValueError("not evidence")
-    answers: dict[str, Answers] = {}
-    for url, pair in message.items():
-        if not url or not isinstance(pair, list) or len(pair) != 2:
-            raise ValueError("malformed evidence")
-        checked, evicted = pair
-        if not (_count(checked) and _count(evicted) and evicted <= checked):
+    answers = {}
+    for url, (checked, evicted) in count_pairs(decode_object(data, MAX_EVIDENCE_BYTES, "evidence"), "evidence").items():
+        if evicted > checked:
             raise ValueError("malformed evidence")
         answers[url] = Answers(checked, evicted)
     return answers
-
-
-def _count(value: object) -> bool:
-    return type(value) is int and 0 <= value < 2**31

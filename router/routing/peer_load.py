@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -72,26 +73,38 @@ def encode_report(report: LoadReport) -> bytes:
 
 def decode_report(data: bytes) -> LoadReport:
     """The inverse of :func:`encode_report`; ``ValueError`` on anything else."""
-    if len(data) > MAX_REPORT_BYTES:
-        raise ValueError("load report too large")
-    try:
-        message = orjson.loads(data)
-    except orjson.JSONDecodeError as error:
-        raise ValueError("load report is not JSON") from error
-    if not isinstance(message, dict) or set(message) != {"sender", "load"}:
+    message = decode_object(data, MAX_REPORT_BYTES, "load report")
+    if set(message) != {"sender", "load"}:
         raise ValueError("not a load report")
     sender, counts = message["sender"], message["load"]
     if not isinstance(sender, str) or not sender or not isinstance(counts, dict):
         raise ValueError("malformed load report")
-    load: dict[str, BackendLoad] = {}
-    for url, pair in counts.items():
-        if not url or not isinstance(pair, list) or len(pair) != 2:
-            raise ValueError("malformed load report")
-        in_flight, work_tokens = pair
-        if not _count(in_flight) or not _count(work_tokens):
-            raise ValueError("malformed load report")
-        load[url] = BackendLoad(in_flight, work_tokens)
+    load = {url: BackendLoad(*pair) for url, pair in count_pairs(counts, "load report").items()}
     return LoadReport(sender, load)
+
+
+def decode_object(data: bytes, max_bytes: int, name: str) -> dict[str, Any]:
+    """A peer's message, a JSON object of at most ``max_bytes``; ``ValueError`` (naming the
+    message, ``name``) for anything else."""
+    if len(data) > max_bytes:
+        raise ValueError(f"{name} too large")
+    try:
+        message = orjson.loads(data)
+    except orjson.JSONDecodeError as error:
+        raise ValueError(f"{name} is not JSON") from error
+    if not isinstance(message, dict):
+        raise ValueError(f"not a {name}")
+    return message
+
+
+def count_pairs(counts: Mapping[str, Any], name: str) -> dict[str, tuple[int, int]]:
+    """``{url: [count, count]}`` as checked pairs of counts; ``ValueError`` for anything else."""
+    pairs: dict[str, tuple[int, int]] = {}
+    for url, pair in counts.items():
+        if not url or not isinstance(pair, list) or len(pair) != 2 or not all(_count(value) for value in pair):
+            raise ValueError(f"malformed {name}")
+        pairs[url] = (pair[0], pair[1])
+    return pairs
 
 
 def _count(value: object) -> bool:
