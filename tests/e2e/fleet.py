@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import re
 import shutil
 import signal
@@ -61,12 +62,27 @@ def report(line: str) -> None:
     print(line)
 
 
+#: Ports handed to the fleet's processes come from below Linux's default ephemeral range
+#: (32768-60999): vLLM's engine processes bind OS-assigned ports as they start, and one
+#: took a replica's replay port, picked from that range, before the replica bound it
+#: ("Address already in use", every e2e test erred; CI, 2026-12-05).
+FLEET_PORTS = range(20000, 32000)
+
+
 def free_ports(count: int) -> list[int]:
-    """Distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
-    sockets = [socket.socket() for _ in range(count)]
+    """Distinct free TCP ports on 127.0.0.1 in :data:`FLEET_PORTS` (held open together so
+    they differ)."""
+    chooser = random.SystemRandom()
+    sockets: list[socket.socket] = []
     try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
+        while len(sockets) < count:
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", chooser.randrange(FLEET_PORTS.start, FLEET_PORTS.stop)))
+            except OSError:  # in use
+                sock.close()
+                continue
+            sockets.append(sock)
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
