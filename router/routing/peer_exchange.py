@@ -146,7 +146,8 @@ def encode(placement: Placement) -> list[bytes]:
 
 def zmq_frames(head: bytes, body: bytes) -> list[bytes]:
     """The ZMQ frames of one message as a Unix link carries it (``head``, ``body``): a load
-    report under :data:`LOAD_TOPIC`, a placement under :data:`TOPIC`."""
+    report under :data:`LOAD_TOPIC`, eviction evidence under
+    :data:`~kvroute.router.routing.peer_evidence.EVIDENCE_TOPIC`, a placement under :data:`TOPIC`."""
     if head == LOAD_HEAD:
         return [LOAD_TOPIC, body]
     if head == EVIDENCE_HEAD:
