@@ -148,18 +148,16 @@ _ENVIRONMENT = _environment()
 def compile_template(source: str) -> jinja2.Template:
     """Compile a chat template once per distinct source text."""
     try:
-        template = _ENVIRONMENT.from_string(source)
+        return compile_syntax_tree(source)
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"invalid chat template: {exc}") from exc
+
+
+def compile_syntax_tree(tree: str | jinja2.nodes.Template) -> jinja2.Template:
+    """A chat template, or one built from parts of a parsed one, compiled in the sandbox."""
+    template = _ENVIRONMENT.from_string(tree)
     # A template's globals are a ChainMap over the environment's, copied key by key in
     # Python into every render's context; one plain dict (they never change) copies in C.
-    template.globals = dict(template.globals)
-    return template
-
-
-def compile_syntax_tree(tree: jinja2.nodes.Template) -> jinja2.Template:
-    """A template built from parts of a parsed chat template, compiled in the same sandbox."""
-    template = _ENVIRONMENT.from_string(tree)
     template.globals = dict(template.globals)
     return template
 

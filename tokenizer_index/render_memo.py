@@ -272,10 +272,8 @@ def asks_again(messages: Sequence[Any], settings: RenderSettings) -> bool:
     while earlier > 0 and isinstance(messages[earlier], Mapping) and messages[earlier].get("role") == "assistant":
         earlier -= 1
     try:
-        return (
-            last_match.find(settings.convert(messages[earlier:])) == len(messages) - 1 - earlier
-            and last_match.find(settings.convert([messages[earlier]])) == 0
-        )
+        ending = settings.convert(messages[earlier:])
+        return last_match.find(ending) == len(ending) - 1 and last_match.find(ending[:1]) == 0
     except (ChatTemplateError, ValueError):  # the whole render says what is wrong
         return False
 

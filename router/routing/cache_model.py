@@ -60,13 +60,16 @@ class CacheModel:
         """An answer checked a prediction: the engine evicted part of it (a :meth:`shortfall`
         follows where the capacity is known), or held all of it, and the modelled cache
         creeps back towards the configured size."""
-        self.peer_answered(backend, evicted)
+        self._count_answer(backend, evicted)
         if not evicted:
             self._grow(backend)
 
     def peer_answered(self, backend: str, evicted: bool) -> None:
         """A peer router's answer: moves the eviction rate as this router's own do, so the
         routers of a fleet weigh the thrash estimate alike; the scale stays this model's."""
+        self._count_answer(backend, evicted)
+
+    def _count_answer(self, backend: str, evicted: bool) -> None:
         rate = self._eviction_rates.get(backend, 0.0)
         self._eviction_rates[backend] = rate + EVICTION_RATE_WEIGHT * (float(evicted) - rate)
 
