@@ -25,7 +25,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -52,6 +52,7 @@ from kvroute.benchmarks.results import (
     PEER_PREFIX,
     POOLED_LRU_TARGET,
     TargetResult,
+    format_by_seed,
     format_repeats,
     format_table,
     percentile,
@@ -483,6 +484,14 @@ def build_parser() -> argparse.ArgumentParser:
         "engines, so the load matches real time; 1 for external engines)",
     )
     what.add_argument("--seed", type=int, default=0)
+    what.add_argument(
+        "--seeds",
+        type=parse_seeds,
+        metavar="LIST",
+        help="run every workload at each of these seeds (e.g. 0-9 or 0,3,5) instead of --seed, "
+        "and print medians over them and each seed's hit rates: in virtual time, where a "
+        "seed's run is deterministic, the spread to report",
+    )
     what.add_argument("--users", type=int, default=8, help="system-prompt: users")
     what.add_argument("--turns", type=int, default=4, help="system-prompt, multi-turn: turns")
     what.add_argument("--system-tokens", type=int, default=4000, help="system-prompt: system prompt length")
@@ -590,6 +599,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_seeds(text: str) -> list[int]:
+    """``0-9`` or ``0,3,5`` (or both: ``0-2,7``) as a list of seeds."""
+    seeds: list[int] = []
+    try:
+        for part in _csv(text):
+            first, _, last = part.partition("-")
+            seeds += range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds are numbers or ranges like 0-9, not {text!r}") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError("no seeds given")
+    return list(dict.fromkeys(seeds))
+
+
 def default_block_size(api: str) -> int:
     """The engines' block size when ``--block-size`` is not given: vLLM's 16, SGLang's page of 1."""
     return 1 if api == "sglang" else 16
@@ -663,36 +686,46 @@ async def _main(args: argparse.Namespace) -> int:
         think_time=args.think_time,
         arrival_rate=args.arrival_rate,
     )
+    seeds: list[int] = args.seeds or [args.seed]
+    specs = args.workload or ["system-prompt", "agent-sessions"]
     try:
-        workloads = [
-            w for spec in args.workload or ["system-prompt", "agent-sessions"] for w in make_workloads(spec, options)
-        ]
+        seeded = {
+            seed: [w for spec in specs for w in make_workloads(spec, replace(options, seed=seed))] for seed in seeds
+        }
     except (ValueError, OSError) as exc:
         print(f"kvroute bench: {exc}", file=sys.stderr)
         return 2
     targets = _targets(policies, peers) + ([BEST_PLACEMENT_TARGET] if args.placement_search else [])
     started = time.monotonic()
     results: list[TargetResult] = []
-    for time_scale, prefill in points:
+    for (time_scale, prefill), seed in itertools.product(points, seeds):
+        workloads = seeded[seed]
         fleet = _sim_fleet(args, time_scale, prefill) if sim else external
         speedup = args.speedup or (time_scale if sim else 1.0)
         setting = f"time-scale={time_scale:g} prefill={prefill:g}" if swept else ""
         print(
             f"kvroute bench: {len(workloads)} workload(s) x {len(targets)} target(s) x "
             f"{args.repeat} run(s) on {len(fleet.urls)} engine(s); arrivals sped up "
-            f"{speedup:g}x" + (f"; {setting}" if setting else ""),
+            f"{speedup:g}x" + (f"; {setting}" if setting else "") + (f"; seed {seed}" if args.seeds else ""),
             file=sys.stderr,
         )
         settings = RunSettings(
             speedup=speedup, max_in_flight=args.max_in_flight, time_scale=time_scale if sim else 1.0, setting=setting
         )
-        results += await run_bench(
+        ran = await run_bench(
             workloads, fleet, targets, settings, tokenizer=args.tokenizer, bound=not args.no_bound, repeats=args.repeat
         )
+        if args.seeds:
+            for result in ran:
+                result.seed = seed
+        results += ran
     print(format_table(results))
-    if args.repeat > 1:
+    if args.repeat > 1 or len(seeds) > 1:
         print()
         print(format_repeats(results))
+    if len(seeds) > 1:
+        print()
+        print(format_by_seed(results))
     scales = {point[0] for point in points} if sim and not virtual else {1.0}
     clock = "modelled engine seconds (virtual time)" if virtual else "wall seconds"
     print(

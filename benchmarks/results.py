@@ -78,6 +78,7 @@ class TargetResult:
     setting: str = ""  # a settings-sweep point, e.g. "time-scale=10 prefill=20000"
     repeat: int = 0  # which run of this target x workload (``--repeat``), from 0
     placement: str | None = None  # best_placement: which fixed placement it was
+    seed: int | None = None  # the workload's seed, when ``--seeds`` ran several
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -250,6 +251,24 @@ def format_repeats(results: Sequence[TargetResult]) -> str:
         cells = [_spread([getattr(run, attribute) for run in runs], spec) for _, attribute, spec in _REPEAT_COLUMNS]
         rows.append((*((setting,) if swept else ()), workload, target, str(len(runs)), *cells))
     return "\n".join(["median [min-max] over the runs", *_aligned(header, rows, group_columns=2 if swept else 1)])
+
+
+def format_by_seed(results: Sequence[TargetResult]) -> str:
+    """Per (setting,) workload and target: the observed hit rate at each seed (the median of
+    its repeats), so targets compare seed by seed, not only in their spread over seeds."""
+    seeds = sorted({result.seed for result in results if result.seed is not None})
+    groups: dict[tuple[str, str, str], dict[int, list[float]]] = {}
+    for result in results:
+        if result.status == "ok" and result.seed is not None and result.hit_rate_observed is not None:
+            runs = groups.setdefault((result.setting, result.workload, result.target), {})
+            runs.setdefault(result.seed, []).append(result.hit_rate_observed)
+    swept = any(setting for setting, _, _ in groups)
+    header = (*(("setting",) if swept else ()), "workload", "target", *(f"seed {seed}" for seed in seeds))
+    rows = []
+    for (setting, workload, target), runs in groups.items():
+        cells = [format(float(np.median(runs[seed])), ".3f") if seed in runs else "-" for seed in seeds]
+        rows.append((*((setting,) if swept else ()), workload, target, *cells))
+    return "\n".join(["hit obs by seed", *_aligned(header, rows, group_columns=2 if swept else 1)])
 
 
 def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]], group_columns: int) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,35 @@ def test_kvroute_bench_engine_virtual(tmp_path: Path, capsys: pytest.CaptureFixt
         assert row.of_bound_fleet is not None and 0.5 < row.of_bound_fleet <= 1.0
     # Deterministic: a repeat is the same run.
     assert rows[("cache_aware", 0)].hit_rate_observed == rows[("cache_aware", 1)].hit_rate_observed
+
+
+def test_kvroute_bench_seeds_runs_each_seed_and_tabulates_them(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    argv = ["--engine", "virtual", "--replicas", "2", "--workload", "multi-turn", "--conversations", "6"]
+    argv += ["--policies", "sticky,cache_aware", "--no-bound", "--seeds", "3-4", "--out", str(out)]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "hit obs by seed" in printed and "seed 3" in printed and "seed 4" in printed
+    rows = {(row.target, row.seed): row for row in read_json(out / "results.json")}
+    assert set(rows) == {(target, seed) for target in ("sticky", "cache_aware") for seed in (3, 4)}
+    # Each seed is its own workload: the same policy sees different requests.
+    seeded = [rows[("cache_aware", seed)] for seed in (3, 4)]
+    assert all(row.requests == 24 and row.errors == 0 for row in seeded)
+    assert seeded[0].prompt_tokens != seeded[1].prompt_tokens
+    # One seed alone is exactly the --seed run.
+    single = tmp_path / "single"
+    argv = ["--engine", "virtual", "--replicas", "2", "--workload", "multi-turn", "--conversations", "6"]
+    assert bench.main([*argv, "--policies", "cache_aware", "--no-bound", "--seed", "4", "--out", str(single)]) == 0
+    (alone,) = read_json(single / "results.json")
+    assert alone.seed is None and alone.hit_rate_observed == rows[("cache_aware", 4)].hit_rate_observed
+
+
+@pytest.mark.parametrize(("text", "seeds"), [("0-3", [0, 1, 2, 3]), ("5", [5]), ("0-1,7,1", [0, 1, 7])])
+def test_parse_seeds(text: str, seeds: list[int]) -> None:
+    assert bench.parse_seeds(text) == seeds
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-x", ","])
+def test_parse_seeds_refuses_what_is_not_seeds(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench.parse_seeds(text)
