@@ -98,35 +98,8 @@ class Placement:
 
 
 @dataclass(slots=True)
-class ExchangeStats:
-    published: int = 0
-    received: int = 0
-    #: Placements not sent because the byte budget was spent.
-    dropped_budget: int = 0
-    #: Placements one ``unix://`` reader did not get: it was too far behind (ZMQ's peers
-    #: drop at their high-water mark, uncounted).
-    dropped_slow: int = 0
-    #: Messages from peers that could not be decoded.
-    malformed: int = 0
-
-
-@dataclass(slots=True)
-class LoadReportStats:
-    """The load reports' counters (``kvroute_peer_load_reports_total{event}``)."""
-
-    published: int = 0
-    received: int = 0
-    #: Reports not sent because the byte budget was spent (the next change or heartbeat retries).
-    dropped_budget: int = 0
-    #: Peers forgotten because their reports stopped while they had requests in flight.
-    expired: int = 0
-    #: Reports from peers that could not be decoded.
-    malformed: int = 0
-
-
-@dataclass(slots=True)
-class EvidenceStats:
-    """The eviction evidence's counters (``kvroute_peer_evidence_total{event}``), in messages."""
+class MessageStats:
+    """What every kind of peer message counts, in messages."""
 
     published: int = 0
     received: int = 0
@@ -134,6 +107,28 @@ class EvidenceStats:
     dropped_budget: int = 0
     #: Messages from peers that could not be decoded.
     malformed: int = 0
+
+
+@dataclass(slots=True)
+class ExchangeStats(MessageStats):
+    """The placements' counters (``kvroute_peer_placements_total{event}``)."""
+
+    #: Placements one ``unix://`` reader did not get: it was too far behind (ZMQ's peers
+    #: drop at their high-water mark, uncounted).
+    dropped_slow: int = 0
+
+
+@dataclass(slots=True)
+class LoadReportStats(MessageStats):
+    """The load reports' counters (``kvroute_peer_load_reports_total{event}``); a report
+    dropped for the budget is retried by the next change or heartbeat."""
+
+    #: Peers forgotten because their reports stopped while they had requests in flight.
+    expired: int = 0
+
+
+#: The eviction evidence's counters (``kvroute_peer_evidence_total{event}``).
+EvidenceStats = MessageStats
 
 
 def encode(placement: Placement) -> list[bytes]:
