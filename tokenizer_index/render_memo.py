@@ -248,10 +248,17 @@ class RenderMemo:
         new = messages[previous.count :]
         if not new:  # the same conversation again (a retry)
             return _Rendered(previous.body + tail, head, generation_prompt, previous.match)
-        if settings.shape.windowed:
-            text = _render_around(previous, messages, settings)
+        shape = settings.shape
+        if shape.windowed or (shape.parity and (previous.count - shape.anchors) % 2):
+            # (A parity template's new messages behind the anchors alone would each sit at
+            # the other parity: one remembered message goes between.)
+            window = LOOKAROUND_WINDOW if shape.windowed else 1
+            text = _render_around(previous, messages, settings, window)
             return _Rendered(text, head, generation_prompt, previous.match) if text is not None else None
-        rendered = settings.render(settings.convert([*messages[: settings.shape.anchors], *new]))
+        try:
+            rendered = settings.render(settings.convert([*messages[: shape.anchors], *new]))
+        except ChatTemplateError:  # the new messages behind the anchors alone are refused
+            return None
         if not rendered.startswith(head):
             log.warning("chat template rendered a conversation's first messages differently; rendering whole")
             return None
@@ -283,31 +290,35 @@ def asks_again(messages: Sequence[Any], settings: RenderSettings) -> bool:
 LOOKAROUND_WINDOW = 3
 
 
-def _render_around(previous: RenderedConversation, messages: Sequence[Any], settings: RenderSettings) -> str | None:
+def _render_around(
+    previous: RenderedConversation, messages: Sequence[Any], settings: RenderSettings, size: int
+) -> str | None:
     """``messages`` (which continue ``previous``'s) rendered under a template whose message
-    texts depend on their neighbours or on a last match; None when there are too few
-    remembered messages, or the new ones hold a match (every earlier message may render
-    differently now), or the window alone is refused.
+    texts depend on their neighbours, on a last match or on their positions' parity; None
+    when there are too few remembered messages, or the new ones hold a match (every earlier
+    message may render differently now), or the window alone is refused.
 
     With ``P`` the remembered messages (``X = render(P)`` without generation prompt), ``Q``
     the new ones and ``W`` the anchors, the remembered match (if it is between the anchors
-    and the rest), then ``P``'s last three: ``Y = render(W + Q)`` and ``Z = render(W)``
-    without generation prompt agree up to where the last of ``P`` first renders differently
-    followed by ``Q`` than last; ``X`` ends as ``Z`` does (the two messages before it render
-    alike in both). So ``render(P + Q)`` is ``X`` less what ``Z`` has past that point, then
-    ``Y`` from it.
+    and the rest), then ``P``'s last ``size`` (one more where that keeps each at its
+    parity): ``Y = render(W + Q)`` and ``Z = render(W)`` without generation prompt agree up
+    to where the last of ``P`` first renders differently followed by ``Q`` than last; ``X``
+    ends as ``Z`` does (the messages before it render alike in both). So ``render(P + Q)``
+    is ``X`` less what ``Z`` has past that point, then ``Y`` from it.
     """
     shape = settings.shape
-    start = previous.count - LOOKAROUND_WINDOW
+    start = previous.count - size
+    match = previous.match
+    remembered = [*messages[: shape.anchors]]
+    if match is not None and shape.anchors <= match < start:
+        remembered.append(messages[match])
+    if shape.parity and (start - len(remembered)) % 2:
+        start -= 1
     if start < shape.anchors:
         return None
     new = settings.convert(messages[previous.count :])
     if shape.last_match is not None and shape.last_match.find(new) is not None:
         return None
-    match = previous.match
-    remembered = [*messages[: shape.anchors]]
-    if match is not None and shape.anchors <= match < start:
-        remembered.append(messages[match])
     window = settings.convert([*remembered, *messages[start : previous.count]])
     try:
         joined = settings.render([*window, *new])
@@ -369,6 +380,23 @@ PROBE_CONVERSATIONS: tuple[tuple[dict[str, Any], ...], ...] = (
         {"role": "system", "content": "late system"},
         {"role": "developer", "content": "dev"},
         {"role": "user", "content": "c"},
+    ),
+    (  # roles that alternate, as Mistral's and Gemma's templates insist, without a system prompt
+        {"role": "user", "content": "Hi there 😀"},
+        {"role": "assistant", "content": " Hello!\n"},
+        {"role": "user", "content": "\n中文 text"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "c"},
+        {"role": "user", "content": "again"},
+    ),
+    (  # and with one
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "again"},
     ),
     (  # an agent's turns after its user's query: a last-match template's match stays put
         {"role": "system", "content": "Be brief."},

@@ -16,8 +16,10 @@ the template's syntax tree, whether a template is of a shape where it is:
 * the head and the loop's body read the messages only as ``messages[0]`` (or
   ``loop_messages[0]``) and ``messages | length > 0`` (or ``!= 0``), which are the same
   for every list that starts with the same ``m + 1`` messages, and the body reads of its
-  loop only ``loop.first`` (or ``loop.index0 == 0``, ``loop.index == 1``) and
-  ``loop.last``;
+  loop only ``loop.first`` (or ``loop.index0 == 0``, ``loop.index == 1``),
+  ``loop.last``, and the parity of its position: ``loop.index0 % 2`` (or ``loop.index %
+  2``, ``loop.index0 is even``/``odd``), as Mistral's and Gemma's templates check that
+  roles alternate;
 * the body may read a message's neighbours, as Qwen 2.5's template groups consecutive tool
   results, only guarded: ``messages[loop.index0 - 1]`` after ``loop.first or`` (or
   ``loop.index0 == 0 or``, ``not loop.first and``), ``messages[loop.index0 + 1]`` after
@@ -40,7 +42,10 @@ render(P[:k] + Q)[len(render(P[:k], no generation prompt)):]``, which
 :mod:`kvroute.tokenizer_index.render_memo` uses to render only the new messages. Where
 the body reads ``loop.last`` or a neighbour (*lookaround*), a message's text also depends
 on the messages beside it, so the memo renders the last few remembered messages again
-with the new ones (``render_memo``). Every other template is rendered whole every time.
+with the new ones (``render_memo``). Where it reads its position's parity, the same holds
+for a window that keeps every message at its parity: the memo puts one remembered message
+between the anchors and the new ones when ``len(P) - k`` is odd. Every other template is
+rendered whole every time.
 
 A *last-match loop* is Qwen 3's pre-loop, exactly of this form (names may differ)::
 
@@ -110,6 +115,9 @@ class PrefixShape:
     lookaround: bool = False
     #: The head's last-match loop, if it has one.
     last_match: LastMatch | None = None
+    #: Whether a message's text depends on whether its position in the loop is even
+    #: (``loop.index0 % 2``): then a window renders every message at its parity.
+    parity: bool = False
 
     @property
     def stable(self) -> bool:
@@ -193,11 +201,14 @@ def prefix_shape(tree: nodes.Template) -> PrefixShape:
         return PrefixShape(refusal=str(refusal))
     if check.last_match is not None and check.peels:
         return PrefixShape(refusal="a last-match loop in a template that peels messages")
+    if check.last_match is not None and check.parity:
+        return PrefixShape(refusal="a last-match loop in a template that reads its positions' parity")
     return PrefixShape(
         anchors=1 + check.peels,
         clock_formats=tuple(dict.fromkeys(check.clock_formats)),
         lookaround=check.lookaround,
         last_match=check.last_match,
+        parity=check.parity,
     )
 
 
@@ -250,6 +261,7 @@ class _ShapeCheck:
         self.peels = 0
         self.clock_formats: list[str] = []
         self.lookaround = False
+        self.parity = False
         #: The name the messages loop runs over (its neighbours are read from it).
         self.loop_list = MESSAGES
         self.last_match: LastMatch | None = None
@@ -297,6 +309,9 @@ class _ShapeCheck:
         if self._is_first_message(node) or self._is_non_empty_test(node):
             return  # the same for every list that starts with the same messages
         if self._is_peel(node, scope) or self._is_clock(node) or self._is_neighbour(node, scope):
+            return
+        if scope.in_message_loop and _is_parity(node):
+            self.parity = True
             return
         if scope.in_message_loop and isinstance(node, nodes.Or | nodes.And) and self._guarded(node, scope):
             return
@@ -611,6 +626,20 @@ def _is_loop_attr(node: nodes.Node, attr: str) -> bool:
 
 def _is_int(node: nodes.Node | None, value: int) -> bool:
     return isinstance(node, nodes.Const) and type(node.value) is int and node.value == value
+
+
+def _is_parity(node: nodes.Node) -> bool:
+    """``loop.index0 % 2`` or ``loop.index % 2``, or ``loop.index0 is even`` (``odd``, of
+    ``loop.index`` too): the same for a message wherever it sits at the same parity."""
+    if isinstance(node, nodes.Mod):
+        position, divisor = node.left, node.right
+        if not _is_int(divisor, 2):
+            return False
+    elif isinstance(node, nodes.Test) and node.name in ("even", "odd") and not (node.args or node.kwargs):
+        position = node.node
+    else:
+        return False
+    return _is_loop_attr(position, "index0") or _is_loop_attr(position, "index")
 
 
 def _is_first_position(node: nodes.Compare) -> bool:

@@ -8,6 +8,7 @@ Templates whose syntax breaks the prefix property must be refused and rendered w
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -19,20 +20,23 @@ from kvroute.tokenizer_index import RequestTokenizer, chat_template
 from kvroute.tokenizer_index.chat_template import ChatTemplate
 from kvroute.tokenizer_index.prompt_memo import conversation_keys
 from kvroute.tokenizer_index.render_memo import (
+    LOOKAROUND_WINDOW,
     MIN_MESSAGES,
     RenderMemo,
     RenderSettings,
     asks_again,
     incremental_render_agrees,
 )
-from kvroute.tokenizer_index.template_prefix import prefix_shape
+from kvroute.tokenizer_index.template_prefix import PrefixShape, prefix_shape
 from tests.paths import REPO
 from tests.tokenizer_index.test_prompt_memo import TEMPLATES
 from tests.tokenizer_index.tokenizers_fixtures import (
     LLAMA3_INDEX_TEMPLATE,
     LLAMA3_STYLE_TEMPLATE,
     LLAMA31_STYLE_TEMPLATE,
+    MISTRAL_FIRST_TEMPLATE,
     MISTRAL_STYLE_TEMPLATE,
+    MIXTRAL_LAST_TEMPLATE,
     OPENAI_PARTS_TEMPLATE,
 )
 
@@ -47,17 +51,24 @@ ALL_TEMPLATES = {
     "qwen25": (REPO / "benchmarks" / "templates" / "qwen25_style.jinja").read_text(),
     # Its messages' texts depend on the position of the last user query (a last-match loop).
     "qwen3": (REPO / "benchmarks" / "templates" / "qwen3_style.jinja").read_text(),
+    # Roles checked to alternate by the loop position's parity (loop.index0 % 2).
     "mistral": MISTRAL_STYLE_TEMPLATE,
+    "mistral_first": MISTRAL_FIRST_TEMPLATE,
+    "mixtral_last": MIXTRAL_LAST_TEMPLATE,
+    "gemma3": (REPO / "benchmarks" / "templates" / "gemma3_style.jinja").read_text(),
     "openai_parts": OPENAI_PARTS_TEMPLATE,
 }
 INCREMENTAL = {
     *("prefix_stable", "raw", "thinking_prompt", "default", "openai_parts"),
     *("llama3", "llama3_index", "llama31", "marks_last", "qwen25", "qwen3"),
+    *("mistral", "mistral_first", "mixtral_last", "gemma3"),
 }
 #: Those whose message texts depend on their neighbours (the memo renders the last few again).
-LOOKAROUND = {"marks_last", "qwen25", "qwen3"}
+LOOKAROUND = {"marks_last", "qwen25", "qwen3", "mixtral_last"}
+#: Those whose message texts depend on their positions' parity (a window keeps it).
+PARITY = {"mistral", "mistral_first", "mixtral_last", "gemma3"}
 #: The leading messages each incremental template's renders repeat (the head peels the rest off).
-ANCHORS = {"llama3": 2, "llama31": 3}
+ANCHORS = {"llama3": 2, "llama31": 3, "mistral_first": 2, "mixtral_last": 2, "gemma3": 2}
 
 TOOLS = [
     {
@@ -144,6 +155,7 @@ def test_templates_that_keep_the_prefix_property_are_recognised(name: str) -> No
     assert shape.stable == (name in INCREMENTAL)
     assert shape.anchors == ANCHORS.get(name, 1)
     assert shape.lookaround == (name in LOOKAROUND)
+    assert shape.parity == (name in PARITY)
     renderers = Renderers(ALL_TEMPLATES[name])
     assert renderers.memo.renders_incrementally(renderers.memo.chat_template()) == (name in INCREMENTAL)
 
@@ -197,7 +209,7 @@ def test_a_template_that_breaks_the_prefix_property_renders_whole() -> None:
     assert not incremental_render_agrees(template, renderers.memo.special_tokens)
 
 
-@pytest.mark.parametrize("name", sorted(LOOKAROUND))
+@pytest.mark.parametrize("name", sorted(LOOKAROUND - PARITY))  # (parity templates take no tool messages)
 def test_a_template_reading_neighbours_renders_its_last_messages_again(name: str) -> None:
     """Its last message renders differently once another follows (``loop.last``, a tool
     result group closed): spliced as one message, it would differ, and the probes say so;
@@ -217,6 +229,57 @@ def test_a_template_reading_neighbours_renders_its_last_messages_again(name: str
     # The first two turns (5 and 9 messages) leave too few to render again behind the anchor;
     # under a last-query template every turn's new query changes earlier texts: all whole.
     assert renderers.memo.render_memo_stats().reused == (0 if shape.last_match else 7)
+
+
+@pytest.mark.parametrize("name", sorted(PARITY))
+def test_a_template_checking_that_roles_alternate_renders_each_message_at_its_parity(name: str) -> None:
+    """Mistral's and Gemma's templates refuse a message whose role does not match its loop
+    position's parity. Behind the anchors alone, the new messages of every other turn would
+    sit at the other parity (refused, or rendered as the other role) and the probes say so;
+    with one remembered message between, every turn equals the whole render."""
+    template = ChatTemplate.from_source(ALL_TEMPLATES[name])
+    shape = prefix_shape(template.syntax_tree)
+    specials = {"bos_token": "<s>", "eos_token": "</s>"}
+    if not shape.lookaround:  # (a lookaround template whose window is refused renders whole)
+        assert not incremental_render_agrees(template, specials, replace(shape, parity=False))
+    assert incremental_render_agrees(template, specials, shape)
+    for system in ([], [{"role": "system", "content": "You route requests."}]):
+        renderers = Renderers(ALL_TEMPLATES[name])
+        messages = [*system]
+        rendered = 0
+        for turn in range(16):  # one message a turn: the new ones start at either parity
+            messages.append({"role": "assistant" if turn % 2 else "user", "content": f"message {turn}"})
+            rendered += renderers.agree(messages, add_generation_prompt=turn % 2 == 0)
+        if name == "mistral" and system:  # refuses a system message: nothing rendered, nothing remembered
+            assert rendered == 0
+            continue
+        assert rendered == 16
+        expected = sum(_reuses(shape, end - 1) for end in range(len(system) + 2, len(messages) + 1))
+        assert renderers.memo.render_memo_stats().reused == expected
+
+
+def _reuses(shape: PrefixShape, remembered: int) -> bool:
+    """Whether a parity template's turn after one of ``remembered`` messages reuses it: always,
+    but where a lookaround template's window (its last three, one more for parity) would
+    reach into the anchors."""
+    if not shape.lookaround:
+        return remembered >= shape.anchors
+    start = remembered - LOOKAROUND_WINDOW
+    return start - (start - shape.anchors) % 2 >= shape.anchors
+
+
+# Qwen 3's last-query loop, cut down: the texts of assistant messages after the last user
+# query (not a wrapped tool result) show their reasoning.
+_LAST_MATCH_HEAD = (
+    "{% set ns = namespace(flag=true, last=messages|length - 1) %}"
+    "{% for message in messages[::-1] %}{% set index = (messages|length - 1) - loop.index0 %}"
+    "{% if ns.flag and message.role == 'user' and not message.content.startswith('<r>') %}"
+    "{% set ns.flag = false %}{% set ns.last = index %}{% endif %}{% endfor %}"
+)
+_LAST_MATCH_BODY = (
+    "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+    "{% if m.role == 'assistant' and loop.index0 > ns.last %}[{{ m.reasoning_content }}]{% endif %}|{% endfor %}"
+)
 
 
 @pytest.mark.parametrize(
@@ -252,6 +315,14 @@ def test_a_template_reading_neighbours_renders_its_last_messages_again(name: str
         "{% set rest = messages[1:] %}{% for m in rest %}{% set rest = 1 %}{{ m['content'] }}{% endfor %}",
         "{% set rest = messages[1:] %}{% for m in rest %}{{ m }}{% endfor %}{% set messages = rest %}",
         "{% for m in messages %}{% if loop.index0 == 1 %}x{% endif %}{{ m['content'] }}{% endfor %}",
+        # Reads its position other than by its parity.
+        "{% for m in messages %}{% if loop.index0 % 3 == 0 %}x{% endif %}{{ m['content'] }}{% endfor %}",
+        "{% for m in messages %}{% if loop.revindex0 % 2 == 0 %}x{% endif %}{{ m['content'] }}{% endfor %}",
+        "{% for m in messages %}{% if (loop.index0 + 1) % 2 %}x{% endif %}{{ m['content'] }}{% endfor %}",
+        "{% for m in messages %}{% if loop.index0 is divisibleby(2) %}x{% endif %}{{ m['content'] }}{% endfor %}",
+        "{% for m in messages %}{% for p in m['content'] %}{{ loop.index0 % 2 }}{% endfor %}{{ loop.index0 }}{% endfor %}",
+        # Its parity and a last match: the match's window place would not keep it.
+        _LAST_MATCH_HEAD + _LAST_MATCH_BODY.replace("{{ m.role }}:", "{{ loop.index0 % 2 }}{{ m.role }}:"),
         # Writes after the messages whatever the generation prompt, or reads it before.
         "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ eos_token }}",
         "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}a{% else %}b{% endif %}",
@@ -266,20 +337,6 @@ def test_syntax_that_may_break_the_prefix_property_is_refused(source: str) -> No
     assert prefix_shape(template.syntax_tree).refusal is not None
     renderers = Renderers(source)
     assert not renderers.memo.renders_incrementally(renderers.memo.chat_template())
-
-
-# Qwen 3's last-query loop, cut down: the texts of assistant messages after the last user
-# query (not a wrapped tool result) show their reasoning.
-_LAST_MATCH_HEAD = (
-    "{% set ns = namespace(flag=true, last=messages|length - 1) %}"
-    "{% for message in messages[::-1] %}{% set index = (messages|length - 1) - loop.index0 %}"
-    "{% if ns.flag and message.role == 'user' and not message.content.startswith('<r>') %}"
-    "{% set ns.flag = false %}{% set ns.last = index %}{% endif %}{% endfor %}"
-)
-_LAST_MATCH_BODY = (
-    "{% for m in messages %}{{ m.role }}:{{ m.content }}"
-    "{% if m.role == 'assistant' and loop.index0 > ns.last %}[{{ m.reasoning_content }}]{% endif %}|{% endfor %}"
-)
 
 
 @pytest.mark.parametrize(
@@ -413,7 +470,7 @@ def test_a_qwen3_chats_follow_up_questions_render_whole_without_the_memo() -> No
     assert renderers.memo.render_memo_stats().reused == 1
 
 
-@pytest.mark.parametrize("name", sorted(ANCHORS))
+@pytest.mark.parametrize("name", sorted(set(ANCHORS) - LOOKAROUND))
 def test_templates_that_peel_messages_render_long_conversations_incrementally(name: str) -> None:
     renderers = Renderers(ALL_TEMPLATES[name])
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You route requests."}]

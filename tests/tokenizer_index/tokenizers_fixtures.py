@@ -92,6 +92,36 @@ MISTRAL_STYLE_TEMPLATE = (
     "{% endfor %}"
 )
 MISTRAL_SPECIALS = ("<s>", "</s>", "[INST]", "[/INST]")
+# Later Mistral shapes: an optional system message peeled off and joined to the first user
+# message (``loop.first``) or, as Mixtral's does, to the last one (``loop.last``: lookaround);
+# roles checked to alternate by the loop position's parity in both.
+MISTRAL_SYSTEM_TEMPLATE = """
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('After the optional system message, roles must alternate user/assistant/...') }}
+    {%- endif %}
+    {%- if message['role'] == 'user' %}
+        {%- if loop.POSITION and system_message is defined %}
+            {{- ' [INST] ' + system_message + '\n\n' + message['content'] + ' [/INST]' }}
+        {%- else %}
+            {{- ' [INST] ' + message['content'] + ' [/INST]' }}
+        {%- endif %}
+    {%- elif message['role'] == 'assistant' %}
+        {{- ' ' + message['content'] + eos_token }}
+    {%- else %}
+        {{- raise_exception('Only user and assistant roles after an optional system message') }}
+    {%- endif %}
+{%- endfor %}
+"""
+MISTRAL_FIRST_TEMPLATE = MISTRAL_SYSTEM_TEMPLATE.replace("POSITION", "first")
+MIXTRAL_LAST_TEMPLATE = MISTRAL_SYSTEM_TEMPLATE.replace("POSITION", "last")
 
 # A multimodal ChatML: iterates over content parts, so vLLM gives it the "openai" format.
 OPENAI_PARTS_TEMPLATE = (
