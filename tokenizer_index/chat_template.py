@@ -268,13 +268,15 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         variables: Mapping[str, Any] | None = None,
+        program: jinja2.Template | None = None,
     ) -> str:
         """Render a conversation (already in the template's content format) to prompt text.
 
         ``variables`` are the extra template variables: the tokenizer's special tokens, then
         the request's ``chat_template_kwargs``. With ``continue_final_message`` the text ends
         inside the last message, open for the model to continue (transformers' tag method);
-        the last message is modified in place, so pass a conversation you own.
+        the last message is modified in place, so pass a conversation you own. ``program``
+        renders in place of the template (one built from it, given the same variables).
         """
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
@@ -289,7 +291,7 @@ class ChatTemplate:
             if clash := arguments.keys() & variables.keys():
                 raise ChatTemplateError(f"chat template variables may not set {', '.join(sorted(clash))}")
             arguments.update(variables)
-        rendered = render_compiled(self._template, arguments)
+        rendered = render_compiled(self._template if program is None else program, arguments)
         if final_text is not None:
             rendered = _cut_at_tag(rendered, final_text)
         return rendered

@@ -40,7 +40,7 @@ from kvroute.tokenizer_index.prompt_memo import (
     PromptMemoStats,
     conversation_keys,
 )
-from kvroute.tokenizer_index.template_prefix import PLAIN, PrefixShape
+from kvroute.tokenizer_index.template_prefix import PLAIN, PrefixShape, Reported
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,25 @@ class RenderSettings:
     def render_whole(self, messages: Sequence[Any]) -> str:
         return self.render(self.convert(messages))
 
+    def report(
+        self, conversation: list[dict[str, Any]], *, add_generation_prompt: bool | None = None
+    ) -> Reported | None:
+        """A state-carrying template's render with its states (``PrefixShape.carried``);
+        None when a message held the report's mark."""
+        carried = self.shape.carried
+        assert carried is not None
+        if add_generation_prompt is None:
+            add_generation_prompt = self.add_generation_prompt
+        text = self.template.render(
+            conversation,
+            tools=self.tools,
+            documents=self.documents,
+            add_generation_prompt=add_generation_prompt,
+            variables=self.variables,
+            program=carried.compiled,
+        )
+        return carried.cut(text)
+
     def context(self) -> list[Any]:
         """Everything besides the messages a render reads, as JSON can write it."""
         clock = [strftime_now(format) for format in self.shape.clock_formats]
@@ -123,6 +142,8 @@ class RenderedConversation:
     generation_prompt: str
     #: The message the template's last-match loop picks, if it has one and one is.
     match: int | None = None
+    #: A state-carrying template's states before and after its messages loop (JSON).
+    states: tuple[str, str] | None = None
 
     @property
     def body(self) -> str:
@@ -178,6 +199,8 @@ class RenderMemo:
             return settings.render_whole(messages)
         keys = conversation_keys(messages)
         previous = self._previous(keys, settings.template, context_json, messages_json)
+        if settings.shape.carried is not None:
+            return self._render_carried(previous, messages, settings, keys, (messages_json, context_json))
         rendered = self._render_after(previous, messages, settings) if previous is not None else None
         if rendered is None:
             rendered = self._render_first(messages, settings)
@@ -216,6 +239,38 @@ class RenderMemo:
             if candidate.continues(template, context_json, messages_json):
                 return candidate
         return None
+
+    def _render_carried(
+        self,
+        previous: RenderedConversation | None,
+        messages: Sequence[Any],
+        settings: RenderSettings,
+        keys: list[int],
+        json: tuple[bytes, bytes],
+    ) -> str:
+        """:meth:`render` under a template that carries state between messages: the new
+        messages after ``previous``'s text where a window reaches its states, else all."""
+        carried = _render_carried_after(previous, messages, settings) if previous is not None else None
+        if carried is None:
+            reported = settings.report(settings.convert(messages))
+            if reported is None:  # a message held the mark: render as the template is
+                return settings.render_whole(messages)
+            body, tail, states = (
+                reported.head + reported.loop,
+                reported.tail,
+                (reported.head_state, reported.loop_state),
+            )
+        else:
+            self._memo.reused()
+            body, tail, states = carried
+        text = body + tail
+        if keys:
+            messages_json, context_json = json
+            entry = RenderedConversation(
+                text, len(body), messages_json, len(messages), settings.template, context_json, "", "", None, states
+            )
+            self._memo.remember(keys[0], entry)
+        return text
 
     def _render_first(self, messages: Sequence[Any], settings: RenderSettings) -> _Rendered:
         """All the messages rendered; and the anchors' text alone, and the generation
@@ -333,6 +388,53 @@ def _render_around(
     return previous.rendered[: previous.length - cut] + joined[common:]
 
 
+#: Remembered messages rendered again behind a state-carrying template's anchors, widest
+#: last: a window must end in the remembered render's states (a flag set by the first tool
+#: call is set in a window that holds one), and hold at most half the conversation.
+CARRY_WINDOWS = (4, 16)
+
+
+def _render_carried_after(
+    previous: RenderedConversation, messages: Sequence[Any], settings: RenderSettings
+) -> tuple[str, str, tuple[str, str]] | None:
+    """``messages`` (which continue ``previous``'s) as ``previous``'s body, the new
+    messages' text and the tail, with the states after them; None when no window reaches
+    ``previous``'s states or the new messages change what the head computes (module
+    docstring of ``template_prefix``: then every message's text may differ).
+
+    With ``P`` the remembered messages, ``Q`` the new ones and ``W`` the anchors then
+    ``P``'s last few: when ``render(W)`` ends its head and its loop in ``P``'s states, and
+    ``render(W + Q)``'s head ends in the same state, each message of ``Q`` starts in the
+    same state in ``render(W + Q)`` as in ``render(P + Q)``, so renders the same text, and
+    the tail follows the same final state.
+    """
+    states = previous.states
+    anchors = settings.shape.anchors
+    if states is None:
+        return None
+    new = messages[previous.count :]  # none for a retry: the tail is its own
+    converted = settings.convert(new) if new else []
+    for size in CARRY_WINDOWS:
+        start = previous.count - size
+        if start < size + anchors:  # (two renders of the window: it pays at half the conversation)
+            return None
+        window = settings.convert([*messages[:anchors], *messages[start : previous.count]])
+        try:
+            alone = settings.report(window, add_generation_prompt=False)
+            if alone is None or (alone.head_state, alone.loop_state) != states:
+                continue  # a wider window may reach them
+            joined = settings.report([*window, *converted])
+        except ChatTemplateError:  # the window alone is refused (the whole render says whether it is)
+            return None
+        if joined is None or joined.head_state != alone.head_state or joined.head != alone.head:
+            return None
+        if not joined.loop.startswith(alone.loop):  # it broke its syntax's promise
+            log.warning("chat template rendered a conversation's last messages differently; rendering whole")
+            return None
+        return previous.body + joined.loop[len(alone.loop) :], joined.tail, (joined.head_state, joined.loop_state)
+    return None
+
+
 def _common_prefix(first: str, second: str) -> int:
     """The length of the longest prefix ``first`` and ``second`` share (compared in C)."""
     low, high = 0, min(len(first), len(second))
@@ -446,6 +548,6 @@ def _every_split_agrees(messages: Sequence[dict[str, Any]], settings: RenderSett
             return False
         reused = memo.stats().reused
         # (A windowed template renders whole where its window is too short or a match is new.)
-        if reused > remembered or (reused < remembered and not settings.shape.windowed):
+        if reused > remembered or (reused < remembered and not settings.shape.may_render_whole):
             return False
     return True

@@ -47,6 +47,18 @@ for a window that keeps every message at its parity: the memo puts one remembere
 between the anchors and the new ones when ``len(P) - k`` is odd. Every other template is
 rendered whole every time.
 
+A template may also *carry state* from one message to the next in namespaces, as
+DeepSeek's do (``ns.is_tool``, ``ns.is_first``, system prompts gathered before the loop):
+the messages loop may write namespace attributes, the head may run *folds* (loops over the
+messages that write namespaces and output nothing, reading of their loop nothing), and the
+tail may output anything that reads no message but the first. Such a template is
+instrumented (:class:`CarriedState`) to report its namespaces before and after the
+messages loop; the memo renders a window ``W`` (the anchors and the last few remembered
+messages) with the new messages ``Q`` and uses the new text only where ``W`` ends in the
+states the remembered render of ``P`` ended in and ``Q`` leaves the folds' state as it
+was: a message's text is then a function of itself and the same state in both. No peels,
+last-match loop, ``loop.last``, neighbours or parity with it.
+
 A *last-match loop* is Qwen 3's pre-loop, exactly of this form (names may differ)::
 
     {% set ns = namespace(flag=true, index=messages|length - 1) %}
@@ -68,6 +80,7 @@ among the anchors: every comparison then comes out as in the whole render.
 from __future__ import annotations
 
 import copy
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -75,6 +88,8 @@ from typing import Any, ClassVar
 
 import jinja2
 import jinja2.nodes as nodes
+import orjson
+from jinja2.utils import Namespace
 
 from kvroute.tokenizer_index.chat_template import compile_syntax_tree
 
@@ -118,6 +133,8 @@ class PrefixShape:
     #: Whether a message's text depends on whether its position in the loop is even
     #: (``loop.index0 % 2``): then a window renders every message at its parity.
     parity: bool = False
+    #: The template instrumented to report the state it carries between messages, if it does.
+    carried: CarriedState | None = None
 
     @property
     def stable(self) -> bool:
@@ -128,6 +145,12 @@ class PrefixShape:
         """Whether an incremental render renders the last remembered messages again (with
         the match among the anchors)."""
         return self.lookaround or self.last_match is not None
+
+    @property
+    def may_render_whole(self) -> bool:
+        """Whether a conversation continuing a remembered one may still render whole (its
+        window too short, a new match, a state the window does not reach)."""
+        return self.windowed or self.carried is not None
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,6 +191,82 @@ class LastMatch:
         return compile_syntax_tree(self.program)
 
 
+#: The global the instrumented template calls to report its namespaces.
+_REPORT = "__kvroute_report_state"
+# JSON that stands for one Python value only (as the render memo's).
+_EXACT_JSON = orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
+
+
+@dataclass(frozen=True, slots=True)
+class Reported:
+    """An instrumented render cut at its reports: the text before the messages loop, the
+    loop's, the text after it, and the namespaces' states (JSON) before and after the loop."""
+
+    head: str
+    loop: str
+    tail: str
+    head_state: str
+    loop_state: str
+
+
+@dataclass(frozen=True, eq=False)
+class CarriedState:
+    """A template that carries state in namespaces (module docstring), with a report of
+    them before and after its messages loop."""
+
+    program: nodes.Template = field(repr=False)
+
+    #: What each report is wrapped in: no request's text holds it (a render that holds it
+    #: more often is refused and rendered whole).
+    MARK: ClassVar[str] = f"\x00kvroute-state-{uuid.uuid4().hex}\x00"
+    #: What a namespace holding a value JSON cannot write reports: equal to nothing.
+    UNKNOWN: ClassVar[str] = "?"
+
+    @classmethod
+    def of(cls, tree: nodes.Template, loop: nodes.For, namespaces: tuple[str, ...]) -> CarriedState:
+        report = nodes.Output(
+            [nodes.Call(nodes.Name(_REPORT, "load"), [nodes.Name(name, "load") for name in namespaces], [], None, None)]
+        )
+        position = tree.body.index(loop)
+        # A copy: compiling optimises a tree in place, and the template's own must stay as parsed.
+        body = [*tree.body[:position], report, loop, copy.deepcopy(report), *tree.body[position + 1 :]]
+        program = nodes.Template(copy.deepcopy(body))
+        program.set_lineno(1)
+        return cls(program)
+
+    @cached_property
+    def compiled(self) -> jinja2.Template:
+        compiled = compile_syntax_tree(self.program)
+        compiled.globals[_REPORT] = _report_state
+        return compiled
+
+    def cut(self, text: str) -> Reported | None:
+        """The instrumented render ``text`` at its two reports; None if a message held the mark."""
+        parts = text.split(self.MARK)
+        if len(parts) != 5:
+            return None
+        head, head_state, loop, loop_state, tail = parts
+        return Reported(head, loop, tail, head_state, loop_state)
+
+
+def _report_state(*namespaces: Any) -> str:
+    """The namespaces' attributes as JSON between marks (:data:`CarriedState.UNKNOWN` for
+    a value JSON cannot stand for exactly)."""
+    try:
+        state = orjson.dumps(
+            [_attributes(namespace) for namespace in namespaces],
+            option=orjson.OPT_SORT_KEYS | _EXACT_JSON,
+        ).decode()
+    except TypeError:
+        state = CarriedState.UNKNOWN
+    return CarriedState.MARK + state + CarriedState.MARK
+
+
+def _attributes(namespace: Any) -> dict[str, Any] | None:
+    """A Jinja namespace's attributes (None for anything else)."""
+    return getattr(namespace, "_Namespace__attrs", None) if type(namespace) is Namespace else None
+
+
 @dataclass(frozen=True)
 class _Scope:
     """Where a node sits: in the messages loop's own body (not a nested loop's), inside a
@@ -203,12 +302,19 @@ def prefix_shape(tree: nodes.Template) -> PrefixShape:
         return PrefixShape(refusal="a last-match loop in a template that peels messages")
     if check.last_match is not None and check.parity:
         return PrefixShape(refusal="a last-match loop in a template that reads its positions' parity")
+    carried = None
+    if check.carries_state:
+        if check.peels or check.last_match is not None or check.lookaround or check.parity:
+            return PrefixShape(refusal="state carried between messages with peels, a last match, lookaround or parity")
+        assert check.message_loop is not None  # checked by template()
+        carried = CarriedState.of(tree, check.message_loop, tuple(check.namespaces))
     return PrefixShape(
         anchors=1 + check.peels,
         clock_formats=tuple(dict.fromkeys(check.clock_formats)),
         lookaround=check.lookaround,
         last_match=check.last_match,
         parity=check.parity,
+        carried=carried,
     )
 
 
@@ -262,6 +368,11 @@ class _ShapeCheck:
         self.clock_formats: list[str] = []
         self.lookaround = False
         self.parity = False
+        #: The messages loop; whether it or a fold before it writes a namespace; the
+        #: namespaces the head declares (``{% set ns = namespace(...) %}``), in order.
+        self.message_loop: nodes.For | None = None
+        self.carries_state = False
+        self.namespaces: list[str] = []
         #: The name the messages loop runs over (its neighbours are read from it).
         self.loop_list = MESSAGES
         self.last_match: LastMatch | None = None
@@ -273,29 +384,47 @@ class _ShapeCheck:
 
     def template(self, tree: nodes.Template) -> None:
         loops = [node for node in tree.body if isinstance(node, nodes.For) and self._is_list(node.iter)]
-        if len(loops) != 1:
+        if not loops:
             raise _Refusal("no single top-level loop over messages")
-        loop = loops[0]
+        *folds, loop = loops
         if loop.else_ or loop.test is not None or loop.recursive or not isinstance(loop.target, nodes.Name):
             raise _Refusal("the messages loop has an else, a filter, recursion or an unpacking target")
         assert isinstance(loop.iter, nodes.Name)  # _is_list
         self.loop_list = loop.iter.name
+        self.message_loop = loop
         position = tree.body.index(loop)
+        self.namespaces = list(_namespace_declarations(tree.body[:position]))
+        for fold in folds:
+            self._check_fold(fold)
         self._find_last_match(tree.body[:position])
         for node in tree.body[:position]:
-            self.check(node, _HEAD)
+            if not any(node is fold for fold in folds):
+                self.check(node, _HEAD)
         for node in loop.body:
-            self.check(node, _Scope(in_message_loop=True, in_any_loop=True, no_namespace_writes=True))
+            self.check(node, _Scope(in_message_loop=True, in_any_loop=True))
         for node in tree.body[position + 1 :]:
             self.tail_node(node)
 
+    def _check_fold(self, fold: nodes.For) -> None:
+        """A loop over the messages before the messages loop: it may only write namespaces,
+        reading each message alone, never its position (a *fold*: module docstring)."""
+        if fold.else_ or fold.test is not None or fold.recursive or not isinstance(fold.target, nodes.Name):
+            raise _Refusal("a loop over the messages before the messages loop has an else, a filter or recursion")
+        if any(True for _ in fold.find_all(nodes.Output)) or any(_is_loop(name) for name in fold.find_all(nodes.Name)):
+            raise _Refusal("more than one loop over the messages outputs text or reads its position")
+        self.carries_state = True
+        for node in fold.body:
+            self.check(node, _Scope(in_any_loop=True))
+
     def tail_node(self, node: nodes.Node) -> None:
-        """After the loop: only text-free output or blocks shown with the generation prompt."""
+        """After the loop: only text-free output or blocks shown with the generation prompt
+        (anything reading no message but the first, where the template carries state)."""
         if isinstance(node, nodes.Output) and all(
             isinstance(part, nodes.TemplateData) and not part.data for part in node.nodes
         ):
             return
-        if not (isinstance(node, nodes.If) and not node.elif_ and not node.else_ and _needs_generation_flag(node.test)):
+        guarded = isinstance(node, nodes.If) and not node.elif_ and not node.else_ and _needs_generation_flag(node.test)
+        if not guarded and not self.carries_state:
             raise _Refusal("something after the messages loop is not under {% if add_generation_prompt %}")
         self.check(node, _Scope(in_tail=True))
 
@@ -310,6 +439,8 @@ class _ShapeCheck:
             return  # the same for every list that starts with the same messages
         if self._is_peel(node, scope) or self._is_clock(node) or self._is_neighbour(node, scope):
             return
+        if scope == _HEAD and _is_generation_default(node):
+            return
         if scope.in_message_loop and _is_parity(node):
             self.parity = True
             return
@@ -322,7 +453,11 @@ class _ShapeCheck:
         elif isinstance(node, nodes.Test) and node.name in _IDENTITY_TESTS:
             raise _Refusal(f"the template uses the {node.name!r} test")
         elif isinstance(node, nodes.NSRef) and (scope.no_namespace_writes or node.name == self.match_namespace):
-            raise _Refusal("a namespace is written inside the messages loop or a macro, or after a last-match loop")
+            raise _Refusal("a namespace is written inside a macro, or after a last-match loop")
+        elif isinstance(node, nodes.NSRef) and scope.in_any_loop:
+            if node.name not in self.namespaces:
+                raise _Refusal(f"{node.name} is written in a loop but not declared a namespace before it")
+            self.carries_state = True
         elif isinstance(node, nodes.Break) and scope.in_message_loop:
             raise _Refusal("the messages loop may break")
         elif isinstance(node, nodes.Getattr) and _is_loop(node.node) and scope.in_message_loop:
@@ -505,6 +640,36 @@ class _ShapeCheck:
             return False
         self.clock_formats.append(format.value)
         return True
+
+
+def _namespace_declarations(head: list[nodes.Node]) -> Iterator[str]:
+    """The names the head's top-level statements set to a ``namespace(...)``."""
+    for statement in head:
+        if (
+            isinstance(statement, nodes.Assign)
+            and isinstance(statement.target, nodes.Name)
+            and isinstance(statement.node, nodes.Call)
+            and _is_name(statement.node.node, "namespace")
+        ):
+            yield statement.target.name
+
+
+def _is_generation_default(node: nodes.Node) -> bool:
+    """``{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}
+    {% endif %}``: never runs, since every render passes ``add_generation_prompt``."""
+    return (
+        isinstance(node, nodes.If)
+        and not node.elif_
+        and not node.else_
+        and isinstance(node.test, nodes.Not)
+        and isinstance(node.test.node, nodes.Test)
+        and node.test.node.name == "defined"
+        and _is_name(node.test.node.node, GENERATION_FLAG)
+        and len(node.body) == 1
+        and isinstance(node.body[0], nodes.Assign)
+        and _is_store(node.body[0].target, GENERATION_FLAG)
+        and isinstance(node.body[0].node, nodes.Const)
+    )
 
 
 def _namespace_declaration(head: list[nodes.Node], namespace: str, flag: str, index: str) -> nodes.Assign:

@@ -40,6 +40,7 @@ from tests.tokenizer_index.tokenizers_fixtures import (
     OPENAI_PARTS_TEMPLATE,
 )
 
+DEEPSEEK_TEMPLATE = (REPO / "benchmarks" / "templates" / "deepseek_v3_style.jinja").read_text()
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 ALL_TEMPLATES = {
@@ -56,12 +57,14 @@ ALL_TEMPLATES = {
     "mistral_first": MISTRAL_FIRST_TEMPLATE,
     "mixtral_last": MIXTRAL_LAST_TEMPLATE,
     "gemma3": (REPO / "benchmarks" / "templates" / "gemma3_style.jinja").read_text(),
+    # Carries state from message to message in a namespace, and gathers system messages.
+    "deepseek": DEEPSEEK_TEMPLATE,
     "openai_parts": OPENAI_PARTS_TEMPLATE,
 }
 INCREMENTAL = {
     *("prefix_stable", "raw", "thinking_prompt", "default", "openai_parts"),
     *("llama3", "llama3_index", "llama31", "marks_last", "qwen25", "qwen3"),
-    *("mistral", "mistral_first", "mixtral_last", "gemma3"),
+    *("mistral", "mistral_first", "mixtral_last", "gemma3", "deepseek"),
 }
 #: Those whose message texts depend on their neighbours (the memo renders the last few again).
 LOOKAROUND = {"marks_last", "qwen25", "qwen3", "mixtral_last"}
@@ -156,6 +159,7 @@ def test_templates_that_keep_the_prefix_property_are_recognised(name: str) -> No
     assert shape.anchors == ANCHORS.get(name, 1)
     assert shape.lookaround == (name in LOOKAROUND)
     assert shape.parity == (name in PARITY)
+    assert (shape.carried is not None) == (name == "deepseek")
     renderers = Renderers(ALL_TEMPLATES[name])
     assert renderers.memo.renders_incrementally(renderers.memo.chat_template()) == (name in INCREMENTAL)
 
@@ -177,7 +181,9 @@ def test_each_turn_and_branch_renders_as_the_whole(
         shape = prefix_shape(template.syntax_tree)
         remembered = renderers.memo.renders_incrementally(template) and len(history) >= shape.anchors
         remembered &= not asks_again(history, RenderSettings(template, None, None, {}, True, shape))
-        assert renderers.memo.render_memo_stats().reused == reused + remembered
+        # (A state-carrying template renders a retry through a window, where one fits.)
+        reused_now = renderers.memo.render_memo_stats().reused - reused
+        assert reused_now == remembered or (shape.carried is not None and reused_now < remembered)
     renderers.agree(history, tools=None if tools else TOOLS)  # other tools: nothing reused
     renderers.agree(history + branches[0], chat_template_kwargs={"extra": 1}, continue_final_message=False)
 
@@ -258,6 +264,81 @@ def test_a_template_checking_that_roles_alternate_renders_each_message_at_its_pa
         assert renderers.memo.render_memo_stats().reused == expected
 
 
+def _deepseek_turn(number: int) -> list[dict[str, Any]]:
+    call = {"id": f"call-{number}", "type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}
+    return [
+        {"role": "assistant", "content": None if number % 2 else "Looking.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": f"call-{number}", "content": f"result {number}"},
+    ]
+
+
+def test_a_template_carrying_state_renders_agent_turns_incrementally() -> None:
+    """DeepSeek's template keeps whether a tool call and a tool output came before and whether
+    the last message was a tool's: a window of the last four messages ends in the states the
+    whole render did, so every turn after the first renders only its new messages."""
+    renderers = Renderers(DEEPSEEK_TEMPLATE)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You route requests."},
+        {"role": "user", "content": "Find it."},
+    ]
+    for number in range(12):
+        messages += _deepseek_turn(number)
+        assert renderers.agree(messages, tools=TOOLS)
+    # A window of four pays from 9 remembered messages on: the turns that make 12-26 reuse.
+    assert renderers.memo.render_memo_stats().reused == 8
+    # A final answer, then the user's next question; then the same request again.
+    messages += [{"role": "assistant", "content": "Found."}, {"role": "user", "content": "Again."}]
+    assert renderers.agree(messages, tools=TOOLS)
+    assert renderers.agree(messages, tools=TOOLS, add_generation_prompt=False)
+    assert renderers.memo.render_memo_stats().reused == 10
+
+
+def test_a_state_no_window_reaches_renders_whole() -> None:
+    """A tool call sets a flag for good: a window of the last four messages that holds none
+    misses it, the wider one of sixteen holds it while it is among them, and past that the
+    conversation renders whole (always the same text). A late system message changes the
+    head the gathering loop writes: whole."""
+    renderers = Renderers(DEEPSEEK_TEMPLATE)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}]
+    chat = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]
+    assert renderers.agree(messages)
+    reuses = []
+    for turn in range(24):  # the tool call at messages 30 and 31
+        before = renderers.memo.render_memo_stats().reused
+        messages += _deepseek_turn(0) if turn == 14 else chat
+        assert renderers.agree(messages)
+        reuses.append(renderers.memo.render_memo_stats().reused - before)
+    # Renders of 4, 6, ..., 50 messages. A window is at most half of what was remembered:
+    # four from 9 remembered messages on, sixteen from 33. The call is within the last four
+    # remembered up to 34, within the last sixteen up to 46; then nothing reaches its flag.
+    assert reuses == [0] * 4 + [1] * 13 + [1] * 6 + [0]
+    reused = renderers.memo.render_memo_stats().reused
+    assert renderers.agree([*messages, {"role": "system", "content": "late"}, {"role": "user", "content": "u"}])
+    assert renderers.memo.render_memo_stats().reused == reused
+
+
+def test_a_state_that_never_repeats_renders_whole_and_the_same() -> None:
+    """A namespace counting the messages: no window ends in the whole render's count."""
+    source = "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ ns.n }}{% endfor %}"
+    shape = prefix_shape(ChatTemplate.from_source(source).syntax_tree)
+    assert shape.carried is not None
+    renderers = Renderers(source)
+    messages = [{"role": "user", "content": f"m{turn}"} for turn in range(30)]
+    for end in range(1, len(messages) + 1):
+        assert renderers.agree(messages[:end])
+    assert renderers.memo.render_memo_stats().reused == 0
+
+
+def test_a_message_holding_the_state_mark_renders_as_the_template_does() -> None:
+    renderers = Renderers(DEEPSEEK_TEMPLATE)
+    mark = prefix_shape(ChatTemplate.from_source(DEEPSEEK_TEMPLATE).syntax_tree).carried
+    assert mark is not None
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "x" + mark.MARK + "y"}]
+    for number in range(4):
+        messages += _deepseek_turn(number)
+        assert renderers.agree(messages)
+
+
 def _reuses(shape: PrefixShape, remembered: int) -> bool:
     """Whether a parity template's turn after one of ``remembered`` messages reuses it: always,
     but where a lookaround template's window (its last three, one more for parity) would
@@ -300,7 +381,6 @@ _LAST_MATCH_BODY = (
         "{% for m in messages if m['content'] %}{{ m['content'] }}{% endfor %}",
         "{% if messages | length > 1 %}x{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
         # Carries state from one message to the next.
-        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ ns.n }}{% endfor %}",
         "{% for m in messages %}{% if m['role'] == 'tool' %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}",
         "{% set j = joiner(',') %}{% for m in messages %}{{ j() }}{{ m['content'] }}{% endfor %}",
         "{% for m in messages %}{{ m['content'] }}{{ [1, 2] | random }}{% endfor %}",
@@ -321,6 +401,23 @@ _LAST_MATCH_BODY = (
         "{% for m in messages %}{% if (loop.index0 + 1) % 2 %}x{% endif %}{{ m['content'] }}{% endfor %}",
         "{% for m in messages %}{% if loop.index0 is divisibleby(2) %}x{% endif %}{{ m['content'] }}{% endfor %}",
         "{% for m in messages %}{% for p in m['content'] %}{{ loop.index0 % 2 }}{% endfor %}{{ loop.index0 }}{% endfor %}",
+        # Carries state with a peel, a neighbour or parity; folds that output or read positions.
+        "{% set ns = namespace(n=0) %}{% set messages = messages[1:] %}"
+        "{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ m['content'] }}{% endfor %}",
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ loop.last }}{% endfor %}",
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = 1 %}{{ loop.index0 % 2 }}{% endfor %}",
+        "{% set ns = namespace(s='') %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% for m in messages %}{% set ns.s = ns.s + m['content'] %}{% endfor %}{{ ns.s }}",
+        "{% set ns = namespace(s='') %}{% for m in messages %}{% set ns.s = ns.s ~ loop.index0 %}{% endfor %}"
+        "{{ ns.s }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        # Writes a namespace declared elsewhere than the head's top level, or from a macro.
+        "{% if true %}{% set ns = namespace(n=0) %}{% endif %}"
+        "{% for m in messages %}{% set ns.n = 1 %}{{ m['content'] }}{% endfor %}",
+        "{% set ns = namespace(n=0) %}{% macro bump() %}{% set ns.n = 1 %}{% endmacro %}"
+        "{% for m in messages %}{{ bump() }}{{ m['content'] }}{% endfor %}",
+        # Carries state and reads the last message after the loop.
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = 1 %}{{ m['content'] }}{% endfor %}"
+        "{{ messages[-1]['role'] }}",
         # Its parity and a last match: the match's window place would not keep it.
         _LAST_MATCH_HEAD + _LAST_MATCH_BODY.replace("{{ m.role }}:", "{{ loop.index0 % 2 }}{{ m.role }}:"),
         # Writes after the messages whatever the generation prompt, or reads it before.
