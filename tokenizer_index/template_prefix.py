@@ -223,13 +223,26 @@ class CarriedState:
     UNKNOWN: ClassVar[str] = "?"
 
     @classmethod
-    def of(cls, tree: nodes.Template, loop: nodes.For, namespaces: tuple[str, ...]) -> CarriedState:
+    def of(
+        cls, tree: nodes.Template, loop: nodes.For, namespaces: tuple[str, ...], last_fold: nodes.For | None
+    ) -> CarriedState:
+        """``tree`` reporting its ``namespaces`` after its last fold (before its messages loop
+        without one): what the head does after it is a function of that state and the first
+        message; and after its messages ``loop``."""
         report = nodes.Output(
             [nodes.Call(nodes.Name(_REPORT, "load"), [nodes.Name(name, "load") for name in namespaces], [], None, None)]
         )
+        head = tree.body.index(last_fold) + 1 if last_fold is not None else tree.body.index(loop)
         position = tree.body.index(loop)
+        body = [
+            *tree.body[:head],
+            report,
+            *tree.body[head:position],
+            loop,
+            copy.deepcopy(report),
+            *tree.body[position + 1 :],
+        ]
         # A copy: compiling optimises a tree in place, and the template's own must stay as parsed.
-        body = [*tree.body[:position], report, loop, copy.deepcopy(report), *tree.body[position + 1 :]]
         program = nodes.Template(copy.deepcopy(body))
         program.set_lineno(1)
         return cls(program)
@@ -307,7 +320,7 @@ def prefix_shape(tree: nodes.Template) -> PrefixShape:
         if check.peels or check.last_match is not None or check.lookaround or check.parity:
             return PrefixShape(refusal="state carried between messages with peels, a last match, lookaround or parity")
         assert check.message_loop is not None  # checked by template()
-        carried = CarriedState.of(tree, check.message_loop, tuple(check.namespaces))
+        carried = CarriedState.of(tree, check.message_loop, tuple(check.namespaces), check.last_fold)
     return PrefixShape(
         anchors=1 + check.peels,
         clock_formats=tuple(dict.fromkeys(check.clock_formats)),
@@ -371,6 +384,7 @@ class _ShapeCheck:
         #: The messages loop; whether it or a fold before it writes a namespace; the
         #: namespaces the head declares (``{% set ns = namespace(...) %}``), in order.
         self.message_loop: nodes.For | None = None
+        self.last_fold: nodes.For | None = None
         self.carries_state = False
         self.namespaces: list[str] = []
         #: The name the messages loop runs over (its neighbours are read from it).
@@ -396,6 +410,12 @@ class _ShapeCheck:
         self.namespaces = list(_namespace_declarations(tree.body[:position]))
         for fold in folds:
             self._check_fold(fold)
+        if folds:
+            self.last_fold = folds[-1]
+            between = tree.body[tree.body.index(folds[0]) : tree.body.index(folds[-1])]
+            if not all(any(node is fold for fold in folds) or _is_constant_output(node) for node in between):
+                # (What the head does there would depend on a state no report shows.)
+                raise _Refusal("something other than text between the loops over the messages before the messages loop")
         self._find_last_match(tree.body[:position])
         for node in tree.body[:position]:
             if not any(node is fold for fold in folds):
@@ -640,6 +660,11 @@ class _ShapeCheck:
             return False
         self.clock_formats.append(format.value)
         return True
+
+
+def _is_constant_output(node: nodes.Node) -> bool:
+    """Output of template text only."""
+    return isinstance(node, nodes.Output) and all(isinstance(part, nodes.TemplateData) for part in node.nodes)
 
 
 def _namespace_declarations(head: list[nodes.Node]) -> Iterator[str]:

@@ -410,6 +410,10 @@ _LAST_MATCH_BODY = (
         "{% for m in messages %}{% set ns.s = ns.s + m['content'] %}{% endfor %}{{ ns.s }}",
         "{% set ns = namespace(s='') %}{% for m in messages %}{% set ns.s = ns.s ~ loop.index0 %}{% endfor %}"
         "{{ ns.s }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        # Does something between two loops over the messages before the messages loop.
+        "{% set ns = namespace(s='', t='') %}{% for m in messages %}{% set ns.s = ns.s + m['role'] %}{% endfor %}"
+        "{{ ns.s }}{% for m in messages %}{% set ns.s = m['role'] %}{% endfor %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}",
         # Writes a namespace declared elsewhere than the head's top level, or from a macro.
         "{% if true %}{% set ns = namespace(n=0) %}{% endif %}"
         "{% for m in messages %}{% set ns.n = 1 %}{{ m['content'] }}{% endfor %}",
