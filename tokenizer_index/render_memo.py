@@ -255,11 +255,7 @@ class RenderMemo:
             reported = settings.report(settings.convert(messages))
             if reported is None:  # a message held the mark: render as the template is
                 return settings.render_whole(messages)
-            body, tail, states = (
-                reported.head + reported.loop,
-                reported.tail,
-                (reported.head_state, reported.loop_state),
-            )
+            body, tail, states = reported.head + reported.loop, reported.tail, reported.states
         else:
             self._memo.reused()
             body, tail, states = carried
@@ -396,7 +392,7 @@ CARRY_WINDOWS = (4, 16)
 
 def _render_carried_after(
     previous: RenderedConversation, messages: Sequence[Any], settings: RenderSettings
-) -> tuple[str, str, tuple[str, str]] | None:
+) -> tuple[str, str, tuple[str, str] | None] | None:
     """``messages`` (which continue ``previous``'s) as ``previous``'s body, the new
     messages' text and the tail, with the states after them; None when no window reaches
     ``previous``'s states or the new messages change what the head computes (module
@@ -421,7 +417,7 @@ def _render_carried_after(
         window = settings.convert([*messages[:anchors], *messages[start : previous.count]])
         try:
             alone = settings.report(window, add_generation_prompt=False)
-            if alone is None or (alone.head_state, alone.loop_state) != states:
+            if alone is None or alone.states != states:
                 continue  # a wider window may reach them
             joined = settings.report([*window, *converted])
         except ChatTemplateError:  # the window alone is refused (the whole render says whether it is)
@@ -431,7 +427,7 @@ def _render_carried_after(
         if not joined.loop.startswith(alone.loop):  # it broke its syntax's promise
             log.warning("chat template rendered a conversation's last messages differently; rendering whole")
             return None
-        return previous.body + joined.loop[len(alone.loop) :], joined.tail, (joined.head_state, joined.loop_state)
+        return previous.body + joined.loop[len(alone.loop) :], joined.tail, joined.states
     return None
 
 

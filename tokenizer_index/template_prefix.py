@@ -208,6 +208,14 @@ class Reported:
     head_state: str
     loop_state: str
 
+    @property
+    def states(self) -> tuple[str, str] | None:
+        """Both states, or None when a namespace held a value JSON cannot write (then
+        nothing says two renders reached the same state)."""
+        if CarriedState.UNKNOWN in (self.head_state, self.loop_state):
+            return None
+        return self.head_state, self.loop_state
+
 
 @dataclass(frozen=True, eq=False)
 class CarriedState:
@@ -219,7 +227,7 @@ class CarriedState:
     #: What each report is wrapped in: no request's text holds it (a render that holds it
     #: more often is refused and rendered whole).
     MARK: ClassVar[str] = f"\x00kvroute-state-{uuid.uuid4().hex}\x00"
-    #: What a namespace holding a value JSON cannot write reports: equal to nothing.
+    #: What a namespace holding a value JSON cannot write reports (no JSON reads so).
     UNKNOWN: ClassVar[str] = "?"
 
     @classmethod
@@ -266,18 +274,21 @@ def _report_state(*namespaces: Any) -> str:
     """The namespaces' attributes as JSON between marks (:data:`CarriedState.UNKNOWN` for
     a value JSON cannot stand for exactly)."""
     try:
-        state = orjson.dumps(
-            [_attributes(namespace) for namespace in namespaces],
-            option=orjson.OPT_SORT_KEYS | _EXACT_JSON,
-        ).decode()
+        # Attributes by name (the order they were set in changes nothing); values as they
+        # are (a dict's order does: a template may loop over it).
+        state = orjson.dumps([_attributes(namespace) for namespace in namespaces], option=_EXACT_JSON).decode()
     except TypeError:
         state = CarriedState.UNKNOWN
     return CarriedState.MARK + state + CarriedState.MARK
 
 
-def _attributes(namespace: Any) -> dict[str, Any] | None:
-    """A Jinja namespace's attributes (None for anything else)."""
-    return getattr(namespace, "_Namespace__attrs", None) if type(namespace) is Namespace else None
+def _attributes(namespace: Any) -> list[tuple[str, Any]]:
+    """A Jinja namespace's attributes, sorted by name; TypeError for anything else, or where
+    this Jinja keeps them elsewhere (then no state is known)."""
+    attributes = getattr(namespace, "_Namespace__attrs", None) if type(namespace) is Namespace else None
+    if not isinstance(attributes, dict):
+        raise TypeError(f"no namespace attributes to read in {type(namespace).__name__}")
+    return sorted(attributes.items())
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jinja2.utils import Namespace
 
 from kvroute.tokenizer_index import RequestTokenizer, chat_template
 from kvroute.tokenizer_index.chat_template import ChatTemplate
@@ -27,7 +28,7 @@ from kvroute.tokenizer_index.render_memo import (
     asks_again,
     incremental_render_agrees,
 )
-from kvroute.tokenizer_index.template_prefix import PrefixShape, prefix_shape
+from kvroute.tokenizer_index.template_prefix import CarriedState, PrefixShape, _report_state, prefix_shape
 from tests.paths import REPO
 from tests.tokenizer_index.test_prompt_memo import TEMPLATES
 from tests.tokenizer_index.tokenizers_fixtures import (
@@ -327,6 +328,36 @@ def test_a_state_that_never_repeats_renders_whole_and_the_same() -> None:
     for end in range(1, len(messages) + 1):
         assert renderers.agree(messages[:end])
     assert renderers.memo.render_memo_stats().reused == 0
+
+
+def test_a_state_json_cannot_write_is_never_taken_for_another() -> None:
+    """A namespace holding an escaped string (a ``str`` subclass JSON refuses to stand for):
+    its state is unknown, so no window is trusted, and a late system message the window
+    does not hold still shows in every later message."""
+    source = (
+        "{% set ns = namespace(x='') %}{% for m in messages %}"
+        "{% if m['role'] == 'system' %}{% set ns.x = m['content'] | e %}{% endif %}[{{ ns.x }}]{{ m['content'] }}"
+        "{% endfor %}"
+    )
+    renderers = Renderers(source)
+    messages = [
+        {"role": "system", "content": "s0"},
+        {"role": "user", "content": "u"},
+        {"role": "system", "content": "<1>"},
+    ]
+    for number in range(12):
+        messages.append({"role": "user", "content": f"m{number}"})
+        assert renderers.agree(messages)
+    assert renderers.memo.render_memo_stats().reused == 0
+
+
+def test_the_report_reads_this_jinjas_namespaces() -> None:
+    """The report reads a namespace's attributes where this Jinja keeps them; anything else
+    reports an unknown state, which no window matches."""
+    mark = CarriedState.MARK
+    assert _report_state(Namespace(b=1, a="x")) == mark + '[[["a","x"],["b",1]]]' + mark
+    assert _report_state(Namespace(a="x", b=1)) == _report_state(Namespace(b=1, a="x"))
+    assert _report_state({"a": 1}) == mark + CarriedState.UNKNOWN + mark
 
 
 def test_a_message_holding_the_state_mark_renders_as_the_template_does() -> None:
