@@ -12,7 +12,11 @@ each long conversation is remembered with its text without the generation prompt
 documents, variables, and the texts of the ``strftime_now`` formats it calls, so a render
 made yesterday is not reused today); a request whose messages' JSON starts with a
 remembered conversation's, with the same other JSON, takes that body and renders only the
-anchors and the new messages.
+anchors and the new messages. Templates whose texts depend on neighbours, a last match or
+parity render a few remembered messages again (:func:`_render_around`); templates that
+carry state between messages (DeepSeek's) render through a copy that reports it, and a
+window counts only where it ends in the remembered render's states
+(:func:`_render_carried_after`).
 
 Exact: equal JSON is equal input for a template (the request's messages are JSON; objects
 that JSON cannot tell apart from others, subclasses, dataclasses and datetimes, make
@@ -246,7 +250,7 @@ class RenderMemo:
         messages: Sequence[Any],
         settings: RenderSettings,
         keys: list[int],
-        json: tuple[bytes, bytes],
+        encoded: tuple[bytes, bytes],
     ) -> str:
         """:meth:`render` under a template that carries state between messages: the new
         messages after ``previous``'s text where a window reaches its states, else all."""
@@ -261,7 +265,7 @@ class RenderMemo:
             body, tail, states = carried
         text = body + tail
         if keys:
-            messages_json, context_json = json
+            messages_json, context_json = encoded
             entry = RenderedConversation(
                 text, len(body), messages_json, len(messages), settings.template, context_json, "", "", None, states
             )
