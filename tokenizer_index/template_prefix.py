@@ -300,6 +300,9 @@ class _Scope:
     in_any_loop: bool = False
     no_namespace_writes: bool = False
     in_tail: bool = False
+    #: Run once a message, at any depth: in the messages loop or a fold (a namespace written
+    #: here carries state from one message to the next).
+    per_message: bool = False
     #: Under ``loop.first or ...`` (the message before exists) or ``loop.last or ...`` (the next).
     previous_guarded: bool = False
     next_guarded: bool = False
@@ -432,7 +435,7 @@ class _ShapeCheck:
             if not any(node is fold for fold in folds):
                 self.check(node, _HEAD)
         for node in loop.body:
-            self.check(node, _Scope(in_message_loop=True, in_any_loop=True))
+            self.check(node, _Scope(in_message_loop=True, in_any_loop=True, per_message=True))
         for node in tree.body[position + 1 :]:
             self.tail_node(node)
 
@@ -445,7 +448,7 @@ class _ShapeCheck:
             raise _Refusal("more than one loop over the messages outputs text or reads its position")
         self.carries_state = True
         for node in fold.body:
-            self.check(node, _Scope(in_any_loop=True))
+            self.check(node, _Scope(in_any_loop=True, per_message=True))
 
     def tail_node(self, node: nodes.Node) -> None:
         """After the loop: only text-free output or blocks shown with the generation prompt
@@ -485,9 +488,9 @@ class _ShapeCheck:
             raise _Refusal(f"the template uses the {node.name!r} test")
         elif isinstance(node, nodes.NSRef) and (scope.no_namespace_writes or node.name == self.match_namespace):
             raise _Refusal("a namespace is written inside a macro, or after a last-match loop")
-        elif isinstance(node, nodes.NSRef) and scope.in_any_loop:
+        elif isinstance(node, nodes.NSRef) and scope.per_message:
             if node.name not in self.namespaces:
-                raise _Refusal(f"{node.name} is written in a loop but not declared a namespace before it")
+                raise _Refusal(f"{node.name} is written once a message but not declared at the top before")
             self.carries_state = True
         elif isinstance(node, nodes.Break) and scope.in_message_loop:
             raise _Refusal("the messages loop may break")
@@ -795,6 +798,7 @@ def _children(node: nodes.Node, scope: _Scope) -> Iterator[tuple[nodes.Node, _Sc
             in_any_loop=True,
             no_namespace_writes=scope.no_namespace_writes,
             in_tail=scope.in_tail,
+            per_message=scope.per_message,
         )
         for child in (node.target, *node.body, *node.else_):
             yield child, inner
@@ -805,6 +809,7 @@ def _children(node: nodes.Node, scope: _Scope) -> Iterator[tuple[nodes.Node, _Sc
             in_any_loop=scope.in_any_loop,
             no_namespace_writes=True,
             in_tail=scope.in_tail,
+            per_message=scope.per_message,
         )
         for child in node.iter_child_nodes():
             yield child, inner

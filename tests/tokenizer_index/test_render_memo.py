@@ -318,6 +318,28 @@ def test_a_state_no_window_reaches_renders_whole() -> None:
     assert renderers.memo.render_memo_stats().reused == reused
 
 
+def test_a_namespace_the_head_writes_over_its_tools_carries_no_state() -> None:
+    """DeepSeek R1's template builds its tool text in a namespace declared under ``if
+    tools`` and written in a loop over the tools: once a render, not once a message, so it
+    needs no report; the messages loop's own namespace still does."""
+    source = (
+        "{% set ns = namespace(tool=false) %}"
+        "{% if tools %}{% set tool_ns = namespace(text='') %}"
+        "{% for tool in tools %}{% set tool_ns.text = tool_ns.text + tool['function']['name'] %}{% endfor %}"
+        "{{ tool_ns.text }}{% endif %}"
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{% set ns.tool = true %}{% endif %}"
+        "{{ m['role'] }}{{ '*' if ns.tool else '' }}:{{ m['content'] }}|{% endfor %}"
+    )
+    shape = prefix_shape(ChatTemplate.from_source(source).syntax_tree)
+    assert shape.refusal is None and shape.carried is not None
+    renderers = Renderers(source)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}]
+    for number in range(8):
+        messages += _deepseek_turn(number)
+        assert renderers.agree(messages, tools=TOOLS)
+    assert renderers.memo.render_memo_stats().reused == 4  # from 9 remembered messages on
+
+
 def test_a_state_that_never_repeats_renders_whole_and_the_same() -> None:
     """A namespace counting the messages: no window ends in the whole render's count."""
     source = "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ ns.n }}{% endfor %}"
