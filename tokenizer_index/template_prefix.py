@@ -16,14 +16,15 @@ the template's syntax tree, whether a template is of a shape where it is:
 * the head and the loop's body read the messages only as ``messages[0]`` (or
   ``loop_messages[0]``) and ``messages | length > 0`` (or ``!= 0``), which are the same
   for every list that starts with the same ``m + 1`` messages, and the body reads of its
-  loop only ``loop.first`` (or ``loop.index0 == 0``, ``loop.index == 1``),
-  ``loop.last``, and the parity of its position: ``loop.index0 % 2`` (or ``loop.index %
-  2``, ``loop.index0 is even``/``odd``), as Mistral's and Gemma's templates check that
-  roles alternate;
+  loop only ``loop.first`` (or ``loop.index0 == 0``, ``loop.index == 1``), ``loop.last``,
+  and the parity of its position: ``loop.index0 % 2`` (or ``loop.index % 2``,
+  ``loop.index0 is even``/``odd``), as Mistral's and Gemma's templates check that roles
+  alternate;
 * the body may read a message's neighbours, as Qwen 2.5's template groups consecutive tool
-  results, only guarded: ``messages[loop.index0 - 1]`` after ``loop.first or`` (or
-  ``loop.index0 == 0 or``, ``not loop.first and``), ``messages[loop.index0 + 1]`` after
-  ``loop.last or`` (or ``not loop.last and``), on the list the loop runs over;
+  results: ``loop.previtem`` and ``loop.nextitem`` (Qwen 3 Coder's), and, only guarded,
+  ``messages[loop.index0 - 1]`` after ``loop.first or`` (or ``loop.index0 == 0 or``,
+  ``not loop.first and``), ``messages[loop.index0 + 1]`` after ``loop.last or`` (or ``not
+  loop.last and``), on the list the loop runs over;
 * the head may find the last message that passes a test, as Qwen 3's finds the last user
   query (a *last-match loop*, below); otherwise nothing carries state from one message to
   the next: no ``{% set ns.x %}`` in the body or in a macro, no ``{% break %}``, no stateful or random globals and filters
@@ -495,9 +496,11 @@ class _ShapeCheck:
         elif isinstance(node, nodes.Break) and scope.in_message_loop:
             raise _Refusal("the messages loop may break")
         elif isinstance(node, nodes.Getattr) and _is_loop(node.node) and scope.in_message_loop:
-            if node.attr not in ("first", "last"):
+            if node.attr not in ("first", "last", "previtem", "nextitem"):
                 raise _Refusal(f"the messages loop reads loop.{node.attr}")
-            self.lookaround |= node.attr == "last"
+            # (The messages before and after: undefined at the ends, so no guard is needed,
+            # unlike messages[loop.index0 - 1], which wraps round.)
+            self.lookaround |= node.attr != "first"
             return
         elif isinstance(node, nodes.Compare) and scope.in_message_loop and _is_first_position(node):
             return

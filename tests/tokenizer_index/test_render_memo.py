@@ -53,6 +53,8 @@ ALL_TEMPLATES = {
     "qwen25": (REPO / "benchmarks" / "templates" / "qwen25_style.jinja").read_text(),
     # Its messages' texts depend on the position of the last user query (a last-match loop).
     "qwen3": (REPO / "benchmarks" / "templates" / "qwen3_style.jinja").read_text(),
+    # Groups tool results by loop.previtem and loop.nextitem.
+    "qwen3_coder": (REPO / "benchmarks" / "templates" / "qwen3_coder_style.jinja").read_text(),
     # Roles checked to alternate by the loop position's parity (loop.index0 % 2).
     "mistral": MISTRAL_STYLE_TEMPLATE,
     "mistral_first": MISTRAL_FIRST_TEMPLATE,
@@ -64,15 +66,15 @@ ALL_TEMPLATES = {
 }
 INCREMENTAL = {
     *("prefix_stable", "raw", "thinking_prompt", "default", "openai_parts"),
-    *("llama3", "llama3_index", "llama31", "marks_last", "qwen25", "qwen3"),
+    *("llama3", "llama3_index", "llama31", "marks_last", "qwen25", "qwen3", "qwen3_coder"),
     *("mistral", "mistral_first", "mixtral_last", "gemma3", "deepseek"),
 }
 #: Those whose message texts depend on their neighbours (the memo renders the last few again).
-LOOKAROUND = {"marks_last", "qwen25", "qwen3", "mixtral_last"}
+LOOKAROUND = {"marks_last", "qwen25", "qwen3", "qwen3_coder", "mixtral_last"}
 #: Those whose message texts depend on their positions' parity (a window keeps it).
 PARITY = {"mistral", "mistral_first", "mixtral_last", "gemma3"}
 #: The leading messages each incremental template's renders repeat (the head peels the rest off).
-ANCHORS = {"llama3": 2, "llama31": 3, "mistral_first": 2, "mixtral_last": 2, "gemma3": 2}
+ANCHORS = {"llama3": 2, "llama31": 3, "mistral_first": 2, "mixtral_last": 2, "gemma3": 2, "qwen3_coder": 2}
 
 TOOLS = [
     {
