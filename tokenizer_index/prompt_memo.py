@@ -121,6 +121,8 @@ class PromptMemoStats:
     #: Lookups that found a candidate whose text the new prompt starts with.
     reused: int
     lookups: int
+    #: Renders from a remembered turn that differed from the whole render (render memo only).
+    mismatches: int = 0
 
 
 class PromptMemo(Generic[Entry]):

@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 #: Conversations with fewer messages are rendered whole: the memo's own work (two renders
 #: of the first message, the JSON) costs what rendering ~5 messages does.
 MIN_MESSAGES = 16
+#: Every this many renders from a remembered turn, the conversation is also rendered whole
+#: and the two compared (~1 % more render work): the last line of defence behind the syntax
+#: check and the probes, found in production rather than assumed.
+VERIFY_EVERY = 128
 # JSON that stands for one Python value only: orjson refuses subclasses of str, int, dict
 # and list, dataclasses and datetimes instead of writing them as their JSON look-alikes.
 _EXACT_JSON = orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
@@ -185,14 +189,21 @@ class RenderedConversation:
 class RenderMemo:
     """Long conversations' renders, at most ``max_bytes`` of them (0 disables it)."""
 
-    def __init__(self, max_bytes: int, *, min_messages: int = MIN_MESSAGES) -> None:
+    def __init__(self, max_bytes: int, *, min_messages: int = MIN_MESSAGES, verify_every: int = VERIFY_EVERY) -> None:
         self._memo: PromptMemo[RenderedConversation] = PromptMemo(max_bytes)
         self.min_messages = min_messages
+        self._verify_every = verify_every
+        self._since_verified = 0
+        # Sources of the templates whose incremental render once differed from the whole.
+        self._distrusted: set[str] = set()
+        self._mismatches = 0
 
     def render(self, messages: Sequence[Any], settings: RenderSettings) -> str:
         """The template's text for these OpenAI messages: the new messages rendered after a
         remembered earlier turn's text where there is one, else all of them."""
         if type(messages) is not list or len(messages) < self.min_messages or not self._memo.max_bytes:
+            return settings.render_whole(messages)
+        if settings.template.source in self._distrusted:
             return settings.render_whole(messages)
         if asks_again(messages, settings):
             return settings.render_whole(messages)
@@ -210,6 +221,8 @@ class RenderMemo:
             rendered = self._render_first(messages, settings)
         else:
             self._memo.reused()
+            if not self._verified(rendered.text, messages, settings):
+                return settings.render_whole(messages)
         text, head, generation_prompt = rendered.text, rendered.head, rendered.generation_prompt
         if keys and generation_prompt is not None:
             tail = generation_prompt if settings.add_generation_prompt else ""
@@ -233,7 +246,27 @@ class RenderMemo:
         self._memo.clear()
 
     def stats(self) -> PromptMemoStats:
-        return self._memo.stats()
+        return replace(self._memo.stats(), mismatches=self._mismatches)
+
+    def _verified(self, text: str, messages: Sequence[Any], settings: RenderSettings) -> bool:
+        """Whether ``text``, rendered from a remembered turn, may be used: every
+        :data:`VERIFY_EVERY`-th such render is compared with the whole render, and a
+        template whose render differs (a shape neither the syntax check nor the probes
+        caught) renders whole from then on."""
+        self._since_verified += 1  # (a race between threads only moves which one is checked)
+        if self._since_verified < self._verify_every:
+            return True
+        self._since_verified = 0
+        if settings.render_whole(messages) == text:
+            return True
+        self._mismatches += 1
+        self._distrusted.add(settings.template.source)
+        self._memo.clear()
+        log.error(
+            "chat template: a conversation rendered from a remembered turn differed from its whole render; "
+            "rendering every chat whole under this template from now on"
+        )
+        return False
 
     def _previous(
         self, keys: list[int], template: ChatTemplate, context_json: bytes, messages_json: bytes
@@ -263,6 +296,8 @@ class RenderMemo:
         else:
             self._memo.reused()
             body, tail, states = carried
+            if not self._verified(body + tail, messages, settings):
+                return settings.render_whole(messages)
         text = body + tail
         if keys:
             messages_json, context_json = encoded

@@ -697,6 +697,36 @@ def test_continue_final_message_renders_whole() -> None:
     assert renderers.memo.render_memo_stats().lookups == before
 
 
+def test_a_render_that_differs_from_the_whole_distrusts_its_template(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The canary: a render from a remembered turn is compared with the whole render (here
+    every one); one that differs is replaced by the whole render, and the template renders
+    whole from then on."""
+    template = ChatTemplate.from_source(ALL_TEMPLATES["default"])
+    settings = RenderSettings(template, None, None, {}, True, prefix_shape(template.syntax_tree))
+    memo = RenderMemo(1 << 20, min_messages=1, verify_every=1)
+    messages = [{"role": "user", "content": "first"}]
+    assert memo.render(messages, settings) == settings.render_whole(messages)
+    messages += [{"role": "assistant", "content": "a"}, {"role": "user", "content": "second"}]
+    assert memo.render(messages, settings) == settings.render_whole(messages)  # verified, equal
+    assert memo.stats().mismatches == 0 and memo.stats().reused == 1
+
+    original = RenderMemo._render_after  # make the path from a remembered turn lie
+
+    def lying(self: RenderMemo, *args: Any) -> Any:
+        rendered = original(self, *args)
+        return None if rendered is None else replace(rendered, text=rendered.text + "!")
+
+    monkeypatch.setattr(RenderMemo, "_render_after", lying)
+    messages += [{"role": "assistant", "content": "b"}, {"role": "user", "content": "third"}]
+    assert memo.render(messages, settings) == settings.render_whole(messages)
+    assert memo.stats().mismatches == 1
+    monkeypatch.setattr(RenderMemo, "_render_after", original)
+    messages += [{"role": "assistant", "content": "c"}, {"role": "user", "content": "fourth"}]
+    reused = memo.stats().reused
+    assert memo.render(messages, settings) == settings.render_whole(messages)
+    assert memo.stats().reused == reused  # whole from then on
+
+
 def test_the_memo_stays_within_its_bound() -> None:
     template = ChatTemplate.from_source(ALL_TEMPLATES["prefix_stable"])
     memo = RenderMemo(20_000, min_messages=1)
