@@ -392,6 +392,20 @@ class RouterMetrics:
             )
         )
 
+    def watch_chat_renders(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Export the render memo's counters: how many long chats rendered only their new
+        messages, and whether any such render ever differed from the whole render."""
+        self.registry.register(
+            _EventCounters(
+                "kvroute_chat_renders",
+                "Chats of 16 messages or more rendered through the render memo, by event "
+                "(lookups; reused: only the new messages rendered after a remembered turn; "
+                "mismatches: such a render that differed from the whole render when checked, "
+                "every 128th: its chat template then renders whole, and the log says so).",
+                counts,
+            )
+        )
+
     def watch_kv_events(self, counts: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
         """Export each KV-event stream's counters (``--kv-events``), per backend and event."""
         self.registry.register(_BackendEventCounters(counts))

@@ -146,6 +146,7 @@ def build_app(
         exchange=_peer_exchange(settings, pool, routing),
         siblings=Siblings(workers) if workers is not None else None,
     )
+    metrics.watch_chat_renders(routing.chat_render_counts)
     if state.exchange is not None:
         exchange = state.exchange
         metrics.watch_peer_exchange(

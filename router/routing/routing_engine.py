@@ -282,6 +282,18 @@ class RoutingEngine:
             total_bytes += self._precise.nbytes
         return RoutingIndexStats(blocks=blocks, bytes=total_bytes)
 
+    def chat_render_counts(self) -> dict[str, int]:
+        """Long chats rendered through the render memo, over every tokenizer: ``lookups``,
+        ``reused`` (rendered from a remembered turn), ``mismatches`` (such a render that
+        differed from the whole render when checked: its template then renders whole)."""
+        counts = {"lookups": 0, "reused": 0, "mismatches": 0}
+        for tokenizer in list(self._tokenizers.values()):
+            stats = tokenizer.render_memo_stats()
+            counts["lookups"] += stats.lookups
+            counts["reused"] += stats.reused
+            counts["mismatches"] += stats.mismatches
+        return counts
+
     # --- the hot path ------------------------------------------------------------------
     def prepare(self, endpoint: str, body: Mapping[str, Any]) -> PreparedPrompt | None:
         """Tokenize and hash a request's prompt; None when it cannot be (thread-safe)."""

@@ -394,6 +394,32 @@ def test_metrics_endpoint_counts_requests(sim_engines: Any, router_server: Any) 
     assert orjson.loads(httpx.get(router.url + "/health", timeout=30).content)["healthy_backends"] == 2
 
 
+def test_metrics_count_long_chats_rendered_from_a_remembered_turn(sim_engines: Any, router_server: Any) -> None:
+    """A conversation of 16 messages or more is remembered rendered; its next turn renders
+    only its new messages, which ``kvroute_chat_renders_total`` counts (and no mismatch)."""
+    router = router_server(sim_engines(1), policy="cache_aware")
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You answer briefly."}]
+    for turn in range(10):
+        messages += [
+            {"role": "user", "content": f"question {turn}"},
+            {"role": "assistant", "content": f"answer {turn}"},
+        ]
+    chat(router, messages=[*messages, {"role": "user", "content": "one"}])
+    chat(
+        router,
+        messages=[
+            *messages,
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "two"},
+        ],
+    )
+    metrics = router.metrics()
+    assert metrics.value("kvroute_chat_renders_total", event="lookups") == 2
+    assert metrics.value("kvroute_chat_renders_total", event="reused") == 1
+    assert metrics.value("kvroute_chat_renders_total", event="mismatches") == 0
+
+
 def test_long_prompt_is_tokenized_off_the_event_loop_with_the_same_key(
     sim_engines: Any, router_server: Any, api: str
 ) -> None:
