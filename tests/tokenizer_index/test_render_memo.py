@@ -385,13 +385,14 @@ def test_the_report_reads_this_jinjas_namespaces() -> None:
 
 
 def test_a_message_holding_the_state_mark_renders_as_the_template_does() -> None:
+    """A message that holds the report's mark cuts the instrumented render in the wrong
+    places: such a conversation renders as the template does, and is not remembered."""
     renderers = Renderers(DEEPSEEK_TEMPLATE)
-    mark = prefix_shape(ChatTemplate.from_source(DEEPSEEK_TEMPLATE).syntax_tree).carried
-    assert mark is not None
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "x" + mark.MARK + "y"}]
-    for number in range(4):
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "x" + CarriedState.MARK + "y"}]
+    for number in range(8):
         messages += _deepseek_turn(number)
         assert renderers.agree(messages)
+    assert renderers.memo.render_memo_stats().reused == 0
 
 
 def _reuses(shape: PrefixShape, remembered: int) -> bool:
