@@ -205,8 +205,6 @@ class RenderMemo:
             return settings.render_whole(messages)
         if settings.template.source in self._distrusted:
             return settings.render_whole(messages)
-        if asks_again(messages, settings):
-            return settings.render_whole(messages)
         try:
             messages_json = orjson.dumps(messages, option=_EXACT_JSON)
             context_json = orjson.dumps(settings.context(), option=_EXACT_JSON)
@@ -343,8 +341,8 @@ class RenderMemo:
             # (A parity template's new messages behind the anchors alone would each sit at
             # the other parity: one remembered message goes between.)
             window = LOOKAROUND_WINDOW if shape.windowed else 1
-            text = _render_around(previous, messages, settings, window)
-            return _Rendered(text, head, generation_prompt, previous.match) if text is not None else None
+            around = _render_around(previous, messages, settings, window)
+            return _Rendered(around[0], head, generation_prompt, around[1]) if around is not None else None
         try:
             rendered = settings.render(settings.convert([*messages[: shape.anchors], *new]))
         except ChatTemplateError:  # the new messages behind the anchors alone are refused
@@ -355,26 +353,6 @@ class RenderMemo:
         return _Rendered(previous.body + rendered[len(head) :], head, generation_prompt)
 
 
-def asks_again(messages: Sequence[Any], settings: RenderSettings) -> bool:
-    """Whether, under a template with a last-match loop (Qwen 3's last query), the
-    conversation ends with a match that follows another match and answers only: a chat's
-    next question. Nothing remembered is of use to it (its new match changes earlier
-    texts), and its own next turn brings another question, so remembering it (the JSON and
-    text of a 100K-token conversation, ~0.3 ms, mostly fresh memory) would buy nothing. An
-    agent's query follows tool results, and its tool turns reuse its render."""
-    last_match = settings.shape.last_match
-    if last_match is None or len(messages) < 2:
-        return False
-    earlier = len(messages) - 2
-    while earlier > 0 and isinstance(messages[earlier], Mapping) and messages[earlier].get("role") == "assistant":
-        earlier -= 1
-    try:
-        ending = settings.convert(messages[earlier:])
-        return last_match.find(ending) == len(ending) - 1 and last_match.find(ending[:1]) == 0
-    except (ChatTemplateError, ValueError):  # the whole render says what is wrong
-        return False
-
-
 #: Remembered messages rendered again behind a lookaround template's anchors: the last one's
 #: text changes with what follows it, and the two before it make the cut findable.
 LOOKAROUND_WINDOW = 3
@@ -382,32 +360,35 @@ LOOKAROUND_WINDOW = 3
 
 def _render_around(
     previous: RenderedConversation, messages: Sequence[Any], settings: RenderSettings, size: int
-) -> str | None:
+) -> tuple[str, int | None] | None:
     """``messages`` (which continue ``previous``'s) rendered under a template whose message
-    texts depend on their neighbours, on a last match or on their positions' parity; None
-    when there are too few remembered messages, or the new ones hold a match (every earlier
-    message may render differently now), or the window alone is refused.
+    texts depend on their neighbours, on a last match or on their positions' parity, with
+    the message the last-match loop now picks; None when there are too few remembered
+    messages or the window alone is refused.
 
     With ``P`` the remembered messages (``X = render(P)`` without generation prompt), ``Q``
     the new ones and ``W`` the anchors, the remembered match (if it is between the anchors
     and the rest), then ``P``'s last ``size`` (one more where that keeps each at its
-    parity): ``Y = render(W + Q)`` and ``Z = render(W)`` without generation prompt agree up
-    to where the last of ``P`` first renders differently followed by ``Q`` than last; ``X``
-    ends as ``Z`` does (the messages before it render alike in both). So ``render(P + Q)``
-    is ``X`` less what ``Z`` has past that point, then ``Y`` from it.
+    parity; all from the remembered match on where ``Q`` holds a new one: the messages
+    after the old match render as before a match now): ``Y = render(W + Q)`` and ``Z =
+    render(W)`` without generation prompt agree up to where the first of ``P``'s messages
+    renders differently followed by ``Q``; ``X`` ends as ``Z`` does (the messages before it
+    render alike in both). So ``render(P + Q)`` is ``X`` less what ``Z`` has past that
+    point, then ``Y`` from it.
     """
     shape = settings.shape
+    new = settings.convert(messages[previous.count :])
     start = previous.count - size
     match = previous.match
+    found = shape.last_match.find(new) if shape.last_match is not None else None
+    if found is not None and match is not None:
+        start = min(start, match)
     remembered = [*messages[: shape.anchors]]
     if match is not None and shape.anchors <= match < start:
         remembered.append(messages[match])
     if shape.parity and (start - len(remembered)) % 2:
         start -= 1
     if start < shape.anchors:
-        return None
-    new = settings.convert(messages[previous.count :])
-    if shape.last_match is not None and shape.last_match.find(new) is not None:
         return None
     window = settings.convert([*remembered, *messages[start : previous.count]])
     try:
@@ -420,7 +401,8 @@ def _render_around(
     if not previous.rendered.endswith(alone[common:], 0, previous.length):  # it broke its syntax's promise
         log.warning("chat template rendered a conversation's last messages differently; rendering whole")
         return None
-    return previous.rendered[: previous.length - cut] + joined[common:]
+    text = previous.rendered[: previous.length - cut] + joined[common:]
+    return text, match if found is None else previous.count + found
 
 
 #: Remembered messages rendered again behind a state-carrying template's anchors, widest

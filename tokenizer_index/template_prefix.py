@@ -73,9 +73,10 @@ A *last-match loop* is Qwen 3's pre-loop, exactly of this form (names may differ
 ``ns.index`` is then the last message passing the test (the list's last when none does),
 and the messages loop may read it only as ``loop.index0 > ns.index`` (or another
 comparison of the two). A message's text then depends on which message that is, so the
-memo reuses a remembered render only while the new messages hold no match (an agent's
-tool turns after its user's query), and renders its window with the remembered match
-among the anchors: every comparison then comes out as in the whole render.
+memo renders its window with the remembered match among the anchors while the new
+messages hold no match (an agent's tool turns after its user's query), and from the
+remembered match on when they hold one (a chat's next question: only the messages after
+the old match change): every comparison then comes out as in the whole render.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ from kvroute.tokenizer_index.render_memo import (
     MIN_MESSAGES,
     RenderMemo,
     RenderSettings,
-    asks_again,
     incremental_render_agrees,
 )
 from kvroute.tokenizer_index.template_prefix import CarriedState, PrefixShape, _report_state, prefix_shape
@@ -183,7 +182,6 @@ def test_each_turn_and_branch_renders_as_the_whole(
         template = renderers.memo.chat_template()
         shape = prefix_shape(template.syntax_tree)
         remembered = renderers.memo.renders_incrementally(template) and len(history) >= shape.anchors
-        remembered &= not asks_again(history, RenderSettings(template, None, None, {}, True, shape))
         # (A state-carrying template renders a retry through a window, where one fits.)
         reused_now = renderers.memo.render_memo_stats().reused - reused
         assert reused_now == remembered or (shape.carried is not None and reused_now < remembered)
@@ -235,9 +233,9 @@ def test_a_template_reading_neighbours_renders_its_last_messages_again(name: str
         messages.append({"role": "assistant", "content": None, "tool_calls": [_CALL]})
         messages += [{"role": "tool", "tool_call_id": "call-1", "content": f"r{turn}.{n}"} for n in range(2)]
         assert renderers.agree(messages, tools=TOOLS)
-    # The first two turns (5 and 9 messages) leave too few to render again behind the anchor;
-    # under a last-query template every turn's new query changes earlier texts: all whole.
-    assert renderers.memo.render_memo_stats().reused == (0 if shape.last_match else 7)
+    # The first two turns (5 and 9 messages) leave too few to render again behind the anchor
+    # (under a last-query template, from the last query on: the same here).
+    assert renderers.memo.render_memo_stats().reused == 7
 
 
 @pytest.mark.parametrize("name", sorted(PARITY))
@@ -577,10 +575,11 @@ def _qwen3_agent_turn(number: int) -> list[dict[str, Any]]:
     ]
 
 
-def test_qwen3_agent_turns_render_incrementally_until_a_new_query() -> None:
+def test_qwen3_agent_turns_render_incrementally_and_a_new_query_from_the_last() -> None:
     """An agent's tool turns after its user's query reuse the remembered render (the query
     carried in the window, so the newest turns show their reasoning as in the whole render);
-    a new query makes every earlier turn render without it, so that turn renders whole."""
+    a new query makes the turns after the last one render without their reasoning, so its
+    turn renders again from the last query on."""
     renderers = Renderers(ALL_TEMPLATES["qwen3"])
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You act."},
@@ -596,35 +595,36 @@ def test_qwen3_agent_turns_render_incrementally_until_a_new_query() -> None:
     messages.append({"role": "user", "content": "<tool_response>\nlate result\n</tool_response>"})
     assert renderers.agree(messages, tools=TOOLS)  # a wrapped tool result is no query: reused
     messages.append({"role": "user", "content": "Now another task."})
-    assert renderers.agree(messages, tools=TOOLS)  # a query: whole, every step's reasoning gone
+    assert renderers.agree(messages, tools=TOOLS)  # a query: every step's reasoning gone
     assert "step 9" not in renderers.memo.render_chat(messages, tools=TOOLS)
     for number in range(10, 14):
         messages += _qwen3_agent_turn(number)
         assert renderers.agree(messages, tools=TOOLS)
-    # Two retries (the render_chat calls), the wrapped result, and every turn after the new
-    # query's (whole) one.
-    assert renderers.memo.render_memo_stats().reused == stats.reused + 3 + 4
+    # Two retries (the render_chat calls), the wrapped result, the new query's turn and
+    # every turn after it.
+    assert renderers.memo.render_memo_stats().reused == stats.reused + 3 + 1 + 4
 
 
-def test_a_qwen3_chats_follow_up_questions_render_whole_without_the_memo() -> None:
-    """Each turn of a chat brings a new query, so no turn reuses the one before, and none is
-    remembered past the first (a query after only a system prompt: it may be an agent's)."""
+def test_a_qwen3_chats_follow_up_questions_render_from_the_last_question() -> None:
+    """Each turn of a chat brings a new query: the answers after the last one lose their
+    reasoning, so each turn renders the last question, its answer and the new question
+    again, and reuses everything before."""
     renderers = Renderers(ALL_TEMPLATES["qwen3"])
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You help."}]
     for turn in range(24):
         messages.append({"role": "user", "content": f"question {turn}"})
         assert renderers.agree(messages)
-        messages.append({"role": "assistant", "content": f"<think>\nhm\n</think>\n\nanswer {turn}"})
+        assert renderers.agree(messages, add_generation_prompt=False)  # and again, without
+        messages.append({"role": "assistant", "content": f"<think>\nhm {turn}\n</think>\n\nanswer {turn}"})
+    assert "hm 22" not in renderers.memo.render_chat(messages[:-1])  # an earlier answer's reasoning
     stats = renderers.memo.render_memo_stats()
-    assert (stats.reused, stats.lookups, stats.entries) == (0, 1, 1)
-    # Tool turns after the chat's last query: the first renders whole (the query's turn was
-    # not remembered), and is remembered; the next reuses it.
+    # Every render but the first two questions' (the window from the last question on would
+    # reach into the anchor), retries included.
+    assert stats.reused == stats.lookups - 2 == 2 * 24 + 1 - 2
+    # Tool turns after the chat's last query reuse the render as before.
     messages += _qwen3_agent_turn(0)
     assert renderers.agree(messages)
-    assert renderers.memo.render_memo_stats().reused == 0
-    messages += _qwen3_agent_turn(1)
-    assert renderers.agree(messages)
-    assert renderers.memo.render_memo_stats().reused == 1
+    assert renderers.memo.render_memo_stats().reused == stats.reused + 1
 
 
 @pytest.mark.parametrize("name", sorted(set(ANCHORS) - LOOKAROUND))
