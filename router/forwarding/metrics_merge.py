@@ -46,6 +46,7 @@ RULES: dict[str, Rule] = {
     "kvroute_peer_load_reports": "sum",
     "kvroute_peer_evidence": "sum",
     "kvroute_peer_handshakes": "sum",
+    "kvroute_chat_renders": "sum",
     "kvroute_backend_breaker_trips": "sum",
     # each worker's own load and resources
     "kvroute_backend_in_flight_requests": "sum",
