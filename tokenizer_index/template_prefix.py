@@ -7,8 +7,9 @@ last-query index kept in a namespace, the message after it), so the render of a 
 of the messages is in general no prefix of the whole render. This module decides, from
 the template's syntax tree, whether a template is of a shape where it is:
 
-* exactly one loop over ``messages`` (or over a name the head set to it), at the top
-  level, with a plain loop variable;
+* one loop over ``messages`` (or over a name the head set to it) at the top level that
+  renders them, with a plain loop variable (and, with state carried, folds before it:
+  below);
 * the head (everything before the loop) may peel leading messages off, as Llama 3's
   templates take the system message out: ``{% set messages = messages[1:] %}`` or
   ``{% set loop_messages = messages[1:] %}`` (or ``= messages``), outside any loop or
@@ -27,11 +28,14 @@ the template's syntax tree, whether a template is of a shape where it is:
   loop.last and``), on the list the loop runs over;
 * the head may find the last message that passes a test, as Qwen 3's finds the last user
   query (a *last-match loop*, below); otherwise nothing carries state from one message to
-  the next: no ``{% set ns.x %}`` in the body or in a macro, no ``{% break %}``, no stateful or random globals and filters
-  (``cycler``, ``joiner``, ``lipsum``, ``random``), no identity test; ``strftime_now`` only
-  with a constant format (its texts are part of what a remembered render was made with);
-* after the loop only ``{% if add_generation_prompt ... %}`` blocks without ``else``, and
-  ``add_generation_prompt`` read nowhere else;
+  the next but namespaces reported as below: no ``{% set ns.x %}`` in a macro, no
+  ``{% break %}``, no stateful or random globals and filters (``cycler``, ``joiner``,
+  ``lipsum``, ``random``), no identity test; ``strftime_now`` only with a constant format
+  (its texts are part of what a remembered render was made with);
+* after the loop only ``{% if add_generation_prompt ... %}`` blocks without ``else`` (any
+  text reading no message but the first, with state carried), and
+  ``add_generation_prompt`` read nowhere else (but ``{% if not add_generation_prompt is
+  defined %}``, which never runs);
 * no ``extends``, ``include``, ``import`` or blocks (no other template's code).
 
 For such a template, its ``k = m + 1`` *anchors*, and any message list ``L`` of at least
@@ -53,8 +57,8 @@ DeepSeek's do (``ns.is_tool``, ``ns.is_first``, system prompts gathered before t
 the messages loop may write namespace attributes, the head may run *folds* (loops over the
 messages that write namespaces and output nothing, reading of their loop nothing), and the
 tail may output anything that reads no message but the first. Such a template is
-instrumented (:class:`CarriedState`) to report its namespaces before and after the
-messages loop; the memo renders a window ``W`` (the anchors and the last few remembered
+instrumented (:class:`CarriedState`) to report its namespaces after its last fold (before
+the messages loop without one) and after the messages loop; the memo renders a window ``W`` (the anchors and the last few remembered
 messages) with the new messages ``Q`` and uses the new text only where ``W`` ends in the
 states the remembered render of ``P`` ended in and ``Q`` leaves the folds' state as it
 was: a message's text is then a function of itself and the same state in both. No peels,
