@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import jinja2
 import orjson
 
 from kvroute.tokenizer_index.chat_messages import conversation_from_request
@@ -86,8 +87,15 @@ class RenderSettings:
     #: What the template's syntax promises (:func:`~kvroute.tokenizer_index.template_prefix.prefix_shape`).
     shape: PrefixShape = PLAIN
 
-    def render(self, conversation: list[dict[str, Any]], *, add_generation_prompt: bool | None = None) -> str:
-        """The template's text for an already converted conversation."""
+    def render(
+        self,
+        conversation: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool | None = None,
+        program: jinja2.Template | None = None,
+    ) -> str:
+        """The template's text for an already converted conversation (``program``: a
+        template built from it renders in its place, as :meth:`report`'s instrumented one)."""
         if add_generation_prompt is None:
             add_generation_prompt = self.add_generation_prompt
         return self.template.render(
@@ -96,6 +104,7 @@ class RenderSettings:
             documents=self.documents,
             add_generation_prompt=add_generation_prompt,
             variables=self.variables,
+            program=program,
         )
 
     def convert(self, messages: Sequence[Any]) -> list[dict[str, Any]]:
@@ -112,17 +121,9 @@ class RenderSettings:
         None when a message held the report's mark."""
         carried = self.shape.carried
         assert carried is not None
-        if add_generation_prompt is None:
-            add_generation_prompt = self.add_generation_prompt
-        text = self.template.render(
-            conversation,
-            tools=self.tools,
-            documents=self.documents,
-            add_generation_prompt=add_generation_prompt,
-            variables=self.variables,
-            program=carried.compiled,
+        return carried.cut(
+            self.render(conversation, add_generation_prompt=add_generation_prompt, program=carried.compiled)
         )
-        return carried.cut(text)
 
     def context(self) -> list[Any]:
         """Everything besides the messages a render reads, as JSON can write it."""
