@@ -45,7 +45,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import zmq
@@ -203,6 +203,20 @@ def _wants_ipv6(endpoint: str) -> bool:
     """Whether a ``tcp://`` endpoint binds every address (``*``) or an IPv6 one (``[...]``)."""
     host = tcp_host(endpoint)
     return endpoint.startswith("tcp://") and (host == "*" or host.startswith("["))
+
+
+_Message = TypeVar("_Message")
+
+
+def _decoded(data: bytes, decode: Callable[[bytes], _Message], stats: MessageStats) -> _Message | None:
+    """A peer's message decoded and counted received, or None counted malformed."""
+    try:
+        message = decode(data)
+    except ValueError:
+        stats.malformed += 1
+        return None
+    stats.received += 1
+    return message
 
 
 def decode(frames: Sequence[bytes]) -> Placement:
@@ -593,22 +607,13 @@ class PeerExchange:
             log.exception("applying a peer's placement on %s failed", placement.backend)
 
     def _take_report(self, data: bytes) -> None:
-        try:
-            report = decode_report(data)
-        except ValueError:
-            self.load_stats.malformed += 1
-            return
-        self.load_stats.received += 1
-        self._push_load(self._peer_load.apply(report))
+        report = _decoded(data, decode_report, self.load_stats)
+        if report is not None:
+            self._push_load(self._peer_load.apply(report))
 
     def _take_evidence(self, data: bytes) -> None:
-        try:
-            evidence = decode_evidence(data)
-        except ValueError:
-            self.evidence_stats.malformed += 1
-            return
-        self.evidence_stats.received += 1
-        if self._apply_evidence is not None:
+        evidence = _decoded(data, decode_evidence, self.evidence_stats)
+        if evidence is not None and self._apply_evidence is not None:
             for url, answers in evidence.items():
                 self._apply_evidence(url, answers)
 
