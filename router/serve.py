@@ -22,6 +22,7 @@ from pydantic.fields import FieldInfo
 
 from kvroute.router.config import BackendConfig, ConfigError, Settings, load_settings
 from kvroute.router.http.security import SecretRedactor, install_redaction, settings_secrets
+from kvroute.router.routing.decisions import DECISION_LOGGER
 
 if TYPE_CHECKING:
     from kvroute.router.http.workers import WorkerGroup
@@ -150,6 +151,8 @@ def configure_logging(settings: Settings, name: str = "") -> SecretRedactor:
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s",
     )
+    if settings.decision_log:  # asked for by name: written whatever the level of the rest
+        logging.getLogger(DECISION_LOGGER).setLevel(logging.INFO)
     redactor = SecretRedactor(settings_secrets(settings))
     install_redaction(redactor)
     return redactor

@@ -24,7 +24,10 @@ import orjson
 if TYPE_CHECKING:
     from kvroute.router.routing.routing_engine import RoutePlan
 
-decision_log = logging.getLogger("kvroute.decisions")
+#: The logger of ``--decision-log``'s lines (at INFO: ``kvroute serve`` lets them through
+#: whatever ``--log-level`` says of the rest).
+DECISION_LOGGER = "kvroute.decisions"
+decision_log = logging.getLogger(DECISION_LOGGER)
 
 #: Decisions the ring keeps when the admin API is on (a few KB each with 4-8 candidates).
 RING_SIZE = 1024
