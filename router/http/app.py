@@ -215,10 +215,18 @@ def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine
             routing.apply_placement(placement)
 
     def own_load() -> dict[str, BackendLoad]:
-        return {backend.url: BackendLoad(backend.own_in_flight, backend.own_in_flight_work_tokens) for backend in pool}
+        computing = routing.computing_blocks()
+        return {
+            backend.url: BackendLoad(
+                backend.own_in_flight, backend.own_in_flight_work_tokens, tuple(computing.get(backend.url, ()))
+            )
+            for backend in pool
+        }
 
     def apply_load(url: str, load: BackendLoad) -> None:
         pool.set_peer_load(url, load.in_flight, load.work_tokens)
+        if url in pool:
+            routing.apply_peer_computing(url, load.computing)
 
     def apply_evidence(url: str, answers: Answers) -> None:
         if url in pool:

@@ -10,7 +10,11 @@ finished, else at most one per :data:`REPORT_INTERVAL_S` (in the same write as p
 where they meet), and again every :data:`HEARTBEAT_S` while they have requests in flight. A report
 holds the sender's own counts only, never what it heard from others, and replaces that
 sender's previous one: a lost report is corrected by the next, and a sender that stopped
-reporting (crashed, partitioned) is forgotten after :data:`REPORT_TTL_S`.
+reporting (crashed, partitioned) is forgotten after :data:`REPORT_TTL_S`. A report also
+lists, per backend, the first block each of those requests is computing (``computing``), so
+a peer does not take the blocks they have yet to compute for blocks the engine evicted
+(:mod:`kvroute.router.routing.computing`); routers from before that field refuse such
+reports (counted as malformed), so a fleet's routers are upgraded together.
 
 :class:`PeerLoad` keeps the latest report of each peer and their sums per backend.
 No I/O: the exchange feeds it and pushes the sums into the backend pool.
@@ -22,6 +26,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import orjson
@@ -44,10 +49,12 @@ MAX_REPORT_BYTES = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class BackendLoad:
-    """Requests in flight on one backend and the work they bring, in tokens."""
+    """Requests in flight on one backend, the work they bring, in tokens, and the first
+    block each is computing, as ``(position, hash)``."""
 
     in_flight: int = 0
     work_tokens: int = 0
+    computing: tuple[tuple[int, int], ...] = ()
 
 
 NO_LOAD = BackendLoad()
@@ -68,19 +75,41 @@ def new_sender_id() -> str:
 
 def encode_report(report: LoadReport) -> bytes:
     counts = {url: [load.in_flight, load.work_tokens] for url, load in report.load.items()}
-    return orjson.dumps({"sender": report.sender, "load": counts})
+    message: dict[str, Any] = {"sender": report.sender, "load": counts}
+    computing = {url: load.computing for url, load in report.load.items() if load.computing}
+    if computing:
+        message["computing"] = computing
+    return orjson.dumps(message)
 
 
 def decode_report(data: bytes) -> LoadReport:
     """The inverse of :func:`encode_report`; ``ValueError`` on anything else."""
     message = decode_object(data, MAX_REPORT_BYTES, "load report")
-    if set(message) != {"sender", "load"}:
+    if not {"sender", "load"} <= set(message) <= {"sender", "load", "computing"}:
         raise ValueError("not a load report")
-    sender, counts = message["sender"], message["load"]
-    if not isinstance(sender, str) or not sender or not isinstance(counts, dict):
+    sender, counts, computing = message["sender"], message["load"], message.get("computing", {})
+    if not isinstance(sender, str) or not sender or not isinstance(counts, dict) or not isinstance(computing, dict):
         raise ValueError("malformed load report")
-    load = {url: BackendLoad(*pair) for url, pair in count_pairs(counts, "load report").items()}
+    pairs = count_pairs(counts, "load report")
+    if not computing.keys() <= pairs.keys():
+        raise ValueError("malformed load report")
+    load = {url: BackendLoad(*pair, _first_blocks(computing.get(url, ()))) for url, pair in pairs.items()}
     return LoadReport(sender, load)
+
+
+def _first_blocks(entries: object) -> tuple[tuple[int, int], ...]:
+    """A report's ``[[position, hash], ...]`` for one backend, checked."""
+    if not isinstance(entries, (list, tuple)):
+        raise ValueError("malformed load report")
+    blocks = []
+    for entry in entries:
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise ValueError("malformed load report")
+        position, block = entry
+        if not _count(position) or type(block) is not int or not 0 <= block < 2**64:
+            raise ValueError("malformed load report")
+        blocks.append((position, block))
+    return tuple(blocks)
 
 
 def decode_object(data: bytes, max_bytes: int, name: str) -> dict[str, Any]:
@@ -163,9 +192,15 @@ class PeerLoad:
             if before == after:
                 continue
             total = self._totals.get(url, NO_LOAD)
+            computing = total.computing
+            if before.computing or after.computing:  # every report's, again: a few entries each
+                computing = tuple(
+                    chain.from_iterable(load[url].computing for _, load in self._reports.values() if url in load)
+                )
             total = BackendLoad(
                 total.in_flight + after.in_flight - before.in_flight,
                 total.work_tokens + after.work_tokens - before.work_tokens,
+                computing,
             )
             if total == NO_LOAD:
                 self._totals.pop(url, None)

@@ -46,7 +46,6 @@ import hashlib
 import itertools
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +58,7 @@ from kvroute.router.engines import endpoint_for
 from kvroute.router.fleet.engine_stats import EngineStats
 from kvroute.router.routing import request_info
 from kvroute.router.routing.cache_model import CacheModel
+from kvroute.router.routing.computing import ComputingBlocks, FirstNew
 from kvroute.router.routing.decisions import RING_SIZE, DecisionRecorder
 from kvroute.router.routing.kv_events import KVEventsState
 from kvroute.router.routing.ledger import Conversation, WorkingSets
@@ -84,8 +84,6 @@ log = logging.getLogger("kvroute.routing")
 DEFAULT_BLOCK_SIZE = 16
 #: Index bound per backend whose cache size nobody told us (2M tokens: ~130K blocks of 16).
 UNKNOWN_CAPACITY_TOKENS = 1 << 21
-#: A plan the proxy never reported back on stops counting as computing its blocks after this.
-UNOBSERVED_TTL_S = 900.0
 #: Request header that forces a policy when ``allow_policy_header`` is on.
 POLICY_HEADER = "x-kvroute-policy"
 FALLBACK_REASON = "fallback"
@@ -181,16 +179,6 @@ class FeedbackStats:
     capacity_corrections: int = 0
 
 
-@dataclass(slots=True)
-class _Computing:
-    """A routed attempt not yet observed that added blocks to its backend's index: it is
-    computing them from ``first_new`` = (position, hash) of the first one on."""
-
-    routed_at: float
-    backend: str
-    first_new: tuple[int, int]
-
-
 @dataclass(frozen=True, slots=True)
 class RoutingIndexStats:
     """Size of the routing engine's indexes (every block size, and the precise index), for
@@ -242,10 +230,8 @@ class RoutingEngine:
         self.cache_model = CacheModel()
         self._placement_listener: Callable[[Placement], None] | None = None
         self._answer_listener: Callable[[str, bool], None] | None = None
-        # Attempts routed and not yet observed that added blocks, oldest first; per backend
-        # the first block each is computing (serial -> (position, hash)).
-        self._computing_attempts: OrderedDict[int, _Computing] = OrderedDict()
-        self._computing: dict[str, dict[int, tuple[int, int]]] = {}
+        # Blocks requests in flight (this router's, its peers') are still computing.
+        self._computing = ComputingBlocks(clock)
         self._serials = itertools.count(1)
         self.feedback = FeedbackStats()
 
@@ -364,7 +350,7 @@ class RoutingEngine:
             cacheable = prepared.cacheable_tokens
             request.prompt_tokens = prepared.tokens
             request.matched_tokens = {url: min(tokens, cacheable) for url, tokens in raw_matches.items()}
-            request.computing_tokens = self._computing_tokens(request.matched_tokens, prepared)
+            request.computing_tokens = self._computing.tokens(request.matched_tokens, size, prepared.hash_at)
             request.index_tokens = {backend.url: self.index_tokens(backend.url) for backend in candidates}
             if not any(raw_matches.values()):  # only a cold prompt's placement reads them
                 request.index_capacity_tokens = self._index_capacities(candidates)
@@ -391,7 +377,7 @@ class RoutingEngine:
 
     def observe(self, plan: RoutePlan, cached_tokens: int | None) -> None:
         """Feedback after an attempt: the engine's ``cached_tokens`` (None when not reported)."""
-        self._settle(plan.serial)
+        self._computing.settle(plan.serial)
         prompt = plan.prompt
         if cached_tokens is None or prompt is None:
             return
@@ -440,7 +426,11 @@ class RoutingEngine:
         hashes = placement.hashes
         if not len(hashes):
             return
-        shared = max(index.match_hashes(hashes).values(), default=0)
+        matched = index.match_hashes(hashes)
+        shared = max(matched.values(), default=0)
+        first_new = matched.get(placement.backend, 0) // placement.block_size
+        if first_new < len(hashes):  # the peer's request is computing them from there on
+            self._computing.placed_by_peer(placement.backend, (first_new, int(hashes[first_new])))
         # Also where KV events say what the engine holds: this index is then the model of the
         # cache whose misses the engines' answers count (peer_evidence), and it misses the
         # peers' traffic's evictions unless it sees that traffic.
@@ -451,6 +441,16 @@ class RoutingEngine:
             self._working_sets.record(
                 conversation, placement.backend, placement.prompt_tokens, int(hashes[-1]), chain, placement.block_size
             )
+
+    def computing_blocks(self) -> dict[str, list[FirstNew]]:
+        """Per backend, the first block each of this router's requests in flight there is
+        computing (what its load reports tell the peers)."""
+        return self._computing.own()
+
+    def apply_peer_computing(self, backend: str, entries: Sequence[FirstNew]) -> None:
+        """The peers' requests in flight on ``backend`` compute from these blocks on (every
+        entry their latest load reports list, replacing the previous ones)."""
+        self._computing.reported_by_peers(backend, entries)
 
     def on_answer(self, listener: Callable[[str, bool], None] | None) -> None:
         """Call ``listener(backend, evicted)`` for each engine answer that checked the
@@ -470,9 +470,7 @@ class RoutingEngine:
             del self._capacities[key]
         self._configured_tokens.pop(url, None)
         self.cache_model.forget(url)
-        self._computing.pop(url, None)
-        for serial in [serial for serial, entry in self._computing_attempts.items() if entry.backend == url]:
-            del self._computing_attempts[serial]
+        self._computing.forget(url)
         self._engine_block_sizes.pop(url, None)
         self._working_sets.forget_backend(url)
         for policy in self._policies.values():
@@ -595,10 +593,7 @@ class RoutingEngine:
             else max(0, min(modelled, prompt.cacheable_tokens) - still_computing)
         )
         if blocks > matched_blocks:
-            first_new = (matched_blocks, prompt.hash_at(matched_blocks))
-            self._computing.setdefault(backend, {})[plan.serial] = first_new
-            self._computing_attempts[plan.serial] = _Computing(self._clock(), backend, first_new)
-        self._expire_computing()
+            self._computing.start(plan.serial, backend, (matched_blocks, prompt.hash_at(matched_blocks)))
         if blocks:
             index.insert_hashes(backend, prompt.hashes)
             if blocks > matched_blocks and self._placement_listener is not None:
@@ -629,41 +624,3 @@ class RoutingEngine:
             if rate is not None:
                 rates[url] = rate
         return rates
-
-    def _computing_tokens(self, matched: Mapping[str, int], prompt: PreparedPrompt) -> dict[str, int]:
-        """Per backend, the tokens of this match that requests in flight there are computing.
-
-        Each in-flight request is known by the first block it added; a match that contains
-        that block (at its position) is being computed from there on.
-        """
-        computing: dict[str, int] = {}
-        block_size = prompt.block_size
-        for url, tokens in matched.items():
-            entries = self._computing.get(url)
-            if not entries:
-                continue
-            first = blocks = tokens // block_size
-            for position, block in entries.values():
-                if position < first and prompt.hash_at(position) == block:
-                    first = position
-            if first < blocks:
-                computing[url] = (blocks - first) * block_size
-        return computing
-
-    def _settle(self, serial: int) -> None:
-        """An attempt finished (or was given up on): its blocks are no longer being computed."""
-        entry = self._computing_attempts.pop(serial, None)
-        if entry is None:
-            return
-        computing = self._computing.get(entry.backend)
-        if computing is not None:
-            computing.pop(serial, None)
-
-    def _expire_computing(self) -> None:
-        deadline = self._clock() - UNOBSERVED_TTL_S
-        attempts = self._computing_attempts
-        while attempts:
-            serial, entry = next(iter(attempts.items()))
-            if entry.routed_at >= deadline:
-                return
-            self._settle(serial)

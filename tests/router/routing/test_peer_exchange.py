@@ -17,10 +17,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvroute.router.routing import peer_exchange, peer_load
+from kvroute.router.routing import computing, peer_exchange, peer_load
 from kvroute.router.routing.peer_evidence import EVIDENCE_TOPIC, Answers
 from kvroute.router.routing.peer_exchange import RECEIVE_BATCH, ByteBudget, PeerExchange, Placement, decode, encode
 from kvroute.router.routing.peer_load import LOAD_TOPIC, NO_LOAD, BackendLoad, LoadReport, encode_report
+from kvroute.router.routing.routing_engine import RoutePlan
 from tests.servers import RouterServer, until
 
 SYSTEM = "You are a careful assistant who answers questions about routing. " * 30
@@ -266,9 +267,9 @@ def test_a_routers_requests_in_flight_reach_its_peers(transport: str, tmp_path: 
         async with _reporting(_bind(transport, tmp_path), own) as (publisher, subscriber, heard):
             own.update({"http://a": BackendLoad(1, 100), "http://b": NO_LOAD})
             publisher.load_changed()
-            own["http://a"] = BackendLoad(2, 250)
+            own["http://a"] = BackendLoad(2, 250, ((0, 2**63 + 5), (7, 12)))  # and the blocks they compute
             publisher.load_changed()  # the same turn: one report, with the counts at its end
-            await until(lambda: heard.get("http://a") == BackendLoad(2, 250))
+            await until(lambda: heard.get("http://a") == BackendLoad(2, 250, ((0, 2**63 + 5), (7, 12))))
             assert publisher.load_stats.published == 1 and subscriber.load_stats.received == 1
             assert "http://b" not in heard  # nothing there, nothing to say
             own["http://a"] = NO_LOAD
@@ -380,14 +381,16 @@ def test_peer_routers_weigh_each_others_eviction_evidence(sim_engines: Any, rout
     assert 'kvroute_peer_evidence_total{event="received"}' in metrics
 
 
+STORY = [{"role": "user", "content": "Tell me a long story. " * 20}]
+CHAT_PATH = "/v1/chat/completions"
+
+
 def test_peer_routers_see_each_others_requests_in_flight(sim_engines: Any, router_server: Any) -> None:
     engines = sim_engines(2, time_scale=1.0)
     first = router_server(engines, policy="cache_aware", peer_bind="tcp://127.0.0.1:*")
     second = router_server(engines, policy="cache_aware", peers=[first.state.exchange.endpoint])
     time.sleep(0.3)  # ZMQ subscriptions take a moment to reach the publisher
-    stream = first.client().chat.completions.create(
-        model="sim", messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=2000, stream=True
-    )
+    stream = first.client().chat.completions.create(model="sim", messages=STORY, max_tokens=2000, stream=True)
     try:
         next(iter(stream))  # the request is running on one engine now
         busy = next(backend for backend in first.state.pool if backend.own_in_flight == 1)
@@ -395,6 +398,15 @@ def test_peer_routers_see_each_others_requests_in_flight(sim_engines: Any, route
         assert seen is not None
         _wait_for(lambda: seen.peer_in_flight == 1)
         assert (seen.in_flight, seen.own_in_flight) == (1, 0) and seen.peer_in_flight_work_tokens > 0
+        # The report also says which blocks that request computes: a request for the same
+        # prompt through the second router counts none of its match as confirmed.
+        time.sleep(computing.PEER_PLACEMENT_S)  # past what the placement alone would tell
+
+        async def route() -> RoutePlan:  # on the router's loop, as its proxy would
+            return second.state.routing.route(CHAT_PATH, {"model": "sim", "messages": STORY}, {}, [seen])
+
+        plan = second.loop.run(route())
+        assert plan.predicted_cached_tokens > 0 and plan.confirmed_cached_tokens == 0
         metrics = httpx.get(second.url + "/metrics").text
         assert 'kvroute_peer_load_reports_total{event="received"}' in metrics
         admin_state = second.state.pool.get(busy.url)

@@ -19,6 +19,8 @@ def test_a_report_survives_the_wire() -> None:
     report = LoadReport("a1b2", {"http://10.0.0.7:8000/serving": BackendLoad(3, 4500), "http://b": BackendLoad(0, 7)})
     assert decode_report(encode_report(report)) == report
     assert decode_report(encode_report(LoadReport("idle", {}))) == LoadReport("idle", {})
+    computing = LoadReport("c3", {"http://b": BackendLoad(2, 90, ((0, 2**64 - 1), (12, 77)))})
+    assert decode_report(encode_report(computing)) == computing
 
 
 @pytest.mark.parametrize(
@@ -40,6 +42,14 @@ def test_a_report_survives_the_wire() -> None:
         b'{"sender": "a", "load": {"http://b": [1, 9007199254740993]}}',
         b'{"sender": "a", "load": {"": [1, 2]}}',
         b'{"sender": "a", "load": {"http://b": {"in_flight": 1}}}',
+        b'{"sender": "a", "load": {"http://b": [1, 2]}, "computing": []}',
+        b'{"sender": "a", "load": {"http://b": [1, 2]}, "computing": {"http://c": [[0, 1]]}}',  # not in load
+        b'{"sender": "a", "load": {"http://b": [1, 2]}, "computing": {"http://b": [0, 1]}}',
+        b'{"sender": "a", "load": {"http://b": [1, 2]}, "computing": {"http://b": [[0]]}}',
+        b'{"sender": "a", "load": {"http://b": [1, 2]}, "computing": {"http://b": [[-1, 1]]}}',
+        b'{"sender": "a", "load": {"http://b": [1, 2]}, "computing": {"http://b": [[0, -1]]}}',
+        b'{"sender": "a", "load": {"http://b": [1, 2]}, "computing": {"http://b": [[0, 18446744073709551616]]}}',
+        b'{"sender": "a", "load": {"http://b": [1, 2]}, "computing": {"http://b": [[0, 1.0]]}}',
     ],
 )
 def test_malformed_reports_are_refused(data: bytes) -> None:
@@ -70,6 +80,18 @@ def test_a_report_replaces_its_senders_last_and_sums_with_the_others() -> None:
     assert table.total("http://x") == BackendLoad(3, 230)
     assert table.total("http://y") == NO_LOAD and table.total("http://z") == BackendLoad(4, 9)
     assert table.peers == 2 and table.backends() == {"http://x", "http://z"}
+
+
+def test_the_blocks_peers_compute_are_every_reports_together() -> None:
+    table = PeerLoad("me")
+    table.apply(LoadReport("a", {"http://x": BackendLoad(1, 10, ((0, 5),))}))
+    assert table.apply(LoadReport("b", {"http://x": BackendLoad(1, 10, ((3, 9),))})) == {"http://x"}
+    assert table.total("http://x") == BackendLoad(2, 20, ((0, 5), (3, 9)))
+    # a's request finished and another started: same counts, other blocks, a change.
+    assert table.apply(LoadReport("a", {"http://x": BackendLoad(1, 10, ((2, 6),))})) == {"http://x"}
+    assert table.total("http://x") == BackendLoad(2, 20, ((2, 6), (3, 9)))
+    table.apply(LoadReport("b", {}))
+    assert table.total("http://x") == BackendLoad(1, 10, ((2, 6),))
 
 
 def test_its_own_report_coming_back_is_not_a_peers() -> None:

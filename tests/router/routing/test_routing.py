@@ -208,6 +208,32 @@ def test_siblings_behind_a_request_still_in_flight_are_no_evidence_of_drift() ->
     assert route(engine, chat("sibling 3"), backends).predicted_cached_tokens > 0
 
 
+def test_a_peers_request_in_flight_is_no_evidence_of_drift() -> None:
+    """A peer router placed the shared prefix and its request still computes it: this
+    router's prediction counts none of it as confirmed, first from the placement itself,
+    then from the peer's load report, until the peer's report no longer lists it."""
+    now = [1000.0]
+    peer = RoutingEngine(Settings(policy="cache_aware"), clock=lambda: now[0])
+    engine = RoutingEngine(Settings(policy="cache_aware"), clock=lambda: now[0])
+    peer.on_placement(engine.apply_placement)
+    backends = fleet(1, capacity=4096)
+    url = backends[0].url
+    leader = route(peer, chat("sibling 1"), backends)
+    follower = route(engine, chat("sibling 2"), backends)
+    assert follower.predicted_cached_tokens > 0 and follower.confirmed_cached_tokens == 0
+    engine.observe(follower, 0)  # the engine had not computed the prefix yet
+    assert (engine.feedback.drifts, engine.cache_model.scale(url)) == (0, 1.0)
+
+    now[0] += 1.0  # the placement alone no longer counts; the peer's report does
+    assert route(engine, chat("sibling 3"), backends).confirmed_cached_tokens > 0
+    engine.apply_peer_computing(url, peer.computing_blocks()[url])
+    assert route(engine, chat("sibling 4"), backends).confirmed_cached_tokens == 0
+    peer.observe(leader, 0)
+    assert peer.computing_blocks() == {}
+    engine.apply_peer_computing(url, ())
+    assert route(engine, chat("sibling 5"), backends).confirmed_cached_tokens > 0
+
+
 def test_a_plans_work_is_its_uncached_prompt_plus_its_output_budget() -> None:
     engine = RoutingEngine(Settings(policy="cache_aware"))
     backends = fleet(1)
