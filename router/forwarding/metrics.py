@@ -37,6 +37,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvroute.router.fleet.backends import Backend
 from kvroute.router.routing.decisions import AttemptOutcome
+from kvroute.router.routing.routing_engine import CacheModelState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -306,6 +307,45 @@ class _BackendEventCounters:
         yield family
 
 
+class _CacheModelCollector:
+    """``kvroute_cache_model_*{backend}``: what each backend's cache model learnt from answers."""
+
+    def __init__(self, states: Callable[[], Mapping[str, CacheModelState]]) -> None:
+        self._states = states
+
+    def collect(self) -> Iterator[Metric]:
+        ratio = GaugeMetricFamily(
+            "kvroute_cache_model_capacity_ratio",
+            "Share of the backend's configured KV cache the router's model counts on: below 1 "
+            "after the engine answered with less cached than the model predicted (it evicted "
+            "earlier than modelled), creeping back with each answer that held all of it.",
+            labels=["backend"],
+        )
+        rate = GaugeMetricFamily(
+            "kvroute_cache_model_eviction_rate",
+            "Recent share (about the last ten) of the engine's answers that showed an eviction "
+            "the router's model did not foresee, peer routers' answers included; it weighs the "
+            "capacity term of cache_aware.",
+            labels=["backend"],
+        )
+        answers = CounterMetricFamily(
+            "kvroute_cache_model_answers",
+            "This router's answers that checked its model's prediction, by result (held: the "
+            "engine held all of it; evicted: less).",
+            labels=["backend", "result"],
+        )
+        for url, state in self._states().items():
+            if state.capacity_ratio is not None:
+                ratio.add_metric([url], state.capacity_ratio)
+            if state.eviction_rate is not None:
+                rate.add_metric([url], state.eviction_rate)
+            answers.add_metric([url, "held"], state.answers_held)
+            answers.add_metric([url, "evicted"], state.answers_evicted)
+        yield ratio
+        yield rate
+        yield answers
+
+
 class RouterMetrics:
     """Every metric of the router, in its own :class:`CollectorRegistry`."""
 
@@ -405,6 +445,11 @@ class RouterMetrics:
                 counts,
             )
         )
+
+    def watch_cache_model(self, states: Callable[[], Mapping[str, CacheModelState]]) -> None:
+        """Export each backend's cache model: the share of its cache counted on, its eviction
+        rate, the answers that checked it."""
+        self.registry.register(_CacheModelCollector(states))
 
     def watch_kv_events(self, counts: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
         """Export each KV-event stream's counters (``--kv-events``), per backend and event."""

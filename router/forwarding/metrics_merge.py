@@ -47,6 +47,7 @@ RULES: dict[str, Rule] = {
     "kvroute_peer_evidence": "sum",
     "kvroute_peer_handshakes": "sum",
     "kvroute_chat_renders": "sum",
+    "kvroute_cache_model_answers": "sum",
     "kvroute_backend_breaker_trips": "sum",
     # each worker's own load and resources
     "kvroute_backend_in_flight_requests": "sum",
@@ -70,6 +71,9 @@ RULES: dict[str, Rule] = {
     "kvroute_kv_events_state": "max",
     "kvroute_process_max_fds": "max",
     "kvroute_process_start_time_seconds": "min",
+    # each worker's own model of the engine: the one that evicts earliest, the most evictions seen
+    "kvroute_cache_model_capacity_ratio": "min",
+    "kvroute_cache_model_eviction_rate": "max",
 }
 
 

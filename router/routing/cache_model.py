@@ -35,6 +35,16 @@ GROW = 0.01
 EVICTION_RATE_WEIGHT = 0.1
 
 
+@dataclass(slots=True)
+class AnswerCounts:
+    """This router's answers from one backend that checked a prediction of its model."""
+
+    #: The engine held all that completed requests had put in the index.
+    held: int = 0
+    #: It held less: it evicted earlier than the model did.
+    evicted: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class Correction:
     """One change of a backend's scale (for the decision log and tests)."""
@@ -50,6 +60,7 @@ class CacheModel:
     def __init__(self) -> None:
         self._scales: dict[str, float] = {}
         self._eviction_rates: dict[str, float] = {}
+        self._answers: dict[str, AnswerCounts] = {}
 
     def eviction_rate(self, backend: str) -> float | None:
         """The recent share of ``backend``'s answers that showed an eviction the index did not
@@ -61,8 +72,18 @@ class CacheModel:
         follows where the capacity is known), or held all of it, and the modelled cache
         creeps back towards the configured size."""
         self._count_answer(backend, evicted)
-        if not evicted:
+        counts = self._answers.get(backend)
+        if counts is None:
+            counts = self._answers[backend] = AnswerCounts()
+        if evicted:
+            counts.evicted += 1
+        else:
+            counts.held += 1
             self._grow(backend)
+
+    def answers(self) -> dict[str, AnswerCounts]:
+        """Per backend, this router's answers that checked a prediction (not its peers')."""
+        return dict(self._answers)
 
     def peer_answered(self, backend: str, evicted: bool) -> None:
         """A peer router's answer: moves the eviction rate as this router's own do, so the
@@ -100,3 +121,4 @@ class CacheModel:
     def forget(self, backend: str) -> None:
         self._scales.pop(backend, None)
         self._eviction_rates.pop(backend, None)
+        self._answers.pop(backend, None)

@@ -180,6 +180,18 @@ class FeedbackStats:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheModelState:
+    """One backend's cache model, for ``kvroute_cache_model_*``."""
+
+    #: The share of its configured cache the model counts on (None: no capacity configured).
+    capacity_ratio: float | None
+    #: The recent share of answers that showed an eviction (None before the first).
+    eviction_rate: float | None
+    answers_held: int
+    answers_evicted: int
+
+
+@dataclass(frozen=True, slots=True)
 class RoutingIndexStats:
     """Size of the routing engine's indexes (every block size, and the precise index), for
     ``kvroute_index_blocks{backend}`` and ``kvroute_index_bytes``."""
@@ -267,6 +279,20 @@ class RoutingEngine:
                     blocks[url] = self._precise.blocks(url)
             total_bytes += self._precise.nbytes
         return RoutingIndexStats(blocks=blocks, bytes=total_bytes)
+
+    def cache_model_states(self) -> dict[str, CacheModelState]:
+        """Per backend what the model of its cache has learnt from the engine's answers."""
+        answers = self.cache_model.answers()
+        states = {}
+        for url in self._configured_tokens.keys() | answers.keys():
+            counts = answers.get(url)
+            states[url] = CacheModelState(
+                capacity_ratio=self.cache_model.scale(url) if url in self._configured_tokens else None,
+                eviction_rate=self.cache_model.eviction_rate(url),
+                answers_held=counts.held if counts else 0,
+                answers_evicted=counts.evicted if counts else 0,
+            )
+        return states
 
     def chat_render_counts(self) -> dict[str, int]:
         """Long chats rendered through the render memo, over every tokenizer: ``lookups``,

@@ -420,6 +420,28 @@ def test_metrics_count_long_chats_rendered_from_a_remembered_turn(sim_engines: A
     assert metrics.value("kvroute_chat_renders_total", event="mismatches") == 0
 
 
+def test_metrics_show_what_the_cache_model_learnt_from_the_answers(
+    sim_engines: Any, router_server: Any, api: str
+) -> None:
+    """An answer that holds the predicted history counts as held; after the engine dropped
+    its cache, the next answer counts as evicted and the model counts on less of that cache."""
+    (sim,) = sim_engines(1)
+    router = router_server([sim], policy="cache_aware")
+    history: list[dict[str, str]] = [{"role": "system", "content": "You answer briefly. " * 40}]
+    for turn in range(3):
+        history.append({"role": "user", "content": f"question {turn}"})
+        chat(router, messages=history)
+        history.append({"role": "assistant", "content": f"answer {turn}"})
+        if turn == 1:
+            empty = "/flush_cache" if api == "sglang" else "/reset_prefix_cache"
+            httpx.post(sim.url + empty, timeout=30).raise_for_status()
+    metrics = router.metrics()
+    assert metrics.value("kvroute_cache_model_answers_total", backend=sim.url, result="held") == 1
+    assert metrics.value("kvroute_cache_model_answers_total", backend=sim.url, result="evicted") == 1
+    assert 0 < metrics.value("kvroute_cache_model_eviction_rate", backend=sim.url) < 1
+    assert 0.25 <= metrics.value("kvroute_cache_model_capacity_ratio", backend=sim.url) < 1
+
+
 def test_long_prompt_is_tokenized_off_the_event_loop_with_the_same_key(
     sim_engines: Any, router_server: Any, api: str
 ) -> None:
