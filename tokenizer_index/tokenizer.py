@@ -29,6 +29,12 @@ holds the GIL for long. Such a cut is exact when the tokenizer's pre-tokenizer s
 there and nothing before it looks across words: decided at construction from the
 pipeline's parts and checked on probe texts (:attr:`RequestTokenizer.chunks_long_pieces`).
 
+Word by word: new ASCII text of a few thousand characters (an agent's tool result) is cut
+into the pre-tokenizer's words in Python and each word's ids taken from a word cache, where
+the pipeline is a byte-level BPE whose words come from one regex
+(:mod:`kvroute.tokenizer_index.word_split`); the library's batch call costs more than the
+whole lookup at that size. Longer new text goes to the library's parallel batch.
+
 Remembered: a chat prompt of :data:`MEMO_MIN_CHARS` or more is kept with its ids
 (:mod:`kvroute.tokenizer_index.prompt_memo`); the conversation's next turn, which starts with
 that text, takes the ids of all of it but its last few added tokens (kept as the read-only
@@ -65,6 +71,7 @@ from kvroute.tokenizer_index.piece_cache import PieceCache, PieceCacheStats, fro
 from kvroute.tokenizer_index.prompt_memo import PromptMemo, PromptMemoStats, RememberedPrompt, conversation_keys
 from kvroute.tokenizer_index.render_memo import RenderMemo, RenderSettings, incremental_render_agrees
 from kvroute.tokenizer_index.template_prefix import PrefixShape, prefix_shape
+from kvroute.tokenizer_index.word_split import VERIFY_EVERY, WordSplitter, word_pattern
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +90,10 @@ _DEFAULT_DIRECTORY = Path(__file__).resolve().parent / "data" / "default"
 _PROBE_CONTEXTS = ("x", " y", "\n", "  ", "Hé\u0301llo", "1", "\t😀 中文", "", " \n z ", "▁a")
 _PROBE_TOKENS_MAX = 48
 
+#: New text up to this many characters (all a request's new pieces together) is tokenized
+#: word by word from the word cache where that is exact (:mod:`kvroute.tokenizer_index.word_split`);
+#: more goes to the library's parallel batch, which also keeps the GIL free for other requests.
+WORD_SPLIT_MAX_CHARS = 16_384
 #: Pieces longer than this (characters) are cached as chunks of about this size, cut at
 #: spaces between words, and new chunks tokenized in one parallel batch (where such cuts are
 #: exact). Smaller chunks re-tokenize less where two prompts part; at 512 a 1,088-token
@@ -272,6 +283,8 @@ class RequestTokenizer:
         self._prompt_prefix: np.ndarray | None
         self._prompt_suffix: np.ndarray | None
         self._prompt_prefix, self._prompt_suffix = self._special_token_wrapping()
+        self._words = self._word_splitter()
+        self._word_texts = 0  # texts tokenized word by word, for the periodic check
 
     # --- construction --------------------------------------------------------------------
 
@@ -413,6 +426,27 @@ class RequestTokenizer:
                 return False
         return True
 
+    def _word_splitter(self) -> WordSplitter | None:
+        """Word-by-word tokenization of new ASCII text, where it is exact: pieces are cut at
+        every added token the library extracts (none is looked for in normalized text), the
+        pipeline's words come from one regex kvroute translates, and the probes agree."""
+        if not self._incremental or any(
+            token.normalized for token in self._tokenizer.get_added_tokens_decoder().values()
+        ):
+            return None
+        state = json.loads(self._tokenizer.to_str())
+        pattern = word_pattern(state.get("normalizer"), state.get("pre_tokenizer"), state.get("model"))
+        if pattern is None:
+            return None
+        splitter = WordSplitter(pattern, self._encode_each)
+        if not splitter.agrees(self._encode_each):
+            log.info("tokenizer %s: its words cut in Python differ from its own; not tokenizing by words", self.name)
+            return None
+        return splitter
+
+    def _encode_each(self, texts: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+
     def _special_token_wrapping(self) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
         """The ids the post-processor puts around a completion prompt (e.g. ``[bos]``, ``[]``).
 
@@ -473,8 +507,10 @@ class RequestTokenizer:
         return self._render_memo.stats()
 
     def clear_cache(self) -> None:
-        """Forget every memoised piece, remembered prompt and rendered conversation."""
+        """Forget every memoised piece, word, remembered prompt and rendered conversation."""
         self._cache.clear()
+        if self._words is not None:
+            self._words.clear()
         self._memo.clear()
         self._render_memo.clear()
 
@@ -765,6 +801,8 @@ class RequestTokenizer:
         cache = self._cache
         found: list[Any] = cache.get_arrays(flat) if arrays else cache.get_lists(flat)
         missing = [index for index, ids in enumerate(found) if ids is None]
+        if missing and self._words is not None:
+            missing = self._by_words(flat, missing, found, arrays=arrays)
         if missing:
             encodings = self._tokenizer.encode_batch_fast([flat[index] for index in missing], add_special_tokens=False)
             new_entries = []
@@ -774,6 +812,58 @@ class RequestTokenizer:
                 new_entries.append((flat[index], array, as_list))
             cache.put_many(new_entries)
         return found, [len(piece_units) for piece_units in units]
+
+    def _by_words(self, units: list[str], missing: list[int], found: list[Any], *, arrays: bool) -> list[int]:
+        """Tokenize the ``missing`` of ``units`` that are ASCII (but for an added token at
+        their end) word by word, when they are few characters in all; fill ``found`` and
+        the piece cache; return the indexes left for the library."""
+        words = self._words
+        if words is None or sum(len(units[index]) for index in missing) > WORD_SPLIT_MAX_CHARS:
+            return missing
+        left: list[int] = []
+        entries = []
+        for index in missing:
+            unit = units[index]
+            split = self._text_and_final_token(unit)
+            if split is None:
+                left.append(index)
+                continue
+            text, token = split
+            ids = words.ids(text)
+            if token is not None:
+                ids.append(token)
+            self._word_texts += 1
+            if self._word_texts % VERIFY_EVERY == 0 and not self._words_agree(unit, ids):
+                return missing
+            array, as_list = self._converted_ids(ids, as_list=not arrays)
+            found[index] = array if arrays else as_list
+            entries.append((unit, array, as_list))
+        self._cache.put_many(entries)
+        return left
+
+    def _text_and_final_token(self, unit: str) -> tuple[str, int | None] | None:
+        """``unit`` as its ASCII text and the id of the added token it ends with, if any;
+        None for a unit the library must tokenize (not ASCII, an added token elsewhere)."""
+        pattern = self._boundary_re
+        match = pattern.search(unit) if pattern is not None else None
+        if match is None:
+            return (unit, None) if unit.isascii() else None
+        if match.end() != len(unit) or match.group() in self._non_boundaries:
+            return None
+        text = unit[: match.start()]
+        return (text, self._tokenizer.token_to_id(match.group())) if text.isascii() else None
+
+    def _words_agree(self, unit: str, ids: list[int]) -> bool:
+        """The periodic check: the library's ids for ``unit`` are ``ids``; else word-by-word
+        tokenization stops for good (and says so)."""
+        [encoding] = self._tokenizer.encode_batch_fast([unit], add_special_tokens=False)
+        if encoding.ids == ids:
+            return True
+        self._words = None
+        log.error(
+            "tokenizer %s: a text tokenized word by word differed from the library's; stopped doing it", self.name
+        )
+        return False
 
     def _units(self, piece: str) -> list[str]:
         """What ``piece`` is cached as: itself, or, when it is longer than the chunk size and

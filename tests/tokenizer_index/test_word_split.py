@@ -1,0 +1,170 @@
+"""New ASCII text tokenized word by word: the Python cut into words, the word cache, and
+the ids of whole texts, compared with the tokenizers library (differential)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+
+from kvroute.tokenizer_index import RequestTokenizer
+from kvroute.tokenizer_index.tokenizer import VERIFY_EVERY, WORD_SPLIT_MAX_CHARS
+from kvroute.tokenizer_index.word_split import WordSplitter, ascii_pattern, word_pattern
+from tests.tokenizer_index.tokenizers_fixtures import (
+    LLAMA3_PATTERN,
+    O200K_PATTERN,
+    QWEN2_PATTERN,
+    regex_split_tokenizer,
+    train_tokenizer,
+)
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CHAT_SPECIALS = ["<|im_start|>", "<|im_end|>"]
+SPACES = " \t\n\x0b\x0c\r"
+# ASCII texts as tools print them: words, contractions, numbers, code, runs of spaces.
+FRAGMENTS = [
+    "the", " Router", "don't", "IT'S", "we'Ll", "'s", "x1", "12345", "3.14", "__init__", "()", " {", "}\n",
+    "  ", "\n\n", "\r\n", "\t", " \t ", "\x0b", "\x0c", "\x1c", "\x00", "!!", " ?", "-->", "'", '"', "=",
+    "a", "Z", " 0", "1,234", "\n    ", "'re'", "e'", "''",
+]  # fmt: skip
+ASCII_TEXT = st.one_of(
+    st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127), max_size=80),
+    st.lists(st.sampled_from(FRAGMENTS), max_size=40).map("".join),
+)
+
+
+def _library_ids(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    return [encoding.ids for encoding in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+
+
+@pytest.fixture(scope="module", params=["default", "byte_level", "llama3", "qwen2", "o200k"])
+def library(request: pytest.FixtureRequest) -> Tokenizer:
+    """Byte-level BPEs whose words come from one regex (GPT-2's, or a Split before ByteLevel)."""
+    kind = request.param
+    if kind == "default":
+        return RequestTokenizer.default().backend
+    if kind == "byte_level":
+        return train_tokenizer("byte_level", CHAT_SPECIALS)
+    pattern = {"llama3": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN, "o200k": O200K_PATTERN}[kind]
+    return regex_split_tokenizer(pattern, CHAT_SPECIALS, normalizer=normalizers.NFC())
+
+
+@pytest.fixture(scope="module")
+def ours(library: Tokenizer) -> RequestTokenizer:
+    """The library's tokenizer in kvroute, caching no pieces: every piece is new text."""
+    tokenizer = RequestTokenizer(library, cache_bytes=0)
+    assert tokenizer._words is not None
+    return tokenizer
+
+
+def _splitter(tokenizer: Tokenizer) -> WordSplitter:
+    state = json.loads(tokenizer.to_str())
+    pattern = word_pattern(state["normalizer"], state["pre_tokenizer"], state["model"])
+    assert pattern is not None
+    return WordSplitter(pattern, lambda words: _library_ids(tokenizer, words))
+
+
+@SETTINGS
+@given(text=ASCII_TEXT)
+def test_words_joined_are_the_librarys_ids(library: Tokenizer, text: str) -> None:
+    splitter = _splitter(library)
+    assert "".join(splitter.words(text)) == text
+    assert splitter.ids(text) == _library_ids(library, [text])[0]
+    # The cut is the library's own: its pre-tokenizer finds the same words.
+    library_words = [word for word, _ in library.pre_tokenizer.pre_tokenize_str(text)]
+    assert library_words == [library.pre_tokenizer.pre_tokenize_str(word)[0][0] for word in splitter.words(text)]
+
+
+def test_known_words_come_from_the_cache() -> None:
+    library = RequestTokenizer.default().backend
+    asked: list[list[str]] = []
+
+    def encode(words: list[str]) -> list[list[int]]:
+        asked.append(words)
+        return _library_ids(library, words)
+
+    splitter = WordSplitter(re.compile(ascii_pattern(r" ?\p{L}+|\s+") or ""), encode)
+    assert splitter.ids("hello world hello") == _library_ids(library, ["hello world hello"])[0]
+    assert asked == [["hello", " world", " hello"]] and len(splitter) == 3
+    splitter.ids(" world hello")
+    assert len(asked) == 1  # every word known
+
+
+@pytest.mark.parametrize(
+    ("pattern", "translated"),
+    [
+        (r"\p{L}+|\p{N}{1,3}", "[A-Za-z]+|[0-9]{1,3}"),
+        (r"[^\r\n\p{L}\p{N}]?\p{L}+", r"[^\r\nA-Za-z0-9]?[A-Za-z]+"),
+        (r"\s+(?!\S)|\s+", r"[\t\n\x0b\x0c\r ]+(?![^\t\n\x0b\x0c\r ])|[\t\n\x0b\x0c\r ]+"),
+        (r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}]+", "[A-Z]*[a-z]+"),
+        (r"(?i:'s|'t)|\P{L}", r"(?i:'s|'t)|[^A-Za-z]"),
+        (r"[\p{Lo}]|x", "(?!)|x"),
+    ],
+)
+def test_unicode_classes_become_their_ascii_members(pattern: str, translated: str) -> None:
+    assert ascii_pattern(pattern) == translated
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [r"^\p{L}+", r"\p{L}+$", r"\p{Han}+", r"[^\S\r\n]+", r"[\P{L}x]", r"\b\w+", r"[[a-z]&&[^b]]", r"\p{L"],
+)
+def test_what_it_cannot_translate_it_refuses(pattern: str) -> None:
+    assert ascii_pattern(pattern) is None
+
+
+def test_only_byte_level_bpes_with_one_regex_split_by_words() -> None:
+    def pattern_of(tokenizer: Tokenizer) -> re.Pattern[str] | None:
+        state = json.loads(tokenizer.to_str())
+        return word_pattern(state["normalizer"], state["pre_tokenizer"], state["model"])
+
+    assert pattern_of(train_tokenizer("byte_level", CHAT_SPECIALS)) is not None
+    assert pattern_of(train_tokenizer("metaspace_always", CHAT_SPECIALS)) is None
+    lowercased = regex_split_tokenizer(LLAMA3_PATTERN, CHAT_SPECIALS, normalizer=normalizers.Lowercase())
+    assert pattern_of(lowercased) is None  # a normalizer that changes ASCII
+    assert RequestTokenizer(train_tokenizer("metaspace_always", CHAT_SPECIALS))._words is None
+
+
+@SETTINGS
+@given(parts=st.lists(st.one_of(ASCII_TEXT, st.sampled_from([*CHAT_SPECIALS, "é", "中文 x"])), max_size=12))
+def test_the_tokenizers_ids_stay_the_librarys(library: Tokenizer, ours: RequestTokenizer, parts: list[str]) -> None:
+    """Through RequestTokenizer: new pieces (ASCII, or ending in an added token) by words,
+    the rest by the library."""
+    text = "".join(parts)
+    assert ours.encode_text(text) == _library_ids(library, [text])[0]
+    assert ours.encode_text_array(text).tolist() == _library_ids(library, [text])[0]
+
+
+def test_text_past_the_limit_goes_to_the_library() -> None:
+    ours = RequestTokenizer.default(cache_bytes=0)
+    assert ours._words is not None
+    text = "word " * (WORD_SPLIT_MAX_CHARS // 5 + 1)
+    before = len(ours._words)
+    assert ours.encode_text(text) == _library_ids(ours.backend, [text])[0]
+    assert len(ours._words) == before  # not one word looked up
+
+
+def test_a_text_the_check_finds_different_stops_word_splitting(caplog: pytest.LogCaptureFixture) -> None:
+    ours = RequestTokenizer.default(cache_bytes=0)
+    words = ours._words
+    assert words is not None
+    words.ids("hello")
+    words._ids["hello"] = [7]  # as if the cut or the cache had gone wrong
+    with caplog.at_level(logging.ERROR):
+        for number in range(VERIFY_EVERY):
+            ours.encode_text(f"hello {number}")
+    assert ours._words is None and "differed from the library" in caplog.text
+    assert ours.encode_text("hello 1") == _library_ids(ours.backend, ["hello 1"])[0]
+
+
+def test_text_between_matches_is_a_word_too() -> None:
+    """A pattern that leaves text unmatched: the library's isolating split keeps it as words."""
+    isolating = pre_tokenizers.Split(Regex(r"\p{L}+"), behavior="isolated")
+    splitter = WordSplitter(re.compile(ascii_pattern(r"\p{L}+") or ""), lambda words: [[len(w)] for w in words])
+    for text in ("ab, cd", ", ab", "ab ,", "", "  "):
+        assert splitter.words(text) == [word for word, _ in isolating.pre_tokenize_str(text)]
