@@ -25,7 +25,7 @@ from itertools import chain
 from typing import Any
 
 #: Every this many texts tokenized word by word, the library tokenizes one too, to compare.
-VERIFY_EVERY = 64
+VERIFY_EVERY = 256
 #: Words whose ids are kept (~130 bytes each); past it the cache starts afresh.
 MAX_WORDS = 1 << 17
 
