@@ -29,8 +29,8 @@ holds the GIL for long. Such a cut is exact when the tokenizer's pre-tokenizer s
 there and nothing before it looks across words: decided at construction from the
 pipeline's parts and checked on probe texts (:attr:`RequestTokenizer.chunks_long_pieces`).
 
-Word by word: new ASCII text of a few thousand characters (an agent's tool result) is cut
-into the pre-tokenizer's words in Python and each word's ids taken from a word cache, where
+Word by word: new text of a few thousand characters (an agent's tool result) is cut into
+the pre-tokenizer's words in Python and each word's ids taken from a word cache, where
 the pipeline is a byte-level BPE whose words come from one regex
 (:mod:`kvroute.tokenizer_index.word_split`); the library's batch call costs more than the
 whole lookup at that size. Longer new text goes to the library's parallel batch.
@@ -235,6 +235,7 @@ class RequestTokenizer:
         chunk_chars: int = CHUNK_CHARS,
         memo_bytes: int = DEFAULT_MEMO_BYTES,
         render_memo_bytes: int = DEFAULT_RENDER_MEMO_BYTES,
+        word_split: bool = True,
     ) -> None:
         """Wrap a ``tokenizers.Tokenizer``.
 
@@ -247,6 +248,8 @@ class RequestTokenizer:
         characters are tokenized in parallel chunks where that is exact (0: never).
         ``memo_bytes`` bounds the long chat prompts remembered for their next turn (0: none);
         ``render_memo_bytes`` the rendered long conversations (0: every chat rendered whole).
+        ``word_split=False`` leaves all new text to the library (else it is tokenized word by
+        word where that is exact).
         """
         tokenizer.no_truncation()
         tokenizer.no_padding()
@@ -283,7 +286,7 @@ class RequestTokenizer:
         self._prompt_prefix: np.ndarray | None
         self._prompt_suffix: np.ndarray | None
         self._prompt_prefix, self._prompt_suffix = self._special_token_wrapping()
-        self._words = self._word_splitter()
+        self._words = self._word_splitter() if word_split else None
         self._word_texts = 0  # texts tokenized word by word, for the periodic check
 
     # --- construction --------------------------------------------------------------------
@@ -427,7 +430,7 @@ class RequestTokenizer:
         return True
 
     def _word_splitter(self) -> WordSplitter | None:
-        """Word-by-word tokenization of new ASCII text, where it is exact: pieces are cut at
+        """Word-by-word tokenization of new text, where it is exact: pieces are cut at
         every added token the library extracts (none is looked for in normalized text), the
         pipeline's words come from one regex kvroute translates, and the probes agree."""
         if not self._incremental or any(
@@ -442,6 +445,8 @@ class RequestTokenizer:
         if not splitter.agrees(self._encode_each):
             log.info("tokenizer %s: its words cut in Python differ from its own; not tokenizing by words", self.name)
             return None
+        if pattern.unicode is not None and not splitter.unicode:
+            log.info("tokenizer %s: text that is not ASCII cut in Python differs; the library tokenizes it", self.name)
         return splitter
 
     def _encode_each(self, texts: list[str]) -> list[list[int]]:
@@ -814,8 +819,8 @@ class RequestTokenizer:
         return found, [len(piece_units) for piece_units in units]
 
     def _by_words(self, units: list[str], missing: list[int], found: list[Any], *, arrays: bool) -> list[int]:
-        """Tokenize the ``missing`` of ``units`` that are ASCII (but for an added token at
-        their end) word by word, when they are few characters in all; fill ``found`` and
+        """Tokenize the ``missing`` of ``units`` that the word splitter handles (but for an
+        added token at their end) word by word, when they are few characters in all; fill ``found`` and
         the piece cache; return the indexes left for the library."""
         words = self._words
         if words is None or sum(len(units[index]) for index in missing) > WORD_SPLIT_MAX_CHARS:
@@ -842,16 +847,19 @@ class RequestTokenizer:
         return left
 
     def _text_and_final_token(self, unit: str) -> tuple[str, int | None] | None:
-        """``unit`` as its ASCII text and the id of the added token it ends with, if any;
-        None for a unit the library must tokenize (not ASCII, an added token elsewhere)."""
+        """``unit`` as its text and the id of the added token it ends with, if any; None for
+        a unit the library must tokenize (text the word splitter does not handle, an added
+        token elsewhere)."""
+        words = self._words
+        if words is None or not words.handles(unit):  # (its text, shorter, is handled too)
+            return None
         pattern = self._boundary_re
         match = pattern.search(unit) if pattern is not None else None
         if match is None:
-            return (unit, None) if unit.isascii() else None
+            return unit, None
         if match.end() != len(unit) or match.group() in self._non_boundaries:
             return None
-        text = unit[: match.start()]
-        return (text, self._tokenizer.token_to_id(match.group())) if text.isascii() else None
+        return unit[: match.start()], self._tokenizer.token_to_id(match.group())
 
     def _words_agree(self, unit: str, ids: list[int]) -> bool:
         """The periodic check: the library's ids for ``unit`` are ``ids``; else word-by-word

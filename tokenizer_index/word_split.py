@@ -1,4 +1,4 @@
-"""New ASCII text tokenized word by word from a cache of the words' ids.
+"""New text tokenized word by word from a cache of the words' ids.
 
 A byte-level BPE (GPT-2's, Llama 3's, Qwen's) first cuts text into words with its
 pre-tokenizer's regex and never merges across them, so a text's ids are its words' ids
@@ -8,30 +8,49 @@ the tokenizers library takes 0.3-0.9 ms for the same 2,000 characters (its call,
 pool and cold caches dominate at that size; ``benchmarks/README.md``, "Long prompts").
 
 The library's own ``pre_tokenize_str`` costs ten times a Python regex, so the cut is
-redone with Python's ``re``, for ASCII text only: there the pattern's Unicode classes have
-ASCII equivalents (``\\p{L}`` is ``[A-Za-z]``, ``\\s`` is ``[\\t\\n\\v\\f\\r ]``, ...), and
-every normalizer kvroute accepts here (NFC, NFD, NFKC, NFKD) leaves ASCII as it is.
-Anything the translation does not know keeps the library's path. Exactness is checked
-three ways: probe texts at construction (:meth:`WordSplitter.agrees`), differential tests
-against the library, and in production every :data:`VERIFY_EVERY`-th text split here is
-also tokenized by the library and compared (a mismatch turns word splitting off).
+redone in Python. ASCII text, most of what agents and code send, is cut with ``re``: there
+the pattern's Unicode classes have ASCII equivalents (``\\p{L}`` is ``[A-Za-z]``, ``\\s`` is
+``[\\t\\n\\v\\f\\r ]``, ...), and every normalizer kvroute accepts here (NFC, NFD, NFKC,
+NFKD) leaves ASCII as it is. Other text is normalized with :mod:`unicodedata` and cut with
+the ``regex`` module, which reads the pattern's Unicode classes as Oniguruma does (``\\s``
+becomes ``\\p{White_Space}``, what Oniguruma means by it), if all its characters are ones
+every Unicode table involved agrees on: assigned in Python's :mod:`unicodedata` (Unicode
+14 on Python 3.11) and below U+30000 (``regex`` reads some unassigned code points beyond
+as letters). Anything the translations do not know keeps the library's path. Exactness is
+checked three ways: probe texts at construction (:meth:`WordSplitter.agrees`, ASCII and
+other text apart), differential tests against the library, and in production every
+:data:`VERIFY_EVERY`-th text split here is also tokenized by the library and compared (a
+mismatch turns word splitting off). A mismatch costs a prediction, never a wrong answer:
+the engine tokenizes the request itself.
 """
 
 from __future__ import annotations
 
 import re
+import sys
+import unicodedata
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
 from itertools import chain
 from typing import Any
+
+import numpy as np
+import regex
 
 #: Every this many texts tokenized word by word, the library tokenizes one too, to compare.
 VERIFY_EVERY = 256
 #: Words whose ids are kept (~130 bytes each); past it the cache starts afresh.
 MAX_WORDS = 1 << 17
+#: Text that is not ASCII is cut here when it has a space at least every this many
+#: characters (words that recur); other text, CJK above all, is left to the library.
+SPACED_WORD_CHARS = 16
 
 # GPT-2's pre-tokenizer regex: what ByteLevel(use_regex=true) cuts words with.
 _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_NORMALIZERS_IDENTICAL_ON_ASCII = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
+_UNICODE_NORMAL_FORMS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
+#: Text with a code point from here on is left to the library (see the module docstring).
+_UNICODE_LIMIT = 0x30000
 # What each Unicode class and shorthand holds among ASCII characters (Oniguruma's Unicode
 # definitions: \s is White_Space, without the \x1c-\x1f that Python's str.isspace() adds).
 _SPACE = r"\t\n\x0b\x0c\r "
@@ -59,6 +78,13 @@ _PROBES = (
     " \t\x0b\x0c\r\n\x1c\x1d\x1e\x1f \x00\x7f~`!@#$%^&*()_+-={}|[]\\:\";'<>?,./ end",
     "a  b   c\n \n  d\r\r\ne' 's 'S 'sS ''s 've'RE'm 'd 'lL 1234567 12a3 a12 _x x_ __init__()\n",
     "def f(x):\n    return {'k': \"v\"}  # comment\n\n\nclass A(B):\n\tpass\n",
+)
+# And text that is not ASCII: accents composed and not, every letter category, CJK, emoji,
+# digits of other scripts, the spaces beyond ASCII, case folding in contractions.
+_UNICODE_PROBES = (
+    "Hé\u0301llo naïve café e\u0301clair ǅemal ʰa ﬁne straße İstanbul Ελληνικά русский שלום مرحبا",
+    "中文字符，日本語のカタカナ。한국어 😀👍🏽 ½ Ⅻ ٣٤٥ १२३ x\u00a0y\u2003z\u0085w\u3000v\u2028u",
+    "it’s DON'ſ we'ＬＬ ｆｕｌｌ\u3000width １２３ ａ\u0308\u0304 \u200b\u200d\ufeff end",
 )
 
 
@@ -125,19 +151,85 @@ def ascii_pattern(pattern: str) -> str | None:
     return translated
 
 
+def unicode_pattern(pattern: str) -> str | None:
+    """``pattern`` (Oniguruma syntax) for the ``regex`` module: ``\\s`` and ``\\S`` become
+    White_Space classes (Python's count \\x1c-\\x1f, Oniguruma's do not); None where it
+    uses anything else that may read differently (anchors, ``\\d``, ``\\w``, ``\\b``, ...)."""
+    if "^" in pattern.replace("[^", "") or "$" in pattern:
+        return None
+    out: list[str] = []
+    in_class = False
+    position = 0
+    while position < len(pattern):
+        character = pattern[position]
+        if character == "\\":
+            escaped = pattern[position + 1 : position + 2]
+            if escaped in ("s", "S"):
+                if in_class and escaped == "S":
+                    return None
+                out.append(r"\p{White_Space}" if escaped == "s" else r"\P{White_Space}")
+            elif escaped.isalnum() and escaped not in "pPrntfvx0":
+                return None
+            else:
+                out.append(pattern[position : position + 2])
+            position += 2
+            continue
+        if character == "[" and not in_class:
+            in_class = True
+        elif character == "]" and in_class and pattern[position - 1] not in "[^":
+            in_class = False
+        elif character == "[" and in_class:
+            return None
+        out.append(character)
+        position += 1
+    translated = "".join(out)
+    try:
+        regex.compile(translated, regex.V0)
+    except regex.error:
+        return None
+    return translated
+
+
+@cache
+def _agreed_code_points() -> np.ndarray:
+    """Per code point below :data:`_UNICODE_LIMIT`, whether Python's Unicode tables assign it
+    (built once, ~40 ms)."""
+    unassigned = {"Cn", "Co", "Cs"}
+    category = unicodedata.category
+    return np.array([category(chr(point)) not in unassigned for point in range(_UNICODE_LIMIT)], dtype=np.bool_)
+
+
+def agreed_text(text: str) -> bool:
+    """Whether every character of ``text`` is one the Unicode tables involved agree on."""
+    points = np.frombuffer(text.encode("utf-32-le" if sys.byteorder == "little" else "utf-32-be"), dtype=np.uint32)
+    return not len(points) or (int(points.max()) < _UNICODE_LIMIT and bool(_agreed_code_points()[points].all()))
+
+
 def _class(members: str, *, negated: bool) -> str:
     if not members:
         return r"[\s\S]" if negated else "(?!)"
     return f"[{'^' if negated else ''}{members}]"
 
 
-def word_pattern(normalizer: Any, pre_tokenizer: Any, model: Any) -> re.Pattern[str] | None:
-    """The regex cutting ASCII text into the words of a pipeline given by the JSON states of
-    its normalizer, pre-tokenizer and model; None unless it is a byte-level BPE whose words
-    come from one regex (GPT-2's, or a ``Split`` before a ``ByteLevel`` without its own)."""
+@dataclass(frozen=True)
+class WordPatterns:
+    """How a pipeline's words are cut in Python: ASCII text with ``ascii`` (``re``), other
+    text normalized to each of ``normal_forms`` in turn, then cut with ``unicode``
+    (``regex``; None: other text is left to the library)."""
+
+    ascii: re.Pattern[str]
+    unicode: regex.Pattern[str] | None = None
+    normal_forms: tuple[str, ...] = ()
+
+
+def word_pattern(normalizer: Any, pre_tokenizer: Any, model: Any) -> WordPatterns | None:
+    """The regexes cutting text into the words of a pipeline given by the JSON states of its
+    normalizer, pre-tokenizer and model; None unless it is a byte-level BPE whose words come
+    from one regex (GPT-2's, or a ``Split`` before a ``ByteLevel`` without its own)."""
     if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("dropout"):
         return None
-    if not _identical_on_ascii(normalizer):
+    normal_forms = tuple(str(part.get("type")) for part in _members(normalizer))
+    if not set(normal_forms) <= _UNICODE_NORMAL_FORMS:
         return None
     parts = _members(pre_tokenizer)
     if len(parts) == 1:
@@ -147,16 +239,21 @@ def word_pattern(normalizer: Any, pre_tokenizer: Any, model: Any) -> re.Pattern[
         source = _GPT2_PATTERN
     elif len(parts) == 2:
         split, byte_level = parts
-        regex = split.get("pattern", {}).get("Regex") if split.get("type") == "Split" else None
-        if regex is None or split.get("behavior") != "Isolated" or split.get("invert"):
+        written = split.get("pattern", {}).get("Regex") if split.get("type") == "Split" else None
+        if written is None or split.get("behavior") != "Isolated" or split.get("invert"):
             return None
         if not _byte_level(byte_level, use_regex=False):
             return None
-        source = regex
+        source = written
     else:
         return None
     translated = ascii_pattern(source)
-    return None if translated is None else re.compile(translated)
+    if translated is None:
+        return None
+    unicode = unicode_pattern(source)
+    return WordPatterns(
+        re.compile(translated), None if unicode is None else regex.compile(unicode, regex.V0), normal_forms
+    )
 
 
 def _members(state: Any) -> list[dict[str, Any]]:
@@ -168,10 +265,6 @@ def _members(state: Any) -> list[dict[str, Any]]:
     return [state]
 
 
-def _identical_on_ascii(normalizer: Any) -> bool:
-    return all(part.get("type") in _NORMALIZERS_IDENTICAL_ON_ASCII for part in _members(normalizer))
-
-
 def _byte_level(state: dict[str, Any], *, use_regex: bool) -> bool:
     return (
         state.get("type") == "ByteLevel"
@@ -181,26 +274,49 @@ def _byte_level(state: dict[str, Any], *, use_regex: bool) -> bool:
 
 
 class WordSplitter:
-    """ASCII texts to ids, word by word, from a cache of each word's ids.
+    """Texts to ids, word by word, from a cache of each word's ids.
 
     ``encode_words`` tokenizes a batch of words with the library (each on its own, as the
     pre-tokenizer would hand it to the model). Thread-safe as the tokenizer using it is:
     the cache is one dict, read and written an item at a time.
     """
 
-    def __init__(self, pattern: re.Pattern[str], encode_words: Callable[[list[str]], list[list[int]]]) -> None:
-        self._pattern = pattern
-        self._findall = pattern.findall
+    def __init__(self, patterns: WordPatterns, encode_words: Callable[[list[str]], list[list[int]]]) -> None:
+        self._ascii = patterns.ascii
+        self._unicode = patterns.unicode
+        self._normal_forms = patterns.normal_forms
         self._encode_words = encode_words
         self._ids: dict[str, list[int]] = {}
 
+    @property
+    def unicode(self) -> bool:
+        """Whether text that is not ASCII is cut here too."""
+        return self._unicode is not None
+
     def agrees(self, encode_text: Callable[[list[str]], list[list[int]]]) -> bool:
-        """Whether the probe texts' ids, word by word, equal the library's for the whole texts."""
-        probes = list(_PROBES)
-        return [self.ids(probe) for probe in probes] == encode_text(probes)
+        """Whether the ASCII probe texts' ids, word by word, equal the library's for the whole
+        texts; if the other probes' do not, only ASCII text is cut here from then on."""
+        if [self.ids(probe) for probe in _PROBES] != encode_text(list(_PROBES)):
+            return False
+        if self._unicode is not None and [self.ids(probe) for probe in _UNICODE_PROBES] != encode_text(
+            list(_UNICODE_PROBES)
+        ):
+            self._unicode = None
+        self._ids.clear()  # the probes' words are no one's
+        return True
+
+    def handles(self, text: str) -> bool:
+        """Whether ``text`` is cut here: ASCII, or, with a Unicode pattern, text of words
+        between spaces (a run of CJK is one word, new in every sentence: the library's one
+        call costs less than finding that out) in characters every Unicode table involved
+        agrees on."""
+        if text.isascii():
+            return True
+        return self._unicode is not None and text.count(" ") * SPACED_WORD_CHARS >= len(text) and agreed_text(text)
 
     def ids(self, text: str) -> list[int]:
-        """The ids of ASCII ``text`` (its words' ids joined; new words tokenized in one batch)."""
+        """The ids of ``text`` (:meth:`handles` it): its words' ids joined; new words
+        tokenized in one batch."""
         words = self.words(text)
         cache = self._ids
         found: list[list[int] | None] = list(map(cache.get, words))
@@ -214,24 +330,37 @@ class WordSplitter:
         return list(chain.from_iterable(found))  # type: ignore[arg-type]
 
     def words(self, text: str) -> list[str]:
-        """``text`` cut into words: the pattern's matches and, as the library's isolating
-        split does, the text between them (usual patterns leave none)."""
-        words: list[str] = self._findall(text)
+        """``text`` (normalized where it is not ASCII) cut into words: the pattern's matches
+        and, as the library's isolating split does, the text between them (usual patterns
+        leave none)."""
+        pattern: re.Pattern[str] | regex.Pattern[str] = self._ascii
+        if not text.isascii():
+            if self._unicode is None:
+                raise ValueError("text that is not ASCII, and no Unicode pattern for this tokenizer")
+            pattern = self._unicode
+            for form in self._normal_forms:
+                text = unicodedata.normalize(form, text)  # type: ignore[arg-type]
+        words: list[str] = pattern.findall(text)
         if sum(map(len, words)) == len(text):
             return words
-        words, start = [], 0
-        for match in self._pattern.finditer(text):
-            if match.start() > start:
-                words.append(text[start : match.start()])
-            if match.end() > match.start():
-                words.append(match.group())
-            start = match.end()
-        if start < len(text):
-            words.append(text[start:])
-        return words
+        return _isolated(pattern, text)
 
     def clear(self) -> None:
         self._ids.clear()
 
     def __len__(self) -> int:
         return len(self._ids)
+
+
+def _isolated(pattern: re.Pattern[str] | regex.Pattern[str], text: str) -> list[str]:
+    """``text`` cut at ``pattern``'s matches, keeping the matches and the text between them."""
+    words, start = [], 0
+    for match in pattern.finditer(text):
+        if match.start() > start:
+            words.append(text[start : match.start()])
+        if match.end() > match.start():
+            words.append(match.group())
+        start = match.end()
+    if start < len(text):
+        words.append(text[start:])
+    return words

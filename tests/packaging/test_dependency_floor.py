@@ -28,6 +28,8 @@ from tests.paths import REPO
 ROOT = REPO
 SUITES = [
     "tests/tokenizer_index/test_tokenizer.py",
+    # the word splitter's regex translations against the library, on the floor's regex module
+    "tests/tokenizer_index/test_word_split.py",
     "tests/tokenizer_index/test_prefix_index.py",
     "tests/tokenizer_index/test_kernels.py",
     # compares the chat sandbox's shortcuts with the installed Jinja's general paths

@@ -14,7 +14,14 @@ from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
 
 from kvroute.tokenizer_index import RequestTokenizer
 from kvroute.tokenizer_index.tokenizer import VERIFY_EVERY, WORD_SPLIT_MAX_CHARS
-from kvroute.tokenizer_index.word_split import WordSplitter, ascii_pattern, word_pattern
+from kvroute.tokenizer_index.word_split import (
+    WordPatterns,
+    WordSplitter,
+    agreed_text,
+    ascii_pattern,
+    unicode_pattern,
+    word_pattern,
+)
 from tests.tokenizer_index.tokenizers_fixtures import (
     LLAMA3_PATTERN,
     O200K_PATTERN,
@@ -35,6 +42,19 @@ FRAGMENTS = [
 ASCII_TEXT = st.one_of(
     st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127), max_size=80),
     st.lists(st.sampled_from(FRAGMENTS), max_size=40).map("".join),
+)
+# Text that is not only ASCII: accents composed or not, letters of every category, CJK,
+# emoji, other scripts' digits, spaces beyond ASCII, case folding, full-width forms; and
+# any character Python's Unicode tables assign (what the word path takes beyond ASCII).
+UNICODE_FRAGMENTS = [
+    "é", "e\u0301", "naïve", "ǅ", "ʰ", "ﬁ", "ß", "İ", "ſ", "'ſ", "Ω", "中文", "日本語", "한국어", "😀", "👍🏽",
+    "½", "Ⅻ", "٣٤", "१२", "\u00a0", "\u2003", "\u0085", "\u3000", "\u2028", "\u200b", "\ufeff", "ＬＬ", "１２",
+    "a\u0308\u0304", "\u0301", "’s", "–", "…", "Ελληνικά", "русский", "שלום", "مرحبا", "ไทย",
+]  # fmt: skip
+TEXT = st.one_of(
+    ASCII_TEXT,
+    st.text(alphabet=st.characters(exclude_categories=("Cn", "Co", "Cs"), max_codepoint=0x2FFFF), max_size=60),
+    st.lists(st.sampled_from(FRAGMENTS + UNICODE_FRAGMENTS), max_size=30).map("".join),
 )
 
 
@@ -64,19 +84,23 @@ def ours(library: Tokenizer) -> RequestTokenizer:
 
 def _splitter(tokenizer: Tokenizer) -> WordSplitter:
     state = json.loads(tokenizer.to_str())
-    pattern = word_pattern(state["normalizer"], state["pre_tokenizer"], state["model"])
-    assert pattern is not None
-    return WordSplitter(pattern, lambda words: _library_ids(tokenizer, words))
+    patterns = word_pattern(state["normalizer"], state["pre_tokenizer"], state["model"])
+    assert patterns is not None
+    splitter = WordSplitter(patterns, lambda words: _library_ids(tokenizer, words))
+    assert splitter.agrees(lambda texts: _library_ids(tokenizer, texts))
+    return splitter
 
 
 @SETTINGS
-@given(text=ASCII_TEXT)
+@given(text=TEXT)
 def test_words_joined_are_the_librarys_ids(library: Tokenizer, text: str) -> None:
     splitter = _splitter(library)
-    assert "".join(splitter.words(text)) == text
+    assert splitter.unicode  # (words() cuts any text it has characters for; handles() picks)
+    normalized = library.normalizer.normalize_str(text) if library.normalizer is not None else text
+    assert "".join(splitter.words(text)) == normalized
     assert splitter.ids(text) == _library_ids(library, [text])[0]
     # The cut is the library's own: its pre-tokenizer finds the same words.
-    library_words = [word for word, _ in library.pre_tokenizer.pre_tokenize_str(text)]
+    library_words = [word for word, _ in library.pre_tokenizer.pre_tokenize_str(normalized)]
     assert library_words == [library.pre_tokenizer.pre_tokenize_str(word)[0][0] for word in splitter.words(text)]
 
 
@@ -88,7 +112,7 @@ def test_known_words_come_from_the_cache() -> None:
         asked.append(words)
         return _library_ids(library, words)
 
-    splitter = WordSplitter(re.compile(ascii_pattern(r" ?\p{L}+|\s+") or ""), encode)
+    splitter = WordSplitter(WordPatterns(re.compile(ascii_pattern(r" ?\p{L}+|\s+") or "")), encode)
     assert splitter.ids("hello world hello") == _library_ids(library, ["hello world hello"])[0]
     assert asked == [["hello", " world", " hello"]] and len(splitter) == 3
     splitter.ids(" world hello")
@@ -118,8 +142,37 @@ def test_what_it_cannot_translate_it_refuses(pattern: str) -> None:
     assert ascii_pattern(pattern) is None
 
 
+@pytest.mark.parametrize(
+    ("pattern", "translated"),
+    [
+        (r"\s+(?!\S)|\s+", r"\p{White_Space}+(?!\P{White_Space})|\p{White_Space}+"),
+        (r"[^\s\p{L}\p{N}]+", r"[^\p{White_Space}\p{L}\p{N}]+"),
+        (r"(?i:'s)|\p{N}{1,3}", r"(?i:'s)|\p{N}{1,3}"),
+    ],
+)
+def test_unicode_patterns_read_spaces_as_oniguruma_does(pattern: str, translated: str) -> None:
+    assert unicode_pattern(pattern) == translated
+
+
+@pytest.mark.parametrize("pattern", [r"^\p{L}+", r"\d+", r"\w+", r"[^\S\r\n]+", r"\b\p{L}"])
+def test_what_the_unicode_translation_cannot_read_it_refuses(pattern: str) -> None:
+    assert unicode_pattern(pattern) is None
+
+
+def test_characters_the_unicode_tables_may_disagree_on_are_left_to_the_library() -> None:
+    assert agreed_text("") and agreed_text("abc") and agreed_text("中文 naïve 😀 \u00a0")
+    assert not agreed_text("A\U0003d000")  # the regex module reads this unassigned one as a letter
+    assert not agreed_text("x\u0378")  # unassigned
+    assert not agreed_text("\ue000")  # private use
+    words = RequestTokenizer.default()._words
+    assert words is not None
+    assert words.handles("naïve café, déjà vu: straße über alles")  # words between spaces
+    assert not words.handles("中文字符，日本語のカタカナ。")  # one run of letters, new in every sentence
+    assert not words.handles("naïve café \ue000")
+
+
 def test_only_byte_level_bpes_with_one_regex_split_by_words() -> None:
-    def pattern_of(tokenizer: Tokenizer) -> re.Pattern[str] | None:
+    def pattern_of(tokenizer: Tokenizer) -> WordPatterns | None:
         state = json.loads(tokenizer.to_str())
         return word_pattern(state["normalizer"], state["pre_tokenizer"], state["model"])
 
@@ -131,10 +184,15 @@ def test_only_byte_level_bpes_with_one_regex_split_by_words() -> None:
 
 
 @SETTINGS
-@given(parts=st.lists(st.one_of(ASCII_TEXT, st.sampled_from([*CHAT_SPECIALS, "é", "中文 x"])), max_size=12))
+@given(
+    parts=st.lists(
+        st.one_of(TEXT, st.sampled_from(CHAT_SPECIALS), st.text(max_size=8)),  # any text: unassigned too
+        max_size=12,
+    )
+)
 def test_the_tokenizers_ids_stay_the_librarys(library: Tokenizer, ours: RequestTokenizer, parts: list[str]) -> None:
-    """Through RequestTokenizer: new pieces (ASCII, or ending in an added token) by words,
-    the rest by the library."""
+    """Through RequestTokenizer: new pieces (some ending in an added token) by words, those
+    with characters the Unicode tables may disagree on by the library."""
     text = "".join(parts)
     assert ours.encode_text(text) == _library_ids(library, [text])[0]
     assert ours.encode_text_array(text).tolist() == _library_ids(library, [text])[0]
@@ -165,6 +223,8 @@ def test_a_text_the_check_finds_different_stops_word_splitting(caplog: pytest.Lo
 def test_text_between_matches_is_a_word_too() -> None:
     """A pattern that leaves text unmatched: the library's isolating split keeps it as words."""
     isolating = pre_tokenizers.Split(Regex(r"\p{L}+"), behavior="isolated")
-    splitter = WordSplitter(re.compile(ascii_pattern(r"\p{L}+") or ""), lambda words: [[len(w)] for w in words])
+    splitter = WordSplitter(
+        WordPatterns(re.compile(ascii_pattern(r"\p{L}+") or "")), lambda words: [[len(w)] for w in words]
+    )
     for text in ("ab, cd", ", ab", "ab ,", "", "  "):
         assert splitter.words(text) == [word for word, _ in isolating.pre_tokenize_str(text)]

@@ -1,0 +1,144 @@
+"""Tokenizing text the router has not seen: word by word from the word cache vs the library.
+
+Nearly every request brings new text (a user's question, a tool's result). For three kinds
+of text, each of distinct ~500-character texts from a fixed vocabulary (so words recur, as
+in a conversation or a codebase) with a unique number at the end, this tokenizes every text
+once on a ``RequestTokenizer`` with word-by-word tokenization and on one without
+(``word_split=False``: the library's batch call), after a warm-up of other texts of the
+same kind, and reports this process's CPU per text (the library's threads included):
+
+* ``ascii``: English words, numbers and code punctuation;
+* ``spaced``: accented Latin and Cyrillic words between spaces;
+* ``cjk``: Chinese and Japanese without spaces (one pre-tokenizer word per sentence, left to
+  the library either way).
+
+Every text's ids are checked equal between the two::
+
+    python -m kvroute.benchmarks.bench_new_text [--texts 500] [--rounds 3] [--out bench-out/new-text.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvroute.tokenizer_index import RequestTokenizer
+
+VOCABULARIES = {
+    "ascii": (
+        "the router sends each request to the replica holding its prefix def return self value "
+        "None True 0 1 42 3.14 error: file line path /usr/lib x = y + 1; {} [] () == != -> # TODO"
+    ).split(),
+    "spaced": (
+        "naïve café Überprüfung größer résumé niño für être déjà año über straße garçon señor "
+        "Москва данные модель запрос кэш ответ and the"
+    ).split(),
+    "cjk": "数据 模型 路由 缓存 请求 用户 服务器 的 是 在 ， 。 ： キャッシュ リクエスト の を".split(),
+}
+JOINERS = {"ascii": " ", "spaced": " ", "cjk": ""}
+TEXT_CHARS = 500
+
+
+@dataclass(frozen=True)
+class Row:
+    """Median over rounds of the CPU per text, microseconds."""
+
+    kind: str
+    chars: int
+    library_us: float
+    word_split_us: float
+    rounds_library_us: list[float]
+    rounds_word_split_us: list[float]
+    equal: bool
+
+
+def texts(kind: str, count: int, seed: int) -> list[str]:
+    """``count`` distinct texts of about :data:`TEXT_CHARS` characters of ``kind``."""
+    rng = random.Random(seed)
+    vocabulary, joiner = VOCABULARIES[kind], JOINERS[kind]
+    made = []
+    for number in range(count):
+        words: list[str] = []
+        while sum(map(len, words)) + len(words) < TEXT_CHARS:
+            words.append(rng.choice(vocabulary))
+        made.append(joiner.join(words) + f" #{seed}-{number}")
+    return made
+
+
+def cpu_per_text(tokenizer: RequestTokenizer, warm: list[str], measured: list[str]) -> tuple[float, list[list[int]]]:
+    for text in warm:
+        tokenizer.encode_text(text)
+    ids = []
+    start = time.process_time()
+    for text in measured:
+        ids.append(tokenizer.encode_text(text))
+    return (time.process_time() - start) / len(measured) * 1e6, ids
+
+
+def measure(kind: str, count: int, rounds: int) -> Row:
+    library, words = [], []
+    equal = True
+    for round_number in range(rounds):
+        warm, measured = texts(kind, count, 2 * round_number), texts(kind, count, 2 * round_number + 1)
+        # Each measured first in every other round, so that neither always runs on a warmer process.
+        if round_number % 2:
+            with_words, got = cpu_per_text(RequestTokenizer.default(), warm, measured)
+            without, expected = cpu_per_text(RequestTokenizer.default(word_split=False), warm, measured)
+        else:
+            without, expected = cpu_per_text(RequestTokenizer.default(word_split=False), warm, measured)
+            with_words, got = cpu_per_text(RequestTokenizer.default(), warm, measured)
+        library.append(round(without, 1))
+        words.append(round(with_words, 1))
+        equal = equal and got == expected
+    return Row(
+        kind=kind,
+        chars=len(texts(kind, 1, 0)[0]),
+        library_us=statistics.median(library),
+        word_split_us=statistics.median(words),
+        rounds_library_us=library,
+        rounds_word_split_us=words,
+        equal=equal,
+    )
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = ["text     chars  library us/text  word by word us/text  (rounds)                      ids equal"]
+    for row in rows:
+        lines.append(
+            f"{row.kind:8s} {row.chars:5d}  {row.library_us:15.0f}  {row.word_split_us:20.0f}  "
+            f"({', '.join(f'{a:.0f}/{b:.0f}' for a, b in zip(row.rounds_library_us, row.rounds_word_split_us))})"
+            f"  {row.equal}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvroute.benchmarks.bench_new_text", description=__doc__)
+    parser.add_argument("--texts", type=int, default=500, help="texts measured per kind and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("bench-out/new-text.json"))
+    args = parser.parse_args(argv)
+    rows = [measure(kind, args.texts, args.rounds) for kind in VOCABULARIES]
+    print(format_table(rows))
+    machine = f"{os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    print(f"machine: {machine}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {"rows": [asdict(row) for row in rows], "machine": machine, "python": platform.python_version()}, indent=1
+        )
+    )
+    print(f"wrote {args.out}")
+    return 0 if all(row.equal for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

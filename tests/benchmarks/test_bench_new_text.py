@@ -1,0 +1,28 @@
+"""The new-text benchmark at a tiny size: it runs, the ids agree, the texts are what it says."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvroute.benchmarks import bench_new_text
+
+
+def test_tiny_new_text_run(tmp_path: Path) -> None:
+    out = tmp_path / "new-text.json"
+    assert bench_new_text.main(["--texts", "20", "--rounds", "2", "--out", str(out)]) == 0
+    rows = {row["kind"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == set(bench_new_text.VOCABULARIES)
+    for row in rows.values():
+        assert row["equal"] and row["library_us"] > 0 and row["word_split_us"] > 0
+        assert len(row["rounds_library_us"]) == len(row["rounds_word_split_us"]) == 2
+
+
+def test_texts_are_distinct_and_only_cjk_leaves_out_spaces() -> None:
+    for kind in bench_new_text.VOCABULARIES:
+        made = bench_new_text.texts(kind, 50, 3)
+        assert len(set(made)) == 50 and made == bench_new_text.texts(kind, 50, 3)
+        assert all(len(text) >= bench_new_text.TEXT_CHARS // 2 for text in made)
+    assert bench_new_text.texts("ascii", 1, 0)[0].isascii()
+    assert not bench_new_text.texts("spaced", 1, 0)[0].isascii()
+    assert bench_new_text.texts("cjk", 1, 0)[0].count(" ") == 1  # only before its number
