@@ -820,8 +820,8 @@ class RequestTokenizer:
 
     def _by_words(self, units: list[str], missing: list[int], found: list[Any], *, arrays: bool) -> list[int]:
         """Tokenize the ``missing`` of ``units`` that the word splitter handles (but for an
-        added token at their end) word by word, when they are few characters in all; fill ``found`` and
-        the piece cache; return the indexes left for the library."""
+        added token at their end) word by word, when they are few characters in all; fill
+        ``found`` and the piece cache; return the indexes left for the library."""
         words = self._words
         if words is None or sum(len(units[index]) for index in missing) > WORD_SPLIT_MAX_CHARS:
             return missing
@@ -863,11 +863,13 @@ class RequestTokenizer:
 
     def _words_agree(self, unit: str, ids: list[int]) -> bool:
         """The periodic check: the library's ids for ``unit`` are ``ids``; else word-by-word
-        tokenization stops for good (and says so)."""
+        tokenization stops for good (and says so), and the ids it cached are forgotten."""
         [encoding] = self._tokenizer.encode_batch_fast([unit], add_special_tokens=False)
         if encoding.ids == ids:
             return True
         self._words = None
+        self._cache.clear()
+        self._memo.clear()
         log.error(
             "tokenizer %s: a text tokenized word by word differed from the library's; stopped doing it", self.name
         )

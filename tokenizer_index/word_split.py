@@ -287,6 +287,8 @@ class WordSplitter:
         self._normal_forms = patterns.normal_forms
         self._encode_words = encode_words
         self._ids: dict[str, list[int]] = {}
+        if self._unicode is not None:
+            _agreed_code_points()  # now, with the tokenizer, not on a request's time
 
     @property
     def unicode(self) -> bool:

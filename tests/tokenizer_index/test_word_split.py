@@ -208,16 +208,18 @@ def test_text_past_the_limit_goes_to_the_library() -> None:
 
 
 def test_a_text_the_check_finds_different_stops_word_splitting(caplog: pytest.LogCaptureFixture) -> None:
-    ours = RequestTokenizer.default(cache_bytes=0)
+    ours = RequestTokenizer.default()
     words = ours._words
     assert words is not None
     words.ids("hello")
     words._ids["hello"] = [7]  # as if the cut or the cache had gone wrong
+    assert ours.encode_text("hello 0") != _library_ids(ours.backend, ["hello 0"])[0]  # cached wrong, unchecked
     with caplog.at_level(logging.ERROR):
-        for number in range(VERIFY_EVERY):
+        for number in range(1, VERIFY_EVERY + 1):
             ours.encode_text(f"hello {number}")
     assert ours._words is None and "differed from the library" in caplog.text
-    assert ours.encode_text("hello 1") == _library_ids(ours.backend, ["hello 1"])[0]
+    # What it had cached is forgotten: the text tokenized wrong before the check is right now.
+    assert ours.encode_text("hello 0") == _library_ids(ours.backend, ["hello 0"])[0]
 
 
 def test_text_between_matches_is_a_word_too() -> None:
