@@ -71,7 +71,7 @@ from kvroute.tokenizer_index.piece_cache import PieceCache, PieceCacheStats, fro
 from kvroute.tokenizer_index.prompt_memo import PromptMemo, PromptMemoStats, RememberedPrompt, conversation_keys
 from kvroute.tokenizer_index.render_memo import RenderMemo, RenderSettings, incremental_render_agrees
 from kvroute.tokenizer_index.template_prefix import PrefixShape, prefix_shape
-from kvroute.tokenizer_index.word_split import VERIFY_EVERY, WordSplitter, word_pattern
+from kvroute.tokenizer_index.word_split import VERIFY_EVERY, WordSplitter, pipeline_parts, word_pattern
 
 log = logging.getLogger(__name__)
 
@@ -116,16 +116,6 @@ _CHUNK_PROBE_WORDS = (
     "中文", "字符", "日本語", "カタカナ", "한국어", "한", "Ελληνικά", "русский", "שלום", "مرحبا", "ไทย",
     "a", "I", "x1", "y_z", "ﬁne", "İstanbul", "straße", "ǈ", "ªb", "Ⅻx", "ß",
 )  # fmt: skip
-
-
-def _component_types(state: Any) -> list[dict[str, Any]]:
-    """A pipeline part's JSON description, a Sequence flattened into its members."""
-    if state is None:
-        return []
-    if state.get("type") == "Sequence":
-        members = state.get("normalizers") or state.get("pretokenizers") or []
-        return [part for member in members for part in _component_types(member)]
-    return [state]
 
 
 def _component_state(component: Any) -> Any:
@@ -391,10 +381,10 @@ class RequestTokenizer:
         text (each could span the cut). Then probe texts, cut at every such space, must
         tokenize to the ids of the whole text.
         """
-        normalizers = _component_types(_component_state(self._tokenizer.normalizer))
+        normalizers = pipeline_parts(_component_state(self._tokenizer.normalizer))
         if any(part.get("type") not in _CHARACTER_NORMALIZERS for part in normalizers):
             return False
-        pre_tokenizers = _component_types(_component_state(self._tokenizer.pre_tokenizer))
+        pre_tokenizers = pipeline_parts(_component_state(self._tokenizer.pre_tokenizer))
         if any(part.get("type") not in _WORD_SPLITTERS | _FURTHER_SPLITTERS for part in pre_tokenizers):
             return False
         splits_words = any(

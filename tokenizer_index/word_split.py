@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 import sys
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from itertools import chain
@@ -88,106 +88,120 @@ _UNICODE_PROBES = (
 )
 
 
-def ascii_pattern(pattern: str) -> str | None:
-    """``pattern`` (Oniguruma syntax, as a tokenizer.json writes it) for ASCII-only text in
-    Python's ``re`` syntax; None where it uses anything this does not translate."""
-    if "^" in pattern.replace("[^", "") or "$" in pattern or r"\p{^" in pattern:
-        return None  # anchors (Ruby's match at every line) and negated properties
-    out: list[str] = []
+class _Untranslatable(Exception):
+    """A pattern uses something a translation does not read."""
+
+
+def _pattern_parts(pattern: str) -> Iterator[tuple[str, bool]]:
+    """``pattern`` (Oniguruma syntax, as a tokenizer.json writes it) as its escapes (``\\s``,
+    ``\\p{L}``, ...) and single characters, each with whether it is inside a character class;
+    ``_Untranslatable`` for anchors (Ruby's match at every line), nested classes and
+    unfinished escapes or classes."""
+    if "^" in pattern.replace("[^", "") or "$" in pattern:
+        raise _Untranslatable
     in_class = False
     position = 0
     while position < len(pattern):
         character = pattern[position]
         if character == "\\":
-            if position + 1 >= len(pattern):
-                return None
-            escaped = pattern[position + 1]
-            if escaped in "pP":
-                match = re.match(r"\{(\w+)\}", pattern[position + 2 :])
-                if match is None or match.group(1) not in _ASCII_CLASSES:
-                    return None
-                members = _ASCII_CLASSES[match.group(1)]
-                position += 2 + match.end()
-                if in_class:
-                    if escaped == "P":
-                        return None
-                    out.append(members)
-                else:
-                    out.append(_class(members, negated=escaped == "P"))
-                continue
-            if escaped.lower() in _SHORTHANDS:
-                members = _SHORTHANDS[escaped.lower()]
-                negated = escaped.isupper()
-                if in_class and negated:
-                    return None
-                out.append(members if in_class else _class(members, negated=negated))
-                position += 2
-                continue
-            if escaped.isalnum() and escaped not in "rntfvx0":
-                return None  # \b, \A, \h, \R, \k, ...: not translated
-            out.append(pattern[position : position + 2])
-            position += 2
+            escape = re.match(r"\\[pP]\{\^?\w+\}|\\.", pattern[position:], re.DOTALL)
+            if escape is None:
+                raise _Untranslatable
+            yield escape.group(), in_class
+            position += escape.end()
             continue
-        if in_class:
-            if character == "]" and out[-1] not in ("[", "[^"):
-                in_class = False
-            elif character == "[":
-                return None  # nested classes, set operations
-        elif character == "[":
+        if character == "[":
+            if in_class:
+                raise _Untranslatable  # nested classes, set operations
             in_class = True
-            if pattern.startswith("[^", position):
-                out.append("[^")
-                position += 2
-                continue
-        out.append(character)
+            opening = "[^" if pattern.startswith("[^", position) else "["
+            yield opening, False
+            position += len(opening)
+            if pattern.startswith("]", position):
+                raise _Untranslatable  # a literal ] first: read differently by some engines
+            continue
+        if character == "]" and in_class:
+            in_class = False
+            yield character, False
+            position += 1
+            continue
+        yield character, in_class
         position += 1
     if in_class:
+        raise _Untranslatable
+
+
+def ascii_pattern(pattern: str) -> str | None:
+    """``pattern`` for ASCII-only text in Python's ``re`` syntax; None where it uses anything
+    this does not translate."""
+    translated = _translated(pattern, _ascii_part)
+    if translated is None:
         return None
-    translated = "".join(out).replace("[^]", r"[\s\S]").replace("[]", "(?!)")
+    # A class left with no members: one that matches nothing, or, negated, anything.
+    translated = translated.replace("[^]", r"[\s\S]").replace("[]", "(?!)")
+    return translated if _compiles(re.compile, translated) else None
+
+
+def _translated(pattern: str, translate_part: Callable[[str, bool], str]) -> str | None:
     try:
-        re.compile(translated)
-    except re.error:
+        return "".join(translate_part(part, in_class) for part, in_class in _pattern_parts(pattern))
+    except _Untranslatable:
         return None
-    return translated
+
+
+def _compiles(compile_pattern: Callable[[str], object], pattern: str) -> bool:
+    try:
+        compile_pattern(pattern)
+    except (re.error, regex.error):
+        return False
+    return True
+
+
+def _ascii_part(part: str, in_class: bool) -> str:
+    if len(part) < 2 or part[0] != "\\":
+        return part
+    escaped = part[1]
+    if escaped in "pP":
+        name = part[3:-1]
+        if name not in _ASCII_CLASSES or (in_class and escaped == "P"):
+            raise _Untranslatable  # \p{^L}, scripts, properties; a negation inside a class
+        members = _ASCII_CLASSES[name]
+        return members if in_class else _class(members, negated=escaped == "P")
+    if escaped.lower() in _SHORTHANDS:
+        if in_class and escaped.isupper():
+            raise _Untranslatable
+        members = _SHORTHANDS[escaped.lower()]
+        return members if in_class else _class(members, negated=escaped.isupper())
+    if escaped.isalnum() and escaped not in "rntfvx0":
+        raise _Untranslatable  # \b, \A, \h, \R, \k, ...
+    return part
 
 
 def unicode_pattern(pattern: str) -> str | None:
-    """``pattern`` (Oniguruma syntax) for the ``regex`` module: ``\\s`` and ``\\S`` become
-    White_Space classes (Python's count \\x1c-\\x1f, Oniguruma's do not); None where it
-    uses anything else that may read differently (anchors, ``\\d``, ``\\w``, ``\\b``, ...)."""
-    if "^" in pattern.replace("[^", "") or "$" in pattern:
-        return None
-    out: list[str] = []
-    in_class = False
-    position = 0
-    while position < len(pattern):
-        character = pattern[position]
-        if character == "\\":
-            escaped = pattern[position + 1 : position + 2]
-            if escaped in ("s", "S"):
-                if in_class and escaped == "S":
-                    return None
-                out.append(r"\p{White_Space}" if escaped == "s" else r"\P{White_Space}")
-            elif escaped.isalnum() and escaped not in "pPrntfvx0":
-                return None
-            else:
-                out.append(pattern[position : position + 2])
-            position += 2
-            continue
-        if character == "[" and not in_class:
-            in_class = True
-        elif character == "]" and in_class and pattern[position - 1] not in "[^":
-            in_class = False
-        elif character == "[" and in_class:
-            return None
-        out.append(character)
-        position += 1
-    translated = "".join(out)
-    try:
-        regex.compile(translated, regex.V0)
-    except regex.error:
-        return None
-    return translated
+    """``pattern`` for the ``regex`` module: ``\\s`` and ``\\S`` become White_Space classes
+    (Python's count \\x1c-\\x1f, Oniguruma's do not); None where it uses anything else that
+    may read differently (anchors, ``\\d``, ``\\w``, ``\\b``, ...)."""
+    translated = _translated(pattern, _unicode_part)
+    return translated if translated is not None and _compiles(_compile_unicode, translated) else None
+
+
+def _compile_unicode(pattern: str) -> regex.Pattern[str]:
+    return regex.compile(pattern, regex.V0)
+
+
+def _unicode_part(part: str, in_class: bool) -> str:
+    if len(part) < 2 or part[0] != "\\":
+        return part
+    escaped = part[1]
+    if escaped == "s":
+        return r"\p{White_Space}"
+    if escaped == "S":
+        if in_class:
+            raise _Untranslatable
+        return r"\P{White_Space}"
+    if escaped.isalnum() and escaped not in "pPrntfvx0":
+        raise _Untranslatable
+    return part
 
 
 @cache
@@ -228,10 +242,10 @@ def word_pattern(normalizer: Any, pre_tokenizer: Any, model: Any) -> WordPattern
     from one regex (GPT-2's, or a ``Split`` before a ``ByteLevel`` without its own)."""
     if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("dropout"):
         return None
-    normal_forms = tuple(str(part.get("type")) for part in _members(normalizer))
+    normal_forms = tuple(str(part.get("type")) for part in pipeline_parts(normalizer))
     if not set(normal_forms) <= _UNICODE_NORMAL_FORMS:
         return None
-    parts = _members(pre_tokenizer)
+    parts = pipeline_parts(pre_tokenizer)
     if len(parts) == 1:
         (part,) = parts
         if not _byte_level(part, use_regex=True):
@@ -251,17 +265,17 @@ def word_pattern(normalizer: Any, pre_tokenizer: Any, model: Any) -> WordPattern
     if translated is None:
         return None
     unicode = unicode_pattern(source)
-    return WordPatterns(
-        re.compile(translated), None if unicode is None else regex.compile(unicode, regex.V0), normal_forms
-    )
+    return WordPatterns(re.compile(translated), None if unicode is None else _compile_unicode(unicode), normal_forms)
 
 
-def _members(state: Any) -> list[dict[str, Any]]:
+def pipeline_parts(state: Any) -> list[dict[str, Any]]:
+    """A pipeline part's JSON description (a normalizer's, a pre-tokenizer's), a Sequence
+    flattened into its members; none for None."""
     if state is None:
         return []
     if state.get("type") == "Sequence":
         members = state.get("normalizers") or state.get("pretokenizers") or []
-        return [part for member in members for part in _members(member)]
+        return [part for member in members for part in pipeline_parts(member)]
     return [state]
 
 
