@@ -29,12 +29,13 @@ import atexit
 import itertools
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from kvroute.benchmarks import fleet as fleets
 from kvroute.benchmarks.fleet import PEERS, ManagedProcess, free_port
 from kvroute.benchmarks.replay import Progress
 from kvroute.benchmarks.results import percentile
-from kvroute.benchmarks.workloads import words
+from kvroute.benchmarks.workloads import VOCABULARY, words
 from kvroute.router.config import POLICY_NAMES
 
 DIRECT = "direct"
@@ -87,6 +88,34 @@ def chat_bodies(size_bytes: int = 2048, system_prompts: int = 64, per_prompt: in
         for number, system in enumerate(systems)
         for turn in range(per_prompt)
     ]
+
+
+class NewWords:
+    """Bodies to send, each ``bodies``' next one with ``words`` new to every router in its
+    user turn: vocabulary words and a number no request had before (real traffic brings a
+    new question or tool result in nearly every request; repeated bodies are all cached)."""
+
+    def __init__(self, bodies: Sequence[bytes], words: int, seed: int = 11) -> None:
+        self._next_body = itertools.cycle(bodies).__next__
+        self._words = words
+        self._rng = random.Random(seed)
+        self._vocabulary = VOCABULARY
+        self._numbers = itertools.count()
+
+    def __call__(self) -> bytes:
+        body = self._next_body()
+        assert body.endswith(_BODY_END)  # the user turn's content is the body's last string
+        added = " ".join(self._rng.choices(self._vocabulary, k=self._words)) + f" #{next(self._numbers)}"
+        return body[: -len(_BODY_END)] + b" " + added.encode() + _BODY_END
+
+
+#: What a body from :func:`chat_body` ends with: the user turn's closing quote and brackets.
+_BODY_END = b'"}]}'
+BodySource = Sequence[bytes] | Callable[[], bytes]
+
+
+def _next_body(bodies: BodySource) -> Callable[[], bytes]:
+    return bodies if callable(bodies) else itertools.cycle(bodies).__next__
 
 
 # --- the fast upstream ---------------------------------------------------------------------
@@ -191,9 +220,9 @@ class LoadRun:
 class _Client:
     """One aiohttp session posting the bodies in turn; counts what it sees."""
 
-    def __init__(self, url: str, bodies: Sequence[bytes], connections: int) -> None:
+    def __init__(self, url: str, bodies: BodySource, connections: int) -> None:
         self._url = url + "/v1/chat/completions"
-        self._next_body = itertools.cycle(bodies).__next__
+        self._next_body = _next_body(bodies)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=connections), timeout=aiohttp.ClientTimeout(total=30)
         )
@@ -233,7 +262,7 @@ async def _measured(client: _Client, load: Coroutine[Any, Any, None], pgid: int 
 
 async def closed_loop(
     url: str,
-    bodies: Sequence[bytes],
+    bodies: BodySource,
     concurrency: int,
     seconds: float,
     pgid: int | None,
@@ -262,7 +291,7 @@ async def closed_loop(
 
 
 async def fixed_rate(
-    url: str, bodies: Sequence[bytes], rate_per_s: float, seconds: float, pgid: int | None, connections: int = 256
+    url: str, bodies: BodySource, rate_per_s: float, seconds: float, pgid: int | None, connections: int = 256
 ) -> LoadRun:
     """Requests sent at a fixed ``rate_per_s`` for ``seconds`` whatever the answers do (an
     open loop); each latency counts from the request's due time, so a client or router that
@@ -571,22 +600,26 @@ async def measure(
     seconds: float,
     rounds: int,
     rate_fraction: float,
+    new_words: int = 0,
 ) -> list[OverheadRow]:
-    """Closed loops at each concurrency, then the fixed rate, every target in each round."""
+    """Closed loops at each concurrency, then the fixed rate, every target in each round
+    (after the warm-up, with ``new_words`` new words in every request's user turn)."""
     runs: dict[RunKey, list[LoadRun]] = {}
     for target in targets:  # every body once: measured from then on is the routers' steady state
         await closed_loop(target.url, bodies, 32, 0.0, None, requests=len(bodies))
+    # One source for every target and round: no text is ever sent twice.
+    sent: BodySource = NewWords(bodies, new_words) if new_words else bodies
     progress = Progress(rounds * (len(concurrencies) + 1) * len(targets), "overhead runs")
     for _ in range(rounds):
         for concurrency in concurrencies:
             for target in targets:
-                run = await closed_loop(target.url, bodies, concurrency, seconds, target.pgid)
+                run = await closed_loop(target.url, sent, concurrency, seconds, target.pgid)
                 runs.setdefault((target.name, "closed", concurrency), []).append(run)
                 progress.advance(run.errors == 0)
     rate = offered_rate(runs, rate_fraction)
     for _ in range(rounds):
         for target in targets:
-            run = await fixed_rate(target.url, bodies, rate, seconds, target.pgid)
+            run = await fixed_rate(target.url, sent, rate, seconds, target.pgid)
             runs.setdefault((target.name, "rate", rate), []).append(run)
             progress.advance(run.errors == 0)
     progress.close()
@@ -606,6 +639,7 @@ async def run_overhead(
     rate_fraction: float = 0.5,
     baseline: Path | None = None,
     peer_policies: Sequence[str] = ("cache_aware",),
+    new_words: int = 0,
 ) -> list[OverheadRow]:
     """Start the upstreams and every router, then measure them round by round.
 
@@ -636,7 +670,7 @@ async def run_overhead(
         for name, front in fronts.items():
             process = front.process if isinstance(front, fleets.PeerRouter) else front
             targets.append(Target(name, front.url, process.pid))
-        return await measure(targets, bodies, concurrencies, seconds, rounds, rate_fraction)
+        return await measure(targets, bodies, concurrencies, seconds, rounds, rate_fraction, new_words)
     finally:
         for front in fronts.values():
             front.stop()
@@ -692,6 +726,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seconds", type=float, default=3.0, help="per run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--body-bytes", type=int, default=2048)
+    parser.add_argument(
+        "--new-words",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N words and a number no request had before to every measured request's user "
+        "turn (new text, as real traffic brings; default 0: the 1,024 bodies repeat, all cached)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-out/overhead.json"))
     parser.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
     return parser
@@ -739,6 +781,7 @@ def main(argv: list[str]) -> int:
             rate_fraction=args.rate_fraction,
             baseline=args.baseline,
             peer_policies=_csv(args.peer_policies),
+            new_words=args.new_words,
         )
         print(format_rows(rows))
         args.out.parent.mkdir(parents=True, exist_ok=True)

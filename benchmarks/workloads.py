@@ -74,7 +74,7 @@ COMPLETIONS_ENDPOINT = "/v1/completions"
 
 #: Words a message is made of. Common English words, so every tokenizer splits them into a
 #: token or two; the exact split does not matter, only that it is deterministic.
-_VOCABULARY: tuple[str, ...] = tuple(
+VOCABULARY: tuple[str, ...] = tuple(
     """the of and to in is it that for you was with on as have be at one this from by hot
     word but what some we can out other were all there when up use your how said an each
     she which do their time if will way about many then them write would like so these her
@@ -213,8 +213,8 @@ def _rng(seed: int, *scope: int) -> np.random.Generator:
 def words(rng: np.random.Generator, tokens: int) -> str:
     """Random vocabulary words amounting to about ``tokens`` tokens."""
     count = max(1, round(tokens / TOKENS_PER_WORD))
-    picks = rng.integers(0, len(_VOCABULARY), size=count)
-    return " ".join(_VOCABULARY[i] for i in picks)
+    picks = rng.integers(0, len(VOCABULARY), size=count)
+    return " ".join(VOCABULARY[i] for i in picks)
 
 
 def _chat(

@@ -168,6 +168,30 @@ def test_overhead_compares_a_router_with_direct(tmp_path: Path) -> None:
     assert all(row["errors"] == 0 and row["requests_per_s"] > 0 for row in measured)
 
 
+def test_new_words_make_every_body_new_and_keep_it_a_chat() -> None:
+    from kvroute.benchmarks.overhead import NewWords, chat_bodies
+
+    bodies = chat_bodies(512, system_prompts=2, per_prompt=2)
+    fresh = NewWords(bodies, 5)
+    sent = [fresh() for _ in range(12)]
+    assert len(set(sent)) == 12
+    for number, body in enumerate(sent):
+        request, base = json.loads(body), json.loads(bodies[number % len(bodies)])
+        added = request["messages"][1]["content"].removeprefix(base["messages"][1]["content"])
+        assert added.endswith(f" #{number}") and len(added.split()) == 6
+        assert request["messages"][0] == base["messages"][0] and request["model"] == base["model"]
+
+
+def test_overhead_sends_new_words_to_a_cache_aware_router(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    argv = ["--overhead", "--policies", "cache_aware", "--peers", "none", "--rounds", "1", "--seconds", "0.5"]
+    argv += ["--concurrency", "4", "--new-words", "12", "--out", str(out)]
+    assert bench.main(argv) == 0
+    measured = json.loads(out.read_text())
+    assert {row["target"] for row in measured} == {"direct", "cache_aware"}
+    assert all(row["errors"] == 0 and row["requests_per_s"] > 0 for row in measured)
+
+
 def test_overhead_pairs_each_target_with_its_baseline_round_by_round() -> None:
     from kvroute.benchmarks.overhead import OverheadRow, baseline_pairs, format_rows
 
