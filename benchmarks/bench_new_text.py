@@ -8,6 +8,8 @@ once on a ``RequestTokenizer`` with word-by-word tokenization and on one without
 same kind, and reports this process's CPU per text (the library's threads included):
 
 * ``ascii``: English words, numbers and code punctuation;
+* ``identifiers``: the same with eight identifiers no text had before (a tool result's
+  names, paths and hashes), so every text has new words for the library;
 * ``spaced``: accented Latin and Cyrillic words between spaces;
 * ``cjk``: Chinese and Japanese without spaces (one pre-tokenizer word per sentence, left to
   the library either way).
@@ -43,7 +45,10 @@ VOCABULARIES = {
     ).split(),
     "cjk": "数据 模型 路由 缓存 请求 用户 服务器 的 是 在 ， 。 ： キャッシュ リクエスト の を".split(),
 }
-JOINERS = {"ascii": " ", "spaced": " ", "cjk": ""}
+VOCABULARIES["identifiers"] = VOCABULARIES["ascii"]
+JOINERS = {"ascii": " ", "identifiers": " ", "spaced": " ", "cjk": ""}
+#: Words no other text has, per text of each kind.
+NEW_WORDS = {"identifiers": 8}
 TEXT_CHARS = 500
 
 
@@ -69,7 +74,8 @@ def texts(kind: str, count: int, seed: int) -> list[str]:
         words: list[str] = []
         while sum(map(len, words)) + len(words) < TEXT_CHARS:
             words.append(rng.choice(vocabulary))
-        made.append(joiner.join(words) + f" #{seed}-{number}")
+        fresh = "".join(f" id_{seed}_{number}_{index}" for index in range(NEW_WORDS.get(kind, 0)))
+        made.append(joiner.join(words) + fresh + f" #{seed}-{number}")
     return made
 
 

@@ -24,5 +24,6 @@ def test_texts_are_distinct_and_only_cjk_leaves_out_spaces() -> None:
         assert len(set(made)) == 50 and made == bench_new_text.texts(kind, 50, 3)
         assert all(len(text) >= bench_new_text.TEXT_CHARS // 2 for text in made)
     assert bench_new_text.texts("ascii", 1, 0)[0].isascii()
+    assert bench_new_text.texts("identifiers", 1, 5)[0].count(" id_5_0_") == 8
     assert not bench_new_text.texts("spaced", 1, 0)[0].isascii()
     assert bench_new_text.texts("cjk", 1, 0)[0].count(" ") == 1  # only before its number
