@@ -37,7 +37,7 @@ from kvroute.tokenizer_index import RequestTokenizer
 VOCABULARIES = {
     "ascii": (
         "the router sends each request to the replica holding its prefix def return self value "
-        "None True 0 1 42 3.14 error: file line path /usr/lib x = y + 1; {} [] () == != -> # TODO"
+        "None True 0 1 42 3.14 error: file line path /usr/lib x = y + 1; {} [] () == != -> # note"
     ).split(),
     "spaced": (
         "naïve café Überprüfung größer résumé niño für être déjà año über straße garçon señor "

@@ -8,6 +8,7 @@ Templates whose syntax breaks the prefix property must be refused and rendered w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
 from typing import Any
@@ -147,6 +148,18 @@ class Renderers:
         assert self.memo.render_chat(messages, **options) == expected
         return True
 
+    def agree_turn_by_turn(
+        self,
+        messages: list[dict[str, Any]],
+        turn: Callable[[int], list[dict[str, Any]]],
+        numbers: range,
+        **options: Any,
+    ) -> None:
+        """Add ``turn(number)`` to ``messages`` for each of ``numbers``; after each, both render alike."""
+        for number in numbers:
+            messages += turn(number)
+            assert self.agree(messages, **options)
+
 
 @pytest.fixture(scope="module", params=sorted(ALL_TEMPLATES))
 def renderers(request: pytest.FixtureRequest) -> Renderers:
@@ -282,9 +295,7 @@ def test_a_template_carrying_state_renders_agent_turns_incrementally() -> None:
         {"role": "system", "content": "You route requests."},
         {"role": "user", "content": "Find it."},
     ]
-    for number in range(12):
-        messages += _deepseek_turn(number)
-        assert renderers.agree(messages, tools=TOOLS)
+    renderers.agree_turn_by_turn(messages, _deepseek_turn, range(12), tools=TOOLS)
     # A window of four pays from 9 remembered messages on: the turns that make 12-26 reuse.
     assert renderers.memo.render_memo_stats().reused == 8
     # A final answer, then the user's next question; then the same request again.
@@ -334,9 +345,7 @@ def test_a_namespace_the_head_writes_over_its_tools_carries_no_state() -> None:
     assert shape.refusal is None and shape.carried is not None
     renderers = Renderers(source)
     messages: list[dict[str, Any]] = [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}]
-    for number in range(8):
-        messages += _deepseek_turn(number)
-        assert renderers.agree(messages, tools=TOOLS)
+    renderers.agree_turn_by_turn(messages, _deepseek_turn, range(8), tools=TOOLS)
     assert renderers.memo.render_memo_stats().reused == 4  # from 9 remembered messages on
 
 
@@ -387,9 +396,7 @@ def test_a_message_holding_the_state_mark_renders_as_the_template_does() -> None
     places: such a conversation renders as the template does, and is not remembered."""
     renderers = Renderers(DEEPSEEK_TEMPLATE)
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "x" + CarriedState.MARK + "y"}]
-    for number in range(8):
-        messages += _deepseek_turn(number)
-        assert renderers.agree(messages)
+    renderers.agree_turn_by_turn(messages, _deepseek_turn, range(8))
     assert renderers.memo.render_memo_stats().reused == 0
 
 
@@ -585,9 +592,7 @@ def test_qwen3_agent_turns_render_incrementally_and_a_new_query_from_the_last() 
         {"role": "system", "content": "You act."},
         {"role": "user", "content": "Do the task."},
     ]
-    for number in range(10):
-        messages += _qwen3_agent_turn(number)
-        assert renderers.agree(messages, tools=TOOLS)
+    renderers.agree_turn_by_turn(messages, _qwen3_agent_turn, range(10), tools=TOOLS)
     stats = renderers.memo.render_memo_stats()
     assert stats.reused == stats.lookups - 1 == 9  # from the second turn on (4 messages), every one
     rendered = renderers.memo.render_chat(messages, tools=TOOLS)
@@ -597,9 +602,7 @@ def test_qwen3_agent_turns_render_incrementally_and_a_new_query_from_the_last() 
     messages.append({"role": "user", "content": "Now another task."})
     assert renderers.agree(messages, tools=TOOLS)  # a query: every step's reasoning gone
     assert "step 9" not in renderers.memo.render_chat(messages, tools=TOOLS)
-    for number in range(10, 14):
-        messages += _qwen3_agent_turn(number)
-        assert renderers.agree(messages, tools=TOOLS)
+    renderers.agree_turn_by_turn(messages, _qwen3_agent_turn, range(10, 14), tools=TOOLS)
     # Two retries (the render_chat calls), the wrapped result, the new query's turn and
     # every turn after it.
     assert renderers.memo.render_memo_stats().reused == stats.reused + 3 + 1 + 4
