@@ -69,7 +69,7 @@ class RememberedPrompt:
     #: How many ids the pieces up to each of those ends have (int64).
     token_ends: np.ndarray
     #: The ids as read-only runs that, joined in order, are all of them: views of the
-    #: earlier turn's runs and the new pieces' cached arrays, shared rather than copied.
+    #: earlier turn's runs (shared, not copied) and one run of the pieces after them.
     runs: tuple[np.ndarray, ...]
     #: How many ids the runs up to each of them hold (int64).
     run_ends: np.ndarray

@@ -187,6 +187,15 @@ def _ends_in_word_character(text: str) -> bool:
     return last.isalnum() or last == "_" or last > "\x7f"
 
 
+def _one_run(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """``arrays`` (read-only id arrays) joined into one read-only array (the one as it is)."""
+    if len(arrays) == 1:
+        return arrays[0]
+    joined = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+    joined.flags.writeable = False
+    return joined
+
+
 def _cut_at_word_spaces(text: str, size: int) -> list[str]:
     """``text`` cut right before spaces between two letters into runs of at least ``size``
     characters (the last may be shorter; ``text`` whole if it has no such space)."""
@@ -726,7 +735,10 @@ class RequestTokenizer:
             reused_tokens = int(previous.token_ends[kept])
         pieces = self._pieces(text, start)
         parts, units = self._unit_ids(pieces, arrays=True)
-        runs = [*previous.runs_up_to(reused_tokens), *parts] if previous is not None else parts
+        # This turn's pieces as one run: a conversation adds a run or two a turn, so the memo
+        # joins all its ids (0.1-0.4 ms per 100K) every few dozen turns, not every few.
+        fresh = _one_run(parts)
+        runs = [*previous.runs_up_to(reused_tokens), fresh] if previous is not None else [fresh]
         ids = np.concatenate(runs)
         piece_ends = start + np.cumsum([len(piece) for piece in pieces], dtype=np.int64)
         # Where each piece's ids end: at its last unit's end.

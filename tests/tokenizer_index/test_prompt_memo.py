@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvroute.tokenizer_index import RequestTokenizer
 from kvroute.tokenizer_index import tokenizer as tokenizer_module
-from kvroute.tokenizer_index.prompt_memo import MAX_RUNS, PER_KEY, PromptMemo, RememberedPrompt
+from kvroute.tokenizer_index.prompt_memo import MAX_RUNS, PER_KEY, PromptMemo, RememberedPrompt, conversation_keys
 from tests.tokenizer_index.tokenizers_fixtures import llama3_style_dir
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -112,6 +112,22 @@ def test_a_growing_conversation_reuses_its_previous_turn(llama: RequestTokenizer
         messages.append({"role": "assistant", "content": f"answer {turn}"})
     stats = llama.memo_stats()
     assert stats.lookups == 6 and stats.reused == 5 and 0 < stats.bytes <= stats.max_bytes
+
+
+def test_each_turn_adds_a_run_or_two_not_one_per_piece(llama: RequestTokenizer) -> None:
+    # Each turn brings several pieces (added tokens cut them); one run per piece made the
+    # memo join all of a conversation's ids every few turns.
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You route requests. " * 900}]
+    llama.clear_cache()
+    for turn in range(1, 9):
+        messages += [
+            {"role": "user", "content": f"question {turn} " * 40},
+            {"role": "assistant", "content": f"answer {turn} " * 40},
+        ]
+        assert llama.encode_chat_array(messages).tolist() == _expected(llama, messages)
+        [remembered] = [entry for entry in llama._memo.candidates(conversation_keys(messages))][:1]
+        assert len(remembered.runs) <= 2 * turn
+        assert len(llama.render_chat(messages).split("<|eot_id|>")) > 2 * turn  # pieces per turn > 1
 
 
 def test_conversations_sharing_a_last_message_stay_apart() -> None:
