@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
 
 from kvroute.tokenizer_index import RequestTokenizer
+from kvroute.tokenizer_index import tokenizer as tokenizer_module
 from kvroute.tokenizer_index.tokenizer import CHUNK_CHARS, _cut_at_word_spaces
 from tests.tokenizer_index.tokenizers_fixtures import (
     LLAMA3_PATTERN,
@@ -105,6 +106,21 @@ def test_a_long_document_equals_whole_text(chunked: RequestTokenizer) -> None:
     default_size = RequestTokenizer(chunked.backend, cache_bytes=0)
     expected = chunked.backend.encode(document, add_special_tokens=False).ids
     assert default_size.encode_text_array(document).tolist() == expected
+
+
+def test_new_chunks_encoded_slice_by_slice_equal_whole_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """New chunks go to the library a slice at a time (so the event loop gets the GIL
+    between slices); slices of 7 chunks, the last one short, join to the whole text's ids."""
+    monkeypatch.setattr(tokenizer_module, "ENCODE_SLICE_UNITS", 7)
+    rng = np.random.default_rng(8)
+    vocabulary = ["router", "cache", "prefix", "Engine", "naïve", "block", "tokens", "中文", "don't", "the"]
+    document = " ".join(vocabulary[i] for i in rng.integers(0, len(vocabulary), 6_000))
+    chunks = _cut_at_word_spaces(document, CHUNK_CHARS)
+    assert len(chunks) > 50 and len(chunks) % 7
+    ours = RequestTokenizer(RequestTokenizer.default().backend, cache_bytes=0)
+    expected = ours.backend.encode(document, add_special_tokens=False).ids
+    assert ours.encode_text_array(document).tolist() == expected
+    assert ours.encode_text(document) == expected
 
 
 @SETTINGS
