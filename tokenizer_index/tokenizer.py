@@ -14,9 +14,12 @@ arrays, so the ``*_array`` encoders build a prompt with one ``np.concatenate`` a
 the block hasher as is: converting a long list of ids to an array costs more than the rest
 of a router's per-request work (``python -m kvroute.benchmarks.bench_tokenizer``). The list encoders
 share the cache and the cutting; they join list forms of the pieces kept beside the arrays.
-Whether cutting is exact for a given tokenizer is checked at construction on probe strings;
-some pipelines (SentencePiece's Metaspace with ``prepend_scheme="first"``) look at a piece's
-position in the whole text, and for them the whole text is tokenized every time
+Whether cutting is exact for a given tokenizer is checked at construction on probe strings.
+Some pipelines treat the start of the text apart (SentencePiece's Metaspace with
+``prepend_scheme="first"``, transformers' conversion of Llama's and Mistral's tokenizers,
+puts a prefix space there only): every piece but the text's first is then tokenized after
+an added token, whose ids are dropped, as it follows one inside the text, if the probes
+agree; where no cutting is exact the whole text is tokenized every time
 (:attr:`RequestTokenizer.incremental` is then ``False``).
 
 Chunked: a piece longer than :data:`CHUNK_CHARS` (an agent's tool result, a pasted
@@ -280,8 +283,15 @@ class RequestTokenizer:
         )
         self._memo: PromptMemo[RememberedPrompt] = PromptMemo(memo_bytes)
         self._incremental = False
+        # An added token new units are tokenized after (its ids dropped), for pipelines that
+        # treat the start of a text apart (SentencePiece's Metaspace with prepend_scheme
+        # "first"); None where a unit tokenizes alone as it does inside the text.
+        self._context: str | None = None
+        self._context_ids = 0
         if incremental is not False and self._boundary_re is not None:
             self._incremental = self._piecewise_is_exact()
+            if not self._incremental:
+                self._incremental = self._piecewise_after_context_is_exact()
             if not self._incremental:
                 log.info("tokenizer %s: piecewise tokenization is not exact; tokenizing whole texts", name)
         self._chunk_chars = chunk_chars
@@ -375,15 +385,44 @@ class RequestTokenizer:
         return probes
 
     def _piecewise_is_exact(self) -> bool:
+        """Whether the probe texts, cut into pieces, tokenize to the whole texts' ids."""
         probes = self._probe_texts()
         encode_batch = self._tokenizer.encode_batch_fast
         for text, whole in zip(probes, encode_batch(probes, add_special_tokens=False)):
             joined: list[int] = []
-            for encoding in encode_batch(self._pieces(text), add_special_tokens=False):
-                joined += encoding.ids
+            for ids in self._units_ids(self._pieces(text), at_text_start=True):
+                joined += ids
             if joined != whole.ids:
                 return False
         return True
+
+    def _piecewise_after_context_is_exact(self) -> bool:
+        """Whether the probes agree when every piece but a text's first is tokenized after an
+        added token (one of the first two the tokenizer cuts at), as it follows one inside
+        the text; if so that token stays the context."""
+        for token in self._boundary_tokens[:2]:
+            [encoding] = self._tokenizer.encode_batch_fast([token], add_special_tokens=False)
+            self._context, self._context_ids = token, len(encoding.ids)
+            if self._context_ids and self._piecewise_is_exact():
+                return True
+        self._context, self._context_ids = None, 0
+        return False
+
+    def _units_ids(self, units: Sequence[str], *, at_text_start: bool) -> list[list[int]]:
+        """The library's ids of each of ``units`` as it reads inside a text: after the
+        context token where there is one, but for a first unit at the text's start."""
+        encode_batch = self._tokenizer.encode_batch_fast
+        context = self._context
+        if context is None:
+            return [encoding.ids for encoding in encode_batch(list(units), add_special_tokens=False)]
+        lead = (
+            [encoding.ids for encoding in encode_batch(list(units[:1]), add_special_tokens=False)]
+            if at_text_start
+            else []
+        )
+        rest = [context + unit for unit in units[len(lead) :]]
+        skip = self._context_ids
+        return [*lead, *(encoding.ids[skip:] for encoding in encode_batch(rest, add_special_tokens=False))]
 
     def _word_cuts_are_exact(self) -> bool:
         """Whether cutting a piece at a space between two letters leaves its ids unchanged.
@@ -425,8 +464,8 @@ class RequestTokenizer:
         encode_batch = self._tokenizer.encode_batch_fast
         for probe, whole in zip(probes, encode_batch(probes, add_special_tokens=False)):
             joined: list[int] = []
-            for encoding in encode_batch(_cut_at_word_spaces(probe, 1), add_special_tokens=False):
-                joined += encoding.ids
+            for ids in self._units_ids(_cut_at_word_spaces(probe, 1), at_text_start=True):
+                joined += ids
             if joined != whole.ids:
                 log.info("tokenizer %s: cuts between words are not exact; long pieces are tokenized whole", self.name)
                 return False
@@ -436,8 +475,10 @@ class RequestTokenizer:
         """Word-by-word tokenization of new text, where it is exact: pieces are cut at
         every added token the library extracts (none is looked for in normalized text), the
         pipeline's words come from one regex kvroute translates, and the probes agree."""
-        if not self._incremental or any(
-            token.normalized for token in self._tokenizer.get_added_tokens_decoder().values()
+        if (
+            not self._incremental
+            or self._context is not None
+            or any(token.normalized for token in self._tokenizer.get_added_tokens_decoder().values())
         ):
             return None
         state = json.loads(self._tokenizer.to_str())
@@ -738,7 +779,7 @@ class RequestTokenizer:
             start = int(previous.piece_ends[kept])
             reused_tokens = int(previous.token_ends[kept])
         pieces = self._pieces(text, start)
-        parts, units = self._unit_ids(pieces, arrays=True)
+        parts, units = self._unit_ids(pieces, arrays=True, at_text_start=start == 0)
         # This turn's pieces as one run: a conversation adds a run or two a turn, so the memo
         # joins all its ids (0.1-0.4 ms per 100K) every few dozen turns, not every few.
         fresh = _one_run(parts)
@@ -800,16 +841,25 @@ class RequestTokenizer:
             pieces.append(text[start:])
         return pieces
 
-    def _unit_ids(self, pieces: list[str], *, arrays: bool) -> tuple[list[Any], list[int]]:
+    def _unit_ids(self, pieces: list[str], *, arrays: bool, at_text_start: bool = True) -> tuple[list[Any], list[int]]:
         """The ids of every piece's units (shared arrays or lists, in order) from the cache,
-        misses tokenized in one batch; and how many units each piece has.
+        misses tokenized in one batch; and how many units each piece has. ``at_text_start``:
+        the first piece starts the text (else it follows an added token).
 
         A piece longer than the chunk size is looked up as its chunks (:meth:`_units`), so a
         prompt that repeats most of an earlier one tokenizes only the chunks where it differs.
+        Under a context token (:attr:`_context`) the cache holds units as they read after it,
+        so a text's first unit is tokenized on its own every time.
         """
         units = [self._units(piece) for piece in pieces]
         flat = [unit for piece_units in units for unit in piece_units]
         cache = self._cache
+        lead: list[Any] = []
+        if self._context is not None and at_text_start and flat:
+            [ids] = self._units_ids(flat[:1], at_text_start=True)
+            array, as_list = self._converted_ids(ids, as_list=not arrays)
+            lead = [array if arrays else as_list]
+            flat = flat[1:]
         found: list[Any] = cache.get_arrays(flat) if arrays else cache.get_lists(flat)
         missing = [index for index, ids in enumerate(found) if ids is None]
         if missing and self._words is not None:
@@ -819,14 +869,13 @@ class RequestTokenizer:
         # hold it ~4 ms at most and cost no time.
         for start in range(0, len(missing), ENCODE_SLICE_UNITS):
             chosen = missing[start : start + ENCODE_SLICE_UNITS]
-            encodings = self._tokenizer.encode_batch_fast([flat[index] for index in chosen], add_special_tokens=False)
             new_entries = []
-            for index, encoding in zip(chosen, encodings):
-                array, as_list = self._converted_ids(encoding.ids, as_list=not arrays)
+            for index, ids in zip(chosen, self._units_ids([flat[index] for index in chosen], at_text_start=False)):
+                array, as_list = self._converted_ids(ids, as_list=not arrays)
                 found[index] = array if arrays else as_list
                 new_entries.append((flat[index], array, as_list))
             cache.put_many(new_entries)
-        return found, [len(piece_units) for piece_units in units]
+        return [*lead, *found], [len(piece_units) for piece_units in units]
 
     def _by_words(self, units: list[str], missing: list[int], found: list[Any], *, arrays: bool) -> list[int]:
         """Tokenize the ``missing`` of ``units`` that the word splitter handles (but for an

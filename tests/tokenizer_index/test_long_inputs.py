@@ -35,13 +35,15 @@ def _chunking(tokenizer: Tokenizer, chunk_chars: int = 3) -> RequestTokenizer:
     return RequestTokenizer(tokenizer, cache_bytes=0, chunk_chars=chunk_chars)
 
 
-@pytest.fixture(scope="module", params=["default", "byte_level", "llama3", "qwen2", "o200k", "metaspace_always"])
+@pytest.fixture(
+    scope="module", params=["default", "byte_level", "llama3", "qwen2", "o200k", "metaspace_always", "metaspace_first"]
+)
 def chunked(request: pytest.FixtureRequest) -> RequestTokenizer:
     """Pipelines whose pieces may be cut between words (each must say so)."""
     kind = request.param
     if kind == "default":
         tokenizer = RequestTokenizer.default().backend
-    elif kind in ("byte_level", "metaspace_always"):
+    elif kind in ("byte_level", "metaspace_always", "metaspace_first"):
         tokenizer = train_tokenizer(kind, CHAT_SPECIALS)
     else:
         pattern = {"llama3": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN, "o200k": O200K_PATTERN}[kind]
@@ -192,6 +194,14 @@ def _unsplit_metaspace() -> Tokenizer:
     return tokenizer
 
 
+def _unsplit_metaspace_first() -> Tokenizer:
+    """transformers' conversion of Llama's and Mistral's SentencePiece tokenizers (not legacy):
+    a prefix space at the text's start only, and no split at spaces."""
+    tokenizer = train_tokenizer("metaspace_first", CHAT_SPECIALS)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    return tokenizer
+
+
 def _word_level_on_characters() -> Tokenizer:
     """A model over whole texts split only by a character class that never cuts at spaces."""
     tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
@@ -209,7 +219,7 @@ def _word_level_on_characters() -> Tokenizer:
         _rstrip_token,
         _unsplit_metaspace,
         _word_level_on_characters,
-        lambda: train_tokenizer("metaspace_first", CHAT_SPECIALS),
+        _unsplit_metaspace_first,
     ],
 )
 def test_pipelines_that_look_across_words_are_not_chunked(build: Any) -> None:

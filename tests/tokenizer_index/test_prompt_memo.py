@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvroute.tokenizer_index import RequestTokenizer
 from kvroute.tokenizer_index import tokenizer as tokenizer_module
 from kvroute.tokenizer_index.prompt_memo import MAX_RUNS, PER_KEY, PromptMemo, RememberedPrompt, conversation_keys
-from tests.tokenizer_index.tokenizers_fixtures import llama3_style_dir
+from tests.tokenizer_index.tokenizers_fixtures import llama3_style_dir, train_tokenizer
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -81,23 +81,59 @@ def _conversation(pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
     return [{"role": role, "content": content} for role, content in pairs]
 
 
+@pytest.fixture(scope="module")
+def first_scheme() -> RequestTokenizer:
+    """SentencePiece style with a prefix space at the text's start only: pieces are
+    tokenized after a context token, the text's first alone."""
+    backend = train_tokenizer("metaspace_first", ["<s>", "</s>", "<|im_start|>", "<|im_end|>"])
+    tok = RequestTokenizer(backend, chat_templates={"default": TEMPLATES["prefix_stable"]}, memo_bytes=1 << 20)
+    assert tok.incremental and tok._context is not None
+    return tok
+
+
+def _turns_and_branches_equal_whole(
+    tok: RequestTokenizer, history: list[tuple[str, str]], branches: list[list[tuple[str, str]]]
+) -> None:
+    tok.clear_cache()
+    with mock.patch.object(tokenizer_module, "MEMO_MIN_CHARS", 0):
+        messages = _conversation(history)
+        for end in range(1, len(messages) + 1):
+            turn = messages[:end]
+            assert tok.encode_chat_array(turn).tolist() == _expected(tok, turn)
+        for branch in branches:  # siblings of the last turn, each from the same remembered prefix
+            turn = messages + _conversation(branch)
+            array = tok.encode_chat_array(turn)
+            assert array.tolist() == _expected(tok, turn)
+            assert array.flags.writeable and array.flags.owndata
+            array[:] = -1  # the caller's to change: the memo keeps its own runs
+
+
 @SETTINGS
 @given(history=turns, branches=st.lists(turns, min_size=1, max_size=3))
 def test_each_turn_and_branch_equals_the_whole_text(
     templated: RequestTokenizer, history: list[tuple[str, str]], branches: list[list[tuple[str, str]]]
 ) -> None:
-    templated.clear_cache()
+    _turns_and_branches_equal_whole(templated, history, branches)
+
+
+@SETTINGS
+@given(history=turns, branches=st.lists(turns, min_size=1, max_size=3))
+def test_a_first_scheme_tokenizer_remembers_turns_exactly(
+    first_scheme: RequestTokenizer, history: list[tuple[str, str]], branches: list[list[tuple[str, str]]]
+) -> None:
+    _turns_and_branches_equal_whole(first_scheme, history, branches)
+
+
+def test_a_first_scheme_conversation_reuses_its_previous_turn(first_scheme: RequestTokenizer) -> None:
+    first_scheme.clear_cache()
+    reused = first_scheme.memo_stats().reused
+    messages: list[dict[str, Any]] = []
     with mock.patch.object(tokenizer_module, "MEMO_MIN_CHARS", 0):
-        messages = _conversation(history)
-        for end in range(1, len(messages) + 1):
-            turn = messages[:end]
-            assert templated.encode_chat_array(turn).tolist() == _expected(templated, turn)
-        for branch in branches:  # siblings of the last turn, each from the same remembered prefix
-            turn = messages + _conversation(branch)
-            array = templated.encode_chat_array(turn)
-            assert array.tolist() == _expected(templated, turn)
-            assert array.flags.writeable and array.flags.owndata
-            array[:] = -1  # the caller's to change: the memo keeps its own runs
+        for turn in range(6):
+            messages.append({"role": "user", "content": f"question {turn}: " + "the router " * 20})
+            assert first_scheme.encode_chat_array(messages).tolist() == _expected(first_scheme, messages)
+            messages.append({"role": "assistant", "content": f" answer {turn}"})
+    assert first_scheme.memo_stats().reused - reused == 5
 
 
 def test_a_growing_conversation_reuses_its_previous_turn(llama: RequestTokenizer) -> None:

@@ -280,19 +280,23 @@ def test_continue_final_message(pair: tuple[RequestTokenizer, Any]) -> None:
 
 @pytest.mark.parametrize("kind", ["metaspace_first", "metaspace_always"])
 def test_sentencepiece_style_tokenizers(tmp_path: Path, kind: str) -> None:
-    """Metaspace 'first' cannot be cut at added tokens: detected, and still exact."""
+    """Metaspace 'first' puts a prefix space at the text's start only: its pieces are
+    tokenized after an added token (the context), the text's first alone; exact either way."""
     directory = mistral_style_dir(tmp_path / kind, kind)  # type: ignore[arg-type]
     ours = RequestTokenizer.from_pretrained(directory)
     hf = transformers.AutoTokenizer.from_pretrained(str(directory))
-    if kind == "metaspace_first":
-        assert not ours.incremental
+    assert ours.incremental
+    assert (ours._context is not None) == (kind == "metaspace_first")
     messages = [
         {"role": "user", "content": "Hello there"},
         {"role": "assistant", "content": "General Kenobi"},
         {"role": "user", "content": "[INST]x café 中文"},
+        {"role": "assistant", "content": " two  spaces\n"},
+        {"role": "user", "content": "Hello there"},
     ]
-    for end in (1, 3):
+    for end in (1, 3, 5, 3, 1):  # turn by turn, then again from the warm cache
         assert ours.encode_chat(messages[:end]) == hf_chat_ids(hf, messages[:end], add_generation_prompt=True)
+        assert ours.encode_chat_array(messages[:end]).tolist() == ours.encode_chat(messages[:end])
     text = "<s>a</s>b [INST]c\n[/INST]  d</s>"
     assert ours.encode_text(text) == hf(text, add_special_tokens=False)["input_ids"]
     assert ours.encode_chat_array(messages).tolist() == ours.encode_chat(messages)
