@@ -10,12 +10,14 @@ renders, tokenizes and routes on its own core, listening on the same host and po
   stream sockets: :mod:`kvroute.router.routing.unix_links`), plus the
   external ``--peers`` (or ``--peers-dns``) if any; with ``--peer-bind`` the supervisor
   binds it and relays every worker's messages there
-  (:mod:`kvroute.router.routing.peer_relay`), so other routers hear this one as one;
+  (:mod:`kvroute.router.routing.peer_relay`), so other routers hear this one as one; the
+  exchange also carries each worker's load reports and eviction evidence, as between
+  routers;
 * **metrics and admin writes**: over each worker's Unix socket ``DIR/worker-i.sock``
   (:mod:`kvroute.router.http.workers`).
 
-What each keeps to itself: the load it sees (its own connections' requests in flight),
-its health probes, breaker and engine scrapes, ``/admin/decisions`` and ``/admin/backends``.
+What each keeps to itself: its health probes, breaker and engine scrapes, the capacity
+scale its model learns, ``/admin/decisions`` and ``/admin/backends``.
 
 The workers are new interpreters (``sys.executable -m kvroute.router.workers``), not
 forks: the supervisor has imported pydantic and aiohttp, and a router holds numba's

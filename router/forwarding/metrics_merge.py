@@ -7,7 +7,7 @@ them here: samples with the same name and labels are combined by their family's 
 
 * ``sum``: what each worker counts of its own traffic or holds itself: counters and
   histograms (requests, tokens, decisions, latency buckets, breaker trips, rejections),
-  the in-flight requests and work per backend (each worker sees only its own connections),
+  the in-flight requests and work per backend (each worker exports its own connections'),
   and process resources (memory, CPU seconds, file descriptors, event-loop tasks).
 * ``max``: state every worker observes of the same thing: a backend's health, breaker
   state and engine, the engine's own queue and hit ratio, the index's blocks per backend
