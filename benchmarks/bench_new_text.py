@@ -16,7 +16,7 @@ same kind, and reports this process's CPU per text (the library's threads includ
 
 Every text's ids are checked equal between the two::
 
-    python -m kvroute.benchmarks.bench_new_text [--texts 500] [--rounds 3] [--out bench-out/new-text.json]
+    python -m kvroute.benchmarks.bench_new_text [--texts 500] [--rounds 3] [--tokenizer DIR] [--out bench-out/new-text.json]
 """
 
 from __future__ import annotations
@@ -89,18 +89,19 @@ def cpu_per_text(tokenizer: RequestTokenizer, warm: list[str], measured: list[st
     return (time.process_time() - start) / len(measured) * 1e6, ids
 
 
-def measure(kind: str, count: int, rounds: int) -> Row:
+def measure(kind: str, count: int, rounds: int, tokenizer: Path | None = None) -> Row:
+    path = tokenizer or RequestTokenizer.default_path()
     library, words = [], []
     equal = True
     for round_number in range(rounds):
         warm, measured = texts(kind, count, 2 * round_number), texts(kind, count, 2 * round_number + 1)
         # Each measured first in every other round, so that neither always runs on a warmer process.
         if round_number % 2:
-            with_words, got = cpu_per_text(RequestTokenizer.default(), warm, measured)
-            without, expected = cpu_per_text(RequestTokenizer.default(word_split=False), warm, measured)
+            with_words, got = cpu_per_text(RequestTokenizer.from_pretrained(path), warm, measured)
+            without, expected = cpu_per_text(RequestTokenizer.from_pretrained(path, word_split=False), warm, measured)
         else:
-            without, expected = cpu_per_text(RequestTokenizer.default(word_split=False), warm, measured)
-            with_words, got = cpu_per_text(RequestTokenizer.default(), warm, measured)
+            without, expected = cpu_per_text(RequestTokenizer.from_pretrained(path, word_split=False), warm, measured)
+            with_words, got = cpu_per_text(RequestTokenizer.from_pretrained(path), warm, measured)
         library.append(round(without, 1))
         words.append(round(with_words, 1))
         equal = equal and got == expected
@@ -131,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--texts", type=int, default=500, help="texts measured per kind and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench-out/new-text.json"))
+    parser.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer directory (default: kvroute's)")
     args = parser.parse_args(argv)
-    rows = [measure(kind, args.texts, args.rounds) for kind in VOCABULARIES]
+    rows = [measure(kind, args.texts, args.rounds, args.tokenizer) for kind in VOCABULARIES]
     print(format_table(rows))
     machine = f"{os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     print(f"machine: {machine}")

@@ -34,7 +34,7 @@ pipeline's parts and checked on probe texts (:attr:`RequestTokenizer.chunks_long
 
 Word by word: new text of a few thousand characters (an agent's tool result) is cut into
 the pre-tokenizer's words in Python and each word's ids taken from a word cache, where
-the pipeline is a byte-level BPE whose words come from one regex
+the pipeline is a byte-level BPE whose words come from regexes
 (:mod:`kvroute.tokenizer_index.word_split`); the library's batch call costs more than the
 whole lookup at that size. Longer new text goes to the library's parallel batch.
 
@@ -474,7 +474,7 @@ class RequestTokenizer:
     def _word_splitter(self) -> WordSplitter | None:
         """Word-by-word tokenization of new text, where it is exact: pieces are cut at
         every added token the library extracts (none is looked for in normalized text), the
-        pipeline's words come from one regex kvroute translates, and the probes agree."""
+        pipeline's words come from regexes kvroute translates, and the probes agree."""
         if (
             not self._incremental
             or self._context is not None

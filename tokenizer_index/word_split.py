@@ -1,8 +1,8 @@
 """New text tokenized word by word from a cache of the words' ids.
 
-A byte-level BPE (GPT-2's, Llama 3's, Qwen's) first cuts text into words with its
-pre-tokenizer's regex and never merges across them, so a text's ids are its words' ids
-joined. An agent's next turn brings a few thousand characters the piece cache has never
+A byte-level BPE (GPT-2's, Llama 3's, Qwen's, DeepSeek V3's) first cuts text into words
+with its pre-tokenizer's regex (DeepSeek's: three, one after the other) and never merges
+across them, so a text's ids are its words' ids joined. An agent's next turn brings a few thousand characters the piece cache has never
 seen (a tool result), but mostly words it has: looked up in Python they cost ~0.1 ms where
 the tokenizers library takes 0.3-0.9 ms for the same 2,000 characters (its call, its thread
 pool and cold caches dominate at that size; ``benchmarks/README.md``, "Long prompts").
@@ -70,6 +70,16 @@ _ASCII_CLASSES = {
     "Nl": "",
     "No": "",
 }
+# Punctuation and symbols (DeepSeek's pattern reads them): the ASCII members of each
+# general category, as Unicode has them (stable since ASCII was first mapped).
+_ASCII_CLASSES.update(
+    {
+        category: "".join(
+            re.escape(chr(point)) for point in range(128) if unicodedata.category(chr(point)).startswith(category)
+        )
+        for category in ("P", "Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po", "S", "Sm", "Sc", "Sk", "So")
+    }
+)
 _SHORTHANDS = {"s": _SPACE, "d": "0-9", "w": "A-Za-z0-9_"}
 # Texts that exercise every alternative of the usual patterns: contractions in both cases,
 # digit runs, punctuation runs before line breaks, every ASCII space, runs of them.
@@ -96,9 +106,8 @@ def _pattern_parts(pattern: str) -> Iterator[tuple[str, bool]]:
     """``pattern`` (Oniguruma syntax, as a tokenizer.json writes it) as its escapes (``\\s``,
     ``\\p{L}``, ...) and single characters, each with whether it is inside a character class;
     ``_Untranslatable`` for anchors (Ruby's match at every line), nested classes and
-    unfinished escapes or classes."""
-    if "^" in pattern.replace("[^", "") or "$" in pattern:
-        raise _Untranslatable
+    unfinished escapes or classes. Inside a class ``^`` (but first) and ``$`` are characters
+    (DeepSeek's punctuation class holds both)."""
     in_class = False
     position = 0
     while position < len(pattern):
@@ -125,6 +134,8 @@ def _pattern_parts(pattern: str) -> Iterator[tuple[str, bool]]:
             yield character, False
             position += 1
             continue
+        if character in "^$" and not in_class:
+            raise _Untranslatable
         yield character, in_class
         position += 1
     if in_class:
@@ -158,6 +169,8 @@ def _compiles(compile_pattern: Callable[[str], object], pattern: str) -> bool:
 
 
 def _ascii_part(part: str, in_class: bool) -> str:
+    if part == "^" and in_class:
+        return r"\^"  # a class before it may translate to nothing, leaving it first: a negation
     if len(part) < 2 or part[0] != "\\":
         return part
     escaped = part[1]
@@ -229,17 +242,23 @@ def _class(members: str, *, negated: bool) -> str:
 class WordPatterns:
     """How a pipeline's words are cut in Python: ASCII text with ``ascii`` (``re``), other
     text normalized to each of ``normal_forms`` in turn, then cut with ``unicode``
-    (``regex``; None: other text is left to the library)."""
+    (``regex``; None: other text is left to the library). Where the pipeline splits with
+    several regexes one after the other (DeepSeek V3's: digit runs, then CJK runs, then
+    words), each of ``ascii_before`` (``unicode_before``) first cuts every piece the one
+    before it left, matches and the text between them apart, and the last cuts what they
+    left."""
 
     ascii: re.Pattern[str]
     unicode: regex.Pattern[str] | None = None
     normal_forms: tuple[str, ...] = ()
+    ascii_before: tuple[re.Pattern[str], ...] = ()
+    unicode_before: tuple[regex.Pattern[str], ...] = ()
 
 
 def word_pattern(normalizer: Any, pre_tokenizer: Any, model: Any) -> WordPatterns | None:
     """The regexes cutting text into the words of a pipeline given by the JSON states of its
     normalizer, pre-tokenizer and model; None unless it is a byte-level BPE whose words come
-    from one regex (GPT-2's, or a ``Split`` before a ``ByteLevel`` without its own)."""
+    from regexes (GPT-2's, or isolating ``Split`` s before a ``ByteLevel`` without its own)."""
     if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("dropout"):
         return None
     normal_forms = tuple(str(part.get("type")) for part in pipeline_parts(normalizer))
@@ -250,22 +269,37 @@ def word_pattern(normalizer: Any, pre_tokenizer: Any, model: Any) -> WordPattern
         (part,) = parts
         if not _byte_level(part, use_regex=True):
             return None
-        source = _GPT2_PATTERN
-    elif len(parts) == 2:
-        split, byte_level = parts
-        written = split.get("pattern", {}).get("Regex") if split.get("type") == "Split" else None
-        if written is None or split.get("behavior") != "Isolated" or split.get("invert"):
+        sources = [_GPT2_PATTERN]
+    elif len(parts) >= 2:
+        *splits, byte_level = parts
+        written = [_isolating_regex(split) for split in splits]
+        if not _byte_level(byte_level, use_regex=False) or any(source is None for source in written):
             return None
-        if not _byte_level(byte_level, use_regex=False):
-            return None
-        source = written
+        sources = [source for source in written if source is not None]
     else:
         return None
-    translated = ascii_pattern(source)
-    if translated is None:
+    ascii_sources = [ascii_pattern(source) for source in sources]
+    if any(translated is None for translated in ascii_sources):
         return None
-    unicode = unicode_pattern(source)
-    return WordPatterns(re.compile(translated), None if unicode is None else _compile_unicode(unicode), normal_forms)
+    ascii_compiled = [re.compile(translated) for translated in ascii_sources if translated is not None]
+    unicode_sources = [unicode_pattern(source) for source in sources]
+    unicode_compiled = [_compile_unicode(source) for source in unicode_sources if source is not None]
+    unicode_known = len(unicode_compiled) == len(sources)
+    return WordPatterns(
+        ascii_compiled[-1],
+        unicode_compiled[-1] if unicode_known else None,
+        normal_forms,
+        tuple(ascii_compiled[:-1]),
+        tuple(unicode_compiled[:-1]) if unicode_known else (),
+    )
+
+
+def _isolating_regex(state: dict[str, Any]) -> str | None:
+    """The regex of a ``Split`` that keeps its matches and the text between them as words."""
+    written = state.get("pattern", {}).get("Regex") if state.get("type") == "Split" else None
+    if not isinstance(written, str) or state.get("behavior") != "Isolated" or state.get("invert"):
+        return None
+    return written
 
 
 def pipeline_parts(state: Any) -> list[dict[str, Any]]:
@@ -299,6 +333,11 @@ class WordSplitter:
         self._ascii = patterns.ascii
         self._unicode = patterns.unicode
         self._normal_forms = patterns.normal_forms
+        self._ascii_before = patterns.ascii_before
+        self._unicode_before = patterns.unicode_before
+        self._looking_around = {
+            split.pattern for split in (*self._ascii_before, *self._unicode_before) if "(?" in split.pattern
+        }
         self._encode_words = encode_words
         self._ids: dict[str, list[int]] = {}
         if self._unicode is not None:
@@ -350,22 +389,39 @@ class WordSplitter:
         and, as the library's isolating split does, the text between them (usual patterns
         leave none)."""
         pattern: re.Pattern[str] | regex.Pattern[str] = self._ascii
+        before: tuple[re.Pattern[str] | regex.Pattern[str], ...] = self._ascii_before
         if not text.isascii():
             if self._unicode is None:
                 raise ValueError("text that is not ASCII, and no Unicode pattern for this tokenizer")
-            pattern = self._unicode
+            pattern, before = self._unicode, self._unicode_before
             for form in self._normal_forms:
                 text = unicodedata.normalize(form, text)  # type: ignore[arg-type]
-        words: list[str] = pattern.findall(text)
-        if sum(map(len, words)) == len(text):
-            return words
-        return _isolated(pattern, text)
+        if not before:
+            return _cut(pattern, text)
+        pieces = [text]
+        for split in before:
+            # A split that never looks around matches in a piece only where it matches in
+            # the whole text: one search spares a pass that cuts nothing (CJK runs in ASCII).
+            if split.pattern not in self._looking_around and not split.search(text):
+                continue
+            pieces = [cut for piece in pieces for cut in (_isolated(split, piece) if split.search(piece) else (piece,))]
+        return [word for piece in pieces for word in _cut(pattern, piece)]
 
     def clear(self) -> None:
         self._ids.clear()
 
     def __len__(self) -> int:
         return len(self._ids)
+
+
+def _cut(pattern: re.Pattern[str] | regex.Pattern[str], text: str) -> list[str]:
+    """``text`` cut into ``pattern``'s words (its matches, usually all of it)."""
+    words: list[str] = pattern.findall(text)
+    if sum(map(len, words)) == len(text):
+        return words
+    if not words:  # (an earlier split's match the last pattern does not cut: a digit run)
+        return [text]
+    return _isolated(pattern, text)
 
 
 def _isolated(pattern: re.Pattern[str] | regex.Pattern[str], text: str) -> list[str]:

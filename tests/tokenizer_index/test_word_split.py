@@ -23,6 +23,7 @@ from kvroute.tokenizer_index.word_split import (
     word_pattern,
 )
 from tests.tokenizer_index.tokenizers_fixtures import (
+    DEEPSEEK_V3_PATTERNS,
     LLAMA3_PATTERN,
     O200K_PATTERN,
     QWEN2_PATTERN,
@@ -62,16 +63,22 @@ def _library_ids(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
     return [encoding.ids for encoding in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
 
-@pytest.fixture(scope="module", params=["default", "byte_level", "llama3", "qwen2", "o200k"])
+@pytest.fixture(scope="module", params=["default", "byte_level", "llama3", "qwen2", "o200k", "deepseek_v3"])
 def library(request: pytest.FixtureRequest) -> Tokenizer:
-    """Byte-level BPEs whose words come from one regex (GPT-2's, or a Split before ByteLevel)."""
+    """Byte-level BPEs whose words come from regexes (GPT-2's, or Splits before ByteLevel:
+    one, or DeepSeek V3's three one after the other)."""
     kind = request.param
     if kind == "default":
         return RequestTokenizer.default().backend
     if kind == "byte_level":
         return train_tokenizer("byte_level", CHAT_SPECIALS)
-    pattern = {"llama3": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN, "o200k": O200K_PATTERN}[kind]
-    return regex_split_tokenizer(pattern, CHAT_SPECIALS, normalizer=normalizers.NFC())
+    patterns = {
+        "llama3": LLAMA3_PATTERN,
+        "qwen2": QWEN2_PATTERN,
+        "o200k": O200K_PATTERN,
+        "deepseek_v3": DEEPSEEK_V3_PATTERNS,
+    }[kind]
+    return regex_split_tokenizer(patterns, CHAT_SPECIALS, normalizer=normalizers.NFC())
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +135,9 @@ def test_known_words_come_from_the_cache() -> None:
         (r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}]+", "[A-Z]*[a-z]+"),
         (r"(?i:'s|'t)|\P{L}", r"(?i:'s|'t)|[^A-Za-z]"),
         (r"[\p{Lo}]|x", "(?!)|x"),
+        # Punctuation and symbols; ^ and $ inside a class are characters, ^ kept literal.
+        (r"[\p{M}^$]|\p{S}", r"[\^$]|[\$\+<=>\^`\|\~]"),
+        (r"[\p{P}]", r"""[!"\#%\&'\(\)\*,\-\./:;\?@\[\\\]_\{\}]"""),
     ],
 )
 def test_unicode_classes_become_their_ascii_members(pattern: str, translated: str) -> None:
@@ -136,7 +146,7 @@ def test_unicode_classes_become_their_ascii_members(pattern: str, translated: st
 
 @pytest.mark.parametrize(
     "pattern",
-    [r"^\p{L}+", r"\p{L}+$", r"\p{Han}+", r"[^\S\r\n]+", r"[\P{L}x]", r"\b\w+", r"[[a-z]&&[^b]]", r"\p{L"],
+    [r"^\p{L}+", r"\p{L}+$", r"\p{Han}+", r"[^\S\r\n]+", r"[\P{L}x]", r"\b\w+", r"[[a-z]&&[^b]]", r"\p{L", r"a|^b"],
 )
 def test_what_it_cannot_translate_it_refuses(pattern: str) -> None:
     assert ascii_pattern(pattern) is None
@@ -171,12 +181,23 @@ def test_characters_the_unicode_tables_may_disagree_on_are_left_to_the_library()
     assert not words.handles("naïve café \ue000")
 
 
-def test_only_byte_level_bpes_with_one_regex_split_by_words() -> None:
+def test_only_byte_level_bpes_with_isolating_regex_splits_split_by_words() -> None:
     def pattern_of(tokenizer: Tokenizer) -> WordPatterns | None:
         state = json.loads(tokenizer.to_str())
         return word_pattern(state["normalizer"], state["pre_tokenizer"], state["model"])
 
     assert pattern_of(train_tokenizer("byte_level", CHAT_SPECIALS)) is not None
+    deepseek = pattern_of(regex_split_tokenizer(DEEPSEEK_V3_PATTERNS, CHAT_SPECIALS))
+    assert deepseek is not None and len(deepseek.ascii_before) == len(deepseek.unicode_before) == 2
+    removing = regex_split_tokenizer(LLAMA3_PATTERN, CHAT_SPECIALS)
+    removing.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="removed"),
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    assert pattern_of(removing) is None  # a split that drops text is not a cut into words
     assert pattern_of(train_tokenizer("metaspace_always", CHAT_SPECIALS)) is None
     lowercased = regex_split_tokenizer(LLAMA3_PATTERN, CHAT_SPECIALS, normalizer=normalizers.Lowercase())
     assert pattern_of(lowercased) is None  # a normalizer that changes ASCII

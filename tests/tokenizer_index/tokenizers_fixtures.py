@@ -188,16 +188,30 @@ O200K_PATTERN = (
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# DeepSeek V3's three Splits, one after the other: digit runs, CJK runs, then words.
+DEEPSEEK_V3_PATTERNS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+
 
 def regex_split_tokenizer(
-    pattern: str, specials: Sequence[str], *, normalizer: normalizers.Normalizer | None = None, vocab_size: int = 600
+    pattern: str | Sequence[str],
+    specials: Sequence[str],
+    *,
+    normalizer: normalizers.Normalizer | None = None,
+    vocab_size: int = 600,
 ) -> Tokenizer:
-    """A byte-level BPE whose words come from a Split regex, as Llama 3's and Qwen 2's do."""
+    """A byte-level BPE whose words come from a Split regex, as Llama 3's and Qwen 2's do
+    (several, one after the other, as DeepSeek V3's)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizer
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(source), behavior="isolated") for source in patterns),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
