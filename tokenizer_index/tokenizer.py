@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from kvroute.tokenizer_index import hf_files
 from kvroute.tokenizer_index.chat_messages import conversation_from_request, tools_from_request
@@ -194,6 +194,23 @@ def _ends_in_word_character(text: str) -> bool:
     return last.isalnum() or last == "_" or last > "\x7f"
 
 
+def _never_overlap(first: Sequence[str], second: Sequence[str]) -> bool:
+    """Whether no occurrence of a text of ``first`` in any text can overlap one of ``second``:
+    none holds another, and no end of one (shorter than it) starts the other."""
+    first, second = [text for text in first if text], [text for text in second if text]
+    if not first or not second:
+        return True
+    starts = {text[:end] for text in second for end in range(1, len(text))}
+    ends = {text[begin:] for text in second for begin in range(1, len(text))}
+    inside_second = "\x00".join(second)
+    for text in first:
+        if text in inside_second or any(other in text for other in second):
+            return False
+        if any(text[begin:] in starts or text[:begin] in ends for begin in range(1, len(text))):
+            return False
+    return True
+
+
 def _one_run(arrays: Sequence[np.ndarray]) -> np.ndarray:
     """``arrays`` (read-only id arrays) joined into one read-only array (the one as it is)."""
     if len(arrays) == 1:
@@ -275,12 +292,10 @@ class RequestTokenizer:
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self._canonical_id = list(range(max(vocab.values(), default=-1) + 1)).__getitem__
         self._cache = PieceCache(cache_bytes, to_list=self._canonical_list)
+        self._raw_added, self._normalized_apart = self._added_in_raw_text()
         self._boundary_re, self._non_boundaries, self._boundary_tokens = self._boundary_matcher()
         # A scan for added tokens reads at most this many characters from where it tries one.
-        self._longest_added_token = max(
-            (len(token.content) for token in tokenizer.get_added_tokens_decoder().values() if not token.normalized),
-            default=0,
-        )
+        self._longest_added_token = max((len(token.content) for token in self._raw_added), default=0)
         self._memo: PromptMemo[RememberedPrompt] = PromptMemo(memo_bytes)
         self._incremental = False
         # An added token new units are tokenized after (its ids dropped), for pipelines that
@@ -330,18 +345,40 @@ class RequestTokenizer:
         """The directory of the shipped default tokenizer (a valid Hugging Face tokenizer dir)."""
         return _DEFAULT_DIRECTORY
 
+    def _added_in_raw_text(self) -> tuple[list[AddedToken], bool]:
+        """The added tokens the tokenizer finds in the raw text, and whether others are looked
+        for apart, in the normalized pieces between those.
+
+        The library extracts non-normalized added tokens first, then normalizes the text
+        between them and extracts the normalized ones there. Without a normalizer (none, or
+        an empty sequence: DeepSeek's) that second pass reads the raw text too, and where no
+        normalized token's text can overlap a non-normalized one's (one inside the other,
+        or one's end the other's start) both passes find what one pass over all of them
+        finds.
+        """
+        tokens = list(self._tokenizer.get_added_tokens_decoder().values())
+        raw = [token for token in tokens if not token.normalized]
+        normalized = [token for token in tokens if token.normalized]
+        if not normalized:
+            return raw, False
+        unnormalized = not pipeline_parts(_component_state(self._tokenizer.normalizer))
+        if unnormalized and _never_overlap([t.content for t in normalized], [t.content for t in raw]):
+            return tokens, False
+        return raw, True
+
     def _boundary_matcher(self) -> tuple[re.Pattern[str] | None, frozenset[str], list[str]]:
         """A regex finding added tokens as the tokenizer's first pass does, and the non-cuts.
 
         The tokenizer first looks for its non-normalized added tokens in the raw text (the
-        leftmost, longest one), so the regex holds exactly those; normalized ones are looked
-        for later, inside the pieces, and never cut. Some matches must not cut either: tokens
-        that swallow the whitespace after them (``rstrip``), ``single_word`` tokens (and, when
-        there are any, tokens ending in a word character, whose next piece would otherwise
-        lose the context a single-word match depends on), and special tokens when the
-        tokenizer reads them as text. Not cutting is always exact; it only caches less.
+        leftmost, longest one), so the regex holds exactly those (and the normalized ones
+        where it finds them in the raw text too: :meth:`_added_in_raw_text`); other normalized
+        ones are looked for later, inside the pieces, and never cut. Some matches must not cut
+        either: tokens that swallow the whitespace after them (``rstrip``), ``single_word``
+        tokens (and, when there are any, tokens ending in a word character, whose next piece
+        would otherwise lose the context a single-word match depends on), and special tokens
+        when the tokenizer reads them as text. Not cutting is always exact; it only caches less.
         """
-        matched = [token for token in self._tokenizer.get_added_tokens_decoder().values() if not token.normalized]
+        matched = self._raw_added
         contents = [token.content for token in matched if token.content]
         if not contents:
             return None, frozenset(), []
@@ -446,8 +483,10 @@ class RequestTokenizer:
             for part in pre_tokenizers
         )
         added = self._tokenizer.get_added_tokens_decoder().values()
-        if not splits_words or any(
-            token.lstrip or token.rstrip or token.single_word or token.normalized for token in added
+        if (
+            not splits_words
+            or self._normalized_apart
+            or any(token.lstrip or token.rstrip or token.single_word for token in added)
         ):
             return False
         return self._chunk_probes_agree()
@@ -475,11 +514,7 @@ class RequestTokenizer:
         """Word-by-word tokenization of new text, where it is exact: pieces are cut at
         every added token the library extracts (none is looked for in normalized text), the
         pipeline's words come from regexes kvroute translates, and the probes agree."""
-        if (
-            not self._incremental
-            or self._context is not None
-            or any(token.normalized for token in self._tokenizer.get_added_tokens_decoder().values())
-        ):
+        if not self._incremental or self._context is not None or self._normalized_apart:
             return None
         state = json.loads(self._tokenizer.to_str())
         pattern = word_pattern(state.get("normalizer"), state.get("pre_tokenizer"), state.get("model"))

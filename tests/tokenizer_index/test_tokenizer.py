@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import AddedToken, Tokenizer, normalizers
 
 from kvroute.tokenizer_index import RequestTokenizer
 from kvroute.tokenizer_index.chat_messages import media_placeholder
 from kvroute.tokenizer_index.chat_template import ChatTemplateError, _tojson, detect_content_format
 from kvroute.tokenizer_index.piece_cache import PieceCache, frozen_ids
+from kvroute.tokenizer_index.tokenizer import _never_overlap
 from tests.tokenizer_index.tokenizers_fixtures import (
     OPENAI_PARTS_TEMPLATE,
     hf_chat_ids,
@@ -509,6 +510,78 @@ def test_pieces_match_the_tokenizers_own_cuts(tricky_tok: RequestTokenizer, text
     expected = tricky_tok.backend.encode(text, add_special_tokens=False).ids
     assert tricky_tok.encode_text(text) == expected
     assert tricky_tok.encode_text(text) == expected  # again, from the cache
+
+
+# Added tokens looked for in normalized text (DeepSeek's chat tokens), under no normalizer.
+NORMALIZED_TOKENS = ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"]
+
+
+def _normalized_tokens_tok(normalizer: Any = None, raw: tuple[str, ...] = ("<s>",)) -> RequestTokenizer:
+    tokenizer = train_tokenizer("byte_level", list(raw))
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=True) for token in NORMALIZED_TOKENS])
+    return RequestTokenizer(tokenizer, cache_bytes=1 << 16)
+
+
+normalized_token_texts = st.lists(
+    st.sampled_from([*NORMALIZED_TOKENS, "<s>", "<｜", "｜>", "User", " ", "\n", "hi", "é", "e\u0301", "12"])
+    | st.text(max_size=4),
+    max_size=14,
+).map("".join)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "apart"),
+    [
+        (["<a>"], ["<b>"], True),
+        (["<a>b"], ["<a>"], False),  # one holds the other
+        (["x"], ["<x>"], False),
+        (["ab"], ["bc"], False),  # the end of one starts the other
+        (["bc"], ["ab"], False),
+        (["<｜User｜>"], ["<s>", "</s>"], True),
+        ([], ["<s>"], True),
+    ],
+)
+def test_never_overlap(first: list[str], second: list[str], apart: bool) -> None:
+    assert _never_overlap(first, second) is apart
+
+
+@pytest.fixture(scope="module")
+def normalized_toks() -> dict[str, RequestTokenizer]:
+    return {
+        "none": _normalized_tokens_tok(),
+        "nfc": _normalized_tokens_tok(normalizers.NFC()),
+        "overlapping": _normalized_tokens_tok(raw=("<s>", "｜>x")),
+    }
+
+
+@SETTINGS
+@given(text=normalized_token_texts)
+def test_normalized_added_tokens_cut_the_text_when_nothing_normalizes(
+    normalized_toks: dict[str, RequestTokenizer], text: str
+) -> None:
+    """Without a normalizer the library finds normalized added tokens in the raw text too:
+    they cut pieces like the others, and the word path and chunking stay on."""
+    tok = normalized_toks["none"]
+    assert tok.incremental and tok._words is not None and tok.chunks_long_pieces
+    assert all(token in tok._boundary_tokens for token in NORMALIZED_TOKENS)
+    expected = tok.backend.encode(text, add_special_tokens=False).ids
+    assert tok.encode_text(text) == expected
+    assert tok.encode_text_array(text).tolist() == expected
+
+
+@pytest.mark.parametrize("kind", ["nfc", "overlapping"])
+def test_normalized_added_tokens_stay_apart_where_they_may_differ(
+    normalized_toks: dict[str, RequestTokenizer], kind: str
+) -> None:
+    """A normalizer that changes text, or a raw token that may overlap a normalized one:
+    they are not cut at (nor words nor chunks), and the ids are still the library's."""
+    tok = normalized_toks[kind]
+    assert not any(token in tok._boundary_tokens for token in NORMALIZED_TOKENS)
+    assert tok._words is None and not tok.chunks_long_pieces
+    for text in ("<s>hi<｜User｜>e\u0301<｜Assistant｜> x", "<｜User｜><｜User｜>", "<｜<｜Assistant｜>｜>"):
+        assert tok.encode_text(text) == tok.backend.encode(text, add_special_tokens=False).ids
 
 
 # --- the piece cache stays within its byte bound -------------------------------------------
