@@ -106,6 +106,8 @@ WORD_SPLIT_MAX_CHARS = 65_536
 CHUNK_CHARS = 512
 #: New units go to the library's parallel batch call at most this many at a time.
 ENCODE_SLICE_UNITS = 256
+#: Texts' first units remembered under a context token (``RequestTokenizer._lead_ids``).
+LEAD_UNITS = 1024
 # Candidates for a cut: a space between two word characters that are not digits or "_";
 # str.isalpha() then keeps those between two letters (the \p{L} of pre-tokenizer regexes).
 _SPACE_BETWEEN_WORDS = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")
@@ -303,6 +305,7 @@ class RequestTokenizer:
         # "first"); None where a unit tokenizes alone as it does inside the text.
         self._context: str | None = None
         self._context_ids = 0
+        self._leads: dict[str, tuple[np.ndarray, list[int]]] = {}
         if incremental is not False and self._boundary_re is not None:
             self._incremental = self._piecewise_is_exact()
             if not self._incremental:
@@ -597,6 +600,7 @@ class RequestTokenizer:
             self._words.clear()
         self._memo.clear()
         self._render_memo.clear()
+        self._leads.clear()
 
     # --- chat ------------------------------------------------------------------------------
 
@@ -884,16 +888,15 @@ class RequestTokenizer:
         A piece longer than the chunk size is looked up as its chunks (:meth:`_units`), so a
         prompt that repeats most of an earlier one tokenizes only the chunks where it differs.
         Under a context token (:attr:`_context`) the cache holds units as they read after it,
-        so a text's first unit is tokenized on its own every time.
+        and a text's first unit is kept apart (:meth:`_lead_ids`).
         """
         units = [self._units(piece) for piece in pieces]
         flat = [unit for piece_units in units for unit in piece_units]
         cache = self._cache
         lead: list[Any] = []
         if self._context is not None and at_text_start and flat:
-            [ids] = self._units_ids(flat[:1], at_text_start=True)
-            array, as_list = self._converted_ids(ids, as_list=not arrays)
-            lead = [array if arrays else as_list]
+            array, as_list = self._lead_ids(flat[0])
+            lead = [array] if arrays else [as_list]
             flat = flat[1:]
         found: list[Any] = cache.get_arrays(flat) if arrays else cache.get_lists(flat)
         missing = [index for index, ids in enumerate(found) if ids is None]
@@ -911,6 +914,21 @@ class RequestTokenizer:
                 new_entries.append((flat[index], array, as_list))
             cache.put_many(new_entries)
         return [*lead, *found], [len(piece_units) for piece_units in units]
+
+    def _lead_ids(self, unit: str) -> tuple[np.ndarray, list[int]]:
+        """The ids of a unit that starts a text, under a context token: remembered apart from
+        the piece cache (a chat's is its BOS, the same in every request), up to
+        :data:`LEAD_UNITS` short ones."""
+        known = self._leads.get(unit)
+        if known is None:
+            [ids] = self._units_ids([unit], at_text_start=True)
+            array, _ = self._converted_ids(ids, as_list=False)
+            known = (array, list(map(self._canonical_id, ids)))
+            if len(unit) <= CHUNK_CHARS:  # (a long completions prompt is not kept)
+                if len(self._leads) >= LEAD_UNITS:
+                    self._leads.clear()
+                self._leads[unit] = known
+        return known
 
     def _by_words(self, units: list[str], missing: list[int], found: list[Any], *, arrays: bool) -> list[int]:
         """Tokenize the ``missing`` of ``units`` that the word splitter handles (but for an

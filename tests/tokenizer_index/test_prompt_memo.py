@@ -134,6 +134,7 @@ def test_a_first_scheme_conversation_reuses_its_previous_turn(first_scheme: Requ
             assert first_scheme.encode_chat_array(messages).tolist() == _expected(first_scheme, messages)
             messages.append({"role": "assistant", "content": f" answer {turn}"})
     assert first_scheme.memo_stats().reused - reused == 5
+    assert list(first_scheme._leads) == ["<|im_start|>"]  # every turn's first unit, kept once
 
 
 def test_a_growing_conversation_reuses_its_previous_turn(llama: RequestTokenizer) -> None:
