@@ -895,8 +895,8 @@ class RequestTokenizer:
         cache = self._cache
         lead: list[Any] = []
         if self._context is not None and at_text_start and flat:
-            array, as_list = self._lead_ids(flat[0])
-            lead = [array] if arrays else [as_list]
+            lead_array, lead_list = self._lead_ids(flat[0])
+            lead = [lead_array] if arrays else [lead_list]
             flat = flat[1:]
         found: list[Any] = cache.get_arrays(flat) if arrays else cache.get_lists(flat)
         missing = [index for index, ids in enumerate(found) if ids is None]
