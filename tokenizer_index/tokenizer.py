@@ -440,7 +440,12 @@ class RequestTokenizer:
         """Whether the probes agree when every piece but a text's first is tokenized after an
         added token (one of the first two the tokenizer cuts at), as it follows one inside
         the text; if so that token stays the context."""
+        contents = [added.content for added in self._raw_added]
         for token in self._boundary_tokens[:2]:
+            # No longer added token may start with it: matched leftmost-longest, it would run
+            # on into the unit after it.
+            if any(other != token and other.startswith(token) for other in contents):
+                continue
             [encoding] = self._tokenizer.encode_batch_fast([token], add_special_tokens=False)
             self._context, self._context_ids = token, len(encoding.ids)
             if self._context_ids and self._piecewise_is_exact():

@@ -512,6 +512,15 @@ def test_pieces_match_the_tokenizers_own_cuts(tricky_tok: RequestTokenizer, text
     assert tricky_tok.encode_text(text) == expected  # again, from the cache
 
 
+def test_no_context_token_that_a_longer_added_token_starts_with() -> None:
+    """Tokenized after "<unk>", a unit starting "x" would read "<unk>x" as one added token."""
+    tokenizer = train_tokenizer("metaspace_first", ["<s>", "</s>", "<unk>x"])
+    ours = RequestTokenizer(tokenizer)
+    assert ours.incremental and ours._context not in (None, "<unk>")
+    for text in ("<unk>x y", "a<s>x<unk>xx</s> z", "<s> x<unk>x"):
+        assert ours.encode_text(text) == tokenizer.encode(text, add_special_tokens=False).ids
+
+
 # Added tokens looked for in normalized text (DeepSeek's chat tokens), under no normalizer.
 NORMALIZED_TOKENS = ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"]
 
