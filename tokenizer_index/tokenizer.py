@@ -295,6 +295,7 @@ class RequestTokenizer:
         self._canonical_id = list(range(max(vocab.values(), default=-1) + 1)).__getitem__
         self._cache = PieceCache(cache_bytes, to_list=self._canonical_list)
         self._raw_added, self._normalized_apart = self._added_in_raw_text()
+        self._left_stripping = frozenset(token.content for token in self._raw_added if token.lstrip)
         self._boundary_re, self._non_boundaries, self._boundary_tokens = self._boundary_matcher()
         # A scan for added tokens reads at most this many characters from where it tries one.
         self._longest_added_token = max((len(token.content) for token in self._raw_added), default=0)
@@ -966,7 +967,7 @@ class RequestTokenizer:
     def _text_and_final_token(self, unit: str) -> tuple[str, int | None] | None:
         """``unit`` as its text and the id of the added token it ends with, if any; None for
         a unit the library must tokenize (text the word splitter does not handle, an added
-        token elsewhere)."""
+        token elsewhere, or one that takes the whitespace before it: ``lstrip``)."""
         words = self._words
         if words is None or not words.handles(unit):  # (its text, shorter, is handled too)
             return None
@@ -974,9 +975,10 @@ class RequestTokenizer:
         match = pattern.search(unit) if pattern is not None else None
         if match is None:
             return unit, None
-        if match.end() != len(unit) or match.group() in self._non_boundaries:
+        token = match.group()
+        if match.end() != len(unit) or token in self._non_boundaries or token in self._left_stripping:
             return None
-        return unit[: match.start()], self._tokenizer.token_to_id(match.group())
+        return unit[: match.start()], self._tokenizer.token_to_id(token)
 
     def _words_agree(self, unit: str, ids: list[int]) -> bool:
         """The periodic check: the library's ids for ``unit`` are ``ids``; else word-by-word

@@ -10,7 +10,7 @@ import re
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
 
 from kvroute.tokenizer_index import RequestTokenizer
 from kvroute.tokenizer_index.tokenizer import VERIFY_EVERY, WORD_SPLIT_MAX_CHARS
@@ -241,6 +241,16 @@ def test_a_text_the_check_finds_different_stops_word_splitting(caplog: pytest.Lo
     assert ours._words is None and "differed from the library" in caplog.text
     # What it had cached is forgotten: the text tokenized wrong before the check is right now.
     assert ours.encode_text("hello 0") == _library_ids(ours.backend, ["hello 0"])[0]
+
+
+def test_a_token_that_takes_the_space_before_it_leaves_its_unit_to_the_library() -> None:
+    """An ``lstrip`` added token swallows the whitespace before it: its unit's text, cut off
+    before it, would keep that space as a word of its own."""
+    library = train_tokenizer("byte_level", CHAT_SPECIALS, [AddedToken("<mask>", lstrip=True, normalized=False)])
+    ours = RequestTokenizer(library, cache_bytes=0)
+    assert ours._words is not None
+    for text in (" <mask>", "hello  <mask> world", "a\n<mask>", "<mask> x <mask>"):
+        assert ours.encode_text(text) == _library_ids(library, [text])[0]
 
 
 def test_text_between_matches_is_a_word_too() -> None:
