@@ -60,6 +60,7 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -241,6 +242,38 @@ def _cut_at_word_spaces(text: str, size: int) -> list[str]:
     return chunks
 
 
+@dataclass(frozen=True, slots=True)
+class FastPaths:
+    """Which of its shortcuts a tokenizer takes (each exact, each checked at construction
+    or at a template's first use): what an operator reads to know a model's cost."""
+
+    #: Pieces cut at added tokens and memoised (else every text is tokenized whole).
+    pieces: bool
+    #: The added token pieces are tokenized after, where the pipeline needs one.
+    context_token: str | None
+    #: Long pieces cut into chunks at spaces between words, each memoised.
+    chunks: bool
+    #: New text word by word: "ascii", "ascii+unicode", or "off".
+    words: str
+    #: Per chat template: None where long conversations render only their new messages,
+    #: else why they render whole.
+    templates: dict[str, str | None]
+
+    def summary(self) -> str:
+        """One line for the log."""
+        pieces = "off (whole texts)" if not self.pieces else "on"
+        if self.pieces and self.context_token is not None:
+            pieces = f"on, after {self.context_token!r}"
+        templates = ", ".join(
+            f"{name}: {'incremental' if reason is None else 'whole (' + reason + ')'}"
+            for name, reason in self.templates.items()
+        )
+        return (
+            f"pieces {pieces}; chunks {'on' if self.chunks else 'off'}; words {self.words}; "
+            f"chat templates: {templates or 'none'}"
+        )
+
+
 class RequestTokenizer:
     """Turns chat messages and completion prompts into the engine's prompt token ids.
 
@@ -288,6 +321,7 @@ class RequestTokenizer:
         self._templates: dict[str, ChatTemplate] = {}
         # Per template source: whether its conversations may be rendered incrementally.
         self._incremental_shapes: dict[str, PrefixShape | None] = {}
+        self._render_refusals: dict[str, str] = {}
         self._render_memo = RenderMemo(render_memo_bytes)
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         # One shared int object per token id: cached list forms then cost a pointer per token.
@@ -643,8 +677,24 @@ class RequestTokenizer:
             reason = "probe conversations rendered incrementally differ from whole renders"
         if reason is not None:
             log.info("tokenizer %s: rendering chats whole under this chat template: %s", self.name, reason)
+            self._render_refusals[template.source] = reason
         verdict = self._incremental_shapes[template.source] = shape if reason is None else None
         return verdict
+
+    def fast_paths(self) -> FastPaths:
+        """Which shortcuts this tokenizer takes (checks every chat template now, if not yet)."""
+        templates: dict[str, str | None] = {}
+        for name, source in self._template_sources.items():
+            template = self._templates.get(name) or self._templates.setdefault(name, ChatTemplate.from_source(source))
+            templates[name] = None if self.renders_incrementally(template) else self._render_refusals.get(source)
+        words = self._words
+        return FastPaths(
+            pieces=self._incremental,
+            context_token=self._context,
+            chunks=self._chunks_long_pieces,
+            words="off" if words is None else "ascii+unicode" if words.unicode else "ascii",
+            templates=templates,
+        )
 
     def render_chat(
         self,

@@ -556,6 +556,8 @@ class RoutingEngine:
         if tokenizer is None:
             loaded = RequestTokenizer.default() if source is None else RequestTokenizer.from_pretrained(source)
             tokenizer = self._tokenizers.setdefault(source, loaded)
+            if tokenizer is loaded:  # what this model's requests will cost, said once
+                log.info("tokenizer %s: %s", source or "kvroute's default", loaded.fast_paths().summary())
         return tokenizer
 
     def _block_size(self, model: str | None) -> int:

@@ -521,6 +521,20 @@ def test_no_context_token_that_a_longer_added_token_starts_with() -> None:
         assert ours.encode_text(text) == tokenizer.encode(text, add_special_tokens=False).ids
 
 
+def test_fast_paths_say_which_shortcuts_a_tokenizer_takes() -> None:
+    default = RequestTokenizer.default().fast_paths()
+    assert (default.pieces, default.context_token, default.chunks, default.words) == (True, None, True, "ascii+unicode")
+    assert default.templates == {"default": None}
+    whole = RequestTokenizer(
+        RequestTokenizer.default().backend, incremental=False, chat_templates={"default": "{{ messages | length }}"}
+    ).fast_paths()
+    assert (whole.pieces, whole.chunks, whole.words) == (False, False, "off")
+    assert whole.templates["default"] is not None and "messages" in whole.templates["default"]
+    assert "pieces off (whole texts)" in whole.summary() and "default: whole (" in whole.summary()
+    first = RequestTokenizer(train_tokenizer("metaspace_first", ["<s>", "</s>"])).fast_paths()
+    assert first.pieces and first.context_token is not None and first.words == "off"
+
+
 # Added tokens looked for in normalized text (DeepSeek's chat tokens), under no normalizer.
 NORMALIZED_TOKENS = ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"]
 

@@ -4,6 +4,7 @@ to end through ``kvroute serve`` to simulated engines with the ``openai`` SDK.""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import httpx
 import openai
 import orjson
+import pytest
 
 from kvroute.router.config import Settings
 from kvroute.router.fleet.backends import Backend
@@ -92,6 +94,21 @@ def test_completions_and_sglang_generate_are_tokenized() -> None:
     engine.observe(plan, 0)
     again = engine.route("/generate", {"model": "sim", "input_ids": ids + [7, 8]}, {}, backends)
     assert (again.backend, again.predicted_cached_tokens) == (plan.backend, 96)
+
+
+def test_each_tokenizer_says_once_which_shortcuts_it_takes(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="kvroute.routing"):
+        engine = RoutingEngine(Settings(policy="cache_aware"))  # loads the tokenizer
+        served(engine, chat("hello"), fleet(2))
+        served(engine, chat("hello again"), fleet(2))
+    lines = [
+        record.getMessage()
+        for record in caplog.records
+        if "shortcut" in record.getMessage() or "pieces" in record.getMessage()
+    ]
+    assert lines == [
+        "tokenizer kvroute's default: pieces on; chunks on; words ascii+unicode; chat templates: default: incremental"
+    ]
 
 
 def test_per_model_tokenizer_is_used(tmp_path: Any) -> None:
