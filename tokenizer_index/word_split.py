@@ -2,10 +2,11 @@
 
 A byte-level BPE (GPT-2's, Llama 3's, Qwen's, DeepSeek V3's) first cuts text into words
 with its pre-tokenizer's regex (DeepSeek's: three, one after the other) and never merges
-across them, so a text's ids are its words' ids joined. An agent's next turn brings a few thousand characters the piece cache has never
-seen (a tool result), but mostly words it has: looked up in Python they cost ~0.1 ms where
-the tokenizers library takes 0.3-0.9 ms for the same 2,000 characters (its call, its thread
-pool and cold caches dominate at that size; ``benchmarks/README.md``, "Long prompts").
+across them, so a text's ids are its words' ids joined. An agent's next turn brings a few
+thousand characters the piece cache has never seen (a tool result), but mostly words it
+has: looked up in Python they cost ~0.1 ms where the tokenizers library takes 0.3-0.9 ms
+for the same 2,000 characters (its call, its thread pool and cold caches dominate at that
+size; ``benchmarks/README.md``, "Long prompts").
 
 The library's own ``pre_tokenize_str`` costs ten times a Python regex, so the cut is
 redone in Python. ASCII text, most of what agents and code send, is cut with ``re``: there
