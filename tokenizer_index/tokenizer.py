@@ -70,7 +70,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from kvroute.tokenizer_index import hf_files
 from kvroute.tokenizer_index.chat_messages import conversation_from_request, tools_from_request
-from kvroute.tokenizer_index.chat_template import ChatTemplate
+from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError
 from kvroute.tokenizer_index.piece_cache import PieceCache, PieceCacheStats, frozen_ids
 from kvroute.tokenizer_index.prompt_memo import PromptMemo, PromptMemoStats, RememberedPrompt, conversation_keys
 from kvroute.tokenizer_index.render_memo import RenderMemo, RenderSettings, incremental_render_agrees
@@ -685,7 +685,13 @@ class RequestTokenizer:
         """Which shortcuts this tokenizer takes (checks every chat template now, if not yet)."""
         templates: dict[str, str | None] = {}
         for name, source in self._template_sources.items():
-            template = self._templates.get(name) or self._templates.setdefault(name, ChatTemplate.from_source(source))
+            try:  # (a template that does not compile fails its requests, as before, not this)
+                template = self._templates.get(name) or self._templates.setdefault(
+                    name, ChatTemplate.from_source(source)
+                )
+            except ChatTemplateError as error:
+                templates[name] = str(error)
+                continue
             templates[name] = None if self.renders_incrementally(template) else self._render_refusals.get(source)
         words = self._words
         return FastPaths(

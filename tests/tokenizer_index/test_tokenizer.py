@@ -533,6 +533,12 @@ def test_fast_paths_say_which_shortcuts_a_tokenizer_takes() -> None:
     assert "pieces off (whole texts)" in whole.summary() and "default: whole (" in whole.summary()
     first = RequestTokenizer(train_tokenizer("metaspace_first", ["<s>", "</s>"])).fast_paths()
     assert first.pieces and first.context_token is not None and first.words == "off"
+    # A template that does not compile is reported, not raised (its requests fail as before).
+    broken = RequestTokenizer(
+        RequestTokenizer.default().backend,
+        chat_templates={"default": "{{ messages[0]['content'] }}", "tool_use": "{{ messages[0] }"},
+    ).fast_paths()
+    assert broken.templates["tool_use"] is not None and "invalid chat template" in broken.templates["tool_use"]
 
 
 # Added tokens looked for in normalized text (DeepSeek's chat tokens), under no normalizer.
