@@ -59,7 +59,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -261,9 +261,9 @@ class FastPaths:
 
     def summary(self) -> str:
         """One line for the log."""
-        pieces = "off (whole texts)" if not self.pieces else "on"
-        if self.pieces and self.context_token is not None:
-            pieces = f"on, after {self.context_token!r}"
+        pieces = "on" if self.context_token is None else f"on, after {self.context_token!r}"
+        if not self.pieces:
+            pieces = "off (whole texts)"
         templates = ", ".join(
             f"{name}: {'incremental' if reason is None else 'whole (' + reason + ')'}"
             for name, reason in self.templates.items()
@@ -461,11 +461,15 @@ class RequestTokenizer:
 
     def _piecewise_is_exact(self) -> bool:
         """Whether the probe texts, cut into pieces, tokenize to the whole texts' ids."""
-        probes = self._probe_texts()
+        return self._cuts_agree(self._probe_texts(), self._pieces)
+
+    def _cuts_agree(self, probes: list[str], cut: Callable[[str], list[str]]) -> bool:
+        """Whether every probe, cut by ``cut`` and its parts tokenized as :meth:`_units_ids`
+        does, has the whole probe's ids."""
         encode_batch = self._tokenizer.encode_batch_fast
-        for text, whole in zip(probes, encode_batch(probes, add_special_tokens=False)):
+        for probe, whole in zip(probes, encode_batch(probes, add_special_tokens=False)):
             joined: list[int] = []
-            for ids in self._units_ids(self._pieces(text), at_text_start=True):
+            for ids in self._units_ids(cut(probe), at_text_start=True):
                 joined += ids
             if joined != whole.ids:
                 return False
@@ -543,15 +547,10 @@ class RequestTokenizer:
             "x  " + " ".join(words[1::3]),
         ]
         probes += [f"{left} {right}" for left in words for right in words[:: max(1, len(words) // 8)]]
-        encode_batch = self._tokenizer.encode_batch_fast
-        for probe, whole in zip(probes, encode_batch(probes, add_special_tokens=False)):
-            joined: list[int] = []
-            for ids in self._units_ids(_cut_at_word_spaces(probe, 1), at_text_start=True):
-                joined += ids
-            if joined != whole.ids:
-                log.info("tokenizer %s: cuts between words are not exact; long pieces are tokenized whole", self.name)
-                return False
-        return True
+        if self._cuts_agree(probes, lambda probe: _cut_at_word_spaces(probe, 1)):
+            return True
+        log.info("tokenizer %s: cuts between words are not exact; long pieces are tokenized whole", self.name)
+        return False
 
     def _word_splitter(self) -> WordSplitter | None:
         """Word-by-word tokenization of new text, where it is exact: pieces are cut at
@@ -655,9 +654,13 @@ class RequestTokenizer:
             name = next(iter(sources))
         else:
             raise ValueError(f"the tokenizer has several chat templates and no default: {sorted(sources)}")
+        return self._compiled_template(name)
+
+    def _compiled_template(self, name: str) -> ChatTemplate:
+        """The chat template of that name, compiled at its first use."""
         template = self._templates.get(name)
         if template is None:
-            template = self._templates[name] = ChatTemplate.from_source(sources[name])
+            template = self._templates[name] = ChatTemplate.from_source(self._template_sources[name])
         return template
 
     def renders_incrementally(self, template: ChatTemplate) -> bool:
@@ -686,9 +689,7 @@ class RequestTokenizer:
         templates: dict[str, str | None] = {}
         for name, source in self._template_sources.items():
             try:  # (a template that does not compile fails its requests, as before, not this)
-                template = self._templates.get(name) or self._templates.setdefault(
-                    name, ChatTemplate.from_source(source)
-                )
+                template = self._compiled_template(name)
             except ChatTemplateError as error:
                 templates[name] = str(error)
                 continue
@@ -984,8 +985,9 @@ class RequestTokenizer:
         known = self._leads.get(unit)
         if known is None:
             [ids] = self._units_ids([unit], at_text_start=True)
-            array, _ = self._converted_ids(ids, as_list=False)
-            known = (array, list(map(self._canonical_id, ids)))
+            array, as_list = self._converted_ids(ids, as_list=True)
+            assert as_list is not None
+            known = (array, as_list)
             if len(unit) <= CHUNK_CHARS:  # (a long completions prompt is not kept)
                 if len(self._leads) >= LEAD_UNITS:
                     self._leads.clear()
@@ -1039,8 +1041,7 @@ class RequestTokenizer:
     def _words_agree(self, unit: str, ids: list[int]) -> bool:
         """The periodic check: the library's ids for ``unit`` are ``ids``; else word-by-word
         tokenization stops for good (and says so), and the ids it cached are forgotten."""
-        [encoding] = self._tokenizer.encode_batch_fast([unit], add_special_tokens=False)
-        if encoding.ids == ids:
+        if self._encode_each([unit]) == [ids]:
             return True
         self._words = None
         self._cache.clear()
