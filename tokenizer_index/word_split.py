@@ -405,7 +405,7 @@ class WordSplitter:
             # the whole text: one search spares a pass that cuts nothing (CJK runs in ASCII).
             if split.pattern not in self._looking_around and not split.search(text):
                 continue
-            pieces = [cut for piece in pieces for cut in (_isolated(split, piece) if split.search(piece) else (piece,))]
+            pieces = [cut for piece in pieces for cut in _isolated(split, piece)]
         return [word for piece in pieces for word in _cut(pattern, piece)]
 
     def clear(self) -> None:
