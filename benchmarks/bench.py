@@ -35,6 +35,7 @@ from kvroute.benchmarks import mooncake
 from kvroute.benchmarks.bounds import Prompt, bounds
 from kvroute.benchmarks.fleet import (
     PEERS,
+    WHOLE_ENGINE,
     EngineCounters,
     ExternalFleet,
     Fleet,
@@ -298,7 +299,7 @@ def fleet_capacity_blocks(fleet: AnyFleet) -> int | None:
     """The fleet's total KV capacity in blocks; None when the engines' size is unknown."""
     if fleet.capacity_tokens is None:
         return None
-    return len(fleet.urls) * (fleet.capacity_tokens // fleet.block_size)
+    return len(fleet.urls) * fleet.data_parallel_size * (fleet.capacity_tokens // fleet.block_size)
 
 
 def attach_bounds(result: TargetResult, prompts: Sequence[Prompt], capacity: int | None) -> None:
@@ -534,6 +535,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_SIM_CAPACITY_TOKENS}; external engines: their real size, "
         "for bound_fleet and the routers' capacity model; unknown if not given)",
     )
+    where.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="external engines: data-parallel ranks behind each URL (vllm serve --data-parallel-size); "
+        "kvroute routes to the ranks, and each policy also runs as POLICY@whole-engine, routing to "
+        "engines as wholes; --kv-capacity-tokens is then each rank's",
+    )
     where.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
     where.add_argument("--decode-tokens-per-s", type=float, default=50.0)
     where.add_argument(
@@ -665,7 +674,11 @@ async def _main(args: argparse.Namespace) -> int:
         model = args.model or "sim"
     else:
         external = ExternalFleet(
-            _csv(args.engine), block_size=args.block_size, capacity_tokens=args.kv_capacity_tokens, api=args.api
+            _csv(args.engine),
+            block_size=args.block_size,
+            capacity_tokens=args.kv_capacity_tokens,
+            api=args.api,
+            data_parallel_size=args.data_parallel_size,
         )
         model = args.model or await _served_model(external.urls[0])
     first_token, end_token = _token_range(args.tokenizer)
@@ -695,6 +708,8 @@ async def _main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"kvroute bench: {exc}", file=sys.stderr)
         return 2
+    if args.data_parallel_size > 1:  # each policy routing to ranks, and to engines as wholes
+        policies = [name for policy in policies for name in (policy, policy + WHOLE_ENGINE)]
     targets = _targets(policies, peers) + ([BEST_PLACEMENT_TARGET] if args.placement_search else [])
     started = time.monotonic()
     results: list[TargetResult] = []

@@ -259,6 +259,8 @@ class SpecFleet:
     """A fleet of sims built from a :class:`SimSpec`: what it says about its engines."""
 
     spec: SimSpec
+    #: Sims have no data-parallel ranks.
+    data_parallel_size = 1
 
     @property
     def block_size(self) -> int:
@@ -321,13 +323,17 @@ class ExternalFleet:
         capacity_tokens: int | None = None,
         api: str = "vllm",
         kv_events: Sequence[KVEventEndpoints] = (),
+        data_parallel_size: int = 1,
     ) -> None:
         self._urls = [url.rstrip("/") for url in urls]
         if kv_events and len(kv_events) != len(self._urls):
             raise FleetError(f"{len(kv_events)} KV-event endpoints for {len(self._urls)} engines")
         self.block_size = block_size
+        #: Each rank's KV cache in tokens (an engine's, without data parallelism).
         self.capacity_tokens = capacity_tokens
         self.api = api
+        #: Data-parallel ranks behind each URL (``vllm serve --data-parallel-size``).
+        self.data_parallel_size = data_parallel_size
         #: Each engine's KV-event endpoints, by URL (empty: the engines' events are not used).
         self.kv_events = dict(zip(self._urls, kv_events))
 
@@ -355,10 +361,12 @@ async def start_router(
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     kv_events: dict[str, KVEventEndpoints] | None = None,
+    data_parallel_size: int = 1,
 ) -> ManagedProcess:
     """A fresh ``kvroute serve --policy POLICY`` in front of ``backends``, all of them healthy
     (``env``: extra environment, e.g. ``PYTHONPATH`` of another checkout to compare with;
-    ``kv_events``: each backend's KV-event endpoints, for precise mode)."""
+    ``kv_events``: each backend's KV-event endpoints, for precise mode; ``data_parallel_size``:
+    each backend's ranks, each routed to as a backend)."""
     port = free_port()
     args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warning"]
     for backend in backends:
@@ -373,10 +381,12 @@ async def start_router(
         args += ["--default-capacity-tokens", str(capacity_tokens)]
     if tokenizer:
         args += ["--tokenizer", tokenizer]
+    if data_parallel_size > 1:
+        args += ["--data-parallel-size", str(data_parallel_size)]
     router = ManagedProcess(f"kvroute-{policy}", _kvroute(*args, *extra_args), f"http://127.0.0.1:{port}", env=env)
     try:
         await router.wait_ready("/health")
-        await _wait_all_healthy(router, len(backends))
+        await _wait_all_healthy(router, len(backends) * data_parallel_size)
     except BaseException:
         router.stop()
         raise
@@ -569,14 +579,30 @@ async def start_target(
     env: dict[str, str] | None = None,
 ) -> ManagedProcess | PeerRouter:
     """The router a bench target names, ready in front of ``fleet``: a peer router
-    (``peer:NAME``) or ``kvroute serve --policy TARGET`` (``env``: its extra environment)."""
+    (``peer:NAME``) or ``kvroute serve --policy TARGET`` (``env``: its extra environment).
+
+    In front of data-parallel engines kvroute routes to their ranks, but for a target
+    ``POLICY@whole-engine``: that one sees each engine as one backend (of all its ranks'
+    cache), as a router that knows nothing of ranks does, and the engine's own balancer
+    picks the rank."""
     if target.startswith(PEER_PREFIX):
         return await start_peer(target.removeprefix(PEER_PREFIX), fleet.urls)
+    ranks = fleet.data_parallel_size
+    capacity = fleet.capacity_tokens
+    policy, whole, _ = target.partition(WHOLE_ENGINE)
+    if whole:
+        capacity = None if capacity is None else capacity * ranks
+        ranks = 1
     return await start_router(
-        target,
+        policy,
         fleet.urls,
         block_size=router_block_size(fleet.api, fleet.block_size),
-        capacity_tokens=fleet.capacity_tokens,
+        capacity_tokens=capacity,
         tokenizer=tokenizer,
         env=env,
+        data_parallel_size=ranks,
     )
+
+
+#: The suffix of a kvroute target that routes to data-parallel engines as wholes.
+WHOLE_ENGINE = "@whole-engine"

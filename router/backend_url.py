@@ -8,6 +8,10 @@ pool, its metrics label, the ``x-kvroute-backend`` header -- is :attr:`BackendUR
 which keeps the prefix and drops the credentials, so they never reach a client or a
 dashboard. One parser serves the configuration (validation), the lean upstream client
 (:class:`Origin`) and the probes.
+
+One rank of a data-parallel vLLM engine (``--data-parallel-size N`` behind one API server)
+is its own backend: same URL, its own cache. Its name is the URL with ``#dp<rank>``
+(:func:`rank_name`); requests reach the rank by vLLM's ``X-data-parallel-rank`` header.
 """
 
 from __future__ import annotations
@@ -44,6 +48,32 @@ class BackendURL:
     def base(self) -> str:
         """``scheme://authority/prefix``: the backend's identity, free of credentials."""
         return f"{self.scheme}://{self.authority}{self.prefix}"
+
+
+#: What a data-parallel rank's name adds to its engine's URL (a fragment: never sent anywhere).
+RANK_MARK = "#dp"
+
+
+def rank_name(base: str, rank: int | None) -> str:
+    """The name of a backend: ``base``, or for one data-parallel rank ``base#dp<rank>``."""
+    return base if rank is None else f"{base}{RANK_MARK}{rank}"
+
+
+def split_rank_name(name: str) -> tuple[str, int | None]:
+    """A backend's name as its engine's URL and its data-parallel rank (None: not a rank)."""
+    base, mark, rank = name.rpartition(RANK_MARK)
+    if mark and rank.isdigit():
+        return base, int(rank)
+    return name, None
+
+
+def offset_endpoint_port(endpoint: str, offset: int) -> str:
+    """A ``tcp://host:port`` endpoint with its port moved by ``offset``: where data-parallel
+    rank ``offset`` of a vLLM engine publishes the KV events configured at ``endpoint``."""
+    head, colon, port = endpoint.rpartition(":")
+    if not colon or not port.isdigit():
+        raise ValueError(f"expected an endpoint ending in :PORT, got {endpoint!r}")
+    return f"{head}:{int(port) + offset}"
 
 
 def basic_authorization(username: str, password: str | None) -> str:

@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, Field, FilePath, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvroute.router.backend_url import parse_backend_url
+from kvroute.router.backend_url import offset_endpoint_port, parse_backend_url, rank_name
 from kvroute.router.dns_name import DnsName
 from kvroute.router.peer_key import PeerKey
 from kvroute.router.policy_catalog import POLICY_NAMES
@@ -99,6 +99,18 @@ class BackendConfig(BaseModel):
         default="auto",
         description="the engine API it speaks (kvroute.router.engines); auto: probe /server_info (SGLang), /metrics, /version",
     )
+    data_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="data-parallel ranks of the vLLM engine at this URL (vllm serve --data-parallel-size):"
+        " each rank becomes a backend of its own (default: --data-parallel-size)",
+    )
+    data_parallel_rank: int | None = Field(
+        default=None,
+        ge=0,
+        description="this entry is one rank of a data-parallel engine: requests carry X-data-parallel-rank,"
+        " its name is URL#dp<rank> (set for each rank of data_parallel_size, or written per rank)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -140,11 +152,40 @@ class BackendConfig(BaseModel):
             raise ValueError("password without username")
         if not self.url.startswith("https://") and (self.ca_file is not None or not self.verify):
             raise ValueError("ca_file and verify apply to https:// backends only")
+        rank, size = self.data_parallel_rank, self.data_parallel_size
+        if rank is not None and size is not None and rank >= size:
+            raise ValueError("data_parallel_rank must be below data_parallel_size")
         return self
+
+    @property
+    def name(self) -> str:
+        """The backend's name (pool key, metrics label): its URL, ``#dp<rank>`` for a rank."""
+        return rank_name(self.url, self.data_parallel_rank)
 
     def secrets(self) -> list[str]:
         """The credentials in this entry (for log redaction)."""
         return [secret for secret in (self.api_key, self.password) if secret]
+
+    def ranks(self, default_size: int = 1) -> list[BackendConfig]:
+        """The backends this entry stands for: itself, or one per data-parallel rank, each
+        with the KV-event endpoints that rank publishes on (vLLM adds the rank to the port)."""
+        size = self.data_parallel_size or default_size
+        if self.data_parallel_rank is not None or size == 1:
+            return [self]
+        return [
+            self.model_copy(
+                update={
+                    "data_parallel_rank": rank,
+                    "kv_events_endpoint": _rank_endpoint(self.kv_events_endpoint, rank),
+                    "kv_events_replay_endpoint": _rank_endpoint(self.kv_events_replay_endpoint, rank),
+                }
+            )
+            for rank in range(size)
+        ]
+
+
+def _rank_endpoint(endpoint: str | None, rank: int) -> str | None:
+    return None if endpoint is None else offset_endpoint_port(endpoint, rank)
 
 
 def _key_in(path: Path | None) -> PeerKey | None:
@@ -172,7 +213,13 @@ class Settings(BaseSettings):
     # --- backends and discovery ------------------------------------------------------
     backends: list[BackendConfig] = Field(
         default_factory=list,
-        description="engine base URLs (--backend URL, repeatable; env: comma-separated; file: list of {url, api_key, api_key_on_proxy, headers, ca_file, verify, kv_events_endpoint, kv_events_replay_endpoint, capacity_tokens}; see Backends)",
+        description="engine base URLs (--backend URL, repeatable; env: comma-separated; file: list of {url, api_key, api_key_on_proxy, headers, ca_file, verify, kv_events_endpoint, kv_events_replay_endpoint, capacity_tokens, engine, data_parallel_size, data_parallel_rank}; see Backends)",
+    )
+    data_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="data-parallel ranks of every engine that does not give its own (vllm serve"
+        " --data-parallel-size N): each rank is routed to as a backend of its own; see Backends",
     )
     discovery: Literal["static", "file", "k8s"] = Field(
         default="static",
@@ -393,6 +440,10 @@ class Settings(BaseSettings):
         """The fleet's CURVE key pair from ``peer_secret_file`` (None without one)."""
         return _key_in(self.peer_secret_file)
 
+    def backend_ranks(self) -> list[BackendConfig]:
+        """The configured backends as the pool holds them: a data-parallel engine as its ranks."""
+        return [rank for backend in self.backends for rank in backend.ranks(self.data_parallel_size)]
+
     def peer_accepted_key(self) -> PeerKey | None:
         """The pair of the second secret (``peer_accepted_secret_file``), if any."""
         return _key_in(self.peer_accepted_secret_file)
@@ -443,6 +494,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"ab: unknown policies {unknown}; known: {list(POLICY_NAMES)}")
             if any(weight < 0 for weight in self.ab.values()) or sum(self.ab.values()) <= 0:
                 raise ValueError("ab: weights must be >= 0 and sum to more than 0")
+        self.backend_ranks()  # a ValueError names a data-parallel engine's endpoint without a port
         if self.discovery == "file" and self.backends_file is None:
             raise ValueError("discovery 'file' needs backends_file (--backends-file)")
         self.peer_key()  # a ValueError names the secret file and what is wrong with it

@@ -98,6 +98,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     for field, pairs in per_backend.items():
         if pairs:
             settings = _with_backend_field(settings, field, pairs)
+    try:
+        settings.backend_ranks()  # as Settings checks it, with the per-backend flags applied
+    except ValueError as exc:
+        raise ConfigError(f"backends: {exc}") from None
     return settings
 
 

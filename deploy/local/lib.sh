@@ -65,7 +65,8 @@ kv_events_config() {
 
 # write_router_config FILE HOST TOKENIZER BLOCK_SIZE: kvroute's YAML config for the replicas
 # on HOST at ports PORTS, with their KV event and replay endpoints (EVENT_PORTS, REPLAY_PORTS,
-# arrays set by the caller). TOKENIZER and BLOCK_SIZE may be empty (kvroute's defaults).
+# arrays set by the caller; RANKS, each replica's data-parallel ranks, default 1). TOKENIZER
+# and BLOCK_SIZE may be empty (kvroute's defaults).
 # Precise mode is on; KVROUTE_* environment variables (e.g. KVROUTE_KV_EVENTS=false,
 # KVROUTE_POLICY=round_robin, KVROUTE_PORT) override the file, as for any kvroute setting.
 write_router_config() {
@@ -77,6 +78,7 @@ write_router_config() {
         echo "kv_events: true"
         [ -z "$tokenizer" ] || echo "tokenizer: $tokenizer"
         [ -z "$block_size" ] || echo "block_size: $block_size"
+        echo "data_parallel_size: ${RANKS:-1}"
         echo "backends:"
         for i in "${!PORTS[@]}"; do
             echo "  - url: http://$host:${PORTS[$i]}"

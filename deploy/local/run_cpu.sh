@@ -20,6 +20,9 @@
 #   KVROUTE_KV_REPLAY_PORTS     KV event replay ports (default "5567 5568")
 #   KVROUTE_VLLM_KV_CACHE_BYTES KV cache per replica (default 256M; smaller means evictions)
 #   KVROUTE_VLLM_EXTRA_ARGS     extra vLLM flags, e.g. --enforce-eager (starts faster)
+#   KVROUTE_VLLM_DATA_PARALLEL  data-parallel ranks per replica (default 1): rank r listens for
+#                               nothing of its own but publishes KV events r ports above the
+#                               replica's; kvroute routes to each rank (--data-parallel-size)
 #   KVROUTE_RUN_ROUTER          0 to start only the replicas (default 1)
 #   KVROUTE_PORT, KVROUTE_POLICY, KVROUTE_KV_EVENTS=false ...  kvroute's own settings
 #   KVROUTE_LOG_DIR             where logs go (default: a new temporary directory)
@@ -45,6 +48,7 @@ read -r -a EXTRA <<<"${KVROUTE_VLLM_EXTRA_ARGS:-}"
 LOG_DIR="${KVROUTE_LOG_DIR:-$(mktemp -d -t kvroute-local.XXXXXX)}"
 mkdir -p "$LOG_DIR"
 CORES="$(nproc)"
+RANKS="${KVROUTE_VLLM_DATA_PARALLEL:-1}"
 
 trap stop_all EXIT
 trap 'exit 130' INT TERM
@@ -52,16 +56,21 @@ trap 'exit 130' INT TERM
 BACKENDS=()
 for i in "${!PORTS[@]}"; do
     port="${PORTS[$i]}"
-    # One core per replica: vLLM's CPU backend pins its OpenMP threads to these cores.
+    # One core per replica (per rank: "0|1" binds rank 0 to core 0, rank 1 to core 1):
+    # vLLM's CPU backend pins its OpenMP threads to these cores.
+    bind=""
+    for ((rank = 0; rank < RANKS; rank++)); do bind+="${bind:+|}$(((i * RANKS + rank) % CORES))"; done
+    parallel=()
+    [ "$RANKS" -eq 1 ] || parallel=(--data-parallel-size "$RANKS")
     start "vllm-$port" "$LOG_DIR/vllm-$port.log" \
-        VLLM_CPU_OMP_THREADS_BIND="$((i % CORES))" HF_HUB_OFFLINE=1 VLLM_SERVER_DEV_MODE=1 -- \
+        VLLM_CPU_OMP_THREADS_BIND="$bind" HF_HUB_OFFLINE=1 VLLM_SERVER_DEV_MODE=1 -- \
         "$PY" -m vllm.entrypoints.openai.api_server \
         --model "$MODEL" --served-model-name tiny \
         --host "$HOST" --port "$port" --dtype bfloat16 --max-model-len 2048 \
         --block-size 32 --enable-prefix-caching --enable-prompt-tokens-details \
         --kv-cache-memory-bytes "${KVROUTE_VLLM_KV_CACHE_BYTES:-256M}" \
         --kv-events-config "$(kv_events_config "${EVENT_PORTS[$i]}" "${REPLAY_PORTS[$i]}")" \
-        "${EXTRA[@]}"
+        "${parallel[@]}" "${EXTRA[@]}"
     BACKENDS+=("http://127.0.0.1:$port")
 done
 

@@ -33,6 +33,9 @@ log = logging.getLogger("kvroute.backends")
 
 RawHeader = tuple[bytes, bytes]
 
+#: The header that sends a request to one data-parallel rank of a vLLM engine.
+DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
+
 
 @functools.cache
 def tls_context(ca_file: Path | None = None, verify: bool = True) -> ssl.SSLContext:
@@ -48,8 +51,13 @@ def tls_context(ca_file: Path | None = None, verify: bool = True) -> ssl.SSLCont
 class BackendAccess:
     """See the module docstring. Build with :meth:`build` (or :meth:`for_url`)."""
 
-    #: The backend's identity: ``scheme://host:port/prefix``, never with credentials.
+    #: The backend's identity: ``scheme://host:port/prefix``, never with credentials
+    #: (``#dp<rank>`` after it for a data-parallel rank).
     url: str
+    #: Where the router's own calls go (``/health``, ``/metrics``...): the URL without the rank.
+    base_url: str
+    #: The data-parallel rank of the engine at ``base_url`` that this backend is (None: all of it).
+    rank: int | None
     origin: Origin
     #: The full ``Authorization`` value for this backend, or None.
     authorization: str | None
@@ -96,13 +104,19 @@ class BackendAccess:
                     "can read and alter this engine's traffic, credentials included",
                     parsed.base,
                 )
-        extra = tuple((name.encode("latin-1"), value.encode("latin-1")) for name, value in config.headers.items())
+        headers = dict(config.headers)
+        if config.data_parallel_rank is not None:
+            # vLLM's API server hands the request to that rank's engine (not to its own balancer).
+            headers[DATA_PARALLEL_RANK_HEADER] = str(config.data_parallel_rank)
+        extra = tuple((name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items())
         credential = ((b"Authorization", authorization.encode("latin-1")),) if authorization else ()
         probe = dict(config.headers)
         if authorization:
             probe["Authorization"] = authorization
         return cls(
-            url=parsed.base,
+            url=config.name,
+            base_url=parsed.base,
+            rank=config.data_parallel_rank,
             origin=Origin(parsed.base, ssl_context=context),
             authorization=authorization,
             api_key_on_proxy=mode,

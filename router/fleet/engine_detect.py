@@ -70,7 +70,7 @@ async def detect(
     async def get(path: str) -> bytes | None:
         try:
             async with session.get(
-                backend.url + path,
+                backend.access.base_url + path,
                 headers=backend.access.probe_headers,
                 ssl=backend.access.aiohttp_ssl,
                 timeout=timeout,

@@ -25,6 +25,10 @@ Older vLLM releases name two of them ``vllm:gpu_cache_usage_perc`` and
 several data-parallel ranks exports one series per rank: counts, counters and capacity
 are summed, usage is the mean.
 
+A backend that is one data-parallel rank (``BackendConfig.data_parallel_rank``) reads only
+its rank's series (vLLM labels them ``engine="<rank>"``); its engine's page is fetched once
+per round for all its ranks.
+
 The hit ratio is measured between two scrapes (delta hits / delta lookups), so it says how
 the cache does now, not since the engine started; with no lookups in between the previous
 ratio stands. A counter that went down means the engine restarted: the new value is the
@@ -69,6 +73,8 @@ _PREFIXES = (*_SERIES, *_CACHE_INFO)
 _MEAN_FIELDS = frozenset({"kv_usage", "engine_hit_rate"})
 # SGLang's newer cached_tokens_total splits by cache_source; only its "total" is the sum.
 _PARTIAL_LABEL, _WHOLE_VALUE = "cache_source", "total"
+# vLLM's label of a data-parallel rank's series.
+_RANK_LABEL = "engine"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +97,9 @@ class EngineStats:
     scraped_at: float = 0.0
 
 
-def parse_metrics(text: str, *, scraped_at: float | None = None) -> EngineStats:
-    """The routing-relevant numbers of one ``/metrics`` page (vLLM or SGLang names).
+def parse_metrics(text: str, *, rank: int | None = None, scraped_at: float | None = None) -> EngineStats:
+    """The routing-relevant numbers of one ``/metrics`` page (vLLM or SGLang names); with
+    ``rank``, of that data-parallel rank's series only.
 
     ``hit_ratio`` is left None here (it needs two scrapes: see :func:`with_hit_ratio`),
     except that SGLang's own hit-rate gauge fills it when its counters are missing.
@@ -103,8 +110,11 @@ def parse_metrics(text: str, *, scraped_at: float | None = None) -> EngineStats:
     kind: EngineKind = "unknown"
     block_size: int | None = None
     capacity_in_info = 0  # tokens (or blocks x block size), summed over ranks
+    wanted_rank = None if rank is None else str(rank)
     for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
+            if wanted_rank is not None and sample.labels.get(_RANK_LABEL, wanted_rank) != wanted_rank:
+                continue  # another rank's series
             info_of = _CACHE_INFO.get(sample.name)
             if info_of is not None and info_of.cache_info is not None:
                 kind = info_of.name
@@ -192,15 +202,26 @@ async def scrape(
     timeout_s: float,
     headers: Mapping[str, str] | None = None,
     ssl: SSLContext | bool = True,
+    rank: int | None = None,
 ) -> EngineStats:
     """GET ``{url}/metrics`` once (``url`` with its path prefix; ``headers``, ``ssl``: the
-    backend's :class:`~kvroute.router.fleet.backend_access.BackendAccess`) and parse it. Raises on HTTP or
-    connection errors."""
+    backend's :class:`~kvroute.router.fleet.backend_access.BackendAccess`) and parse it (``rank``:
+    one data-parallel rank's series). Raises on HTTP or connection errors."""
+    return parse_metrics(await _metrics_page(session, url, timeout_s=timeout_s, headers=headers, ssl=ssl), rank=rank)
+
+
+async def _metrics_page(
+    session: aiohttp.ClientSession,
+    url: str,
+    *,
+    timeout_s: float,
+    headers: Mapping[str, str] | None,
+    ssl: SSLContext | bool,
+) -> str:
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with session.get(f"{url}/metrics", headers=headers, ssl=ssl, timeout=timeout) as response:
         response.raise_for_status()
-        text = await response.text()
-    return parse_metrics(text)
+        return await response.text()
 
 
 class EngineScraper:
@@ -235,26 +256,36 @@ class EngineScraper:
     async def scrape_all(self, backends: Iterable[Backend]) -> None:
         """One round: scrape all given backends concurrently; failures are logged and skipped."""
         targets = list(backends)
+        # One page per engine: the ranks of a data-parallel engine share it (fetched with the
+        # first rank's credentials: a rank is the engine's, not another server).
+        pages = {b.access.base_url: b.access for b in targets}
         results = await asyncio.gather(
             *(
-                scrape(
+                _metrics_page(
                     self._session,
-                    b.url,
+                    url,
                     timeout_s=self._timeout_s,
-                    headers=b.access.probe_headers,
-                    ssl=b.access.aiohttp_ssl,
+                    headers=access.probe_headers,
+                    ssl=access.aiohttp_ssl,
                 )
-                for b in targets
+                for url, access in pages.items()
             ),
             return_exceptions=True,
         )
-        for backend, result in zip(targets, results, strict=True):
+        texts = dict(zip(pages, results, strict=True))
+        for backend in targets:
+            result = texts[backend.access.base_url]
             if isinstance(result, BaseException):
                 if isinstance(result, asyncio.CancelledError):
                     raise result
-                log.debug("scraping %s/metrics failed: %r", backend.url, result)
+                log.debug("scraping %s/metrics failed: %r", backend.access.base_url, result)
                 continue
-            self.apply(backend, result)
+            try:
+                stats = parse_metrics(result, rank=backend.access.rank)
+            except Exception as exc:  # a malformed page, as a failed scrape: skipped
+                log.debug("parsing %s/metrics failed: %r", backend.access.base_url, exc)
+                continue
+            self.apply(backend, stats)
 
     def apply(self, backend: Backend, stats: EngineStats) -> EngineStats:
         """Record one scrape of ``backend``: computes its hit ratio and notifies everyone."""

@@ -53,7 +53,7 @@ class HealthChecker:
     def new_backend(self, config: BackendConfig) -> Backend:
         """A :class:`Backend` for a configured URL, with the router-wide defaults applied."""
         return Backend(
-            config.url,
+            config.name,
             access=BackendAccess.build(
                 config,
                 default_api_key=self._settings.backend_api_key,
@@ -79,23 +79,26 @@ class HealthChecker:
 
     async def sync(self, urls: set[str]) -> None:
         """Make the pool hold exactly ``urls`` (for discovery): admit new ones, drain gone ones."""
-        # Keyed by the backends' names: the URLs as written, without credentials.
-        wanted = {config.url: config for config in (BackendConfig(url=url) for url in urls)}
+        # Keyed by the backends' names: the URLs as written, without credentials (and a
+        # data-parallel engine's ranks, each its own backend).
+        size = self._settings.data_parallel_size
+        configs = (rank for url in urls for rank in BackendConfig(url=url).ranks(size))
+        wanted = {config.name: config for config in configs}
         current = {backend.url for backend in self._pool if not backend.draining}
-        for url in current - wanted.keys():
-            self._pool.drain(url)
-        new = [wanted[url] for url in wanted.keys() - current]
+        for name in current - wanted.keys():
+            self._pool.drain(name)
+        new = [wanted[name] for name in wanted.keys() - current]
         results = await asyncio.gather(*(self.admit(config) for config in new), return_exceptions=True)
         for config, result in zip(new, results, strict=True):
             if isinstance(result, BaseException):
-                log.warning("could not add discovered backend %s: %s", config.url, result)
+                log.warning("could not add discovered backend %s: %s", config.name, result)
 
     # --- checking --------------------------------------------------------------------
     async def probe(self, backend: Backend) -> bool:
         """One health check (and, when it passes, a model list refresh). Never raises."""
         try:
             async with self._session.get(
-                backend.url + "/health",
+                backend.access.base_url + "/health",
                 headers=backend.access.probe_headers,
                 ssl=backend.access.aiohttp_ssl,
                 timeout=self._timeout,
@@ -180,7 +183,7 @@ class HealthChecker:
         """The engine's /v1/models cards, or None when it could not tell."""
         try:
             async with self._session.get(
-                backend.url + "/v1/models",
+                backend.access.base_url + "/v1/models",
                 headers=backend.access.probe_headers,
                 ssl=backend.access.aiohttp_ssl,
                 timeout=self._timeout,

@@ -38,7 +38,7 @@ import orjson
 from aiohttp import web
 from pydantic import ValidationError
 
-from kvroute.router.backend_url import parse_backend_url
+from kvroute.router.backend_url import parse_backend_url, rank_name, split_rank_name
 from kvroute.router.config import BackendConfig, Settings
 from kvroute.router.errors import RouterError, json_response
 from kvroute.router.fleet.backends import Backend, BackendPool
@@ -173,8 +173,12 @@ class AdminAPI:
         if self._on_secret is not None:
             for secret in config.secrets():
                 self._on_secret(secret)
-        if config.url in self._pool:
-            raise RouterError(409, f"backend {config.url} is already in the pool", code="backend_exists")
+        if len(config.ranks()) > 1:
+            raise RouterError(
+                400, "add a data-parallel engine's ranks one by one (data_parallel_rank)", code="invalid_backend"
+            )
+        if config.name in self._pool:
+            raise RouterError(409, f"backend {config.name} is already in the pool", code="backend_exists")
         await self._check_network(config.url)
         try:
             backend = await self._health().admit(config)
@@ -211,8 +215,10 @@ class AdminAPI:
             url = (await _json_object(request)).get("url")
         if not isinstance(url, str) or not url:
             raise RouterError(400, "'url' is required", code="missing_url")
+        base, rank = split_rank_name(url)
         try:
-            return parse_backend_url(url).base  # as the pool names it: credentials left out
+            # As the pool names it: credentials left out, a data-parallel rank's mark kept.
+            return rank_name(parse_backend_url(base).base, rank)
         except ValueError:
             return url.rstrip("/")  # not a backend URL: answered "no backend" below
 

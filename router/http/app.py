@@ -422,7 +422,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         admission=state.admission,
         check_client=state.gate.check if state.gate.active else None,
     )
-    state.pool.on_removed(lambda backend: upstream.forget(backend.url))
+    state.pool.on_removed(lambda backend: upstream.forget(backend.access.base_url))
     scraper = EngineScraper(session, timeout_s=settings.health_timeout_s, listeners=[state.routing.update_engine_stats])
     state.pool.on_removed(lambda backend: scraper.forget_backend(backend.url))
     peer_discovery: asyncio.Task[None] | None = None
@@ -478,12 +478,13 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _admit_configured_backends(health: HealthChecker, settings: Settings) -> None:
-    results = await asyncio.gather(*(health.admit(config) for config in settings.backends), return_exceptions=True)
-    for config, result in zip(settings.backends, results, strict=True):
+    configured = settings.backend_ranks()
+    results = await asyncio.gather(*(health.admit(config) for config in configured), return_exceptions=True)
+    for config, result in zip(configured, results, strict=True):
         if isinstance(result, BaseException):
-            log.warning("backend %s not added: %s", config.url, result)
+            log.warning("backend %s not added: %s", config.name, result)
         elif not result.healthy:
-            log.warning("backend %s is not healthy yet; health checks continue", config.url)
+            log.warning("backend %s is not healthy yet; health checks continue", config.name)
 
 
 # --- running ---------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import zmq.asyncio
 
+from kvroute.router.backend_url import split_rank_name
 from kvroute.router.routing.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -210,9 +211,9 @@ class PreciseIndex:
             replay_port=settings.kv_events_replay_port,
             on_state=on_state,
         )
-        for backend in settings.backends:
-            index.configure_backend(backend.url, backend.kv_events_endpoint, backend.kv_events_replay_endpoint)
-            index.add_backend(backend.url)
+        for backend in settings.backend_ranks():
+            index.configure_backend(backend.name, backend.kv_events_endpoint, backend.kv_events_replay_endpoint)
+            index.add_backend(backend.name)
         return index
 
     # -- properties ------------------------------------------------------------------
@@ -517,14 +518,17 @@ class PreciseIndex:
         Replay: the configured endpoint, else the events endpoint's host with ``replay_port``
         (without either, gaps cannot be filled and the stream goes ``PARTIAL`` after one).
         """
+        # Rank r of a data-parallel engine publishes r ports above the engine's ports.
+        url, rank = split_rank_name(backend_url)
+        offset = rank or 0
         endpoint = kv_events_endpoint
         if endpoint is None and self._events_port is not None:
-            endpoint = events_endpoint_for(backend_url, self._events_port)
+            endpoint = events_endpoint_for(url, self._events_port + offset)
         if endpoint is None:
             return None
         replay = kv_events_replay_endpoint
         if replay is None and self._replay_port is not None:
-            replay = _with_port(endpoint, self._replay_port)
+            replay = _with_port(endpoint, self._replay_port + offset)
         return endpoint, replay
 
     def configure_backend(

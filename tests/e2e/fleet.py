@@ -69,21 +69,29 @@ def report(line: str) -> None:
 FLEET_PORTS = range(20000, 32000)
 
 
-def free_ports(count: int) -> list[int]:
+def free_ports(count: int, run: int = 1) -> list[int]:
     """Distinct free TCP ports on 127.0.0.1 in :data:`FLEET_PORTS` (held open together so
-    they differ)."""
+    they differ), each the first of ``run`` free ports in a row (a data-parallel engine's
+    rank r listens r ports above the one configured)."""
     chooser = random.SystemRandom()
     sockets: list[socket.socket] = []
+    firsts: list[int] = []
     try:
-        while len(sockets) < count:
-            sock = socket.socket()
-            try:
-                sock.bind(("127.0.0.1", chooser.randrange(FLEET_PORTS.start, FLEET_PORTS.stop)))
-            except OSError:  # in use
-                sock.close()
-                continue
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
+        while len(firsts) < count:
+            first = chooser.randrange(FLEET_PORTS.start, FLEET_PORTS.stop - run)
+            held: list[socket.socket] = []
+            for port in range(first, first + run):
+                sock = socket.socket()
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:  # in use
+                    sock.close()
+                    break
+                held.append(sock)
+            sockets += held
+            if len(held) == run:
+                firsts.append(first)
+        return firsts
     finally:
         for sock in sockets:
             sock.close()
@@ -117,14 +125,23 @@ class Replica:
 
 @dataclass
 class VllmFleet:
-    """Two running vLLM replicas."""
+    """Running vLLM replicas (two, or one with data-parallel ranks)."""
 
     replicas: list[Replica]
     log_dir: Path
+    #: Data-parallel ranks of each replica (``--data-parallel-size``).
+    data_parallel_size: int = 1
 
     @property
     def urls(self) -> list[str]:
         return [replica.url for replica in self.replicas]
+
+    @property
+    def backend_names(self) -> list[str]:
+        """The backends a router makes of the fleet: each replica, or each of its ranks."""
+        if self.data_parallel_size == 1:
+            return self.urls
+        return [f"{url}#dp{rank}" for url in self.urls for rank in range(self.data_parallel_size)]
 
     def reset_prefix_caches(self) -> None:
         """Empty both engines' prefix caches (``VLLM_SERVER_DEV_MODE=1`` endpoint)."""
@@ -144,12 +161,17 @@ class VllmFleet:
         self._complete_on_each([100 + (seed * 7919 + position * 104729) % 1000 for position in range(4 * BLOCK_SIZE)])
 
     def _complete_on_each(self, prompt: str | list[int]) -> None:
-        """One single-token completion of ``prompt`` on each engine, directly."""
+        """One single-token completion of ``prompt`` on each engine (each rank), directly."""
         for url in self.urls:
-            response = httpx.post(
-                url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=60
-            )
-            assert response.status_code == 200, f"{url}/v1/completions: {response.status_code} {response.text}"
+            for rank in range(self.data_parallel_size):
+                headers = {"X-data-parallel-rank": str(rank)} if self.data_parallel_size > 1 else {}
+                response = httpx.post(
+                    url + "/v1/completions",
+                    json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+                    headers=headers,
+                    timeout=60,
+                )
+                assert response.status_code == 200, f"{url}/v1/completions: {response.status_code} {response.text}"
 
     def prefix_cache_counters(self) -> tuple[float, float]:
         """(hits, queries) in tokens, summed over the replicas' vLLM metrics.
@@ -210,14 +232,17 @@ def _healthy(url: str) -> bool:
 
 
 @contextmanager
-def launch_fleet(log_dir: Path) -> Iterator[VllmFleet]:
-    """Two healthy vLLM replicas for the duration of the ``with`` block."""
+def launch_fleet(log_dir: Path, replicas: int = 2, data_parallel_size: int = 1) -> Iterator[VllmFleet]:
+    """Healthy vLLM replicas (each with ``data_parallel_size`` ranks) for the duration of the
+    ``with`` block."""
     if shutil.which("curl") is None:
         raise LaunchError("deploy/local/run_cpu.sh needs curl on PATH")
-    http_a, http_b, events_a, events_b, replay_a, replay_b = free_ports(6)
-    replicas = [
-        Replica(f"http://127.0.0.1:{http_a}", f"tcp://127.0.0.1:{events_a}", f"tcp://127.0.0.1:{replay_a}"),
-        Replica(f"http://127.0.0.1:{http_b}", f"tcp://127.0.0.1:{events_b}", f"tcp://127.0.0.1:{replay_b}"),
+    log_dir.mkdir(parents=True, exist_ok=True)
+    https = free_ports(replicas)
+    events, replays = free_ports(replicas, data_parallel_size), free_ports(replicas, data_parallel_size)
+    started = [
+        Replica(f"http://127.0.0.1:{http}", f"tcp://127.0.0.1:{event}", f"tcp://127.0.0.1:{replay}")
+        for http, event, replay in zip(https, events, replays, strict=True)
     ]
     env = {
         **os.environ,
@@ -225,9 +250,10 @@ def launch_fleet(log_dir: Path) -> Iterator[VllmFleet]:
         "KVROUTE_VLLM_VENV": str(CACHE / "venv-vllm"),
         "KVROUTE_TINY_MODEL": str(CACHE / "tiny-model"),
         "KVROUTE_PYTHON": sys.executable,
-        "KVROUTE_VLLM_PORTS": f"{http_a} {http_b}",
-        "KVROUTE_KV_EVENTS_PORTS": f"{events_a} {events_b}",
-        "KVROUTE_KV_REPLAY_PORTS": f"{replay_a} {replay_b}",
+        "KVROUTE_VLLM_PORTS": " ".join(map(str, https)),
+        "KVROUTE_KV_EVENTS_PORTS": " ".join(map(str, events)),
+        "KVROUTE_KV_REPLAY_PORTS": " ".join(map(str, replays)),
+        "KVROUTE_VLLM_DATA_PARALLEL": str(data_parallel_size),
         "KVROUTE_VLLM_KV_CACHE_BYTES": KV_CACHE_BYTES,
         # No torch.compile: starts in ~half the time; the tier checks caching, not speed.
         "KVROUTE_VLLM_EXTRA_ARGS": "--enforce-eager",
@@ -246,7 +272,7 @@ def launch_fleet(log_dir: Path) -> Iterator[VllmFleet]:
         )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not all(_healthy(replica.url) for replica in replicas):
+        while not all(_healthy(replica.url) for replica in started):
             if process.poll() is not None:
                 raise LaunchError(
                     f"deploy/local/run_cpu.sh exited with {process.returncode} before both vLLM replicas "
@@ -255,7 +281,7 @@ def launch_fleet(log_dir: Path) -> Iterator[VllmFleet]:
             if time.monotonic() > deadline:
                 raise LaunchError(f"vLLM replicas not healthy after {START_TIMEOUT_S:.0f} s:\n{tail(script_log)}")
             time.sleep(2)
-        yield VllmFleet(replicas, log_dir)
+        yield VllmFleet(started, log_dir, data_parallel_size)
     finally:
         _stop_script(process, script_log)
 
@@ -309,6 +335,7 @@ def launch_router(
         "health_interval_s": 1.0,
         "log_level": "info",
         "engine_scrape_interval_s": 1.0,
+        "data_parallel_size": fleet.data_parallel_size,
         **settings,
     }
     name = f"kvroute-{policy}{'-precise' if precise else ''}-{port}"
@@ -369,11 +396,14 @@ class RunSummary:
         return sum(r.predicted_tokens == r.cached_tokens for r in scored) / len(scored)
 
 
-async def _send_session(client: openai.AsyncOpenAI, requests: Sequence[WorkloadRequest]) -> list[Result]:
+async def _send_session(
+    client: openai.AsyncOpenAI, requests: Sequence[WorkloadRequest], session_header: str | None
+) -> list[Result]:
     results = []
     for request in requests:
+        headers = {session_header: request.session_id} if session_header and request.session_id else {}
         raw = await client.chat.completions.with_raw_response.create(
-            **{**request.body, "model": MODEL, "temperature": 0.0}
+            **{**request.body, "model": MODEL, "temperature": 0.0}, extra_headers=headers
         )
         completion = raw.parse()
         usage = completion.usage
@@ -397,7 +427,9 @@ async def _send_session(client: openai.AsyncOpenAI, requests: Sequence[WorkloadR
     return results
 
 
-async def _drive(url: str, requests: Sequence[WorkloadRequest], concurrency: int) -> list[Result]:
+async def _drive(
+    url: str, requests: Sequence[WorkloadRequest], concurrency: int, session_header: str | None
+) -> list[Result]:
     sessions: dict[str, list[WorkloadRequest]] = {}
     for request in requests:
         sessions.setdefault(request.session_id or "", []).append(request)
@@ -406,18 +438,23 @@ async def _drive(url: str, requests: Sequence[WorkloadRequest], concurrency: int
 
         async def one(session: list[WorkloadRequest]) -> list[Result]:
             async with limit:
-                return await _send_session(client, session)
+                return await _send_session(client, session, session_header)
 
         per_session = await asyncio.gather(*(one(session) for session in sessions.values()))
     return [result for results in per_session for result in results]
 
 
 def run_workload(
-    fleet: VllmFleet, router: RouterProcess, requests: Sequence[WorkloadRequest], concurrency: int = 4
+    fleet: VllmFleet,
+    router: RouterProcess,
+    requests: Sequence[WorkloadRequest],
+    concurrency: int = 4,
+    session_header: str | None = None,
 ) -> RunSummary:
-    """Send a workload through ``router`` (sessions concurrently, turns in order) and measure
-    the engines' own prefix-cache counters over it."""
+    """Send a workload through ``router`` (sessions concurrently, turns in order; each
+    session's id in ``session_header`` if given) and measure the engines' own prefix-cache
+    counters over it."""
     hits_before, queries_before = fleet.prefix_cache_counters()
-    results = asyncio.run(_drive(router.url, requests, concurrency))
+    results = asyncio.run(_drive(router.url, requests, concurrency, session_header))
     hits_after, queries_after = fleet.prefix_cache_counters()
     return RunSummary(results, hits_after - hits_before, queries_after - queries_before)

