@@ -90,6 +90,8 @@ class EngineAPI:
     #: Index block size for an engine page size (None: keep the router's own).
     index_block_size: Callable[[int | None], int | None]
     describe: str = ""
+    #: The label that tells one data-parallel rank's metrics from another's (None: none).
+    rank_label: str | None = None
     #: The paths of ``endpoints`` (derived; a set for the proxy's per-request filter).
     paths: frozenset[str] = field(default=frozenset(), init=False)
 

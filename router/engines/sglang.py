@@ -144,4 +144,5 @@ SGLANG = EngineAPI(
     observed=observed,
     index_block_size=index_block_size,
     describe="SGLang: /generate meta_info.cached_tokens, sglang:* metrics, /server_info",
+    rank_label="dp_rank",
 )

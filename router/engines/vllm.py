@@ -73,4 +73,5 @@ VLLM = EngineAPI(
     observed=cached_as_reported,
     index_block_size=whole_blocks,
     describe="vLLM: OpenAI API, usage.prompt_tokens_details.cached_tokens, vllm:* metrics",
+    rank_label="engine",
 )

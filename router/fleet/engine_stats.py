@@ -26,8 +26,8 @@ several data-parallel ranks exports one series per rank: counts, counters and ca
 are summed, usage is the mean.
 
 A backend that is one data-parallel rank (``BackendConfig.data_parallel_rank``) reads only
-its rank's series (vLLM labels them ``engine="<rank>"``); its engine's page is fetched once
-per round for all its ranks.
+its rank's series (``EngineAPI.rank_label``: vLLM labels them ``engine="<rank>"``, SGLang
+``dp_rank="<rank>"``); its engine's page is fetched once per round for all its ranks.
 
 The hit ratio is measured between two scrapes (delta hits / delta lookups), so it says how
 the cache does now, not since the engine started; with no lookups in between the previous
@@ -73,8 +73,6 @@ _PREFIXES = (*_SERIES, *_CACHE_INFO)
 _MEAN_FIELDS = frozenset({"kv_usage", "engine_hit_rate"})
 # SGLang's newer cached_tokens_total splits by cache_source; only its "total" is the sum.
 _PARTIAL_LABEL, _WHOLE_VALUE = "cache_source", "total"
-# vLLM's label of a data-parallel rank's series.
-_RANK_LABEL = "engine"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +111,14 @@ def parse_metrics(text: str, *, rank: int | None = None, scraped_at: float | Non
     wanted_rank = None if rank is None else str(rank)
     for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
-            if wanted_rank is not None and sample.labels.get(_RANK_LABEL, wanted_rank) != wanted_rank:
-                continue  # another rank's series
             info_of = _CACHE_INFO.get(sample.name)
+            series = _SERIES.get(sample.name)
+            engine = info_of if info_of is not None else series[0] if series is not None else None
+            if engine is None:
+                continue  # a longer name sharing a wanted prefix, e.g. a histogram's _bucket
+            if wanted_rank is not None and engine.rank_label is not None:
+                if sample.labels.get(engine.rank_label, wanted_rank) != wanted_rank:
+                    continue  # another rank's series
             if info_of is not None and info_of.cache_info is not None:
                 kind = info_of.name
                 cache_info = info_of.cache_info
@@ -129,9 +132,8 @@ def parse_metrics(text: str, *, rank: int | None = None, scraped_at: float | Non
                 elif size and blocks:
                     capacity_in_info += blocks * size
                 continue
-            series = _SERIES.get(sample.name)
             if series is None:
-                continue  # a longer name sharing a wanted prefix, e.g. a histogram's _bucket
+                continue
             if sample.labels.get(_PARTIAL_LABEL, _WHOLE_VALUE) != _WHOLE_VALUE:
                 continue
             engine, field_name = series

