@@ -194,7 +194,7 @@ async def run_target(
     await fleet.fresh()
     is_peer = target.startswith(PEER_PREFIX)
     # Load-only policies predict nothing: their router keeps no prefix index.
-    predicts = not is_peer and target not in LOAD_ONLY_POLICIES
+    predicts = not is_peer and target.partition(WHOLE_ENGINE)[0] not in LOAD_ONLY_POLICIES
     front = await fleets.start_target(target, fleet, tokenizer=tokenizer)
     try:
         if on_ready is not None:

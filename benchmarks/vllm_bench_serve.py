@@ -315,7 +315,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--engine", required=True, help="URL,URL,... of running vLLM engines")
     parser.add_argument("--block-size", type=int, required=True, help="the engines' block size")
-    parser.add_argument("--kv-capacity-tokens", type=int, default=None, help="each engine's KV cache in tokens")
+    parser.add_argument(
+        "--kv-capacity-tokens", type=int, default=None, help="each engine's (each rank's) KV cache in tokens"
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="data-parallel ranks behind each URL: kvroute routes to them, and each policy also runs as "
+        "POLICY@whole-engine, routing to engines as wholes",
+    )
     parser.add_argument("--tokenizer", required=True, help="the model's tokenizer directory (client and routers)")
     parser.add_argument("--model", default="tiny", help="served model name")
     parser.add_argument("--policies", default="round_robin,cache_aware", help="kvroute policies, comma separated")
@@ -355,12 +364,16 @@ async def _main(args: argparse.Namespace) -> int:
         args.max_concurrency,
         args.seed,
     )
-    fleet = ExternalFleet(args.engine.split(","), args.block_size, args.kv_capacity_tokens)
+    fleet = ExternalFleet(
+        args.engine.split(","), args.block_size, args.kv_capacity_tokens, data_parallel_size=args.data_parallel_size
+    )
     missing = [peer for peer in args.peer if not fleets.peer_installed(peer)]
     if missing:
         print(f"not installed: {', '.join(missing)}", file=sys.stderr)
         return 2
     policies = [policy for policy in args.policies.split(",") if policy]
+    if args.data_parallel_size > 1:  # each policy routing to ranks, and to engines as wholes
+        policies = [name for policy in policies for name in (policy, policy + fleets.WHOLE_ENGINE)]
     baselines = [policy + BASELINE_SUFFIX for policy in policies] if args.baseline is not None else []
     targets = policies + baselines + [PEER_PREFIX + p for p in args.peer]
     started = time.time()

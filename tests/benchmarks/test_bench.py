@@ -5,12 +5,15 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvroute.benchmarks import bench
-from kvroute.benchmarks.fleet import SimFleet, SimSpec
+from kvroute.benchmarks.fleet import WHOLE_ENGINE, ExternalFleet, SimFleet, SimSpec
 from kvroute.benchmarks.replay import replay
 from kvroute.benchmarks.results import TargetResult, read_json
 from kvroute.benchmarks.workloads import WorkloadOptions, make_workloads
@@ -367,3 +370,35 @@ async def test_replay_over_several_urls_takes_them_in_turn() -> None:
         fleet.stop()
     assert run.errors == 0 and run.completed == 6
     assert [counters[url].requests for url in fleet.urls] == [3, 3]
+
+
+async def test_data_parallel_engines_run_each_policy_to_the_ranks_and_to_the_whole() -> None:
+    """``--data-parallel-size 2``: ``POLICY`` routes to each engine's two ranks (backends
+    ``URL#dp0`` and ``URL#dp1``), ``POLICY@whole-engine`` to the engine as one backend; the
+    fleet's capacity counts every rank. (A sim has no ranks: it serves both names alike.)"""
+    sims = SimFleet(SimSpec(replicas=1, time_scale=20, kv_capacity_tokens=4096))
+    options = WorkloadOptions(agent_turns=2, agent_scale=0.04, max_output_tokens=4)
+    (workload,) = make_workloads("agent-sessions:4", options)
+    settings = bench.RunSettings(speedup=20, max_in_flight=256, time_scale=20)
+    backends: dict[str, list[str]] = {}
+
+    def names(target: str) -> Callable[[str], None]:
+        def seen(router_url: str) -> None:
+            page = httpx.get(router_url + "/metrics", timeout=10).text
+            backends[target] = sorted(re.findall(r'kvroute_backend_healthy\{backend="([^"]+)"\} 1\.0', page))
+
+        return seen
+
+    try:
+        await sims.fresh()
+        fleet = ExternalFleet(sims.urls, capacity_tokens=4096, data_parallel_size=2)
+        assert bench.fleet_capacity_blocks(fleet) == 2 * 4096 // 16
+        prompts = bench.workload_prompts(workload, fleet.block_size, None)
+        for target in ("round_robin", "round_robin" + WHOLE_ENGINE):
+            result = await bench.run_target(target, workload, fleet, settings, None, names(target), prompts)
+            assert result.errors == 0
+            assert result.hit_rate_predicted is None  # a load-only policy, whole engine or not
+    finally:
+        sims.stop()
+    (url,) = sims.urls
+    assert backends == {"round_robin": [url + "#dp0", url + "#dp1"], "round_robin" + WHOLE_ENGINE: [url]}
