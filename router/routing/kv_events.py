@@ -40,6 +40,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvroute.router.backend_url import split_rank_name
 from kvroute.router.routing.zmq_inbox import Inbox
 
 log = logging.getLogger(__name__)
@@ -310,6 +311,8 @@ class SubscriberStats:
     disconnects: int = 0
     replay_failures: int = 0
     apply_errors: int = 0
+    #: Batches from another data-parallel rank than the backend's (a misconfigured endpoint).
+    other_rank_batches: int = 0
 
 
 class ReplayFailed(RuntimeError):
@@ -343,6 +346,8 @@ class KVEventSubscriber:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backend = backend
+        #: The data-parallel rank the backend is (its batches must say so), or None.
+        self.rank = split_rank_name(backend)[1]
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
@@ -473,6 +478,20 @@ class KVEventSubscriber:
             batch = self.decoder.decode_payload(seq, payload)
         except MalformedMessage as exc:
             log.warning("kv events of %s: skipping batch %d: %s", self.backend, seq, exc)
+            return
+        if self.rank is not None and batch.data_parallel_rank not in (None, self.rank):
+            # Another rank's cache: applying it would make this rank's index wrong.
+            if not self.stats.other_rank_batches:
+                log.warning(
+                    "kv events of %s: batches come from data-parallel rank %d: this endpoint (%s) "
+                    "is not rank %d's; not applied, the index is partial",
+                    self.backend,
+                    batch.data_parallel_rank,
+                    self.endpoint,
+                    self.rank,
+                )
+            self.stats.other_rank_batches += 1
+            self._complete = False
             return
         self.stats.events += len(batch.events)
         try:

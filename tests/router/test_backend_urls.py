@@ -30,7 +30,7 @@ from cryptography.x509.oid import NameOID
 
 from kvroute.router.backend_url import offset_endpoint_port, parse_backend_url, rank_name, split_rank_name
 from kvroute.router.config import BackendConfig, ConfigError, load_settings
-from kvroute.router.routing.precise_index import PreciseIndex, events_endpoint_for
+from kvroute.router.routing.precise_index import events_endpoint_for
 from kvroute.router.serve import build_parser, settings_from_args
 from tests.servers import ServerLoop, SimServer, wait_until
 
@@ -183,10 +183,6 @@ def test_each_rank_of_a_data_parallel_engine_is_a_backend() -> None:
     unix = ["--backend", "http://a:8000", "--data-parallel-size", "2", "--kv-events-endpoint", "http://a:8000=ipc:///e"]
     with pytest.raises(ConfigError, match="PORT"):
         settings_from_args(build_parser().parse_args(unix))
-    # Derived endpoints (--kv-events-port) move the same way.
-    index = PreciseIndex(events_port=5557, replay_port=5567)
-    assert index.endpoints("http://b:8000#dp1") == ("tcp://b:5558", "tcp://b:5568")
-    assert index.endpoints("http://b:8000") == ("tcp://b:5557", "tcp://b:5567")
     # An entry's own size wins over the router-wide one; an entry may name one rank itself.
     settings = load_settings(
         {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -11,7 +12,10 @@ from kvroute.router.routing.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    KVEvent,
     KVEventDecoder,
+    KVEventsState,
+    KVEventSubscriber,
     MalformedMessage,
     engine_hash,
 )
@@ -218,3 +222,38 @@ async def test_replay_answers_with_or_without_the_topic_frame(with_topic: bool) 
         ctx.term()
     assert [seq for seq, _ in replayed] == [5, 6]
     assert all(payload == batch for _, payload in replayed)
+
+
+class RecordingSink:
+    """An event sink that keeps what it was given."""
+
+    def __init__(self) -> None:
+        self.applied: list[tuple[str, list[KVEvent]]] = []
+        self.states: list[KVEventsState] = []
+
+    def apply_events(self, backend: str, events: Sequence[KVEvent]) -> None:
+        self.applied.append((backend, list(events)))
+
+    def flush(self) -> None:
+        pass
+
+    def clear_backend(self, backend: str) -> None:
+        pass
+
+    def set_state(self, backend: str, state: KVEventsState) -> None:
+        self.states.append(state)
+
+
+async def test_a_ranks_stream_applies_only_its_own_ranks_batches() -> None:
+    """A data-parallel rank's subscriber whose endpoint is another rank's (a misconfigured
+    port) applies nothing from it and says the index is partial; its own rank's batches,
+    and batches that name no rank, apply."""
+    sink = RecordingSink()
+    subscriber = KVEventSubscriber("http://h:8000#dp1", "tcp://127.0.0.1:5558", sink)
+    await subscriber.handle_message(frames(0, [1.0, [stored_map()], 1]))
+    await subscriber.handle_message(frames(1, [1.0, [stored_map(block_hashes=[13])]]))
+    assert [len(events) for _, events in sink.applied] == [1, 1]
+    assert subscriber.state is KVEventsState.PRECISE
+    await subscriber.handle_message(frames(2, [2.0, [stored_map(block_hashes=[14])], 0]))
+    assert len(sink.applied) == 2 and subscriber.stats.other_rank_batches == 1
+    assert subscriber.state is KVEventsState.PARTIAL

@@ -268,6 +268,8 @@ def test_endpoints_are_configured_or_derived() -> None:
     assert index.endpoints("http://a:1", "tcp://b:6000", "tcp://c:7000") == ("tcp://b:6000", "tcp://c:7000")
     assert PreciseIndex().endpoints("http://a:1") is None
     assert PreciseIndex().endpoints("http://a:1", "tcp://b:1") == ("tcp://b:1", None)
+    # Rank r of a data-parallel engine publishes r ports above the engine's ports.
+    assert index.endpoints("http://10.0.0.7:8000#dp1") == ("tcp://10.0.0.7:5558", "tcp://10.0.0.7:5568")
 
 
 def test_the_routing_engine_predicts_from_events_with_the_engines_block_size() -> None:
