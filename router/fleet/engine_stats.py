@@ -113,11 +113,11 @@ def parse_metrics(text: str, *, rank: int | None = None, scraped_at: float | Non
         for sample in family.samples:
             info_of = _CACHE_INFO.get(sample.name)
             series = _SERIES.get(sample.name)
-            engine = info_of if info_of is not None else series[0] if series is not None else None
-            if engine is None:
+            owner = info_of or (series[0] if series is not None else None)
+            if owner is None:
                 continue  # a longer name sharing a wanted prefix, e.g. a histogram's _bucket
-            if wanted_rank is not None and engine.rank_label is not None:
-                if sample.labels.get(engine.rank_label, wanted_rank) != wanted_rank:
+            if wanted_rank is not None and owner.rank_label is not None:
+                if sample.labels.get(owner.rank_label, wanted_rank) != wanted_rank:
                     continue  # another rank's series
             if info_of is not None and info_of.cache_info is not None:
                 kind = info_of.name
@@ -132,8 +132,7 @@ def parse_metrics(text: str, *, rank: int | None = None, scraped_at: float | Non
                 elif size and blocks:
                     capacity_in_info += blocks * size
                 continue
-            if series is None:
-                continue
+            assert series is not None  # the owner was found by it
             if sample.labels.get(_PARTIAL_LABEL, _WHOLE_VALUE) != _WHOLE_VALUE:
                 continue
             engine, field_name = series

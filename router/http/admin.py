@@ -76,6 +76,7 @@ class AdminAPI:
         if not settings.admin_token:
             raise ValueError("the admin API needs an admin token")
         self._token = settings.admin_token.encode()
+        self._data_parallel_size = settings.data_parallel_size
         self._pool = pool
         self._health = health
         self._on_secret = on_secret
@@ -173,7 +174,7 @@ class AdminAPI:
         if self._on_secret is not None:
             for secret in config.secrets():
                 self._on_secret(secret)
-        if len(config.ranks()) > 1:
+        if len(config.ranks(self._data_parallel_size)) > 1:
             raise RouterError(
                 400, "add a data-parallel engine's ranks one by one (data_parallel_rank)", code="invalid_backend"
             )

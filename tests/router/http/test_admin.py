@@ -114,6 +114,20 @@ def test_adding_an_unreachable_backend_keeps_it_unhealthy(router_server: Any) ->
     assert added.json()["healthy"] is False
 
 
+def test_a_data_parallel_engine_is_added_rank_by_rank(sim_engines: Any, router_server: Any) -> None:
+    (sim,) = sim_engines(1)
+    router = router_server([], admin_token=TOKEN, data_parallel_size=2)
+    whole = admin(router, "POST", json={"url": sim.url})  # two ranks by the router-wide setting
+    assert whole.status_code == 400 and "one by one" in whole.json()["error"]["message"]
+    for rank in (0, 1):
+        added = admin(router, "POST", json={"url": sim.url, "data_parallel_size": 2, "data_parallel_rank": rank})
+        assert added.status_code == 201 and added.json()["url"] == f"{sim.url}#dp{rank}"
+    again = admin(router, "POST", json={"url": sim.url, "data_parallel_rank": 1})
+    assert again.status_code == 409
+    removed = admin(router, "DELETE", params={"url": f"{sim.url}#dp1"})
+    assert removed.status_code == 200 and [b.url for b in router.state.pool] == [f"{sim.url}#dp0"]
+
+
 def test_drain_finishes_running_streams_then_removes_the_backend(sim_engines: Any, router_server: Any) -> None:
     slow: SimServer
     (slow,) = sim_engines(1, time_scale=1.0, decode_tokens_per_s=60.0)
