@@ -16,12 +16,13 @@
 #   KVROUTE_PYTHON              the Python that has kvroute installed (default python3)
 #   KVROUTE_VLLM_HOST           address the replicas bind (default 127.0.0.1)
 #   KVROUTE_VLLM_PORTS          replica HTTP ports (default "8101 8102")
-#   KVROUTE_KV_EVENTS_PORTS     KV event PUB ports (default "5557 5558")
-#   KVROUTE_KV_REPLAY_PORTS     KV event replay ports (default "5567 5568")
+#   KVROUTE_KV_EVENTS_PORTS     KV event PUB ports (default "5557 5558"; with ranks, the ranks
+#                               apart: "5557 5559" for two)
+#   KVROUTE_KV_REPLAY_PORTS     KV event replay ports (default "5567 5568"; "5567 5569" for two ranks)
 #   KVROUTE_VLLM_KV_CACHE_BYTES KV cache per replica (default 256M; smaller means evictions)
 #   KVROUTE_VLLM_EXTRA_ARGS     extra vLLM flags, e.g. --enforce-eager (starts faster)
-#   KVROUTE_VLLM_DATA_PARALLEL  data-parallel ranks per replica (default 1): rank r listens for
-#                               nothing of its own but publishes KV events r ports above the
+#   KVROUTE_VLLM_DATA_PARALLEL  data-parallel ranks per replica (default 1): each rank has its
+#                               own KV cache and publishes its events r ports above the
 #                               replica's; kvroute routes to each rank (--data-parallel-size)
 #   KVROUTE_RUN_ROUTER          0 to start only the replicas (default 1)
 #   KVROUTE_PORT, KVROUTE_POLICY, KVROUTE_KV_EVENTS=false ...  kvroute's own settings
@@ -42,13 +43,14 @@ TOKENIZER="${KVROUTE_TINY_TOKENIZER:-$("${KVROUTE_PYTHON:-python3}" -c \
 
 HOST="${KVROUTE_VLLM_HOST:-127.0.0.1}"
 read -r -a PORTS <<<"${KVROUTE_VLLM_PORTS:-8101 8102}"
-read -r -a EVENT_PORTS <<<"${KVROUTE_KV_EVENTS_PORTS:-5557 5558}"
-read -r -a REPLAY_PORTS <<<"${KVROUTE_KV_REPLAY_PORTS:-5567 5568}"
+RANKS="${KVROUTE_VLLM_DATA_PARALLEL:-1}"
+# Rank r publishes r ports up: the replicas' default ports are the ranks apart.
+read -r -a EVENT_PORTS <<<"${KVROUTE_KV_EVENTS_PORTS:-5557 $((5557 + RANKS))}"
+read -r -a REPLAY_PORTS <<<"${KVROUTE_KV_REPLAY_PORTS:-5567 $((5567 + RANKS))}"
 read -r -a EXTRA <<<"${KVROUTE_VLLM_EXTRA_ARGS:-}"
 LOG_DIR="${KVROUTE_LOG_DIR:-$(mktemp -d -t kvroute-local.XXXXXX)}"
 mkdir -p "$LOG_DIR"
 CORES="$(nproc)"
-RANKS="${KVROUTE_VLLM_DATA_PARALLEL:-1}"
 
 trap stop_all EXIT
 trap 'exit 130' INT TERM
