@@ -93,6 +93,8 @@ class EngineStats:
     hit_ratio: float | None = None
     #: ``time.monotonic()`` of the scrape.
     scraped_at: float = 0.0
+    #: Data-parallel ranks the page has series of (1: none named).
+    ranks: int = 1
 
 
 def parse_metrics(text: str, *, rank: int | None = None, scraped_at: float | None = None) -> EngineStats:
@@ -109,6 +111,7 @@ def parse_metrics(text: str, *, rank: int | None = None, scraped_at: float | Non
     block_size: int | None = None
     capacity_in_info = 0  # tokens (or blocks x block size), summed over ranks
     wanted_rank = None if rank is None else str(rank)
+    ranks_seen: set[str] = set()
     for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
             info_of = _CACHE_INFO.get(sample.name)
@@ -116,8 +119,10 @@ def parse_metrics(text: str, *, rank: int | None = None, scraped_at: float | Non
             owner = info_of or (series[0] if series is not None else None)
             if owner is None:
                 continue  # a longer name sharing a wanted prefix, e.g. a histogram's _bucket
-            if wanted_rank is not None and owner.rank_label is not None:
-                if sample.labels.get(owner.rank_label, wanted_rank) != wanted_rank:
+            sample_rank = sample.labels.get(owner.rank_label) if owner.rank_label is not None else None
+            if sample_rank is not None:
+                ranks_seen.add(sample_rank)
+                if wanted_rank is not None and sample_rank != wanted_rank:
                     continue  # another rank's series
             if info_of is not None and info_of.cache_info is not None:
                 kind = info_of.name
@@ -159,6 +164,7 @@ def parse_metrics(text: str, *, rank: int | None = None, scraped_at: float | Non
         prefix_hit_tokens=sums.get("prefix_hit_tokens"),
         hit_ratio=engine_hit_rate if not has_counters else None,
         scraped_at=time.monotonic() if scraped_at is None else scraped_at,
+        ranks=max(1, len(ranks_seen)),
     )
 
 
@@ -290,7 +296,17 @@ class EngineScraper:
 
     def apply(self, backend: Backend, stats: EngineStats) -> EngineStats:
         """Record one scrape of ``backend``: computes its hit ratio and notifies everyone."""
-        stats = with_hit_ratio(stats, self._last.get(backend.url))
+        previous = self._last.get(backend.url)
+        if stats.ranks > 1 and backend.access.rank is None and (previous is None or previous.ranks == 1):
+            log.warning(
+                "backend %s has %d data-parallel ranks, each with its own KV cache: route to them "
+                "with --data-parallel-size %d (or data_parallel_size on the backend), else the "
+                "engine's own balancer picks one whatever it holds",
+                backend.url,
+                stats.ranks,
+                stats.ranks,
+            )
+        stats = with_hit_ratio(stats, previous)
         page_size = backend.engine_facts.page_size
         if stats.block_size is None and page_size:  # e.g. SGLang's /server_info page_size
             stats = replace(stats, block_size=backend.engine.index_block_size(page_size))

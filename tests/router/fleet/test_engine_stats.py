@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import aiohttp
@@ -10,6 +11,8 @@ import pytest
 
 from kvroute.benchmarks.sim_engine.config import SimEngineConfig
 from kvroute.benchmarks.sim_engine.metrics import EngineMetrics
+from kvroute.router.config import BackendConfig
+from kvroute.router.fleet.backend_access import BackendAccess
 from kvroute.router.fleet.backends import Backend
 from kvroute.router.fleet.engine_stats import (
     EngineScraper,
@@ -127,6 +130,7 @@ def test_one_data_parallel_rank_reads_its_own_series() -> None:
     assert (stats.block_size, stats.capacity_tokens) == (32, 32_000)
     assert (stats.prefix_queries_tokens, stats.prefix_hit_tokens) == (3000.0, 1500.0)
     assert parse_metrics(OLD_VLLM_DP_PAGE, rank=2).running is None  # no such rank: nothing known
+    assert parse_metrics(OLD_VLLM_DP_PAGE).ranks == parse_metrics(OLD_VLLM_DP_PAGE, rank=1).ranks == 2
 
     # SGLang labels a rank's series dp_rank (its scheduler gauges come from attention-TP rank 0).
     sglang = "\n".join(
@@ -169,6 +173,23 @@ def test_hit_ratio_is_measured_between_scrapes() -> None:
     assert idle.hit_ratio == pytest.approx(0.8)  # nothing new: the last ratio stands
     restarted = with_hit_ratio(EngineStats(prefix_queries_tokens=200.0, prefix_hit_tokens=50.0), idle)
     assert restarted.hit_ratio == pytest.approx(0.25)  # counters reset: the new values are the delta
+
+
+def test_an_engine_with_ranks_routed_to_as_a_whole_is_pointed_out_once(caplog: pytest.LogCaptureFixture) -> None:
+    scraper = EngineScraper(None, timeout_s=1.0)  # type: ignore[arg-type]
+    whole, rank = (
+        Backend("http://engine"),
+        Backend(
+            "http://engine#dp1", access=BackendAccess.build(BackendConfig(url="http://engine", data_parallel_rank=1))
+        ),
+    )
+    with caplog.at_level(logging.WARNING, logger="kvroute.engine_stats"):
+        for _ in range(3):
+            scraper.apply(whole, parse_metrics(OLD_VLLM_DP_PAGE))
+            scraper.apply(rank, parse_metrics(OLD_VLLM_DP_PAGE, rank=1))
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and "http://engine has 2 data-parallel ranks" in warnings[0]
+    assert "--data-parallel-size 2" in warnings[0]
 
 
 def test_scraper_updates_the_backend_and_tells_listeners() -> None:
