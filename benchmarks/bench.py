@@ -670,6 +670,9 @@ async def _main(args: argparse.Namespace) -> int:
     if not sim and swept:
         print("kvroute bench: --sweep-* needs --engine sim", file=sys.stderr)
         return 2
+    if sim and args.data_parallel_size > 1:
+        print("kvroute bench: --data-parallel-size needs --engine URL,... (sims have no ranks)", file=sys.stderr)
+        return 2
     if sim:
         model = args.model or "sim"
     else:

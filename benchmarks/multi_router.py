@@ -45,6 +45,7 @@ from kvroute.benchmarks.bench import (
 from kvroute.benchmarks.fleet import ExternalFleet, KVEventEndpoints, SimFleet, free_port
 from kvroute.benchmarks.replay import Progress, replay
 from kvroute.benchmarks.workloads import Workload, WorkloadOptions, make_workloads
+from kvroute.router.backend_url import rank_name
 from kvroute.router.routing.kv_events import KVEventsState
 
 PRECISE = int(KVEventsState.PRECISE)
@@ -145,6 +146,7 @@ async def start_routers(
                     tokenizer=tokenizer,
                     extra_args=extra,
                     kv_events=fleet.kv_events if arrangement.precise else None,
+                    data_parallel_size=fleet.data_parallel_size,
                 )
             )
         await asyncio.sleep(0.5)  # ZMQ subscriptions reach their publishers
@@ -181,20 +183,28 @@ async def run_one(
         after = await fleets.engine_counters(fleet.urls)
         served = {url: after[url] - before[url] for url in fleet.urls}
         if arrangement.precise:  # an engine that served nothing published nothing to follow
-            await _check_precise(routers, [url for url, counters in served.items() if counters.requests > 0])
+            urls = [url for url, counters in served.items() if counters.requests > 0]
+            await _check_precise(routers, urls, fleet.data_parallel_size)
     finally:
         fleets.stop_all(routers)
     result = summarize(arrangement.name, workload, run, served, None)
     return result.hit_rate_observed or 0.0, result.ttft_p99_s or 0.0
 
 
-async def _check_precise(routers: Sequence[fleets.ManagedProcess], backends: Sequence[str]) -> None:
-    """Every router still reads the events of every backend that served the run at its end
+async def _check_precise(routers: Sequence[fleets.ManagedProcess], urls: Sequence[str], ranks: int = 1) -> None:
+    """Every router still reads the events of every engine that served the run at its end
     (state 1; ``--workers``: the highest of its workers'), or the run measured approximate
-    routing."""
+    routing. Of a data-parallel engine (``ranks``), every rank whose stream carried a message:
+    the engine's counters do not say which ranks served."""
     for router in routers:
         streams = await fleets.kv_event_streams(router.url)
         states = streams.states
+        backends = [
+            name
+            for url in urls
+            for name in ([url] if ranks == 1 else [rank_name(url, rank) for rank in range(ranks)])
+            if ranks == 1 or streams.counts.get(name)
+        ]
         lost = [url for url in backends if states.get(url) != PRECISE]
         if lost:
             counts = {url: streams.counts.get(url, {}) for url in lost}
@@ -264,6 +274,7 @@ async def _main(args: argparse.Namespace) -> int:
             capacity_tokens=args.kv_capacity_tokens,
             api=args.api,
             kv_events=events if precise else (),
+            data_parallel_size=args.data_parallel_size,
         )
         settings = RunSettings(speedup=args.speedup or 1.0, max_in_flight=args.max_in_flight, time_scale=1.0)
     rows = []
@@ -331,6 +342,8 @@ def main(argv: list[str]) -> int:
     if args.engine == "virtual":
         parser.error("--engine virtual: several routers need engines that answer over HTTP (sim or URLs)")
     external = args.engine != "sim"
+    if not external and args.data_parallel_size > 1:
+        parser.error("--data-parallel-size needs --engine URL,... (sims have no ranks)")
     args.kv_events_endpoints = _csv(mine.kv_events_endpoints)
     args.kv_events_replay_endpoints = _csv(mine.kv_events_replay_endpoints) or [None] * len(args.kv_events_endpoints)
     if external and "precise" in args.index and len(args.kv_events_endpoints) != len(_csv(args.engine)):

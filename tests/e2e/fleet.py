@@ -36,6 +36,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.benchmarks.workloads import WorkloadRequest
+from kvroute.router.backend_url import rank_name
 from tests.paths import REPO
 
 ROOT = REPO
@@ -141,7 +142,7 @@ class VllmFleet:
         """The backends a router makes of the fleet: each replica, or each of its ranks."""
         if self.data_parallel_size == 1:
             return self.urls
-        return [f"{url}#dp{rank}" for url in self.urls for rank in range(self.data_parallel_size)]
+        return [rank_name(url, rank) for url in self.urls for rank in range(self.data_parallel_size)]
 
     def reset_prefix_caches(self) -> None:
         """Empty both engines' prefix caches (``VLLM_SERVER_DEV_MODE=1`` endpoint)."""
