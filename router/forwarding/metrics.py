@@ -297,7 +297,8 @@ class _BackendEventCounters:
             "kvroute_kv_events",
             "KV-event stream counters per backend, by event: messages and events applied, gaps "
             "and the batches replayed for them, unrecoverable_gaps, restarts (engine restarts "
-            "seen), disconnects, replay_failures, apply_errors, and what the decoder skipped "
+            "seen), disconnects, replay_failures, apply_errors, other_rank_batches (a data-parallel "
+            "rank's endpoint sending another rank's batches, not applied), and what the decoder skipped "
             "(malformed_messages, malformed_events, unknown_events).",
             labels=["backend", "event"],
         )
