@@ -711,9 +711,9 @@ async def _main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"kvroute bench: {exc}", file=sys.stderr)
         return 2
-    if args.data_parallel_size > 1:  # each policy routing to ranks, and to engines as wholes
-        policies = [name for policy in policies for name in (policy, policy + WHOLE_ENGINE)]
-    targets = _targets(policies, peers) + ([BEST_PLACEMENT_TARGET] if args.placement_search else [])
+    targets = _targets(fleets.rank_targets(policies, args.data_parallel_size), peers) + (
+        [BEST_PLACEMENT_TARGET] if args.placement_search else []
+    )
     started = time.monotonic()
     results: list[TargetResult] = []
     for (time_scale, prefill), seed in itertools.product(points, seeds):

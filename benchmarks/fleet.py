@@ -606,3 +606,11 @@ async def start_target(
 
 #: The suffix of a kvroute target that routes to data-parallel engines as wholes.
 WHOLE_ENGINE = "@whole-engine"
+
+
+def rank_targets(policies: Sequence[str], data_parallel_size: int) -> list[str]:
+    """In front of data-parallel engines each policy twice: to the ranks, and as
+    ``POLICY@whole-engine`` (:func:`start_target`); else the policies as they are."""
+    if data_parallel_size == 1:
+        return list(policies)
+    return [name for policy in policies for name in (policy, policy + WHOLE_ENGINE)]

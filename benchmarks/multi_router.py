@@ -45,7 +45,7 @@ from kvroute.benchmarks.bench import (
 from kvroute.benchmarks.fleet import ExternalFleet, KVEventEndpoints, SimFleet, free_port
 from kvroute.benchmarks.replay import Progress, replay
 from kvroute.benchmarks.workloads import Workload, WorkloadOptions, make_workloads
-from kvroute.router.backend_url import rank_name
+from kvroute.router.backend_url import rank_names
 from kvroute.router.routing.kv_events import KVEventsState
 
 PRECISE = int(KVEventsState.PRECISE)
@@ -199,12 +199,7 @@ async def _check_precise(routers: Sequence[fleets.ManagedProcess], urls: Sequenc
     for router in routers:
         streams = await fleets.kv_event_streams(router.url)
         states = streams.states
-        backends = [
-            name
-            for url in urls
-            for name in ([url] if ranks == 1 else [rank_name(url, rank) for rank in range(ranks)])
-            if ranks == 1 or streams.counts.get(name)
-        ]
+        backends = [name for url in urls for name in rank_names(url, ranks) if ranks == 1 or streams.counts.get(name)]
         lost = [url for url in backends if states.get(url) != PRECISE]
         if lost:
             counts = {url: streams.counts.get(url, {}) for url in lost}

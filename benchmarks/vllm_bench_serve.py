@@ -372,8 +372,7 @@ async def _main(args: argparse.Namespace) -> int:
         print(f"not installed: {', '.join(missing)}", file=sys.stderr)
         return 2
     policies = [policy for policy in args.policies.split(",") if policy]
-    if args.data_parallel_size > 1:  # each policy routing to ranks, and to engines as wholes
-        policies = [name for policy in policies for name in (policy, policy + fleets.WHOLE_ENGINE)]
+    policies = fleets.rank_targets(policies, args.data_parallel_size)
     baselines = [policy + BASELINE_SUFFIX for policy in policies] if args.baseline is not None else []
     targets = policies + baselines + [PEER_PREFIX + p for p in args.peer]
     started = time.time()

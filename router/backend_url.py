@@ -67,13 +67,24 @@ def split_rank_name(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def rank_names(base: str, ranks: int) -> list[str]:
+    """The backends an engine of ``ranks`` data-parallel ranks is: itself, or each rank."""
+    return [base] if ranks == 1 else [rank_name(base, rank) for rank in range(ranks)]
+
+
+def endpoint_with_port(endpoint: str, port: int) -> str:
+    """The same host as a ``tcp://host:port`` endpoint, another port."""
+    head, _, _ = endpoint.rpartition(":")
+    return f"{head}:{port}"
+
+
 def offset_endpoint_port(endpoint: str, offset: int) -> str:
     """A ``tcp://host:port`` endpoint with its port moved by ``offset``: where data-parallel
     rank ``offset`` of a vLLM engine publishes the KV events configured at ``endpoint``."""
-    head, colon, port = endpoint.rpartition(":")
-    if not colon or not port.isdigit():
+    port = endpoint.rpartition(":")[2]
+    if ":" not in endpoint or not port.isdigit():
         raise ValueError(f"expected an endpoint ending in :PORT, got {endpoint!r}")
-    return f"{head}:{int(port) + offset}"
+    return endpoint_with_port(endpoint, int(port) + offset)
 
 
 def basic_authorization(username: str, password: str | None) -> str:

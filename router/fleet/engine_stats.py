@@ -209,12 +209,11 @@ async def scrape(
     timeout_s: float,
     headers: Mapping[str, str] | None = None,
     ssl: SSLContext | bool = True,
-    rank: int | None = None,
 ) -> EngineStats:
     """GET ``{url}/metrics`` once (``url`` with its path prefix; ``headers``, ``ssl``: the
-    backend's :class:`~kvroute.router.fleet.backend_access.BackendAccess`) and parse it (``rank``:
-    one data-parallel rank's series). Raises on HTTP or connection errors."""
-    return parse_metrics(await _metrics_page(session, url, timeout_s=timeout_s, headers=headers, ssl=ssl), rank=rank)
+    backend's :class:`~kvroute.router.fleet.backend_access.BackendAccess`) and parse it. Raises on HTTP or
+    connection errors."""
+    return parse_metrics(await _metrics_page(session, url, timeout_s=timeout_s, headers=headers, ssl=ssl))
 
 
 async def _metrics_page(

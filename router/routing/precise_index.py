@@ -52,7 +52,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import zmq.asyncio
 
-from kvroute.router.backend_url import split_rank_name
+from kvroute.router.backend_url import endpoint_with_port, split_rank_name
 from kvroute.router.routing.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -106,12 +106,6 @@ def events_endpoint_for(backend_url: str, port: int) -> str:
     """``tcp://HOST:PORT`` on the backend's host (IPv6 hosts bracketed)."""
     host = urlsplit(backend_url).hostname or "127.0.0.1"
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-def _with_port(endpoint: str, port: int) -> str:
-    """The same host as a ``tcp://host:port`` endpoint, another port."""
-    head, _, _ = endpoint.rpartition(":")
-    return f"{head}:{port}"
 
 
 @dataclass(slots=True)
@@ -528,7 +522,7 @@ class PreciseIndex:
             return None
         replay = kv_events_replay_endpoint
         if replay is None and self._replay_port is not None:
-            replay = _with_port(endpoint, self._replay_port + offset)
+            replay = endpoint_with_port(endpoint, self._replay_port + offset)
         return endpoint, replay
 
     def configure_backend(

@@ -36,7 +36,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.benchmarks.workloads import WorkloadRequest
-from kvroute.router.backend_url import rank_name
+from kvroute.router.backend_url import rank_names
+from kvroute.router.fleet.backend_access import DATA_PARALLEL_RANK_HEADER
 from tests.paths import REPO
 
 ROOT = REPO
@@ -140,9 +141,7 @@ class VllmFleet:
     @property
     def backend_names(self) -> list[str]:
         """The backends a router makes of the fleet: each replica, or each of its ranks."""
-        if self.data_parallel_size == 1:
-            return self.urls
-        return [rank_name(url, rank) for url in self.urls for rank in range(self.data_parallel_size)]
+        return [name for url in self.urls for name in rank_names(url, self.data_parallel_size)]
 
     def reset_prefix_caches(self) -> None:
         """Empty both engines' prefix caches (``VLLM_SERVER_DEV_MODE=1`` endpoint)."""
@@ -165,7 +164,7 @@ class VllmFleet:
         """One single-token completion of ``prompt`` on each engine (each rank), directly."""
         for url in self.urls:
             for rank in range(self.data_parallel_size):
-                headers = {"X-data-parallel-rank": str(rank)} if self.data_parallel_size > 1 else {}
+                headers = {DATA_PARALLEL_RANK_HEADER: str(rank)} if self.data_parallel_size > 1 else {}
                 response = httpx.post(
                     url + "/v1/completions",
                     json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
