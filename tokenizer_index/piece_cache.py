@@ -30,6 +30,10 @@ import numpy as np
 ENTRY_OVERHEAD_BYTES = 100
 # Bytes a piece's list form costs beyond the list object: its slot in the dict of lists.
 LIST_OVERHEAD_BYTES = 50
+#: Ids :func:`join_ids` copies per numpy call at most. Each call holds the GIL: one join of
+#: a 1M-token document's 6,700 chunk arrays held it ~13 ms, the event loop's stall while a
+#: worker thread prepared that prompt; 64K ids hold it well under a millisecond.
+JOIN_SLICE_IDS = 1 << 16
 # An int64 array object without its data (``sys.getsizeof`` of an owning array is this + nbytes).
 _ARRAY_OBJECT_BYTES = sys.getsizeof(np.empty(0, dtype=np.int64))
 
@@ -49,6 +53,34 @@ def frozen_ids(ids: Sequence[int]) -> np.ndarray:
     array = np.array(ids, dtype=np.int64)
     array.flags.writeable = False
     return array
+
+
+def join_ids(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """``arrays`` of ids joined into one new int64 array, at most :data:`JOIN_SLICE_IDS` ids
+    copied per numpy call (so another thread may run between them)."""
+    total = sum(map(len, arrays))
+    if total <= JOIN_SLICE_IDS:
+        return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+    joined = np.empty(total, dtype=np.int64)
+    group: list[np.ndarray] = []
+    grouped = 0  # ids in group
+    position = 0  # where group goes
+    for array in arrays:
+        if grouped + len(array) > JOIN_SLICE_IDS and group:
+            np.concatenate(group, out=joined[position : position + grouped])
+            position += grouped
+            group, grouped = [], 0
+        if len(array) <= JOIN_SLICE_IDS:
+            group.append(array)
+            grouped += len(array)
+            continue
+        for start in range(0, len(array), JOIN_SLICE_IDS):  # a long run: copied slice by slice
+            part = array[start : start + JOIN_SLICE_IDS]
+            joined[position : position + len(part)] = part
+            position += len(part)
+    if group:
+        np.concatenate(group, out=joined[position:])
+    return joined
 
 
 @dataclass(frozen=True, slots=True)

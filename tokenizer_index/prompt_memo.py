@@ -26,6 +26,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
+from kvroute.tokenizer_index.piece_cache import join_ids
+
 #: Candidates kept per key (the most recent first): conversations that share a last message.
 PER_KEY = 4
 # Bytes an entry costs beyond its text and arrays (objects, dict slots).
@@ -85,7 +87,7 @@ class RememberedPrompt:
         them are joined into one first, so a long conversation copies its ids once every
         few dozen turns instead of every turn (~70 us to 0.4 ms per 100K ids)."""
         if len(runs) > MAX_RUNS:
-            joined = np.concatenate(runs)
+            joined = join_ids(runs)
             joined.flags.writeable = False
             runs = (joined,)
         run_ends = np.cumsum([len(run) for run in runs], dtype=np.int64)
@@ -104,7 +106,7 @@ class RememberedPrompt:
     @property
     def ids(self) -> np.ndarray:
         """All the ids, joined (a new array)."""
-        return np.concatenate(self.runs) if self.runs else np.empty(0, dtype=np.int64)
+        return join_ids(self.runs)
 
     def replaces(self, other: RememberedPrompt) -> bool:
         """Whether ``other`` is the same prompt (kept once per key)."""

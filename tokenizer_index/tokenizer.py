@@ -10,7 +10,7 @@ the new text. The rendered text is cut right after every added token (``<|im_end
 the tokenizer extracts added tokens before anything else and never merges across them, so
 each piece tokenizes on its own to exactly the ids it has inside the whole text. Pieces are
 memoised in a byte-bounded LRU (:class:`kvroute.tokenizer_index.piece_cache.PieceCache`) as int64
-arrays, so the ``*_array`` encoders build a prompt with one ``np.concatenate`` and hand it to
+arrays, so the ``*_array`` encoders join a prompt's arrays (``join_ids``) and hand them to
 the block hasher as is: converting a long list of ids to an array costs more than the rest
 of a router's per-request work (``python -m kvroute.benchmarks.bench_tokenizer``). The list encoders
 share the cache and the cutting; they join list forms of the pieces kept beside the arrays.
@@ -71,7 +71,7 @@ from tokenizers import AddedToken, Tokenizer
 from kvroute.tokenizer_index import hf_files
 from kvroute.tokenizer_index.chat_messages import conversation_from_request, tools_from_request
 from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError
-from kvroute.tokenizer_index.piece_cache import PieceCache, PieceCacheStats, frozen_ids
+from kvroute.tokenizer_index.piece_cache import PieceCache, PieceCacheStats, frozen_ids, join_ids
 from kvroute.tokenizer_index.prompt_memo import PromptMemo, PromptMemoStats, RememberedPrompt, conversation_keys
 from kvroute.tokenizer_index.render_memo import RenderMemo, RenderSettings, incremental_render_agrees
 from kvroute.tokenizer_index.template_prefix import PrefixShape, prefix_shape
@@ -218,7 +218,7 @@ def _one_run(arrays: Sequence[np.ndarray]) -> np.ndarray:
     """``arrays`` (read-only id arrays) joined into one read-only array (the one as it is)."""
     if len(arrays) == 1:
         return arrays[0]
-    joined = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+    joined = join_ids(arrays)
     joined.flags.writeable = False
     return joined
 
@@ -835,7 +835,7 @@ class RequestTokenizer:
 
     def encode_text_array(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
         """:meth:`encode_text` as a new int64 array: the pieces' cached arrays, joined in one copy."""
-        return np.concatenate(self._parts(text, add_special_tokens=add_special_tokens, arrays=True))
+        return join_ids(self._parts(text, add_special_tokens=add_special_tokens, arrays=True))
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Token ids back to text."""
@@ -886,7 +886,7 @@ class RequestTokenizer:
         # joins all its ids (0.1-0.4 ms per 100K) every few dozen turns, not every few.
         fresh = _one_run(parts)
         runs = [*previous.runs_up_to(reused_tokens), fresh] if previous is not None else [fresh]
-        ids = np.concatenate(runs)
+        ids = join_ids(runs)
         piece_ends = start + np.cumsum([len(piece) for piece in pieces], dtype=np.int64)
         # Where each piece's ids end: at its last unit's end.
         unit_token_ends = np.cumsum([len(part) for part in parts], dtype=np.int64)
