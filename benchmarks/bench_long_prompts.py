@@ -27,11 +27,14 @@ hash the blocks, match, insert (wall time and the process's CPU time). Beside it
 **The 1M-token prompt** (it must not stall other requests). In one asyncio loop, ~2 KB chats
 arrive at ``--small-rate`` per second and are parsed and routed on the loop, as the proxy
 routes them; then ``--huge-prompts`` chats, each a fresh ``--huge-tokens`` document, arrive one
-after another. Each way of routing them (``--modes``) runs on its own engine:
+after another. Each way of routing them (``--modes``) runs on its own engine, whose index
+holds ``--stall-index-blocks`` blocks over 4 backends at their capacity (the huge prompt's
+insert evicts as many):
 
 * ``sync``: parse and route on the loop;
 * ``thread``: the proxy's way for bodies of ``THREAD_PREPARE_BYTES`` or more: parse on the
-  loop, ``RoutingEngine.prepare`` in a worker thread, the rest of ``route`` on the loop;
+  loop, ``RoutingEngine.prepare`` in a worker thread, the rest of ``route`` on the loop, its
+  index insert a slice per loop turn (``route(sliced=True)``, then ``learn_slice``);
 * ``thread-1ms``: the same with the interpreter's switch interval at 1 ms instead of 5 (how
   long the loop's thread may wait for the GIL while the worker runs Python code).
 
@@ -78,6 +81,8 @@ CHAT = next(endpoint for endpoint in ENDPOINTS if endpoint.path == "/v1/chat/com
 MODEL = "agent"
 BLOCK_SIZE = 16
 BACKENDS = 16
+#: Backends of the 1M-token stall runs (their index is filled as the agent turn's is).
+STALL_BACKENDS = 4
 #: Chat templates for ``--chat-template`` (the tokenizer's own is ChatML).
 TEMPLATES = Path(__file__).parent / "templates"
 LLAMA3_ADDED_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
@@ -218,6 +223,25 @@ def fill_prompts(
             yield name, np.concatenate((system, turn))
 
 
+def filled_engine(path: Path, names: list[str], index_blocks: int, seed: int) -> tuple[RoutingEngine, list[Backend]]:
+    """A cache-aware routing engine whose index holds ``index_blocks`` blocks over the
+    backends ``names``, each at its capacity (so every insert evicts, as in a router that
+    has run a while), and those backends as candidates; none, unbounded, for 0."""
+    engine = RoutingEngine(Settings(policy="cache_aware", block_size=BLOCK_SIZE, tokenizer=str(path)))
+    if index_blocks <= 0:
+        return engine, [Backend(name) for name in names]
+    capacity = index_blocks // len(names)
+    salt = request_salt(MODEL)
+    candidates = [Backend(name, capacity_tokens=capacity * BLOCK_SIZE) for name in names]
+    # A first request bounds each candidate's index at its capacity (unknown ones hold less).
+    engine.route(CHAT.path, {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]}, {}, candidates)
+    for name, tokens in fill_prompts(
+        np.random.default_rng(seed), names, lambda url: engine.index_tokens(url) // BLOCK_SIZE, capacity
+    ):
+        engine.apply_placement(Placement(name, BLOCK_SIZE, block_hashes(tokens, BLOCK_SIZE, salt), len(tokens)))
+    return engine, candidates
+
+
 # --- part 1: the agent turn -----------------------------------------------------------------------
 
 
@@ -250,12 +274,7 @@ def measure_turns(
     index = PrefixIndex(block_size=BLOCK_SIZE, capacity_blocks=capacity)
     for name, tokens in fill_prompts(np.random.default_rng(seed), names, index.blocks, capacity):
         index.insert_hashes(name, block_hashes(tokens, BLOCK_SIZE, salt))
-    engine = RoutingEngine(Settings(policy="cache_aware", block_size=BLOCK_SIZE, tokenizer=str(path)))
-    candidates = [Backend(name, capacity_tokens=capacity * BLOCK_SIZE) for name in names]
-    for name, tokens in fill_prompts(
-        np.random.default_rng(seed), names, lambda url: engine.index_tokens(url) // BLOCK_SIZE, capacity
-    ):
-        engine.apply_placement(Placement(name, BLOCK_SIZE, block_hashes(tokens, BLOCK_SIZE, salt), len(tokens)))
+    engine, candidates = filled_engine(path, names, index_blocks, seed)
 
     tokenizer = RequestTokenizer.from_pretrained(path)
     cold = RequestTokenizer.from_pretrained(path)
@@ -370,10 +389,17 @@ def huge_body(tokens: int, seed: int) -> bytes:
 
 
 async def _stall_run(
-    path: Path, mode: str, huge: list[bytes], small: list[bytes], rate: float, quiet_s: float
+    path: Path,
+    mode: str,
+    huge: list[bytes],
+    small: list[bytes],
+    rate: float,
+    quiet_s: float,
+    filled: tuple[RoutingEngine, list[Backend]],
 ) -> StallResult:
-    engine = RoutingEngine(Settings(policy="cache_aware", block_size=BLOCK_SIZE, tokenizer=str(path)))
-    candidates = [Backend(f"http://10.0.1.{number + 1}:8000") for number in range(4)]
+    engine, candidates = filled
+    # A tree from before sliced inserts (a baseline) inserts a prompt's blocks in route().
+    sliced = {"sliced": True} if hasattr(engine, "learn_slice") else {}
 
     def route(raw: bytes, *, prepared: Any = None) -> None:
         parsed = parse_request(raw, CHAT, {}, SESSION_HEADER)
@@ -415,10 +441,15 @@ async def _stall_run(
             on_loop = time.perf_counter() - begin
             prepared = await asyncio.to_thread(engine.prepare, CHAT.path, parsed.body)
             route_start = time.perf_counter()
-            plan = engine.route(CHAT.path, parsed.body, {}, candidates, prepared=prepared, parsed=parsed)
+            plan = engine.route(CHAT.path, parsed.body, {}, candidates, prepared=prepared, parsed=parsed, **sliced)
+            on_loop += time.perf_counter() - route_start
+            while getattr(plan, "pending_insert", None) is not None:  # as the proxy does: a slice per loop turn
+                await asyncio.sleep(0)
+                slice_start = time.perf_counter()
+                engine.learn_slice(plan)
+                on_loop += time.perf_counter() - slice_start
             engine.observe(plan, None)
             end = time.perf_counter()
-            on_loop += end - route_start
         else:
             route(raw)
             end = time.perf_counter()
@@ -469,7 +500,14 @@ def renders_incrementally(tokenizer: Path) -> bool:
 
 
 def measure_stalls(
-    path: Path, modes: list[str], huge_tokens: int, huge_prompts: int, rate: float, quiet_s: float, seed: int
+    path: Path,
+    modes: list[str],
+    huge_tokens: int,
+    huge_prompts: int,
+    rate: float,
+    quiet_s: float,
+    seed: int,
+    index_blocks: int,
 ) -> list[StallResult]:
     small = chat_bodies(per_prompt=4)
     tokenizer = RequestTokenizer.from_pretrained(path)
@@ -481,7 +519,9 @@ def measure_stalls(
         default_interval = sys.getswitchinterval()
         sys.setswitchinterval(SHORT_SWITCH_INTERVAL_S if mode.endswith("-1ms") else default_interval)
         try:
-            result = asyncio.run(_stall_run(path, mode, huge, small, rate, quiet_s))
+            names = [f"http://10.0.1.{number + 1}:8000" for number in range(STALL_BACKENDS)]
+            filled = filled_engine(path, names, index_blocks, seed)
+            result = asyncio.run(_stall_run(path, mode, huge, small, rate, quiet_s, filled))
         finally:
             sys.setswitchinterval(default_interval)
         results.append(replace(result, huge_tokens=tokens))
@@ -556,6 +596,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turn", choices=TURN_SHAPES, default="agent", help="what each turn adds (see TURN_SHAPES)")
     parser.add_argument("--huge-tokens", type=int, default=1_000_000, help="0 skips the stall measurement")
     parser.add_argument("--huge-prompts", type=int, default=2, help="huge prompts per mode")
+    parser.add_argument(
+        "--stall-index-blocks",
+        type=int,
+        default=1_000_000,
+        help="blocks in the stall runs' index (4 backends at capacity); 0: an empty index",
+    )
     parser.add_argument("--modes", default=",".join(MODES), help=f"ways to route the huge prompts, of {MODES}")
     parser.add_argument("--small-rate", type=float, default=200.0, help="small chats per second")
     parser.add_argument("--quiet-s", type=float, default=1.0, help="small chats alone before the huge prompts")
@@ -589,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
             args.small_rate,
             args.quiet_s,
             args.seed,
+            args.stall_index_blocks,
         )
         print()
         print(format_stalls(stalls))
@@ -603,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": list(os.getloadavg()),
         "block_size": BLOCK_SIZE,
         "index_blocks": args.index_blocks,
+        "stall_index_blocks": args.stall_index_blocks,
         "chat_template": str(args.chat_template) if args.chat_template else None,
         "turn": args.turn,
         "renders_incrementally": renders_incrementally(args.tokenizer),

@@ -356,7 +356,13 @@ class Proxy:
         parsed = call.parsed
         try:
             return self._routing.route(
-                call.endpoint.path, parsed.body, call.request.headers, candidates, prepared=call.prepared, parsed=parsed
+                call.endpoint.path,
+                parsed.body,
+                call.request.headers,
+                candidates,
+                prepared=call.prepared,
+                parsed=parsed,
+                sliced=True,
             )
         except Exception:
             log.exception("routing failed; falling back to the least loaded backend")
@@ -387,6 +393,8 @@ class Proxy:
         pool.acquire(backend, work_tokens)
         try:
             try:
+                if attempt.plan.pending_insert is not None:
+                    await self._learn_in_slices(attempt.plan)
                 upstream = await self._upstream.post(
                     backend.access.origin,
                     call.request.raw_path.encode(),
@@ -428,6 +436,14 @@ class Proxy:
             if self._admission_limited:
                 self._admission.wake()  # a backend's request slot freed
             self._finish(attempt)
+
+    async def _learn_in_slices(self, plan: RoutePlan) -> None:
+        """Insert a huge prompt's blocks into the index a slice per event-loop turn, so other
+        requests run between them; before the request goes upstream, so the answer's
+        feedback finds them all."""
+        await asyncio.sleep(0)
+        while self._routing.learn_slice(plan):
+            await asyncio.sleep(0)
 
     async def _relay_body(self, attempt: _Attempt, upstream: UpstreamResponse) -> None:
         try:

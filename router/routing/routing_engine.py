@@ -84,6 +84,10 @@ log = logging.getLogger("kvroute.routing")
 DEFAULT_BLOCK_SIZE = 16
 #: Index bound per backend whose cache size nobody told us (2M tokens: ~130K blocks of 16).
 UNKNOWN_CAPACITY_TOKENS = 1 << 21
+#: A prompt of more full blocks than this may be inserted into the index in slices of this
+#: many (``route(sliced=True)``), between which the proxy lets the event loop run: one
+#: insert of a 1M-token prompt's 62K blocks holds the loop 5-12 ms, one slice ~1 ms.
+INSERT_SLICE_BLOCKS = 8192
 #: Request header that forces a policy when ``allow_policy_header`` is on.
 POLICY_HEADER = "x-kvroute-policy"
 FALLBACK_REASON = "fallback"
@@ -121,6 +125,19 @@ class PreparedPrompt:
         token (an engine computes it even when all of the prompt is cached)."""
         return (self.tokens - 1) // self.block_size * self.block_size
 
+    def convert_hashes(self) -> None:
+        """Convert the hashes to :attr:`hash_list` now, :data:`INSERT_SLICE_BLOCKS` at a time.
+
+        For a huge prompt prepared in a worker thread: each slice is one call that holds the
+        GIL ~0.3 ms, where converting 62K hashes at once on the event loop holds it ~2 ms.
+        """
+        if self._hash_list is not None:
+            return
+        hashes: list[int] = []
+        for start in range(0, len(self.hashes), INSERT_SLICE_BLOCKS):
+            hashes += self.hashes[start : start + INSERT_SLICE_BLOCKS].tolist()
+        object.__setattr__(self, "_hash_list", hashes)
+
     def hash_at(self, position: int) -> int:
         """One block's hash as a Python int, without converting the others.
 
@@ -129,6 +146,18 @@ class PreparedPrompt:
         """
         hashes = self._hash_list
         return hashes[position] if hashes is not None else self.hashes.item(position)  # type: ignore[no-any-return]
+
+
+@dataclass(slots=True)
+class PendingInsert:
+    """The blocks of a prompt routed with ``sliced=True`` not yet in the index: those
+    before ``end``, inserted one slice at a time towards the head (the order, and so the
+    LRU ticks, of one insert: the head most recent)."""
+
+    index: PrefixIndex
+    backend: str
+    hashes: np.ndarray
+    end: int
 
 
 @dataclass(slots=True)
@@ -146,6 +175,9 @@ class RoutePlan:
     #: checks this model (its capacity, its eviction rate) instead.
     modelled_cached_tokens: int = 0
     serial: int = 0
+    #: Set by ``route(sliced=True)`` for a prompt of more than INSERT_SLICE_BLOCKS blocks
+    #: until :meth:`RoutingEngine.learn_slice` has inserted the rest.
+    pending_insert: PendingInsert | None = None
 
     @property
     def backend(self) -> str:
@@ -328,7 +360,10 @@ class RoutingEngine:
                 model=model if isinstance(model, str) else None,
                 cache_salt=cache_salt if isinstance(cache_salt, str) else None,
             )
-        return PreparedPrompt(tokens=len(tokens), hashes=hashes, block_size=size, precise=precise)
+        prompt = PreparedPrompt(tokens=len(tokens), hashes=hashes, block_size=size, precise=precise)
+        if len(hashes) > INSERT_SLICE_BLOCKS:
+            prompt.convert_hashes()  # here, in the caller's thread: the ledger may walk them
+        return prompt
 
     def route(
         self,
@@ -339,12 +374,15 @@ class RoutingEngine:
         *,
         prepared: PreparedPrompt | None = None,
         parsed: request_info.ParsedRequest | None = None,
+        sliced: bool = False,
     ) -> RoutePlan:
         """Pick a backend among ``candidates`` (non-empty) for this parsed request body.
 
         ``prepared`` (from :meth:`prepare`, e.g. run in a thread) and ``parsed`` (the
         proxy's parse of ``body``: its model, session key and output budget) may be passed
-        when the caller already has them; else they are worked out here.
+        when the caller already has them; else they are worked out here. ``sliced``: of a
+        prompt of more than :data:`INSERT_SLICE_BLOCKS` blocks insert only the last slice
+        here and leave the rest to :meth:`learn_slice` (``plan.pending_insert``).
         """
         if parsed is not None:
             model = parsed.model
@@ -396,10 +434,27 @@ class RoutingEngine:
             decision = policy.choose(request, candidates)
         plan = RoutePlan(decision=decision, policy=label, request=request, prompt=prepared, serial=serial)
         if prepared is not None and index is not None:
-            self._learn(plan, index, raw_matches.get(decision.backend, 0), modelled_matches.get(decision.backend, 0))
+            matched = raw_matches.get(decision.backend, 0)
+            self._learn(plan, index, matched, modelled_matches.get(decision.backend, 0), sliced=sliced)
             if prepared.precise is not None and self._precise is not None:
                 self._precise.speculate(decision.backend, prepared.precise)
         return plan
+
+    def learn_slice(self, plan: RoutePlan) -> bool:
+        """Insert the next slice of ``plan``'s pending blocks, towards the prompt's head;
+        True while more are left. Nothing once its backend left the index."""
+        pending = plan.pending_insert
+        if pending is None:
+            return False
+        if pending.backend not in pending.index.backends():
+            plan.pending_insert = None  # it left the pool in between: no holder to recreate
+            return False
+        start = max(0, pending.end - INSERT_SLICE_BLOCKS)
+        pending.index.insert_hashes(pending.backend, pending.hashes[start : pending.end])
+        pending.end = start
+        if start == 0:
+            plan.pending_insert = None
+        return plan.pending_insert is not None
 
     def observe(self, plan: RoutePlan, cached_tokens: int | None) -> None:
         """Feedback after an attempt: the engine's ``cached_tokens`` (None when not reported)."""
@@ -600,8 +655,9 @@ class RoutingEngine:
             index.set_capacity(url, blocks)
             self._capacities[key] = blocks
 
-    def _learn(self, plan: RoutePlan, index: PrefixIndex, matched: int, modelled: int) -> None:
-        """Insert the request's blocks for its backend; track the blocks it computes.
+    def _learn(self, plan: RoutePlan, index: PrefixIndex, matched: int, modelled: int, *, sliced: bool) -> None:
+        """Insert the request's blocks for its backend (a long prompt's in slices when
+        ``sliced``); track the blocks it computes.
 
         ``matched``: the tokens of the prompt the backend holds, as predicted; ``modelled``:
         as the approximate index alone predicted them (the same unless KV events answered).
@@ -622,8 +678,13 @@ class RoutingEngine:
         )
         if blocks > matched_blocks:
             self._computing.start(plan.serial, backend, (matched_blocks, prompt.hash_at(matched_blocks)))
-        if blocks:
+        if sliced and blocks > INSERT_SLICE_BLOCKS:
+            last_slice = blocks - INSERT_SLICE_BLOCKS
+            index.insert_hashes(backend, prompt.hashes[last_slice:])
+            plan.pending_insert = PendingInsert(index, backend, prompt.hashes, last_slice)
+        elif blocks:
             index.insert_hashes(backend, prompt.hashes)
+        if blocks:
             if blocks > matched_blocks and self._placement_listener is not None:
                 self._placement_listener(
                     Placement(backend, prompt.block_size, prompt.hashes, prompt.tokens, request.session_key)

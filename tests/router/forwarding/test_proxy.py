@@ -465,6 +465,30 @@ def test_long_prompt_is_tokenized_off_the_event_loop_with_the_same_key(
     assert cached - 16 < matched <= cached if api == "sglang" else matched == cached
 
 
+def test_a_long_prompt_goes_into_the_index_a_slice_per_loop_turn(
+    sim_engines: Any, router_server: Any, api: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts of more than INSERT_SLICE_BLOCKS blocks are inserted a slice per event-loop
+    turn before they go upstream: every block is in the index by the time the answer
+    comes, and the next turn finds its history there."""
+    from kvroute.router.routing import routing_engine
+
+    monkeypatch.setattr(routing_engine, "INSERT_SLICE_BLOCKS", 4)
+    router = router_server(sim_engines(2), policy="cache_aware")
+    messages = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 60}]
+    first = chat(router, messages=messages)
+    backend = first.headers["x-kvroute-backend"]
+    blocks = first.parse().usage.prompt_tokens // 16
+    assert blocks > 8 * 4
+    assert router.metrics().value("kvroute_index_blocks", backend=backend) == blocks
+    follow_up = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    second = chat(router, messages=follow_up)
+    assert second.headers["x-kvroute-backend"] == backend
+    cached = second.parse().usage.prompt_tokens_details.cached_tokens
+    matched = int(second.headers["x-kvroute-matched-tokens"])
+    assert cached - 16 < matched <= cached if api == "sglang" else matched == cached
+
+
 def test_decision_log_line_explains_each_request(
     sim_engines: Any, router_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -17,6 +17,7 @@ import pytest
 from kvroute.router.config import Settings
 from kvroute.router.fleet.backends import Backend
 from kvroute.router.fleet.engine_stats import EngineStats
+from kvroute.router.routing import routing_engine
 from kvroute.router.routing.request_info import ENDPOINTS, parse_request
 from kvroute.router.routing.routing_engine import RoutePlan, RoutingEngine
 from kvroute.tokenizer_index import RequestTokenizer
@@ -319,6 +320,46 @@ def test_block_hashes_become_python_ints_only_where_a_prompt_chain_is_walked() -
     retry = engine.route(CHAT, body, {}, [b for b in backends if b.url != first.backend], prepared=chained)
     assert chained.hash_list is converted
     assert retry.backend != first.backend and retry.request.prompt_tokens == first.request.prompt_tokens
+
+
+def test_a_long_prompt_routed_sliced_ends_in_the_index_as_one_insert_leaves_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``route(sliced=True)``: of a prompt over INSERT_SLICE_BLOCKS blocks only the last slice
+    goes in at once; ``learn_slice`` inserts the rest towards the head, and the index ends
+    as one insert leaves it, least recently used blocks included (seen by what a later
+    prompt evicts of it)."""
+    monkeypatch.setattr(routing_engine, "INSERT_SLICE_BLOCKS", 4)
+    backends = fleet(1, capacity=160 * 16)
+    body = chat("what does rule 7 say?")
+    whole, sliced = (RoutingEngine(Settings(policy="cache_aware", block_size=16)) for _ in range(2))
+    at_once = whole.route(CHAT, body, {}, backends)
+    plan = sliced.route(CHAT, body, {}, backends, sliced=True)
+    blocks = len(plan.prompt.hashes)
+    assert blocks > 20 and at_once.pending_insert is None
+    assert plan.pending_insert is not None and sliced.index_tokens("http://b0") == 4 * 16
+    assert plan.prompt._hash_list == plan.prompt.hashes.tolist()  # converted when prepared
+    slices = 2  # route's, and learn_slice's last (which says none are left)
+    while sliced.learn_slice(plan):
+        slices += 1
+    assert slices == -(-blocks // 4) and plan.pending_insert is None
+    assert not sliced.learn_slice(plan)
+    assert sliced.index_tokens("http://b0") == whole.index_tokens("http://b0") == blocks * 16
+    # Another prompt of about as many blocks evicts the oldest of the first: its tail.
+    other = chat("x", system=" ".join(f"note {n}: keep the logs for {n} days." for n in range(160)))
+    for engine in (whole, sliced):
+        engine.observe(engine.route(CHAT, other, {}, backends), None)
+    follow_up = chat("what does rule 7 say?", "it says to cite", "and rule 8?")
+    kept = [engine.route(CHAT, follow_up, {}, backends).predicted_cached_tokens for engine in (whole, sliced)]
+    assert 0 < kept[0] < blocks * 16 and kept[0] == kept[1]
+
+
+def test_a_backend_that_leaves_between_slices_gets_no_more_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(routing_engine, "INSERT_SLICE_BLOCKS", 4)
+    engine = RoutingEngine(Settings(policy="cache_aware", block_size=16))
+    plan = engine.route(CHAT, chat("what does rule 7 say?"), {}, fleet(1), sliced=True)
+    assert plan.pending_insert is not None
+    engine.forget_backend(plan.backend)
+    assert not engine.learn_slice(plan) and plan.pending_insert is None
+    assert plan.backend not in engine.index_stats().blocks
 
 
 def test_a_turn_that_replaces_the_previous_partial_trace_block_continues_its_conversation() -> None:
