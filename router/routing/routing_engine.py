@@ -150,14 +150,38 @@ class PreparedPrompt:
 
 @dataclass(slots=True)
 class PendingInsert:
-    """The blocks of a prompt routed with ``sliced=True`` not yet in the index: those
-    before ``end``, inserted one slice at a time towards the head (the order, and so the
-    LRU ticks, of one insert: the head most recent)."""
+    """The blocks of a prompt inserted in slices not yet in the index: those before
+    ``end``, inserted one slice at a time towards the head (the order, and so the LRU
+    ticks, of one insert: the head most recent)."""
 
     index: PrefixIndex
     backend: str
     hashes: np.ndarray
     end: int
+
+    def insert_next(self) -> bool:
+        """Insert the next slice; True while more are left. Nothing once the backend left
+        the index (it left the pool in between: no holder to recreate)."""
+        if self.end and self.backend not in self.index.backends():
+            self.end = 0
+        if not self.end:
+            return False
+        start = max(0, self.end - INSERT_SLICE_BLOCKS)
+        self.index.insert_hashes(self.backend, self.hashes[start : self.end])
+        self.end = start
+        return start > 0
+
+
+def insert_blocks(index: PrefixIndex, backend: str, hashes: np.ndarray, *, sliced: bool) -> PendingInsert | None:
+    """``backend`` holds these blocks now; ``sliced``: of more than INSERT_SLICE_BLOCKS
+    insert only the last slice, and return the rest to insert with ``insert_next``."""
+    blocks = len(hashes)
+    if not sliced or blocks <= INSERT_SLICE_BLOCKS:
+        index.insert_hashes(backend, hashes)
+        return None
+    last_slice = blocks - INSERT_SLICE_BLOCKS
+    index.insert_hashes(backend, hashes[last_slice:])
+    return PendingInsert(index, backend, hashes, last_slice)
 
 
 @dataclass(slots=True)
@@ -446,15 +470,10 @@ class RoutingEngine:
         pending = plan.pending_insert
         if pending is None:
             return False
-        if pending.backend not in pending.index.backends():
-            plan.pending_insert = None  # it left the pool in between: no holder to recreate
-            return False
-        start = max(0, pending.end - INSERT_SLICE_BLOCKS)
-        pending.index.insert_hashes(pending.backend, pending.hashes[start : pending.end])
-        pending.end = start
-        if start == 0:
-            plan.pending_insert = None
-        return plan.pending_insert is not None
+        if pending.insert_next():
+            return True
+        plan.pending_insert = None
+        return False
 
     def observe(self, plan: RoutePlan, cached_tokens: int | None) -> None:
         """Feedback after an attempt: the engine's ``cached_tokens`` (None when not reported)."""
@@ -496,9 +515,10 @@ class RoutingEngine:
         """Call ``listener`` with every placement that added blocks (the peer exchange's feed)."""
         self._placement_listener = listener
 
-    def apply_placement(self, placement: Placement) -> None:
+    def apply_placement(self, placement: Placement, *, sliced: bool = False) -> PendingInsert | None:
         """A peer router placed these blocks: hold them, and the conversation's turn in the
-        ledger, as if this router had placed them.
+        ledger, as if this router had placed them. ``sliced``: of more than
+        :data:`INSERT_SLICE_BLOCKS` blocks insert the last slice, and return the rest.
 
         The caller keeps backends that are not this router's out (the exchange's filter);
         the backend's capacity is applied when it is next a candidate.
@@ -506,7 +526,7 @@ class RoutingEngine:
         index = self._index_for(placement.block_size, ())
         hashes = placement.hashes
         if not len(hashes):
-            return
+            return None
         matched = index.match_hashes(hashes)
         shared = max(matched.values(), default=0)
         first_new = matched.get(placement.backend, 0) // placement.block_size
@@ -515,13 +535,14 @@ class RoutingEngine:
         # Also where KV events say what the engine holds: this index is then the model of the
         # cache whose misses the engines' answers count (peer_evidence), and it misses the
         # peers' traffic's evictions unless it sees that traffic.
-        index.insert_hashes(placement.backend, hashes)
+        pending = insert_blocks(index, placement.backend, hashes, sliced=sliced)
         chain = hashes.tolist() if placement.session_key is None else ()
         conversation = self._working_sets.find(placement.session_key, chain, shared)
         if conversation is not None:
             self._working_sets.record(
                 conversation, placement.backend, placement.prompt_tokens, int(hashes[-1]), chain, placement.block_size
             )
+        return pending
 
     def computing_blocks(self) -> dict[str, list[FirstNew]]:
         """Per backend, the first block each of this router's requests in flight there is
@@ -678,13 +699,8 @@ class RoutingEngine:
         )
         if blocks > matched_blocks:
             self._computing.start(plan.serial, backend, (matched_blocks, prompt.hash_at(matched_blocks)))
-        if sliced and blocks > INSERT_SLICE_BLOCKS:
-            last_slice = blocks - INSERT_SLICE_BLOCKS
-            index.insert_hashes(backend, prompt.hashes[last_slice:])
-            plan.pending_insert = PendingInsert(index, backend, prompt.hashes, last_slice)
-        elif blocks:
-            index.insert_hashes(backend, prompt.hashes)
         if blocks:
+            plan.pending_insert = insert_blocks(index, backend, prompt.hashes, sliced=sliced)
             if blocks > matched_blocks and self._placement_listener is not None:
                 self._placement_listener(
                     Placement(backend, prompt.block_size, prompt.hashes, prompt.tokens, request.session_key)

@@ -117,6 +117,23 @@ def test_the_next_turn_through_the_other_router_finds_its_history(sim_engines: A
     assert first.state.exchange.stats.published >= 1 and second.state.exchange.stats.malformed == 0
 
 
+def test_a_long_placement_reaches_the_peers_index_a_slice_per_loop_turn(
+    sim_engines: Any, router_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvroute.router.routing import routing_engine
+
+    monkeypatch.setattr(routing_engine, "INSERT_SLICE_BLOCKS", 4)
+    first, second = _pair(sim_engines, router_server)
+    conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How do prefix caches work?"}]
+    backend, _, reply = _ask(first, conversation)
+    blocks = first.metrics().value("kvroute_index_blocks", backend=backend)
+    assert blocks > 8 * 4
+    _wait_for(lambda: second.metrics().value("kvroute_index_blocks", backend=backend) == blocks)
+    conversation += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And eviction?"}]
+    next_backend, next_matched, _ = _ask(second, conversation)
+    assert next_backend == backend and next_matched == blocks * 16
+
+
 def test_a_peer_backend_that_is_not_ours_stays_out(sim_engines: Any, router_server: Any) -> None:
     first, second = _pair(sim_engines, router_server)
     placement = Placement("http://127.0.0.1:9/not-ours", 16, np.arange(1, 9, dtype=np.uint64))

@@ -18,6 +18,7 @@ from kvroute.router.config import Settings
 from kvroute.router.fleet.backends import Backend
 from kvroute.router.fleet.engine_stats import EngineStats
 from kvroute.router.routing import routing_engine
+from kvroute.router.routing.peer_exchange import Placement
 from kvroute.router.routing.request_info import ENDPOINTS, parse_request
 from kvroute.router.routing.routing_engine import RoutePlan, RoutingEngine
 from kvroute.tokenizer_index import RequestTokenizer
@@ -350,6 +351,26 @@ def test_a_long_prompt_routed_sliced_ends_in_the_index_as_one_insert_leaves_it(m
     follow_up = chat("what does rule 7 say?", "it says to cite", "and rule 8?")
     kept = [engine.route(CHAT, follow_up, {}, backends).predicted_cached_tokens for engine in (whole, sliced)]
     assert 0 < kept[0] < blocks * 16 and kept[0] == kept[1]
+
+
+def test_a_peers_long_placement_applied_in_slices_ends_as_one_insert(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(routing_engine, "INSERT_SLICE_BLOCKS", 4)
+    backends = fleet(1)
+    source = RoutingEngine(Settings(policy="cache_aware", block_size=16))
+    placements: list[Placement] = []
+    source.on_placement(placements.append)
+    source.route(CHAT, chat("what does rule 7 say?"), {}, backends)
+    whole, sliced = (RoutingEngine(Settings(policy="cache_aware", block_size=16)) for _ in range(2))
+    assert whole.apply_placement(placements[0]) is None
+    pending = sliced.apply_placement(placements[0], sliced=True)
+    assert pending is not None and sliced.index_tokens("http://b0") == 4 * 16
+    while pending.insert_next():
+        pass
+    blocks = len(placements[0].hashes)
+    assert sliced.index_tokens("http://b0") == whole.index_tokens("http://b0") == blocks * 16
+    follow_up = chat("what does rule 7 say?", "it says to cite", "and rule 8?")
+    kept = [engine.route(CHAT, follow_up, {}, backends).predicted_cached_tokens for engine in (whole, sliced)]
+    assert kept == [blocks * 16] * 2
 
 
 def test_a_backend_that_leaves_between_slices_gets_no_more_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
