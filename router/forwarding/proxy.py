@@ -73,7 +73,7 @@ from kvroute.router.routing.decisions import AttemptOutcome
 from kvroute.router.routing.policies.base import Decision, RouteRequest
 from kvroute.router.routing.policies.simple import load_of
 from kvroute.router.routing.request_info import Endpoint, ParsedRequest, body_with_usage_requested, parse_request
-from kvroute.router.routing.routing_engine import PreparedPrompt, RoutePlan, RoutingEngine
+from kvroute.router.routing.routing_engine import PendingInsert, PreparedPrompt, RoutePlan, RoutingEngine
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -579,9 +579,28 @@ class Proxy:
         self._metrics.record_request(outcome)
         self._metrics.record_decision(plan.policy, decision.reason)
         try:
-            self._routing.observe(plan, cached_tokens)
+            pending = self._routing.observe(plan, cached_tokens, sliced=True)
+            if pending is not None:
+                insert_in_loop_turns(pending)
         except Exception:
             log.exception("routing feedback failed")
         decisions = self._routing.decisions
         if decisions.active:
             decisions.record(plan, outcome)
+
+
+def insert_in_loop_turns(pending: PendingInsert) -> None:
+    """Insert the rest of a huge prompt's blocks a slice per event-loop turn from the next
+    one on (a peer's placement, an engine's answer that it held less than modelled), so
+    requests run in between; nothing waits for it."""
+    asyncio.get_running_loop().call_soon(_insert_next_slice, pending)
+
+
+def _insert_next_slice(pending: PendingInsert) -> None:
+    try:
+        more = pending.insert_next()
+    except Exception:  # a callback's error would only reach the loop's handler
+        log.exception("inserting a prompt's blocks for %s failed", pending.backend)
+        return
+    if more:
+        asyncio.get_running_loop().call_soon(_insert_next_slice, pending)

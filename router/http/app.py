@@ -44,7 +44,7 @@ from kvroute.router.forwarding import metrics_merge
 from kvroute.router.forwarding.admission import AdmissionControl
 from kvroute.router.forwarding.exchange import ClientRequest, ResponseSink
 from kvroute.router.forwarding.metrics import CONTENT_TYPE, RouterMetrics, RuntimeStats
-from kvroute.router.forwarding.proxy import Proxy
+from kvroute.router.forwarding.proxy import Proxy, insert_in_loop_turns
 from kvroute.router.forwarding.upstream import KEEPALIVE_S, UpstreamClient
 from kvroute.router.http.admin import AdminAPI
 from kvroute.router.http.aiohttp_exchange import AiohttpSink, client_request
@@ -58,7 +58,7 @@ from kvroute.router.routing.peer_exchange import PeerExchange, Placement
 from kvroute.router.routing.peer_load import BackendLoad
 from kvroute.router.routing.precise_index import PreciseIndex
 from kvroute.router.routing.request_info import ENDPOINTS, Endpoint
-from kvroute.router.routing.routing_engine import PendingInsert, RoutingEngine
+from kvroute.router.routing.routing_engine import RoutingEngine
 
 log = logging.getLogger("kvroute")
 _T = TypeVar("_T")
@@ -205,17 +205,6 @@ def _internal_app(state: RouterState, admin: AdminAPI | None) -> web.Application
     return internal
 
 
-def _insert_in_slices(pending: PendingInsert) -> None:
-    """The rest of a peer's huge placement, a slice per event-loop turn (requests run between)."""
-    try:
-        more = pending.insert_next()
-    except Exception:  # one bad placement must not stop the others
-        log.exception("inserting a peer's placement on %s failed", pending.backend)
-        return
-    if more:
-        asyncio.get_running_loop().call_soon(_insert_in_slices, pending)
-
-
 def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine) -> PeerExchange | None:
     """The exchange with the other routers, if configured: placements to and from the routing
     engine, this router's own requests in flight to them and theirs into the pool."""
@@ -226,7 +215,7 @@ def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine
         if placement.backend in pool:  # a peer's backend that is not ours stays out of our index
             pending = routing.apply_placement(placement, sliced=True)
             if pending is not None:
-                asyncio.get_running_loop().call_soon(_insert_in_slices, pending)
+                insert_in_loop_turns(pending)
 
     def own_load() -> dict[str, BackendLoad]:
         computing = routing.computing_blocks()

@@ -475,12 +475,14 @@ class RoutingEngine:
         plan.pending_insert = None
         return False
 
-    def observe(self, plan: RoutePlan, cached_tokens: int | None) -> None:
-        """Feedback after an attempt: the engine's ``cached_tokens`` (None when not reported)."""
+    def observe(self, plan: RoutePlan, cached_tokens: int | None, *, sliced: bool = False) -> PendingInsert | None:
+        """Feedback after an attempt: the engine's ``cached_tokens`` (None when not reported).
+        ``sliced``: a long prompt the engine held less of than modelled is touched again
+        only in its last slice here; the rest is returned, to insert with ``insert_next``."""
         self._computing.settle(plan.serial)
         prompt = plan.prompt
         if cached_tokens is None or prompt is None:
-            return
+            return None
         feedback = self.feedback
         feedback.observed += 1
         feedback.predicted_tokens += plan.predicted_cached_tokens
@@ -496,20 +498,21 @@ class RoutingEngine:
             if self._answer_listener is not None:
                 self._answer_listener(backend, drifted)
         if not drifted:
-            return
+            return None
         feedback.drifts += 1
         index = self._indexes.get(size)
         if index is None:
-            return
+            return None
         # The engine computed the whole prompt: it holds every full block now, head most recent.
-        index.insert_hashes(backend, prompt.hashes)
+        pending = insert_blocks(index, backend, prompt.hashes, sliced=sliced)
         configured = self._configured_tokens.get(backend)
         if configured is None:
-            return  # an unknown capacity has nothing to correct
+            return pending  # an unknown capacity has nothing to correct
         missing = modelled - cached_tokens
         self.cache_model.shortfall(backend, configured, self.index_tokens(backend), missing)
         feedback.capacity_corrections += 1
         self._apply_capacity(index, size, backend, configured)
+        return pending
 
     def on_placement(self, listener: Callable[[Placement], None] | None) -> None:
         """Call ``listener`` with every placement that added blocks (the peer exchange's feed)."""

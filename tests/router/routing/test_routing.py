@@ -172,6 +172,29 @@ def test_a_shortfall_keeps_the_computed_prompt_and_shrinks_the_modelled_cache() 
     assert again.predicted_cached_tokens == len(tokenizer.encode_chat(body["messages"])) // 16 * 16
 
 
+def test_a_long_prompts_shortfall_touches_it_again_in_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``observe(sliced=True)``: of a long prompt the engine held less of than modelled the
+    last slice is touched again at once, the rest by ``insert_next``; the next turn then
+    finds all of it, as after one insert."""
+    monkeypatch.setattr(routing_engine, "INSERT_SLICE_BLOCKS", 4)
+    backends = fleet(2, capacity=4096)
+    body = chat("first question", "an answer", "second question")
+    following = chat("first question", "an answer", "second question", "x", "y")
+    predicted = []
+    for sliced in (False, True):
+        engine = RoutingEngine(Settings(policy="cache_aware"))
+        served(engine, chat("first question"), backends)
+        plan = route(engine, body, backends)
+        pending = engine.observe(plan, 32, sliced=sliced)
+        assert (pending is not None) == sliced and engine.feedback.drifts == 1
+        while pending is not None and pending.insert_next():
+            pass
+        again = route(engine, following, backends)
+        assert again.backend == plan.backend
+        predicted.append(again.predicted_cached_tokens)
+    assert predicted[0] == predicted[1] == plan.request.prompt_tokens // 16 * 16
+
+
 def test_confirmed_predictions_grow_the_modelled_cache_back() -> None:
     engine = RoutingEngine(Settings(policy="cache_aware"))
     backends = fleet(1, capacity=4096)
