@@ -13,8 +13,9 @@ def test_tiny_long_prompt_run(tmp_path: Path) -> None:
     argv = ["--prompt-tokens", "6000", "--new-tokens", "300,1000", "--index-blocks", "20000", "--repeats", "2"]
     # 40K tokens: a body over the proxy's threshold for preparing in a thread.
     argv += ["--huge-tokens", "40000", "--huge-prompts", "1", "--quiet-s", "0.2", "--out", str(out)]
-    assert bench_long_prompts.main(argv) == 0
+    assert bench_long_prompts.main([*argv, "--stall-index-blocks", "20000"]) == 0
     report = json.loads(out.read_text())
+    assert report["stall_index_blocks"] == 20_000
     for turn in report["turns"]:
         assert turn["exact"]
         assert set(turn["stages"]) == set(bench_long_prompts.STAGES)
