@@ -378,14 +378,14 @@ class _Ticker:
         self._running = False
 
 
-def huge_body(tokens: int, seed: int) -> bytes:
+def huge_body(tokens: int, seed: int, model: str = MODEL) -> bytes:
     """A chat carrying a fresh document of about ``tokens`` tokens (nothing of it cached)."""
     document = words(np.random.default_rng([seed, 1_000_003]), tokens)
     messages = [
         {"role": "system", "content": "You answer questions about the document."},
         {"role": "user", "content": f"Document:\n{document}\n\nWhat is it about?"},
     ]
-    return orjson.dumps({"model": MODEL, "messages": messages, "max_tokens": 200})
+    return orjson.dumps({"model": model, "messages": messages, "max_tokens": 200})
 
 
 async def _stall_run(

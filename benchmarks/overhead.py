@@ -155,7 +155,7 @@ def serve_upstream(port: int) -> None:
 
         return handler
 
-    app = web.Application()
+    app = web.Application(client_max_size=1 << 26)  # huge_prompts_served sends 3.5 MB chats
     app.router.add_post("/v1/chat/completions", fixed(_COMPLETION))
     app.router.add_get("/v1/models", fixed(_MODELS))
     for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
