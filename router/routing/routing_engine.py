@@ -21,7 +21,9 @@ One request, when prefixes are tracked:
    loaded backend with reason ``fallback``.
 4. **learn**: the request's blocks are inserted for the chosen backend right away, so
    siblings arriving before it completes co-locate with it, and its conversation is
-   recorded in the ledger of working sets.
+   recorded in the ledger of working sets. A caller on an event loop may ask for a huge
+   prompt's blocks in slices (``sliced=True``, :class:`PendingInsert`): the proxy inserts
+   them a slice per loop turn before the request goes upstream.
 
 Feedback: after a response the engine holds every full block of the prompt (it has just
 computed them), so the index holds them too. When the engine reports fewer cached tokens
