@@ -395,6 +395,15 @@ class RunSummary:
         assert scored, "the router sent no x-kvroute-matched-tokens header"
         return sum(r.predicted_tokens == r.cached_tokens for r in scored) / len(scored)
 
+    def misses(self) -> list[tuple[str, int, str, int | None, int]]:
+        """(session, turn, backend, predicted, reported) of every request predicted wrong:
+        what an agreement assertion says when it fails."""
+        return [
+            (r.session, r.turn, r.backend, r.predicted_tokens, r.cached_tokens)
+            for r in self.results
+            if r.predicted_tokens != r.cached_tokens
+        ]
+
 
 async def _send_session(
     client: openai.AsyncOpenAI, requests: Sequence[WorkloadRequest], session_header: str | None
