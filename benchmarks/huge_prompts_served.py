@@ -38,12 +38,10 @@ import aiohttp
 from kvroute.benchmarks import fleet as fleets
 from kvroute.benchmarks.bench_long_prompts import huge_body
 from kvroute.benchmarks.fleet import ManagedProcess
-from kvroute.benchmarks.overhead import MODEL, baseline_env, chat_bodies, start_upstream
+from kvroute.benchmarks.overhead import MODEL, LoadClient, baseline_env, chat_bodies, send_at_rate, start_upstream
 from kvroute.benchmarks.results import machine, percentile
 
 POLICY = "cache_aware"
-CHAT_PATH = "/v1/chat/completions"
-HEADERS = {"content-type": "application/json"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,66 +78,49 @@ class ServedRun:
     huge_errors: int
 
 
-Phases = tuple[dict[str, list[float]], dict[str, int], list[float], int]
-
-
-async def _run(url: str, small: list[bytes], huge: list[bytes], rate: float, quiet_s: float) -> Phases:
-    """Small chats at ``rate`` until every huge prompt was answered (and ``quiet_s`` before
-    the first); returns (latencies and errors per phase, huge latencies, huge errors)."""
-    connector = aiohttp.TCPConnector(limit=512)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
-
-        async def post(body: bytes) -> bool:
-            try:
-                async with session.post(url + CHAT_PATH, data=body, headers=HEADERS) as response:
-                    await response.read()
-                    return response.status == 200
-            except (TimeoutError, aiohttp.ClientError):
-                return False
-
-        await asyncio.gather(*(post(body) for body in small[:64]))  # warm connections and caches
-        latencies: dict[str, list[float]] = {"before": [], "during": []}
-        errors = {"before": 0, "during": 0}
-        phase = "before"
+async def _run(
+    target: str, number: int, url: str, small: list[bytes], huge: list[bytes], rate: float, quiet_s: float
+) -> ServedRun:
+    """Round ``number`` of ``target`` at ``url``: small chats at ``rate`` until every huge prompt was answered (and ``quiet_s`` before
+    the first); the run's phases split at the first huge prompt's send."""
+    client = LoadClient(url, small, connections=512)
+    try:
+        await asyncio.gather(*(client.one() for _ in range(64)))  # warm connections and caches
         done = False
-
-        async def timed(body: bytes, due: float, counted: str) -> None:
-            ok = await post(body)
-            if ok:
-                latencies[counted].append(time.perf_counter() - due)
-            else:
-                errors[counted] += 1
-
-        async def small_chats() -> None:
-            pending: set[asyncio.Task[None]] = set()
-            start = time.perf_counter()
-            number = 0
-            while not done:
-                due = start + number / rate
-                delay = due - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                task = asyncio.create_task(timed(small[number % len(small)], due, phase))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-                number += 1
-            if pending:
-                await asyncio.wait(pending)
-
-        sender = asyncio.create_task(small_chats())
+        sender = asyncio.create_task(send_at_rate(client, rate, lambda _sent: not done))
         await asyncio.sleep(quiet_s)
-        phase = "during"
+        huge_from = time.perf_counter()
         huge_ms: list[float] = []
         huge_errors = 0
         for body in huge:
             started = time.perf_counter()
-            if await post(body):
+            try:
+                ok = await client.post(body)
+            except (TimeoutError, aiohttp.ClientError):
+                ok = False
+            if ok:
                 huge_ms.append(round((time.perf_counter() - started) * 1000, 1))
             else:
                 huge_errors += 1
         done = True
         await sender
-    return latencies, errors, huge_ms, huge_errors
+    finally:
+        await client.close()
+    answered = list(zip(client.due, client.latencies, strict=True))
+    return ServedRun(
+        target=target,
+        round=number,
+        before=PhaseLatency.of(
+            [latency for due, latency in answered if due < huge_from],
+            sum(due < huge_from for due in client.failed_due),
+        ),
+        during=PhaseLatency.of(
+            [latency for due, latency in answered if due >= huge_from],
+            sum(due >= huge_from for due in client.failed_due),
+        ),
+        huge_ms=huge_ms,
+        huge_errors=huge_errors,
+    )
 
 
 async def measure(
@@ -160,17 +141,7 @@ async def measure(
             for target, router in routers.items():
                 huge = [huge_body(huge_tokens, seed + k, MODEL) for k in range(huge_prompts)]
                 seed += huge_prompts  # every huge prompt is new to every router
-                latencies, errors, huge_ms, huge_errors = await _run(router.url, small, huge, rate, quiet_s)
-                runs.append(
-                    ServedRun(
-                        target=target,
-                        round=number,
-                        before=PhaseLatency.of(latencies["before"], errors["before"]),
-                        during=PhaseLatency.of(latencies["during"], errors["during"]),
-                        huge_ms=huge_ms,
-                        huge_errors=huge_errors,
-                    )
-                )
+                runs.append(await _run(target, number, router.url, small, huge, rate, quiet_s))
                 print(format_run(runs[-1]), flush=True)
         return runs
     finally:

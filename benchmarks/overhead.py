@@ -217,7 +217,7 @@ class LoadRun:
         return self.cpu_s / self.requests * 1e6
 
 
-class _Client:
+class LoadClient:
     """One aiohttp session posting the bodies in turn; counts what it sees."""
 
     def __init__(self, url: str, bodies: BodySource, connections: int) -> None:
@@ -227,14 +227,23 @@ class _Client:
             connector=aiohttp.TCPConnector(limit=connections), timeout=aiohttp.ClientTimeout(total=30)
         )
         self.latencies: list[float] = []
-        self.errors = 0
+        #: When each answered request of :meth:`timed` was due, in the order of ``latencies``.
+        self.due: list[float] = []
+        #: When each failed one was due.
+        self.failed_due: list[float] = []
 
-    async def one(self) -> bool:
-        async with self._session.post(
-            self._url, data=self._next_body(), headers={"content-type": "application/json"}
-        ) as response:
+    @property
+    def errors(self) -> int:
+        return len(self.failed_due)
+
+    async def post(self, body: bytes) -> bool:
+        """One chat request with this body; whether it was answered 200."""
+        async with self._session.post(self._url, data=body, headers={"content-type": "application/json"}) as response:
             await response.read()
             return response.status == 200
+
+    async def one(self) -> bool:
+        return await self.post(self._next_body())
 
     async def timed(self, since: float) -> None:
         """One request; its latency counted from ``since`` (its send time or its due time)."""
@@ -244,14 +253,15 @@ class _Client:
             ok = False
         if ok:
             self.latencies.append(time.perf_counter() - since)
+            self.due.append(since)
         else:
-            self.errors += 1
+            self.failed_due.append(since)
 
     async def close(self) -> None:
         await self._session.close()
 
 
-async def _measured(client: _Client, load: Coroutine[Any, Any, None], pgid: int | None) -> LoadRun:
+async def _measured(client: LoadClient, load: Coroutine[Any, Any, None], pgid: int | None) -> LoadRun:
     cpu_before = group_cpu_seconds(pgid) if pgid else None
     started = time.perf_counter()
     await load
@@ -271,7 +281,7 @@ async def closed_loop(
 ) -> LoadRun:
     """``concurrency`` clients sending ``bodies`` in turn, back to back, for ``seconds``
     (or, given ``requests``, until that many were sent)."""
-    client = _Client(url, bodies, concurrency)
+    client = LoadClient(url, bodies, concurrency)
     try:
         await asyncio.gather(*(client.one() for _ in range(concurrency)))  # warm the connections
         deadline = time.perf_counter() + seconds
@@ -296,28 +306,33 @@ async def fixed_rate(
     """Requests sent at a fixed ``rate_per_s`` for ``seconds`` whatever the answers do (an
     open loop); each latency counts from the request's due time, so a client or router that
     falls behind shows as latency instead of silently lowering the rate."""
-    client = _Client(url, bodies, connections)
+    client = LoadClient(url, bodies, connections)
     try:
         await asyncio.gather(*(client.one() for _ in range(min(connections, 32))))
-
-        async def schedule() -> None:
-            interval = 1.0 / rate_per_s
-            start = time.perf_counter()
-            pending: set[asyncio.Task[None]] = set()
-            for number in range(max(1, round(rate_per_s * seconds))):
-                due = start + number * interval
-                delay = due - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                task = asyncio.create_task(client.timed(due))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-            if pending:
-                await asyncio.wait(pending)
-
-        return await _measured(client, schedule(), pgid)
+        total = max(1, round(rate_per_s * seconds))
+        return await _measured(client, send_at_rate(client, rate_per_s, lambda sent: sent < total), pgid)
     finally:
         await client.close()
+
+
+async def send_at_rate(client: LoadClient, rate_per_s: float, more: Callable[[int], bool]) -> None:
+    """``client``'s requests (:meth:`LoadClient.timed`) at ``rate_per_s`` whatever the answers
+    do, while ``more(requests sent so far)``; returns when every one has ended."""
+    interval = 1.0 / rate_per_s
+    start = time.perf_counter()
+    pending: set[asyncio.Task[None]] = set()
+    number = 0
+    while more(number):
+        due = start + number * interval
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(client.timed(due))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        number += 1
+    if pending:
+        await asyncio.wait(pending)
 
 
 @dataclass(slots=True)
