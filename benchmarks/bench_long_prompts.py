@@ -29,7 +29,8 @@ arrive at ``--small-rate`` per second and are parsed and routed on the loop, as 
 routes them; then ``--huge-prompts`` chats, each a fresh ``--huge-tokens`` document, arrive one
 after another. Each way of routing them (``--modes``) runs on its own engine, whose index
 holds ``--stall-index-blocks`` blocks over 4 backends at their capacity (the huge prompt's
-insert evicts as many):
+insert evicts as many); with ``--precise`` the backends stream KV events, so each prompt also
+goes to the precise index's speculative layer (empty at the start, unbounded):
 
 * ``sync``: parse and route on the loop;
 * ``thread``: the proxy's way for bodies of ``THREAD_PREPARE_BYTES`` or more: parse on the
@@ -71,7 +72,9 @@ from kvroute.benchmarks.workloads import AGENT_TOOLS, words
 from kvroute.router.config import Settings
 from kvroute.router.fleet.backends import Backend
 from kvroute.router.forwarding.proxy import THREAD_PREPARE_BYTES
+from kvroute.router.routing.kv_events import BlockStored, KVEventsState
 from kvroute.router.routing.peer_exchange import Placement
+from kvroute.router.routing.precise_index import PreciseIndex
 from kvroute.router.routing.request_info import ENDPOINTS, parse_request
 from kvroute.router.routing.routing_engine import RoutingEngine
 from kvroute.tokenizer_index import PrefixIndex, RequestTokenizer
@@ -223,22 +226,51 @@ def fill_prompts(
             yield name, np.concatenate((system, turn))
 
 
-def filled_engine(path: Path, names: list[str], index_blocks: int, seed: int) -> tuple[RoutingEngine, list[Backend]]:
+def stream_events(precise: PreciseIndex, names: list[str]) -> None:
+    """The backends ``names`` stream KV events into ``precise`` from now on (applied by hand:
+    no subscription), their block size learned from a first event. The exact layer holds
+    that one block per backend; routing inserts each prompt into the speculative layer."""
+    for name in names:
+        precise.add_backend(name)
+        precise.set_state(name, KVEventsState.PRECISE)
+        first = BlockStored(
+            block_hashes=[1],
+            parent_block_hash=None,
+            token_ids=list(range(BLOCK_SIZE)),
+            block_size=BLOCK_SIZE,
+            medium="GPU",
+            lora_name=None,
+            extra_keys=None,
+        )
+        precise.apply_events(name, [first])
+
+
+def filled_engine(
+    path: Path, names: list[str], index_blocks: int, seed: int, *, precise: bool = False
+) -> tuple[RoutingEngine, list[Backend]]:
     """A cache-aware routing engine whose index holds ``index_blocks`` blocks over the
     backends ``names``, each at its capacity (so every insert evicts, as in a router that
-    has run a while), and those backends as candidates; none, unbounded, for 0."""
-    engine = RoutingEngine(Settings(policy="cache_aware", block_size=BLOCK_SIZE, tokenizer=str(path)))
-    if index_blocks <= 0:
-        return engine, [Backend(name) for name in names]
-    capacity = index_blocks // len(names)
-    salt = request_salt(MODEL)
-    candidates = [Backend(name, capacity_tokens=capacity * BLOCK_SIZE) for name in names]
-    # A first request bounds each candidate's index at its capacity (unknown ones hold less).
-    engine.route(CHAT.path, {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]}, {}, candidates)
-    for name, tokens in fill_prompts(
-        np.random.default_rng(seed), names, lambda url: engine.index_tokens(url) // BLOCK_SIZE, capacity
-    ):
-        engine.apply_placement(Placement(name, BLOCK_SIZE, block_hashes(tokens, BLOCK_SIZE, salt), len(tokens)))
+    has run a while), and those backends as candidates; none, unbounded, for 0.
+    ``precise``: the backends then stream KV events (:func:`stream_events`)."""
+    settings = Settings(policy="cache_aware", block_size=BLOCK_SIZE, tokenizer=str(path))
+    events = PreciseIndex() if precise else None
+    engine = RoutingEngine(settings, precise=events)
+    candidates = [Backend(name) for name in names]
+    if index_blocks > 0:
+        capacity = index_blocks // len(names)
+        salt = request_salt(MODEL)
+        candidates = [Backend(name, capacity_tokens=capacity * BLOCK_SIZE) for name in names]
+        # A first request bounds each candidate's index at its capacity (unknown ones hold less).
+        hello = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]}
+        engine.route(CHAT.path, hello, {}, candidates)
+        # Before the backends stream events: until then index_tokens reads the approximate index.
+        for name, tokens in fill_prompts(
+            np.random.default_rng(seed), names, lambda url: engine.index_tokens(url) // BLOCK_SIZE, capacity
+        ):
+            placement = Placement(name, BLOCK_SIZE, block_hashes(tokens, BLOCK_SIZE, salt), len(tokens))
+            engine.apply_placement(placement)
+    if events is not None:
+        stream_events(events, names)
     return engine, candidates
 
 
@@ -443,10 +475,12 @@ async def _stall_run(
             route_start = time.perf_counter()
             plan = engine.route(CHAT.path, parsed.body, {}, candidates, prepared=prepared, parsed=parsed, **sliced)
             on_loop += time.perf_counter() - route_start
-            while getattr(plan, "pending_insert", None) is not None:  # as the proxy does: a slice per loop turn
+            # As the proxy does: a slice per loop turn (``pending_insert`` in trees before 2026-12-06).
+            more = bool(getattr(plan, "pending_inserts", ())) or getattr(plan, "pending_insert", None) is not None
+            while more:
                 await asyncio.sleep(0)
                 slice_start = time.perf_counter()
-                engine.learn_slice(plan)
+                more = engine.learn_slice(plan)
                 on_loop += time.perf_counter() - slice_start
             engine.observe(plan, None)
             end = time.perf_counter()
@@ -508,6 +542,7 @@ def measure_stalls(
     quiet_s: float,
     seed: int,
     index_blocks: int,
+    precise: bool = False,
 ) -> list[StallResult]:
     small = chat_bodies(per_prompt=4)
     tokenizer = RequestTokenizer.from_pretrained(path)
@@ -520,7 +555,7 @@ def measure_stalls(
         sys.setswitchinterval(SHORT_SWITCH_INTERVAL_S if mode.endswith("-1ms") else default_interval)
         try:
             names = [f"http://10.0.1.{number + 1}:8000" for number in range(STALL_BACKENDS)]
-            filled = filled_engine(path, names, index_blocks, seed)
+            filled = filled_engine(path, names, index_blocks, seed, precise=precise)
             result = asyncio.run(_stall_run(path, mode, huge, small, rate, quiet_s, filled))
         finally:
             sys.setswitchinterval(default_interval)
@@ -602,6 +637,11 @@ def main(argv: list[str] | None = None) -> int:
         default=1_000_000,
         help="blocks in the stall runs' index (4 backends at capacity); 0: an empty index",
     )
+    parser.add_argument(
+        "--precise",
+        action="store_true",
+        help="the stall runs' backends stream KV events: each prompt also goes to the speculative layer",
+    )
     parser.add_argument("--modes", default=",".join(MODES), help=f"ways to route the huge prompts, of {MODES}")
     parser.add_argument("--small-rate", type=float, default=200.0, help="small chats per second")
     parser.add_argument("--quiet-s", type=float, default=1.0, help="small chats alone before the huge prompts")
@@ -636,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
             args.quiet_s,
             args.seed,
             args.stall_index_blocks,
+            args.precise,
         )
         print()
         print(format_stalls(stalls))
@@ -651,6 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": BLOCK_SIZE,
         "index_blocks": args.index_blocks,
         "stall_index_blocks": args.stall_index_blocks,
+        "precise": args.precise,
         "chat_template": str(args.chat_template) if args.chat_template else None,
         "turn": args.turn,
         "renders_incrementally": renders_incrementally(args.tokenizer),

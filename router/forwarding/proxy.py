@@ -393,7 +393,7 @@ class Proxy:
         pool.acquire(backend, work_tokens)
         try:
             try:
-                if attempt.plan.pending_insert is not None:
+                if attempt.plan.pending_inserts:
                     await self._learn_in_slices(attempt.plan)
                 upstream = await self._upstream.post(
                     backend.access.origin,

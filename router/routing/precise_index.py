@@ -62,6 +62,7 @@ from kvroute.router.routing.kv_events import (
     KVEventSubscriber,
     engine_hash,
 )
+from kvroute.router.routing.sliced_insert import PendingInsert, insert_blocks
 from kvroute.tokenizer_index import PrefixIndex
 from kvroute.tokenizer_index.hashing import block_hashes, chain_hash
 
@@ -321,20 +322,22 @@ class PreciseIndex:
                 matched[backend] = tokens
         return matched
 
-    def speculate(self, backend: str, prepared: PreciseHashes) -> None:
+    def speculate(self, backend: str, prepared: PreciseHashes, *, sliced: bool = False) -> PendingInsert | None:
         """The request was routed to ``backend``: hold its blocks there until the engine's
-        events confirm them or ``speculative_ttl_s`` passes."""
+        events confirm them or ``speculative_ttl_s`` passes. ``sliced``: of more than
+        :data:`INSERT_SLICE_BLOCKS` blocks insert the last slice, and return the rest."""
         known = self._backends.get(backend)
         if known is None:
-            return
+            return None
         subscriber = self._subscribers.get(backend)
         if subscriber is not None:
             subscriber.note_routed()
         if known.block_size is None:
-            return
+            return None
         hashes = prepared.hashes.get(known.block_size)
-        if hashes is not None and len(hashes):
-            self._speculative[known.block_size].insert_hashes(backend, hashes)
+        if hashes is None or not len(hashes):
+            return None
+        return insert_blocks(self._speculative[known.block_size], backend, hashes, sliced=sliced)
 
     # -- event side (kvroute.router.routing.kv_events.EventSink) -------------------------------------
 

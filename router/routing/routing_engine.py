@@ -58,7 +58,7 @@ import orjson
 from kvroute.router.config import Settings
 from kvroute.router.engines import endpoint_for
 from kvroute.router.fleet.engine_stats import EngineStats
-from kvroute.router.routing import request_info
+from kvroute.router.routing import request_info, sliced_insert
 from kvroute.router.routing.cache_model import CacheModel
 from kvroute.router.routing.computing import ComputingBlocks, FirstNew
 from kvroute.router.routing.decisions import RING_SIZE, DecisionRecorder
@@ -78,6 +78,7 @@ from kvroute.router.routing.policies import (
     make_policy,
 )
 from kvroute.router.routing.precise_index import PreciseHashes, PreciseIndex
+from kvroute.router.routing.sliced_insert import PendingInsert, insert_blocks
 from kvroute.tokenizer_index import PrefixIndex, RequestTokenizer
 from kvroute.tokenizer_index.hashing import block_hashes, request_salt
 
@@ -86,10 +87,6 @@ log = logging.getLogger("kvroute.routing")
 DEFAULT_BLOCK_SIZE = 16
 #: Index bound per backend whose cache size nobody told us (2M tokens: ~130K blocks of 16).
 UNKNOWN_CAPACITY_TOKENS = 1 << 21
-#: A prompt of more full blocks than this may be inserted into the index in slices of this
-#: many (``route(sliced=True)``), between which the proxy lets the event loop run: one
-#: insert of a 1M-token prompt's 62K blocks holds the loop 5-12 ms, one slice ~1 ms.
-INSERT_SLICE_BLOCKS = 8192
 #: Request header that forces a policy when ``allow_policy_header`` is on.
 POLICY_HEADER = "x-kvroute-policy"
 FALLBACK_REASON = "fallback"
@@ -136,8 +133,9 @@ class PreparedPrompt:
         if self._hash_list is not None:
             return
         hashes: list[int] = []
-        for start in range(0, len(self.hashes), INSERT_SLICE_BLOCKS):
-            hashes += self.hashes[start : start + INSERT_SLICE_BLOCKS].tolist()
+        step = sliced_insert.INSERT_SLICE_BLOCKS
+        for start in range(0, len(self.hashes), step):
+            hashes += self.hashes[start : start + step].tolist()
         object.__setattr__(self, "_hash_list", hashes)
 
     def hash_at(self, position: int) -> int:
@@ -148,42 +146,6 @@ class PreparedPrompt:
         """
         hashes = self._hash_list
         return hashes[position] if hashes is not None else self.hashes.item(position)  # type: ignore[no-any-return]
-
-
-@dataclass(slots=True)
-class PendingInsert:
-    """The blocks of a prompt inserted in slices not yet in the index: those before
-    ``end``, inserted one slice at a time towards the head (the order, and so the LRU
-    ticks, of one insert: the head most recent)."""
-
-    index: PrefixIndex
-    backend: str
-    hashes: np.ndarray
-    end: int
-
-    def insert_next(self) -> bool:
-        """Insert the next slice; True while more are left. Nothing once the backend left
-        the index (it left the pool in between: no holder to recreate)."""
-        if self.end and self.backend not in self.index.backends():
-            self.end = 0
-        if not self.end:
-            return False
-        start = max(0, self.end - INSERT_SLICE_BLOCKS)
-        self.index.insert_hashes(self.backend, self.hashes[start : self.end])
-        self.end = start
-        return start > 0
-
-
-def insert_blocks(index: PrefixIndex, backend: str, hashes: np.ndarray, *, sliced: bool) -> PendingInsert | None:
-    """``backend`` holds these blocks now; ``sliced``: of more than INSERT_SLICE_BLOCKS
-    insert only the last slice, and return the rest to insert with ``insert_next``."""
-    blocks = len(hashes)
-    if not sliced or blocks <= INSERT_SLICE_BLOCKS:
-        index.insert_hashes(backend, hashes)
-        return None
-    last_slice = blocks - INSERT_SLICE_BLOCKS
-    index.insert_hashes(backend, hashes[last_slice:])
-    return PendingInsert(index, backend, hashes, last_slice)
 
 
 @dataclass(slots=True)
@@ -202,8 +164,9 @@ class RoutePlan:
     modelled_cached_tokens: int = 0
     serial: int = 0
     #: Set by ``route(sliced=True)`` for a prompt of more than INSERT_SLICE_BLOCKS blocks
-    #: until :meth:`RoutingEngine.learn_slice` has inserted the rest.
-    pending_insert: PendingInsert | None = None
+    #: until :meth:`RoutingEngine.learn_slice` has inserted the rest: into the index, and
+    #: into the precise index's speculative layer where KV events are on.
+    pending_inserts: tuple[PendingInsert, ...] = ()
 
     @property
     def backend(self) -> str:
@@ -387,7 +350,7 @@ class RoutingEngine:
                 cache_salt=cache_salt if isinstance(cache_salt, str) else None,
             )
         prompt = PreparedPrompt(tokens=len(tokens), hashes=hashes, block_size=size, precise=precise)
-        if len(hashes) > INSERT_SLICE_BLOCKS:
+        if len(hashes) > sliced_insert.INSERT_SLICE_BLOCKS:
             prompt.convert_hashes()  # here, in the caller's thread: the ledger may walk them
         return prompt
 
@@ -408,7 +371,7 @@ class RoutingEngine:
         proxy's parse of ``body``: its model, session key and output budget) may be passed
         when the caller already has them; else they are worked out here. ``sliced``: of a
         prompt of more than :data:`INSERT_SLICE_BLOCKS` blocks insert only the last slice
-        here and leave the rest to :meth:`learn_slice` (``plan.pending_insert``).
+        here and leave the rest to :meth:`learn_slice` (``plan.pending_inserts``).
         """
         if parsed is not None:
             model = parsed.model
@@ -463,19 +426,22 @@ class RoutingEngine:
             matched = raw_matches.get(decision.backend, 0)
             self._learn(plan, index, matched, modelled_matches.get(decision.backend, 0), sliced=sliced)
             if prepared.precise is not None and self._precise is not None:
-                self._precise.speculate(decision.backend, prepared.precise)
+                speculative = self._precise.speculate(decision.backend, prepared.precise, sliced=sliced)
+                if speculative is not None:
+                    plan.pending_inserts += (speculative,)
         return plan
 
     def learn_slice(self, plan: RoutePlan) -> bool:
-        """Insert the next slice of ``plan``'s pending blocks, towards the prompt's head;
-        True while more are left. Nothing once its backend left the index."""
-        pending = plan.pending_insert
-        if pending is None:
+        """Insert the next slice of ``plan``'s pending blocks, towards the prompt's head, one
+        index after the other; True while more are left. Nothing into an index its backend
+        left."""
+        pending = plan.pending_inserts
+        if not pending:
             return False
-        if pending.insert_next():
+        if pending[0].insert_next():
             return True
-        plan.pending_insert = None
-        return False
+        plan.pending_inserts = pending = pending[1:]
+        return bool(pending)
 
     def observe(self, plan: RoutePlan, cached_tokens: int | None, *, sliced: bool = False) -> PendingInsert | None:
         """Feedback after an attempt: the engine's ``cached_tokens`` (None when not reported).
@@ -705,7 +671,9 @@ class RoutingEngine:
         if blocks > matched_blocks:
             self._computing.start(plan.serial, backend, (matched_blocks, prompt.hash_at(matched_blocks)))
         if blocks:
-            plan.pending_insert = insert_blocks(index, backend, prompt.hashes, sliced=sliced)
+            pending = insert_blocks(index, backend, prompt.hashes, sliced=sliced)
+            if pending is not None:
+                plan.pending_inserts = (pending,)
             if blocks > matched_blocks and self._placement_listener is not None:
                 self._placement_listener(
                     Placement(backend, prompt.block_size, prompt.hashes, prompt.tokens, request.session_key)

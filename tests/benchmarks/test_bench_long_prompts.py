@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from kvroute.benchmarks import bench_long_prompts
+from kvroute.tokenizer_index import RequestTokenizer
 
 
 def test_tiny_long_prompt_run(tmp_path: Path) -> None:
@@ -55,3 +56,17 @@ def test_qwen3s_template_renders_agent_and_chat_turns_exactly(tmp_path: Path) ->
         report = json.loads(out.read_text())
         assert report["renders_incrementally"] and report["turn"] == turn
         assert all(row["exact"] for row in report["turns"])
+
+
+def test_the_precise_stall_engine_is_filled_then_streams_events() -> None:
+    """``--precise``: the approximate index is filled first; then the backends stream
+    events, so a routed prompt is predicted from the speculative layer."""
+    names = ["http://10.0.1.1:8000", "http://10.0.1.2:8000"]
+    engine, candidates = bench_long_prompts.filled_engine(
+        RequestTokenizer.default_path(), names, 4_000, 0, precise=True
+    )
+    assert engine.index_stats().blocks == dict.fromkeys(names, 1)  # each one's first event
+    body = {"model": bench_long_prompts.MODEL, "messages": [{"role": "user", "content": "words " * 400}]}
+    first = engine.route(bench_long_prompts.CHAT.path, body, {}, candidates)
+    again = engine.route(bench_long_prompts.CHAT.path, body, {}, candidates)
+    assert again.backend == first.backend and again.predicted_cached_tokens >= 400

@@ -471,9 +471,9 @@ def test_a_long_prompt_goes_into_the_index_a_slice_per_loop_turn(
     """Prompts of more than INSERT_SLICE_BLOCKS blocks are inserted a slice per event-loop
     turn before they go upstream: every block is in the index by the time the answer
     comes, and the next turn finds its history there."""
-    from kvroute.router.routing import routing_engine
+    from kvroute.router.routing import sliced_insert
 
-    monkeypatch.setattr(routing_engine, "INSERT_SLICE_BLOCKS", 4)
+    monkeypatch.setattr(sliced_insert, "INSERT_SLICE_BLOCKS", 4)
     router = router_server(sim_engines(2), policy="cache_aware")
     messages = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 60}]
     first = chat(router, messages=messages)

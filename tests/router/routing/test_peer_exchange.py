@@ -120,9 +120,9 @@ def test_the_next_turn_through_the_other_router_finds_its_history(sim_engines: A
 def test_a_long_placement_reaches_the_peers_index_a_slice_per_loop_turn(
     sim_engines: Any, router_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvroute.router.routing import routing_engine
+    from kvroute.router.routing import sliced_insert
 
-    monkeypatch.setattr(routing_engine, "INSERT_SLICE_BLOCKS", 4)
+    monkeypatch.setattr(sliced_insert, "INSERT_SLICE_BLOCKS", 4)
     first, second = _pair(sim_engines, router_server)
     conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How do prefix caches work?"}]
     backend, _, reply = _ask(first, conversation)

@@ -25,6 +25,7 @@ import pytest
 from kvroute.router.config import Settings
 from kvroute.router.fleet.backends import Backend
 from kvroute.router.fleet.engine_stats import EngineStats
+from kvroute.router.routing import sliced_insert
 from kvroute.router.routing.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -258,6 +259,31 @@ def test_speculative_blocks_bridge_the_gap_until_events_arrive() -> None:
     now[0] += 2.5
     assert matched(index, prompt) == {BACKEND: BS}
     assert index.stats().speculative_blocks == {BACKEND: 0, OTHER: 0}
+
+
+def test_a_long_prompts_speculative_blocks_go_in_slices_and_end_as_one_insert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``route(sliced=True)`` in precise mode: the speculative layer gets the last slice at
+    once and the rest through ``learn_slice``, after the approximate index's slices; both
+    end as one insert leaves them."""
+    monkeypatch.setattr(sliced_insert, "INSERT_SLICE_BLOCKS", 4)
+    prompt = tokens(16, 20 * BS)
+    body = {"model": "sim", "prompt": prompt, "max_tokens": 4}
+    engines = []
+    for _ in range(2):
+        precise = precise_index(BACKEND)
+        precise.apply_events(BACKEND, [stored([1], tokens(12, BS))])  # learns the block size
+        engines.append((precise, RoutingEngine(Settings(policy="cache_aware", block_size=BS), precise=precise)))
+    (whole_precise, whole), (sliced_precise, sliced) = engines
+    at_once = whole.route("/v1/completions", body, {}, [Backend(BACKEND)])
+    plan = sliced.route("/v1/completions", body, {}, [Backend(BACKEND)], sliced=True)
+    assert at_once.pending_inserts == () and len(plan.pending_inserts) == 2
+    assert sliced_precise.stats().speculative_blocks == {BACKEND: 4}
+    slices = 3  # route's two, and learn_slice's last (which says none are left)
+    while sliced.learn_slice(plan):
+        slices += 1
+    assert slices == 2 * 5 and plan.pending_inserts == ()  # 20 blocks in 5 slices, twice
+    assert sliced_precise.stats().speculative_blocks == whole_precise.stats().speculative_blocks == {BACKEND: 20}
+    assert matched(sliced_precise, prompt) == matched(whole_precise, prompt) == {BACKEND: 20 * BS}
 
 
 def test_endpoints_are_configured_or_derived() -> None:

@@ -17,7 +17,7 @@ import pytest
 from kvroute.router.config import Settings
 from kvroute.router.fleet.backends import Backend
 from kvroute.router.fleet.engine_stats import EngineStats
-from kvroute.router.routing import routing_engine
+from kvroute.router.routing import sliced_insert
 from kvroute.router.routing.peer_exchange import Placement
 from kvroute.router.routing.request_info import ENDPOINTS, parse_request
 from kvroute.router.routing.routing_engine import RoutePlan, RoutingEngine
@@ -176,7 +176,7 @@ def test_a_long_prompts_shortfall_touches_it_again_in_slices(monkeypatch: pytest
     """``observe(sliced=True)``: of a long prompt the engine held less of than modelled the
     last slice is touched again at once, the rest by ``insert_next``; the next turn then
     finds all of it, as after one insert."""
-    monkeypatch.setattr(routing_engine, "INSERT_SLICE_BLOCKS", 4)
+    monkeypatch.setattr(sliced_insert, "INSERT_SLICE_BLOCKS", 4)
     backends = fleet(2, capacity=4096)
     body = chat("first question", "an answer", "second question")
     following = chat("first question", "an answer", "second question", "x", "y")
@@ -351,20 +351,20 @@ def test_a_long_prompt_routed_sliced_ends_in_the_index_as_one_insert_leaves_it(m
     goes in at once; ``learn_slice`` inserts the rest towards the head, and the index ends
     as one insert leaves it, least recently used blocks included (seen by what a later
     prompt evicts of it)."""
-    monkeypatch.setattr(routing_engine, "INSERT_SLICE_BLOCKS", 4)
+    monkeypatch.setattr(sliced_insert, "INSERT_SLICE_BLOCKS", 4)
     backends = fleet(1, capacity=160 * 16)
     body = chat("what does rule 7 say?")
     whole, sliced = (RoutingEngine(Settings(policy="cache_aware", block_size=16)) for _ in range(2))
     at_once = whole.route(CHAT, body, {}, backends)
     plan = sliced.route(CHAT, body, {}, backends, sliced=True)
     blocks = len(plan.prompt.hashes)
-    assert blocks > 20 and at_once.pending_insert is None
-    assert plan.pending_insert is not None and sliced.index_tokens("http://b0") == 4 * 16
+    assert blocks > 20 and at_once.pending_inserts == ()
+    assert plan.pending_inserts != () and sliced.index_tokens("http://b0") == 4 * 16
     assert plan.prompt._hash_list == plan.prompt.hashes.tolist()  # converted when prepared
     slices = 2  # route's, and learn_slice's last (which says none are left)
     while sliced.learn_slice(plan):
         slices += 1
-    assert slices == -(-blocks // 4) and plan.pending_insert is None
+    assert slices == -(-blocks // 4) and plan.pending_inserts == ()
     assert not sliced.learn_slice(plan)
     assert sliced.index_tokens("http://b0") == whole.index_tokens("http://b0") == blocks * 16
     # Another prompt of about as many blocks evicts the oldest of the first: its tail.
@@ -377,7 +377,7 @@ def test_a_long_prompt_routed_sliced_ends_in_the_index_as_one_insert_leaves_it(m
 
 
 def test_a_peers_long_placement_applied_in_slices_ends_as_one_insert(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(routing_engine, "INSERT_SLICE_BLOCKS", 4)
+    monkeypatch.setattr(sliced_insert, "INSERT_SLICE_BLOCKS", 4)
     backends = fleet(1)
     source = RoutingEngine(Settings(policy="cache_aware", block_size=16))
     placements: list[Placement] = []
@@ -397,12 +397,12 @@ def test_a_peers_long_placement_applied_in_slices_ends_as_one_insert(monkeypatch
 
 
 def test_a_backend_that_leaves_between_slices_gets_no_more_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(routing_engine, "INSERT_SLICE_BLOCKS", 4)
+    monkeypatch.setattr(sliced_insert, "INSERT_SLICE_BLOCKS", 4)
     engine = RoutingEngine(Settings(policy="cache_aware", block_size=16))
     plan = engine.route(CHAT, chat("what does rule 7 say?"), {}, fleet(1), sliced=True)
-    assert plan.pending_insert is not None
+    assert plan.pending_inserts != ()
     engine.forget_backend(plan.backend)
-    assert not engine.learn_slice(plan) and plan.pending_insert is None
+    assert not engine.learn_slice(plan) and plan.pending_inserts == ()
     assert plan.backend not in engine.index_stats().blocks
 
 
