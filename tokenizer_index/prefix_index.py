@@ -166,6 +166,11 @@ class _Blocks:
             self.version += 1
         return slots, added
 
+    def reserve(self, blocks: int) -> None:
+        """Room for ``blocks`` more blocks without growing the table again."""
+        if blocks > self.table.room():
+            self._rebuild(buckets_for(self.table.count + blocks))
+
     def hold(self, slots: np.ndarray, word: int, bit: np.uint64) -> None:
         """Set one holder's bit on these slots."""
         kernels.hold(self.owners, slots, word, bit)
@@ -259,6 +264,12 @@ class _Holder:
         self._reserve_log(len(slots))
         kernels.stamp(self.ticks, self.log, self.tail, slots)
         self.tail += len(slots)
+
+    def reserve(self, entries: int, hashes_at: HashesAt) -> None:
+        """Room for ``entries`` more entries without growing the table or the log again."""
+        if entries > self.table.room():
+            self._rebuild(buckets_for(self.count + entries), hashes_at)
+        self._reserve_log(entries)
 
     def oldest(self, limit: int, below_tick: int | None = None) -> np.ndarray:
         """Pop up to ``limit`` live entries from the log's head (ticks < ``below_tick``)."""
@@ -425,6 +436,19 @@ class PrefixIndex:
             self._insert_growing(holder, hashes, known)
         if holder.over_capacity:
             self._evict(holder, holder.oldest(holder.over_capacity))
+
+    def reserve(self, backend: str, blocks: int) -> None:
+        """Make room at once for ``blocks`` more blocks of a known ``backend`` (as many as its
+        capacity leaves room for): for an insert in slices, which would otherwise grow the
+        tables slice after slice, each growth re-placing every entry. Changes no answer."""
+        holder = self._holders.get(backend)
+        if holder is None:
+            return
+        if holder.capacity is not None:
+            blocks = min(blocks, max(0, holder.capacity - holder.count))
+        if blocks:
+            self._blocks.reserve(blocks)
+            holder.reserve(blocks, self._blocks.hashes_at)
 
     def remove_blocks(self, backend: str, hashes: Sequence[int] | np.ndarray) -> None:
         """``backend`` no longer holds these blocks (engine feedback, KV events)."""

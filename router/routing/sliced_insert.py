@@ -50,4 +50,5 @@ def insert_blocks(index: PrefixIndex, backend: str, hashes: np.ndarray, *, slice
         return None
     last_slice = blocks - INSERT_SLICE_BLOCKS
     index.insert_hashes(backend, hashes[last_slice:])
+    index.reserve(backend, last_slice)  # the tables grow once, not slice after slice
     return PendingInsert(index, backend, hashes, last_slice)

@@ -112,6 +112,11 @@ class IndexMachine(RuleBasedStateMachine):
         self.pair.real.trim(backend, hashes, keep)
         self.pair.model.trim(backend, hashes.tolist(), keep)
 
+    @rule(backend=BACKENDS, blocks=st.integers(0, 40))
+    def reserve(self, backend: str, blocks: int) -> None:
+        """Room made ahead of an insert in slices changes no answer."""
+        self.pair.real.reserve(backend, blocks)
+
     @rule(backend=BACKENDS, blocks=st.one_of(st.none(), st.integers(0, 12)))
     def set_capacity(self, backend: str, blocks: int | None) -> None:
         self.pair.real.set_capacity(backend, blocks)
@@ -325,6 +330,22 @@ def test_many_blocks_through_table_growth_and_churn() -> None:
     for tokens in sequences[::7]:
         assert pair.real.match(tokens) == pair.model.match(tokens)
     pair.check()
+
+
+def test_reserved_room_takes_the_inserts_without_growing() -> None:
+    """After ``reserve`` the tables take that many blocks without growing (the index's
+    bytes stay put); a backend at its capacity gets no room beyond it, an unknown one none."""
+    index = PrefixIndex(block_size=16)
+    index.insert_hashes("a", np.arange(1, 101, dtype=np.uint64))
+    index.reserve("a", 20_000)
+    reserved = index.stats().bytes
+    for start in range(101, 20_101, 2_000):
+        index.insert_hashes("a", np.arange(start, start + 2_000, dtype=np.uint64))
+    assert index.blocks("a") == 20_100 and index.stats().bytes == reserved
+    index.set_capacity("a", 20_100)
+    index.reserve("a", 50_000)
+    index.reserve("unknown", 50_000)
+    assert index.stats().bytes == reserved and index.backends() == ["a"]
 
 
 def test_the_same_block_twice_in_one_insert() -> None:
