@@ -13,7 +13,9 @@ A benchmark needs the same engines behind every target, with caches emptied in b
   :func:`start_peer` the SGLang or vLLM router when its package is installed.
 
 Every child runs in its own process group (and, on Linux, dies with its parent), so
-:meth:`ManagedProcess.stop` can take down the whole group, also on Ctrl-C.
+:meth:`ManagedProcess.stop` can take down the whole group, also on Ctrl-C. Its output goes
+to a temporary log, deleted when it stops, or kept in the directory :data:`KEEP_LOGS_ENV`
+names (with ``KVROUTE_DECISION_LOG=true``, a router's decisions, request by request).
 
 Counters are read the way a user would: from each engine's ``/metrics``
 (:class:`EngineCounters`, vLLM and SGLang names) and from the router's ``/metrics``
@@ -76,6 +78,11 @@ def _die_with_parent() -> None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+#: Environment variable naming a directory: children's logs are moved there when they stop
+#: (``NAME-PID.log``) instead of deleted.
+KEEP_LOGS_ENV = "KVROUTE_BENCH_KEEP_LOGS"
+
+
 class ManagedProcess:
     """A child process in its own process group, its output kept in a log file."""
 
@@ -135,7 +142,13 @@ class ManagedProcess:
                 self.process.wait(5)
         self._signal(signal.SIGKILL)  # anything the child left in its group
         self._log.close()
-        Path(self._log.name).unlink(missing_ok=True)
+        keep = os.environ.get(KEEP_LOGS_ENV)
+        if keep:
+            kept = Path(keep) / f"{self.name.replace(':', '-')}-{self.pid}.log"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(self._log.name, kept)
+        else:
+            Path(self._log.name).unlink(missing_ok=True)
 
     def _signal(self, number: int) -> None:
         try:
