@@ -394,6 +394,41 @@ def hold(owners, slots, word, bit):  # type: ignore[no-untyped-def]
         owners[slots[i], word] |= bit
 
 
+@compiled(types.int64(_U64, _OWNERS, _U64, _U32, _OWNERS, _I64, types.uint64, types.uint64))
+def rebuild_blocks(old_flat, old_owners, flat, spills, owners, relocation, salt, multiplier):  # type: ignore[no-untyped-def]
+    """Re-place every block of the old table (``old_flat``, its ``old_owners`` rows) into an
+    empty one (``flat``, ``spills``, ``owners``), in one pass; ``relocation[old slot]`` gets
+    its new slot (-1 where the old slot was empty). Returns how many blocks moved."""
+    buckets = spills.shape[0]
+    words = owners.shape[1]
+    count = old_flat.shape[0]
+    moved = 0
+    for i in range(count):
+        if i + AHEAD < count and old_flat[i + AHEAD] != 0:
+            prefetch(flat, home_bucket(placement_of(old_flat[i + AHEAD], salt, multiplier), buckets) * BUCKET)
+        key = old_flat[i]
+        if key == 0:
+            relocation[i] = -1
+            continue
+        slot = add_one(flat, spills, key, placement_of(key, salt, multiplier))
+        for word in range(words):
+            owners[slot, word] = old_owners[i, word]
+        relocation[i] = slot
+        moved += 1
+    return moved
+
+
+@compiled(types.void(_U32, _I64))
+def relocate_keys(flat, relocation):  # type: ignore[no-untyped-def]
+    """A backend's table after the block table was rebuilt: each key (block slot + 1)
+    becomes its block's new slot + 1. Keys stay where they are: they are placed by their
+    block's hash, which did not change."""
+    for slot in range(flat.shape[0]):
+        key = flat[slot]
+        if key != 0:
+            flat[slot] = np.uint32(relocation[np.int64(key) - 1] + 1)
+
+
 @compiled(
     types.int64(
         _U32, _U32, _U32, _U64, _U32, _OWNERS, _I64, types.int64, types.uint64, types.uint64, types.uint64, _U64

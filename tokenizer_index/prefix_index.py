@@ -180,15 +180,14 @@ class _Blocks:
         self.owners = np.hstack((self.owners, np.zeros((len(self.owners), 1), dtype=np.uint64)))
 
     def _rebuild(self, buckets: int) -> None:
-        """Re-place every block into a table of ``buckets`` buckets."""
-        held = self.table.live()
-        hashes = self.table.flat[held]
+        """Re-place every block into a table of ``buckets`` buckets (one compiled pass)."""
         table = BucketTable(buckets, np.uint64)
-        new_slots = table.add(hashes, spread(hashes))
         owners = np.zeros((table.slots, self.words), dtype=np.uint64)
-        owners[new_slots] = self.owners[held]
-        relocation = np.full(self.table.slots, -1, dtype=np.int64)
-        relocation[held] = new_slots
+        relocation = np.empty(self.table.slots, dtype=np.int64)
+        table.count = kernels.rebuild_blocks(
+            self.table.flat, self.owners, table.flat, table.spills, owners, relocation,
+            PLACEMENT_SALT, PLACEMENT_MULTIPLIER,
+        )  # fmt: skip
         self.table, self.owners = table, owners
         self.version += 1
         self.on_relocate(relocation)
@@ -280,8 +279,7 @@ class _Holder:
 
     def relocate_blocks(self, relocation: np.ndarray) -> None:
         """The block table was rebuilt: rewrite the block slots this table stores."""
-        live = self.table.live()
-        self.table.flat[live] = (relocation[self.table.flat[live].astype(np.int64) - 1] + 1).astype(np.uint32)
+        kernels.relocate_keys(self.table.flat, relocation)
 
     def _reserve_log(self, n: int) -> None:
         if self.tail + n <= len(self.log):

@@ -303,6 +303,11 @@ def test_more_than_64_backends() -> None:
     for name in names[:20]:
         index.insert(name + "/new", prefix)
         model.insert(name + "/new", prefix)
+    # Enough blocks to rebuild the block table with three owner words per block.
+    many = rng.integers(100, 1_000_000, size=5_000).tolist()
+    index.insert(names[0], many)
+    model.insert(names[0], many)
+    assert index.match(many) == model.match(many)
     for probe in (prefix, prefix[:3], [*prefix, 11, 12], [15, 15]):
         assert index.match(probe) == model.match(probe)
     assert index.stats().blocks == {name: model.blocks(name) for name in model.backends()}
