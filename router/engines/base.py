@@ -39,6 +39,10 @@ class Endpoint:
     prompt: PromptReader | None = None
     #: The request body's schema in the router's OpenAPI document (what the router reads).
     schema: Mapping[str, Any] | None = None
+    #: The body field that sends a request to one data-parallel rank, where the engine reads
+    #: the rank from the body (SGLang's ``/generate``: ``routed_dp_rank``); None: the header
+    #: the backend's calls carry is enough (vLLM's, and SGLang's OpenAI endpoints).
+    rank_field: str | None = None
 
     @property
     def reports_usage(self) -> bool:

@@ -87,6 +87,7 @@ GENERATE = Endpoint(
             "rid": {"type": ["string", "array"]},
         }
     },
+    rank_field="routed_dp_rank",
 )
 
 SERIES: dict[str, str] = {

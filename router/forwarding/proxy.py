@@ -72,7 +72,13 @@ from kvroute.router.forwarding.upstream import (
 from kvroute.router.routing.decisions import AttemptOutcome
 from kvroute.router.routing.policies.base import Decision, RouteRequest
 from kvroute.router.routing.policies.simple import load_of
-from kvroute.router.routing.request_info import Endpoint, ParsedRequest, body_with_usage_requested, parse_request
+from kvroute.router.routing.request_info import (
+    Endpoint,
+    ParsedRequest,
+    body_with_rank,
+    body_with_usage_requested,
+    parse_request,
+)
 from kvroute.router.routing.routing_engine import PendingInsert, PreparedPrompt, RoutePlan, RoutingEngine
 
 log = logging.getLogger("kvroute.proxy")
@@ -395,11 +401,15 @@ class Proxy:
             try:
                 if attempt.plan.pending_inserts:
                     await self._learn_in_slices(attempt.plan)
+                body = call.body
+                rank_field = call.endpoint.rank_field
+                if rank_field is not None and backend.access.rank is not None:
+                    body = body_with_rank(body, call.parsed.body, rank_field, backend.access.rank)
                 upstream = await self._upstream.post(
                     backend.access.origin,
                     call.request.raw_path.encode(),
                     self._upstream_headers(attempt),
-                    call.body,
+                    body,
                     first_byte_timeout=self._first_byte_timeout,
                 )
             except UpstreamError as exc:

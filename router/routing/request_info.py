@@ -102,10 +102,23 @@ def session_key_of(body: Mapping[str, Any], headers: Mapping[str, str], session_
 def body_with_usage_requested(body: dict[str, Any]) -> bytes:
     """The body re-serialised with ``stream_options.include_usage`` set.
 
-    The one case where the router rewrites a body: it needs the engine's usage chunk to
-    learn the cached tokens, and strips that chunk again before the client sees it.
+    The router rewrites a body in two cases: here, since it needs the engine's usage chunk
+    to learn the cached tokens (it strips that chunk again before the client sees it), and
+    to name a data-parallel rank where the engine reads it from the body
+    (:func:`body_with_rank`).
     """
     options = body.get("stream_options")
     merged = dict(options) if isinstance(options, dict) else {}
     merged["include_usage"] = True
     return orjson.dumps({**body, "stream_options": merged})
+
+
+def body_with_rank(raw: bytes, body: Mapping[str, Any], field: str, rank: int) -> bytes:
+    """``raw`` (the JSON object ``body``) with ``field`` set to ``rank``, replacing a
+    client's own: appended as the object's last member, without re-serialising the rest
+    (a huge prompt's body costs a copy, not a parse), unless the client set the field."""
+    if field in body:
+        return orjson.dumps({**body, field: rank})
+    head = raw[: raw.rindex(b"}")].rstrip()
+    separator = b"" if head.endswith(b"{") else b","
+    return b"%s%s%s:%d}" % (head, separator, orjson.dumps(field), rank)

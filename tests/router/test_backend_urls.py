@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import datetime
 import ipaddress
+import json
 import logging
 import ssl
 from collections.abc import Callable, Iterator
@@ -48,6 +49,7 @@ class Seen:
     method: str
     path: str
     headers: dict[str, str]
+    body: bytes = b""
 
 
 @dataclass
@@ -80,7 +82,8 @@ def gateway(server_loop: ServerLoop) -> Iterator[Callable[..., Gateway]]:
         seen: list[Seen] = []
 
         async def forward(request: web.Request) -> web.StreamResponse:
-            seen.append(Seen(request.method, request.path_qs, dict(request.headers)))
+            data = await request.read()
+            seen.append(Seen(request.method, request.path_qs, dict(request.headers), data))
             if require is not None and request.headers.get("Authorization") != require:
                 return web.json_response({"error": "gateway: unauthorized"}, status=401)
             if request.path != prefix and not request.path.startswith(prefix + "/"):
@@ -90,7 +93,7 @@ def gateway(server_loop: ServerLoop) -> Iterator[Callable[..., Gateway]]:
             skip = _HOP | ({"authorization"} if require is not None else set())
             headers = {k: v for k, v in request.headers.items() if k.lower() not in skip}
             async with sessions[0].request(
-                request.method, target + request.path_qs[len(prefix) :], headers=headers, data=await request.read()
+                request.method, target + request.path_qs[len(prefix) :], headers=headers, data=data
             ) as upstream:
                 response = web.StreamResponse(
                     status=upstream.status,
@@ -390,6 +393,28 @@ def test_requests_reach_a_data_parallel_rank_by_vllms_header(
     wait_until(lambda: f"{PREFIX}/metrics" in gw.paths())
     for path in ("/health", "/v1/models", "/metrics"):
         assert "x-data-parallel-rank" not in {k.lower() for k in gw.last(path).headers}, path
+
+
+def test_sglangs_generate_names_its_rank_in_the_body(
+    sim_engines: Callable[..., list[SimServer]], gateway: Callable[..., Gateway], router_server: Any
+) -> None:
+    """SGLang's native /generate reads the rank from the body: each request to a rank
+    carries ``routed_dp_rank`` (a client's own replaced), the rest of the body as sent."""
+    gw = gateway(sim_engines(1, api="sglang")[0].url)
+    router = router_server([{"url": gw.url, "data_parallel_size": 2}], engine_scrape_interval_s=0.2)
+    bodies = [
+        {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 2}},
+        {"routed_dp_rank": 7, "input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 2}},
+        {"text": ["a batch", "of two"], "sampling_params": {"max_new_tokens": 1}},
+    ]
+    chosen = []
+    for body in bodies:
+        answer = httpx.post(router.url + "/generate", json=body, timeout=30)
+        assert answer.status_code == 200, answer.text
+        chosen.append(int(answer.headers["x-kvroute-backend"].rpartition("#dp")[2]))
+    sent = [json.loads(seen.body) for seen in gw.seen if seen.path.endswith("/generate")]
+    assert [body.pop("routed_dp_rank") for body in sent] == chosen
+    assert sent == [{k: v for k, v in body.items() if k != "routed_dp_rank"} for body in bodies]
 
 
 # --- TLS ----------------------------------------------------------------------------------
