@@ -38,6 +38,10 @@ OFFLINE_TARGETS = (BOUND_TARGET, BOUND_FLEET_TARGET, POOLED_LRU_TARGET)
 PEER_PREFIX = "peer:"
 
 
+#: A target whose busiest backend took at least this share of the prompt tokens ran on one.
+ONE_BACKEND_SHARE = 0.99
+
+
 @dataclass(slots=True)
 class BackendShare:
     """One backend's share (0..1) of a run's requests and of its prompt tokens."""
@@ -213,7 +217,28 @@ def format_table(results: Sequence[TargetResult]) -> str:
     ]
     if notes:
         lines += ["", "errors:", *notes]
+    alone = one_backend_notes(results)
+    if alone:
+        lines += ["", "one backend (its latency and req/s are one engine's while the others idled):", *alone]
     return "\n".join(lines)
+
+
+def one_backend_notes(results: Sequence[TargetResult]) -> list[str]:
+    """The targets that sent (nearly) every prompt token to one backend of several. Their
+    TTFT and throughput are not comparable with the others': a fleet of one engine, and
+    where the engines share a machine's cores, one that had them to itself."""
+    notes = []
+    for result in results:
+        shares = result.backend_share
+        if result.status != "ok" or len(shares) < 2:
+            continue
+        url, busiest = max(shares.items(), key=lambda item: item[1].prompt_tokens)
+        if busiest.prompt_tokens >= ONE_BACKEND_SHARE:
+            notes.append(
+                f"  {result.workload} / {result.target}: {busiest.prompt_tokens:.0%} of prompt tokens to {url},"
+                f" one of {len(shares)} backends"
+            )
+    return notes
 
 
 def _spread(values: Sequence[float | None], spec: str) -> str:
