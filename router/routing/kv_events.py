@@ -367,6 +367,8 @@ class KVEventSubscriber:
         self._ever_connected = False
         self._awaiting_since: float | None = None  # first routing since the last message
         self._last_yield = clock()
+        self._inbox: Inbox | None = None  # while run() reads the socket
+        self._handling = False  # run() is inside handle_message (it may await a replay)
 
     # -- state -----------------------------------------------------------------------
 
@@ -414,14 +416,20 @@ class KVEventSubscriber:
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         watcher = asyncio.get_running_loop().create_task(self._watch_connection(monitor))
         sub.connect(self.endpoint)
-        inbox = Inbox(sub)
+        inbox = self._inbox = Inbox(sub)
         try:
             while True:
-                await self.handle_message(await inbox.next())
+                frames = await inbox.next()
+                self._handling = True
+                try:
+                    await self.handle_message(frames)
+                finally:
+                    self._handling = False
                 if not inbox.pending():
                     self._sink.flush()  # a burst is over: write it to the index in one go
                 await self._maybe_yield()
         finally:
+            self._inbox = None
             inbox.close()
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -447,6 +455,23 @@ class KVEventSubscriber:
         if now - self._last_yield >= self._yield_every_s:
             await asyncio.sleep(0)
             self._last_yield = self._clock()
+
+    def drain(self) -> None:
+        """Apply now the batches already waiting in the socket, in sequence (a request is
+        being routed: an engine's answer can reach the next turn's client before the event
+        loop has read the events the engine published first). A message that needs more
+        (a gap, the first one, an engine check) goes back to :meth:`run`."""
+        inbox = self._inbox
+        if inbox is None or self._handling:
+            return
+        while (frames := inbox.take()) is not None:
+            seq = int.from_bytes(frames[1], "big") if len(frames) == 3 and len(frames[1]) == 8 else None
+            if seq is None or seq != self._expected or self._verify_engine:
+                inbox.put_back(frames)
+                return
+            self._awaiting_since = None
+            self._apply(seq, bytes(frames[2]))
+            self._set_state(KVEventsState.PRECISE if self._complete else KVEventsState.PARTIAL)
 
     async def handle_message(self, frames: Sequence[bytes]) -> None:
         """One message from the SUB socket: check its sequence number, fill any gap, apply."""

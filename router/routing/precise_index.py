@@ -297,6 +297,8 @@ class PreciseIndex:
         """Matched prompt tokens per backend: from events for backends with a usable stream
         (exact or speculative, whichever is longer), from ``approximate`` (the routing
         engine's index) for the others, and the longest of all three while ``PARTIAL``."""
+        for subscriber in self._subscribers.values():
+            subscriber.drain()
         self.flush()
         matched = {
             backend: tokens

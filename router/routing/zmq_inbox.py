@@ -36,19 +36,33 @@ class Inbox:
         self._loop.add_reader(self._socket, callback)
         self._loop.call_soon(callback)  # what came before the descriptor was watched
         self._open = True
+        self._callback = callback
+        self._held: list[bytes] | None = None
 
     def pending(self) -> bool:
         """Whether a message is waiting (false also once closed)."""
-        return self._open and bool(int(self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+        if not self._open:
+            return False
+        return self._held is not None or bool(int(self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def take(self) -> list[bytes] | None:
         """The next message's frames, or None when none is waiting."""
+        held = self._held
+        if held is not None:
+            self._held = None
+            return held
         if not self.pending():
             return None
         try:
             return self._socket.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return None
+
+    def put_back(self, frames: list[bytes]) -> None:
+        """Return a message taken (one at most): the next :meth:`take` gives it again, and
+        the reader is told, as for a message that arrived."""
+        self._held = frames
+        self._loop.call_soon(self._callback)
 
     async def next(self) -> list[bytes]:
         """The next message, waiting for one if none is there (only without ``on_ready``)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -257,3 +258,51 @@ async def test_a_ranks_stream_applies_only_its_own_ranks_batches() -> None:
     await subscriber.handle_message(frames(2, [2.0, [stored_map(block_hashes=[14])], 0]))
     assert len(sink.applied) == 2 and subscriber.stats.other_rank_batches == 1
     assert subscriber.state is KVEventsState.PARTIAL
+
+
+async def test_batches_waiting_in_the_socket_apply_when_a_request_is_routed() -> None:
+    """``drain()`` (called as a request is routed) applies the batches already in the SUB
+    socket, in sequence, before the reading task gets to them; a batch it cannot apply
+    alone (after a gap) goes back to that task, which applies it once."""
+    import asyncio
+    import time
+
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sink = RecordingSink()
+    subscriber = KVEventSubscriber("http://engine", f"tcp://127.0.0.1:{port}", sink, context=ctx)
+    reading = asyncio.create_task(subscriber.run())
+
+    async def until(condition: Any) -> None:
+        for _ in range(500):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    try:
+        await until(lambda: subscriber._ever_connected)
+        await asyncio.sleep(0.2)  # the subscription reaches the publisher
+        await pub.send_multipart(frames(0, [1.0, [stored_map()], 0]))
+        await until(lambda: len(sink.applied) == 1)
+        await pub.send_multipart(frames(1, [2.0, [stored_map(block_hashes=[13])], 0]))
+        time.sleep(0.2)  # the batch arrives while the reading task cannot run
+        subscriber.drain()
+        assert len(sink.applied) == 2 and subscriber.stats.messages == 2
+        await pub.send_multipart(frames(5, [3.0, [stored_map(block_hashes=[14])], 0]))
+        time.sleep(0.2)
+        subscriber.drain()
+        assert len(sink.applied) == 2  # a gap: left to the reading task
+        await until(lambda: len(sink.applied) == 3)
+        await asyncio.sleep(0.1)
+        assert subscriber.stats.messages == 3 and subscriber.stats.gaps == 1
+    finally:
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reading
+        pub.close(linger=0)
+        ctx.term()

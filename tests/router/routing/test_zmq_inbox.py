@@ -82,3 +82,35 @@ def test_on_ready_is_called_until_a_burst_is_drained() -> None:
             context.term()
 
     asyncio.run(scenario())
+
+
+def test_a_message_put_back_is_taken_again_and_wakes_the_reader() -> None:
+    async def scenario() -> None:
+        context = zmq.asyncio.Context()
+        sender, receiver = _pair(context)
+        try:
+            inbox = Inbox(receiver)
+            waiting = asyncio.ensure_future(inbox.next())
+            await asyncio.sleep(0.05)
+            sender.send_multipart([b"first"])
+            sender.send_multipart([b"second"])
+            assert await asyncio.wait_for(waiting, 5) == [b"first"]
+            waiting = asyncio.ensure_future(inbox.next())
+            await asyncio.sleep(0.1)
+            taken = waiting.result()
+            assert taken == [b"second"] and not inbox.pending()
+            inbox.put_back(taken)  # taken by someone else first, then handed back
+            assert inbox.pending()
+            assert await asyncio.wait_for(inbox.next(), 5) == [b"second"]
+            assert inbox.take() is None
+            waiting = asyncio.ensure_future(inbox.next())
+            await asyncio.sleep(0.05)
+            inbox.put_back([b"again"])  # a reader already waiting wakes for it
+            assert await asyncio.wait_for(waiting, 5) == [b"again"]
+            inbox.close()
+        finally:
+            sender.close()
+            receiver.close()
+            context.term()
+
+    asyncio.run(scenario())
