@@ -462,7 +462,7 @@ class KVEventSubscriber:
         loop has read the events the engine published first). A message that needs more
         (a gap, the first one, an engine check) goes back to :meth:`run`."""
         inbox = self._inbox
-        if inbox is None or self._handling:
+        if inbox is None or self._handling or not inbox.signalled():
             return
         while (frames := inbox.take()) is not None:
             seq = int.from_bytes(frames[1], "big") if len(frames) == 3 and len(frames[1]) == 8 else None

@@ -32,12 +32,22 @@ class Inbox:
         self._socket: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
         self._ready = asyncio.Event()
         self._loop = asyncio.get_running_loop()
-        callback = on_ready if on_ready is not None else self._ready.set
-        self._loop.add_reader(self._socket, callback)
-        self._loop.call_soon(callback)  # what came before the descriptor was watched
-        self._open = True
-        self._callback = callback
+        self._callback = on_ready if on_ready is not None else self._ready.set
         self._held: list[bytes] | None = None
+        #: The descriptor signalled since a take found nothing (messages may be waiting).
+        self._signalled = True  # what came before the descriptor was watched
+        self._loop.add_reader(self._socket, self._signal)
+        self._loop.call_soon(self._callback)
+        self._open = True
+
+    def _signal(self) -> None:
+        self._signalled = True
+        self._callback()
+
+    def signalled(self) -> bool:
+        """Whether messages may be waiting, known without asking the socket (cheap): the
+        descriptor signalled, or a message was put back, since a take last found nothing."""
+        return self._open and (self._signalled or self._held is not None)
 
     def pending(self) -> bool:
         """Whether a message is waiting (false also once closed)."""
@@ -52,10 +62,12 @@ class Inbox:
             self._held = None
             return held
         if not self.pending():
+            self._signalled = False
             return None
         try:
             return self._socket.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
+            self._signalled = False
             return None
 
     def put_back(self, frames: list[bytes]) -> None:

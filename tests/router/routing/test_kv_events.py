@@ -262,8 +262,9 @@ async def test_a_ranks_stream_applies_only_its_own_ranks_batches() -> None:
 
 async def test_batches_waiting_in_the_socket_apply_when_a_request_is_routed() -> None:
     """``drain()`` (called as a request is routed) applies the batches already in the SUB
-    socket, in sequence, before the reading task gets to them; a batch it cannot apply
-    alone (after a gap) goes back to that task, which applies it once."""
+    socket, once the event loop has seen the socket signal, in sequence, before the reading
+    task gets to them; a batch it cannot apply alone (after a gap) goes back to that task,
+    which applies it once."""
     import asyncio
     import time
 
@@ -276,6 +277,13 @@ async def test_batches_waiting_in_the_socket_apply_when_a_request_is_routed() ->
     sink = RecordingSink()
     subscriber = KVEventSubscriber("http://engine", f"tcp://127.0.0.1:{port}", sink, context=ctx)
     reading = asyncio.create_task(subscriber.run())
+
+    async def signal_seen() -> None:
+        # Two loop turns: in the first the socket's signal is handled after this coroutine's
+        # step, and it schedules the reading task's wake-up behind this coroutine's next one.
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert subscriber._inbox is not None and subscriber._inbox.signalled()
 
     async def until(condition: Any) -> None:
         for _ in range(500):
@@ -290,11 +298,16 @@ async def test_batches_waiting_in_the_socket_apply_when_a_request_is_routed() ->
         await pub.send_multipart(frames(0, [1.0, [stored_map()], 0]))
         await until(lambda: len(sink.applied) == 1)
         await pub.send_multipart(frames(1, [2.0, [stored_map(block_hashes=[13])], 0]))
-        time.sleep(0.2)  # the batch arrives while the reading task cannot run
+        time.sleep(0.2)  # the batch arrives while the event loop cannot run
+        subscriber.drain()
+        assert len(sink.applied) == 1  # the loop has not seen the socket signal yet
+        await signal_seen()
         subscriber.drain()
         assert len(sink.applied) == 2 and subscriber.stats.messages == 2
+        await asyncio.sleep(0.1)  # the reading task, woken by that signal, finds nothing and waits
         await pub.send_multipart(frames(5, [3.0, [stored_map(block_hashes=[14])], 0]))
         time.sleep(0.2)
+        await signal_seen()
         subscriber.drain()
         assert len(sink.applied) == 2  # a gap: left to the reading task
         await until(lambda: len(sink.applied) == 3)
