@@ -421,7 +421,6 @@ def huge_body(tokens: int, seed: int, model: str = MODEL) -> bytes:
 
 
 async def _stall_run(
-    path: Path,
     mode: str,
     huge: list[bytes],
     small: list[bytes],
@@ -556,7 +555,7 @@ def measure_stalls(
         try:
             names = [f"http://10.0.1.{number + 1}:8000" for number in range(STALL_BACKENDS)]
             filled = filled_engine(path, names, index_blocks, seed, precise=precise)
-            result = asyncio.run(_stall_run(path, mode, huge, small, rate, quiet_s, filled))
+            result = asyncio.run(_stall_run(mode, huge, small, rate, quiet_s, filled))
         finally:
             sys.setswitchinterval(default_interval)
         results.append(replace(result, huge_tokens=tokens))

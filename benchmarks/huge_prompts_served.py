@@ -107,17 +107,17 @@ async def _run(
     finally:
         await client.close()
     answered = list(zip(client.due, client.latencies, strict=True))
+
+    def phase(during: bool) -> PhaseLatency:
+        """The small chats due before the first huge prompt was sent, or from then on."""
+        latencies = [latency for due, latency in answered if (due >= huge_from) == during]
+        return PhaseLatency.of(latencies, sum((due >= huge_from) == during for due in client.failed_due))
+
     return ServedRun(
         target=target,
         round=number,
-        before=PhaseLatency.of(
-            [latency for due, latency in answered if due < huge_from],
-            sum(due < huge_from for due in client.failed_due),
-        ),
-        during=PhaseLatency.of(
-            [latency for due, latency in answered if due >= huge_from],
-            sum(due >= huge_from for due in client.failed_due),
-        ),
+        before=phase(during=False),
+        during=phase(during=True),
         huge_ms=huge_ms,
         huge_errors=huge_errors,
     )

@@ -465,16 +465,27 @@ class KVEventSubscriber:
         if inbox is None or self._handling or not inbox.signalled():
             return
         while (frames := inbox.take()) is not None:
-            seq = int.from_bytes(frames[1], "big") if len(frames) == 3 and len(frames[1]) == 8 else None
-            if seq is None or seq != self._expected or self._verify_engine:
+            if not self._apply_in_sequence(frames):
                 inbox.put_back(frames)
                 return
-            self._awaiting_since = None
-            self._apply(seq, bytes(frames[2]))
-            self._set_state(KVEventsState.PRECISE if self._complete else KVEventsState.PARTIAL)
+
+    def _apply_in_sequence(self, frames: Sequence[bytes]) -> bool:
+        """Apply a well-formed message that is the next in sequence when no engine check is
+        due; False (nothing done) for anything else, which :meth:`handle_message` sorts out."""
+        if len(frames) != 3 or len(frames[1]) != 8 or self._verify_engine:
+            return False
+        seq = int.from_bytes(frames[1], "big")
+        if seq != self._expected:
+            return False
+        self._awaiting_since = None
+        self._apply(seq, bytes(frames[2]))
+        self._set_state(KVEventsState.PRECISE if self._complete else KVEventsState.PARTIAL)
+        return True
 
     async def handle_message(self, frames: Sequence[bytes]) -> None:
         """One message from the SUB socket: check its sequence number, fill any gap, apply."""
+        if self._apply_in_sequence(frames):
+            return
         if len(frames) != 3 or len(frames[1]) != 8:
             self.decoder.stats.malformed_messages += 1
             return

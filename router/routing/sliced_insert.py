@@ -48,10 +48,7 @@ def insert_blocks(index: PrefixIndex, backend: str, hashes: np.ndarray, *, slice
     if not sliced or blocks <= INSERT_SLICE_BLOCKS:
         index.insert_hashes(backend, hashes)
         return None
-    # The tables grow once, not slice after slice: before the first slice where the index
-    # knows the backend, after it where the first slice introduced it.
-    index.reserve(backend, blocks)
     last_slice = blocks - INSERT_SLICE_BLOCKS
     index.insert_hashes(backend, hashes[last_slice:])
-    index.reserve(backend, last_slice)
+    index.reserve(backend, last_slice)  # the tables grow once, not slice after slice
     return PendingInsert(index, backend, hashes, last_slice)
