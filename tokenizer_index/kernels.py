@@ -470,3 +470,280 @@ def release(
             remove_one(block_flat, block_spills, block_slot, placement)
             emptied += 1
     return emptied
+
+
+# --- words: ASCII text cut by a tokenizer's pre-tokenizer regex, each word's ids looked up -----
+# The regex runs as a program (kvroute.tokenizer_index.word_program): per alternative a
+# sequence of items, each a greedy repeat of a character class or a one-character
+# lookahead; the alternatives are tried in order with backtracking, as Python's ``re``
+# does. The words' ids live in an open-addressing table keyed by a hash of each word
+# (kvroute.tokenizer_index.word_table; its slots are described below).
+
+#: Item kinds of a word program.
+ITEM_REPEAT, ITEM_NOT_FOLLOWED_BY, ITEM_FOLLOWED_BY, ITEM_FAIL = 0, 1, 2, 3
+_CLASSES = types.uint8[:, ::1]
+_ITEMS = types.int64[:, ::1]
+_U8 = types.uint8[::1]
+#: A text's bytes, as ``np.frombuffer`` gives them: read-only.
+_TEXT = types.Array(types.uint8, 1, "C", readonly=True)
+
+
+@njit(inline="always")
+def _match_alternative(text, at, stop, classes, items, first, last, counts, positions):  # type: ignore[no-untyped-def]
+    """Where items ``first..last-1`` matched from ``at`` end (-1: no match), greedy repeats
+    giving back one character at a time on failure, as a backtracking engine does."""
+    item = first
+    position = at
+    while True:
+        if item == last:
+            return position
+        kind = items[item, 0]
+        members = items[item, 1]
+        matched = False
+        if kind == ITEM_REPEAT:
+            run = 0
+            most = items[item, 3]
+            while run < most and position + run < stop and classes[members, text[position + run]]:
+                run += 1
+            if run >= items[item, 2]:
+                counts[item] = run
+                positions[item] = position
+                position += run
+                matched = True
+        elif kind != ITEM_FAIL:
+            following = position < stop and classes[members, text[position]] != 0
+            if following == (kind == ITEM_FOLLOWED_BY):
+                counts[item] = 0
+                positions[item] = position
+                matched = True
+        if matched:
+            item += 1
+            continue
+        while True:  # back to the latest repeat that can give a character back
+            item -= 1
+            if item < first:
+                return -1
+            if items[item, 0] == ITEM_REPEAT and counts[item] > items[item, 2]:
+                counts[item] -= 1
+                position = positions[item] + counts[item]
+                item += 1
+                break
+
+
+@njit(inline="always")
+def _word_end(text, at, stop, classes, items, ends, starts, counts, positions):  # type: ignore[no-untyped-def]
+    """Where the first alternative that matches at ``at`` ends; -1 if none does."""
+    character = text[at]
+    if character >= 128:
+        return -1
+    for candidate in range(starts[character, 0]):
+        alternative = starts[character, candidate + 1]
+        first = ends[alternative - 1] if alternative > 0 else 0
+        end = _match_alternative(text, at, stop, classes, items, first, ends[alternative], counts, positions)
+        if end >= 0:
+            return end
+    return -1
+
+
+# The word table's slots, four 64-bit words each (a cache line holds two): the key (a hash
+# of the word; 0 marks an empty slot); the word's bytes packed, if at most 8, else their
+# offset in the byte arena; its ids, two of 32 bits packed, if at most two, else their
+# offset in the id arena; its length in bytes and its number of ids (32 bits each). Most
+# words are short and one or two ids long: one memory read finds them.
+SLOT_KEY, SLOT_WORD, SLOT_IDS, SLOT_SIZES = 0, 1, 2, 3
+_WORD_SLOTS = types.uint64[:, ::1]
+#: Words up to this many bytes are kept in their slot; ids up to this many too.
+INLINE_BYTES, INLINE_IDS = 8, 2
+_LOW32 = np.uint64(0xFFFFFFFF)
+
+
+@njit(inline="always")
+def _packed_head(text, start, end):  # type: ignore[no-untyped-def]
+    """The first (up to) 8 bytes of ``text[start:end]``, little-endian in one word."""
+    packed = np.uint64(0)
+    for position in range(start, min(end, start + INLINE_BYTES)):
+        packed |= np.uint64(text[position]) << np.uint64(8 * (position - start))
+    return packed
+
+
+@njit(inline="always")
+def _word_key(text, start, end, head):  # type: ignore[no-untyped-def]
+    """The word's table key: its bytes mixed 8 at a time, then its length; never 0."""
+    value = fmix(head ^ _K)
+    for chunk in range(start + INLINE_BYTES, end, INLINE_BYTES):
+        value = fmix(value ^ _packed_head(text, chunk, end))
+    value = fmix(value ^ np.uint64(end - start))
+    return value if value != 0 else _ONE
+
+
+@njit(inline="always")
+def _find_word(text, start, end, slots, word_bytes):  # type: ignore[no-untyped-def]
+    """The slot of ``text[start:end]``, or -1."""
+    head = _packed_head(text, start, end)
+    key = _word_key(text, start, end, head)
+    length = np.uint64(end - start)
+    mask = slots.shape[0] - 1
+    slot = np.int64(key & np.uint64(mask))
+    while True:
+        stored = slots[slot, SLOT_KEY]
+        if stored == 0:
+            return -1
+        if stored == key and slots[slot, SLOT_SIZES] & _LOW32 == length:
+            if length <= INLINE_BYTES:
+                if slots[slot, SLOT_WORD] == head:
+                    return slot
+            else:
+                offset = np.int64(slots[slot, SLOT_WORD])
+                same = True
+                for position in range(end - start):
+                    if word_bytes[offset + position] != text[start + position]:
+                        same = False
+                        break
+                if same:
+                    return slot
+        slot = (slot + 1) & mask
+
+
+@njit(inline="always")
+def _emit_word(text, start, end, slots, word_bytes, ids, out_ids, written, missing, missed):  # type: ignore[no-untyped-def]
+    """Write the ids of the word ``text[start:end]`` at ``out_ids[written:]``; a word not
+    in the table is noted in ``missing`` and holds its place with ``-1 - its number
+    there``. Returns the new ``(written, missed)``."""
+    slot = _find_word(text, start, end, slots, word_bytes)
+    if slot < 0:
+        missing[missed, 0] = start
+        missing[missed, 1] = end
+        out_ids[written] = -1 - missed
+        return written + 1, missed + 1
+    count = np.int64(slots[slot, SLOT_SIZES] >> _SHIFT32)
+    stored = slots[slot, SLOT_IDS]
+    if count <= INLINE_IDS:
+        out_ids[written] = np.int64(stored & _LOW32)
+        if count == 2:
+            out_ids[written + 1] = np.int64(stored >> _SHIFT32)
+    else:
+        offset = np.int64(stored)
+        for index in range(count):
+            out_ids[written + index] = ids[offset + index]
+    return written + count, missed
+
+
+@compiled(types.int64(_TEXT, _I64, _CLASSES, _ITEMS, _I64, _ITEMS, _WORD_SLOTS, _U8, _I64, _I64, _I64, _ITEMS))
+def word_ids(text, text_ends, classes, items, ends, starts, slots, word_bytes, ids, out_ids, out_ends, missing):  # type: ignore[no-untyped-def]
+    """Cut each text (``text`` holds them one after the other, the ``i``-th ending at
+    ``text_ends[i]``) into the program's words, as ``re.findall`` does with the text
+    between matches kept as words (``word_split._cut``), and write their ids one text
+    after the other into ``out_ids`` (the ``i``-th text's end at ``out_ends[i]``). Words
+    not in the table go to ``missing`` as (start, end); returns how many (when any,
+    ``out_ids`` holds placeholders in their place: :func:`_emit_word`)."""
+    counts = np.empty(items.shape[0], dtype=np.int64)
+    positions = np.empty(items.shape[0], dtype=np.int64)
+    written = 0
+    missed = 0
+    start = 0
+    for number in range(text_ends.shape[0]):
+        stop = text_ends[number]
+        at = start
+        gap = -1  # where the text between words began, while in it
+        while at < stop:
+            end = _word_end(text, at, stop, classes, items, ends, starts, counts, positions)
+            if end < 0:
+                if gap < 0:
+                    gap = at
+                at += 1
+                continue
+            if gap >= 0:
+                written, missed = _emit_word(text, gap, at, slots, word_bytes, ids, out_ids, written, missing, missed)
+                gap = -1
+            written, missed = _emit_word(text, at, end, slots, word_bytes, ids, out_ids, written, missing, missed)
+            at = end
+        if gap >= 0:
+            written, missed = _emit_word(text, gap, stop, slots, word_bytes, ids, out_ids, written, missing, missed)
+        out_ends[number] = written
+        start = stop
+    return missed
+
+
+@compiled(types.void(_TEXT, _I64, _I64, _ITEMS, _WORD_SLOTS, _U8, _I64, _I64, _I64))
+def fill_missing(text, out_ids, out_ends, missing, slots, word_bytes, ids, filled, filled_ends):  # type: ignore[no-untyped-def]
+    """:func:`word_ids`' output with each placeholder replaced by its word's ids, now in
+    the table, into ``filled`` (each text's end at ``filled_ends``)."""
+    written = 0
+    start = 0
+    for number in range(out_ends.shape[0]):
+        for position in range(start, out_ends[number]):
+            value = out_ids[position]
+            if value >= 0:
+                filled[written] = value
+                written += 1
+            else:
+                word = -1 - value
+                written, _ = _emit_word(
+                    text, missing[word, 0], missing[word, 1], slots, word_bytes, ids, filled, written, missing, 0
+                )
+        filled_ends[number] = written
+        start = out_ends[number]
+
+
+@njit(inline="always")
+def _free_slot(slots, key):  # type: ignore[no-untyped-def]
+    mask = slots.shape[0] - 1
+    slot = np.int64(key & np.uint64(mask))
+    while slots[slot, SLOT_KEY] != 0:
+        slot = (slot + 1) & mask
+    return slot
+
+
+@compiled(types.void(_TEXT, _ITEMS, _I64, _I64, _WORD_SLOTS, _U8, _I64, _I64))
+def add_words(text, spans, new_ids, id_ends, slots, word_bytes, ids, used):  # type: ignore[no-untyped-def]
+    """Add the words ``text[start:end]`` of ``spans`` (none in the table, each once) with
+    their ids (``new_ids``, the ``i``-th word's ending at ``id_ends[i]``; at least one
+    each). ``used`` holds the byte and id arenas' used lengths, updated; the caller made
+    room in the slots and both arenas."""
+    id_start = 0
+    for number in range(spans.shape[0]):
+        start = spans[number, 0]
+        end = spans[number, 1]
+        id_end = id_ends[number]
+        head = _packed_head(text, start, end)
+        key = _word_key(text, start, end, head)
+        slot = _free_slot(slots, key)
+        slots[slot, SLOT_KEY] = key
+        length = end - start
+        if length <= INLINE_BYTES:
+            slots[slot, SLOT_WORD] = head
+        else:
+            slots[slot, SLOT_WORD] = np.uint64(used[0])
+            for position in range(length):
+                word_bytes[used[0] + position] = text[start + position]
+            used[0] += length
+        count = id_end - id_start
+        if count <= INLINE_IDS:
+            packed = np.uint64(new_ids[id_start]) & _LOW32
+            if count == 2:
+                packed |= np.uint64(new_ids[id_start + 1]) << _SHIFT32
+            slots[slot, SLOT_IDS] = packed
+        else:
+            slots[slot, SLOT_IDS] = np.uint64(used[1])
+            for index in range(count):
+                ids[used[1] + index] = new_ids[id_start + index]
+            used[1] += count
+        slots[slot, SLOT_SIZES] = np.uint64(length) | (np.uint64(count) << _SHIFT32)
+        id_start = id_end
+
+
+@compiled(types.void(_WORD_SLOTS, _WORD_SLOTS))
+def move_slots(old, slots):  # type: ignore[no-untyped-def]
+    """Every occupied slot of ``old`` into the (empty, larger) ``slots``."""
+    for row in range(old.shape[0]):
+        key = old[row, SLOT_KEY]
+        if key != 0:
+            slot = _free_slot(slots, key)
+            for column in range(4):
+                slots[slot, column] = old[row, column]
+
+
+@compiled(types.int64(_TEXT, _WORD_SLOTS, _U8))
+def find_word(word, slots, word_bytes):  # type: ignore[no-untyped-def]
+    """The slot of the word ``word``, or -1 (for the table's own checks)."""
+    return _find_word(word, 0, word.shape[0], slots, word_bytes)

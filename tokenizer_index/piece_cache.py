@@ -48,7 +48,7 @@ def list_bytes(ids: list[int]) -> int:
     return LIST_OVERHEAD_BYTES + sys.getsizeof(ids)
 
 
-def frozen_ids(ids: Sequence[int]) -> np.ndarray:
+def frozen_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """``ids`` as the read-only int64 array the cache holds (shared by every later lookup)."""
     array = np.array(ids, dtype=np.int64)
     array.flags.writeable = False

@@ -257,7 +257,8 @@ class FastPaths:
     context_token: str | None
     #: Long pieces cut into chunks at spaces between words, each memoised.
     chunks: bool
-    #: New text word by word: "ascii", "ascii+unicode", or "off".
+    #: New text word by word: "ascii", "ascii+unicode", or "off"; "(compiled)" where
+    #: ASCII text is cut and looked up in compiled code.
     words: str
     #: Per chat template: None where long conversations render only their new messages,
     #: else why they render whole.
@@ -706,7 +707,9 @@ class RequestTokenizer:
             pieces=self._incremental,
             context_token=self._context,
             chunks=self._chunks_long_pieces,
-            words="off" if words is None else "ascii+unicode" if words.unicode else "ascii",
+            words="off"
+            if words is None
+            else ("ascii+unicode" if words.unicode else "ascii") + (" (compiled)" if words.compiled else ""),
             templates=templates,
         )
 
@@ -1009,21 +1012,20 @@ class RequestTokenizer:
         if words is None or sum(len(units[index]) for index in missing) > WORD_SPLIT_MAX_CHARS:
             return missing
         left: list[int] = []
-        entries = []
+        handled: list[tuple[int, str, int | None]] = []
         for index in missing:
-            unit = units[index]
-            split = self._text_and_final_token(unit)
+            split = self._text_and_final_token(units[index])
             if split is None:
                 left.append(index)
-                continue
-            text, token = split
-            ids = words.ids(text)
-            if token is not None:
-                ids.append(token)
+            else:
+                handled.append((index, *split))
+        entries = []
+        for (index, _, token), ids in zip(handled, words.ids_of([text for _, text, _ in handled]), strict=True):
+            unit = units[index]
+            array, as_list = self._converted_ids(ids, as_list=not arrays, final=token)
             self._word_texts += 1
-            if self._word_texts % VERIFY_EVERY == 0 and not self._words_agree(unit, ids):
+            if self._word_texts % VERIFY_EVERY == 0 and not self._words_agree(unit, array.tolist()):
                 return missing
-            array, as_list = self._converted_ids(ids, as_list=not arrays)
             found[index] = array if arrays else as_list
             entries.append((unit, array, as_list))
         self._cache.put_many(entries)
@@ -1068,13 +1070,19 @@ class RequestTokenizer:
             return _cut_at_word_spaces(piece, self._chunk_chars)
         return [piece]
 
-    def _converted_ids(self, ids: list[int], *, as_list: bool) -> tuple[np.ndarray, list[int] | None]:
-        """One unit's ids as the cache keeps them: a read-only array, and the list form.
+    def _converted_ids(
+        self, ids: list[int] | np.ndarray, *, as_list: bool, final: int | None = None
+    ) -> tuple[np.ndarray, list[int] | None]:
+        """One unit's ids (and the ``final`` token after them, if any) as the cache keeps
+        them: a read-only array (a copy), and the list form.
 
         Converted unit by unit: converting a 1M-token text's ids in one call holds the GIL
         for ~70 ms; a few thousand short calls let other threads in between.
         """
-        return frozen_ids(ids), list(map(self._canonical_id, ids)) if as_list else None
+        if final is not None:
+            ids = [*ids, final] if isinstance(ids, list) else np.append(ids, final)
+        array = frozen_ids(ids)
+        return array, self._canonical_list(array) if as_list else None
 
     def _canonical_list(self, ids: np.ndarray) -> list[int]:
         """``ids`` as a list of the vocabulary's shared int objects (what the cache keeps)."""

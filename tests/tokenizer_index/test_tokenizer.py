@@ -523,7 +523,12 @@ def test_no_context_token_that_a_longer_added_token_starts_with() -> None:
 
 def test_fast_paths_say_which_shortcuts_a_tokenizer_takes() -> None:
     default = RequestTokenizer.default().fast_paths()
-    assert (default.pieces, default.context_token, default.chunks, default.words) == (True, None, True, "ascii+unicode")
+    assert (default.pieces, default.context_token, default.chunks, default.words) == (
+        True,
+        None,
+        True,
+        "ascii+unicode (compiled)",
+    )
     assert default.templates == {"default": None}
     whole = RequestTokenizer(
         RequestTokenizer.default().backend, incremental=False, chat_templates={"default": "{{ messages | length }}"}

@@ -15,6 +15,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
 from kvroute.tokenizer_index import RequestTokenizer
 from kvroute.tokenizer_index.tokenizer import VERIFY_EVERY, WORD_SPLIT_MAX_CHARS
 from kvroute.tokenizer_index.word_split import (
+    COMPILED_MIN_CHARS,
     WordPatterns,
     WordSplitter,
     agreed_text,
@@ -126,6 +127,26 @@ def test_known_words_come_from_the_cache() -> None:
     assert len(asked) == 1  # every word known
 
 
+@SETTINGS
+@given(texts=st.lists(TEXT, min_size=1, max_size=4))
+def test_many_texts_ids_are_the_librarys(library: Tokenizer, texts: list[str]) -> None:
+    """Many texts at once: the ASCII ones cut and looked up in compiled code where the
+    pattern runs as a program and they are long enough, the others word by word in Python."""
+    splitter = _splitter(library)
+    handled = [text for text in texts if splitter.handles(text)]
+    long = [(text + " ") * (COMPILED_MIN_CHARS // (len(text) + 1) + 1) for text in handled]
+    for batch in (handled, long):  # short texts (Python), then long ones (compiled, if it can)
+        for _ in range(2):  # new words, then known ones
+            assert [list(ids) for ids in splitter.ids_of(batch)] == _library_ids(library, batch)
+
+
+def test_which_patterns_run_in_compiled_code(request: pytest.FixtureRequest, library: Tokenizer) -> None:
+    """GPT-2's, Llama 3's and Qwen 2's patterns; not o200k's (an optional group after a
+    repeat) nor DeepSeek V3's (three splits one after the other)."""
+    kind = request.node.callspec.params["library"]
+    assert _splitter(library).compiled == (kind in {"default", "byte_level", "llama3", "qwen2"})
+
+
 @pytest.mark.parametrize(
     ("pattern", "translated"),
     [
@@ -228,19 +249,29 @@ def test_text_past_the_limit_goes_to_the_library() -> None:
     assert len(ours._words) == before  # not one word looked up
 
 
-def test_a_text_the_check_finds_different_stops_word_splitting(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "compiled"])
+def test_a_text_the_check_finds_different_stops_word_splitting(
+    caplog: pytest.LogCaptureFixture, compiled: bool
+) -> None:
+    """Short texts are cut in Python (the dict), long ones in compiled code (the table):
+    either cache gone wrong is caught by the periodic check."""
     ours = RequestTokenizer.default()
     words = ours._words
-    assert words is not None
-    words.ids("hello")
-    words._ids["hello"] = [7]  # as if the cut or the cache had gone wrong
-    assert ours.encode_text("hello 0") != _library_ids(ours.backend, ["hello 0"])[0]  # cached wrong, unchecked
+    assert words is not None and words._table is not None
+    tail = " filler" * (COMPILED_MIN_CHARS // 7) if compiled else ""
+    if compiled:
+        words._table.add(["hello"], [[7]])  # as if the cut or the table had gone wrong
+    else:
+        words.ids("hello")
+        words._ids["hello"] = [7]
+    first = f"hello 0{tail}"
+    assert ours.encode_text(first) != _library_ids(ours.backend, [first])[0]  # cached wrong, unchecked
     with caplog.at_level(logging.ERROR):
         for number in range(1, VERIFY_EVERY + 1):
-            ours.encode_text(f"hello {number}")
+            ours.encode_text(f"hello {number}{tail}")
     assert ours._words is None and "differed from the library" in caplog.text
     # What it had cached is forgotten: the text tokenized wrong before the check is right now.
-    assert ours.encode_text("hello 0") == _library_ids(ours.backend, ["hello 0"])[0]
+    assert ours.encode_text(first) == _library_ids(ours.backend, [first])[0]
 
 
 def test_a_token_that_takes_the_space_before_it_leaves_its_unit_to_the_library() -> None:

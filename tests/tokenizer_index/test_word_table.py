@@ -1,0 +1,60 @@
+"""The compiled word table: exact through new words, growth, and a table that fills.
+
+Words get ids of their own (``test_word_program.Registry``), so the ids spell out the cut."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvroute.tokenizer_index.word_program import word_program
+from kvroute.tokenizer_index.word_split import _GPT2_PATTERN, ascii_pattern
+from kvroute.tokenizer_index.word_table import WordTable
+from tests.tokenizer_index.test_word_program import Registry
+
+GPT2_ASCII = re.compile(ascii_pattern(_GPT2_PATTERN) or "")
+
+
+def _table(pattern: re.Pattern[str], registry: Registry, max_words: int = 1 << 17) -> WordTable:
+    program = word_program(pattern)
+    assert program is not None
+    return WordTable(program, registry.encode, max_words)
+
+
+def test_a_table_that_fills_starts_afresh_and_stays_exact() -> None:
+    pattern = GPT2_ASCII
+    registry = Registry()
+    table = _table(pattern, registry, max_words=600)
+    for round_ in range(40):
+        text = " ".join(f"w{round_}x{number} longerwordnumber{number}" for number in range(20)) + "\n\n"
+        assert table.ids([text])[0].tolist() == registry.expected(pattern, text)
+        assert len(table) <= 600
+    assert table.find(" longerwordnumber") == registry.ids[" longerwordnumber"]  # past 8 bytes: in the arena
+    assert table.find(" never") is None
+
+
+def test_slots_and_arenas_grow() -> None:
+    pattern = GPT2_ASCII
+    registry = Registry()
+    table = _table(pattern, registry)
+    texts = [
+        " ".join(f"word{number}abcdefgh{number * 7}" for number in range(start, start + 500)) for start in (0, 500)
+    ]
+    before = table.nbytes
+    assert [ids.tolist() for ids in table.ids(texts)] == [registry.expected(pattern, text) for text in texts]
+    assert len(table) >= 1000 and table.nbytes > before
+    assert [ids.tolist() for ids in table.ids(texts)] == [registry.expected(pattern, text) for text in texts]
+
+
+def test_one_call_is_bounded_by_the_table() -> None:
+    table = _table(re.compile(r"\w+|\W"), Registry(), max_words=10)
+    with pytest.raises(ValueError, match="at most 10"):
+        table.ids(["a" * 11])
+
+
+def test_a_word_with_more_ids_than_bytes_is_refused() -> None:
+    """The output arrays hold one id per byte of text: a byte-level BPE never has more."""
+    table = _table(re.compile(r"\w+|\W"), Registry())
+    with pytest.raises(ValueError, match="more ids than bytes"):
+        table.add(["ab"], [[1, 2, 3]])

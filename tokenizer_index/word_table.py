@@ -1,0 +1,152 @@
+"""The ids of words seen before, where compiled code reads them: ASCII text to ids in one call.
+
+:class:`WordTable` keeps each word and its ids in an open-addressing table of fixed-size
+slots (a short word and its one or two ids inside its slot, longer ones in two arenas;
+the layout is described in :mod:`kvroute.tokenizer_index.kernels`), so
+:func:`kvroute.tokenizer_index.kernels.word_ids` cuts texts with a
+:class:`~kvroute.tokenizer_index.word_program.WordProgram` and writes their ids without
+creating a Python object per word (``word_split.WordSplitter``'s dict costs ~75 ns per
+word looked up, ``re`` ~100 ns more to cut it). Words it has not seen it tokenizes with
+the library (one batch per call) and keeps.
+
+Not thread-safe: the caller holds a lock around :meth:`WordTable.ids`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import accumulate, chain
+
+import numpy as np
+
+from kvroute.tokenizer_index import kernels
+from kvroute.tokenizer_index.word_program import WordProgram
+
+#: Words per slot at most before the slots double (open addressing stays short-probed).
+_LOAD = 0.5
+_FIRST_SLOTS = 2048
+_SLOT_COLUMNS = 4
+
+
+class WordTable:
+    """Words' ids (up to ``max_words``; past it the table starts afresh), for one program;
+    ``encode_words`` tokenizes words it lacks (each on its own, as the library does)."""
+
+    def __init__(
+        self, program: WordProgram, encode_words: Callable[[list[str]], list[list[int]]], max_words: int
+    ) -> None:
+        self._program = program.arrays()
+        self._encode_words = encode_words
+        self._max_words = max_words
+        self.clear()
+
+    def __len__(self) -> int:
+        return self._words
+
+    @property
+    def nbytes(self) -> int:
+        return self._slots.nbytes + self._word_bytes.nbytes + self._ids.nbytes
+
+    def ids(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """The ids of each of ``texts`` (ASCII, at most ``max_words`` characters in all),
+        word by word. Words not in the table are tokenized and added."""
+        joined = "".join(texts).encode("ascii")
+        if len(joined) > self._max_words:  # (so one call's new words fit, after a clear)
+            raise ValueError(f"{len(joined)} characters in one call; at most {self._max_words}")
+        text = np.frombuffer(joined, dtype=np.uint8)
+        text_ends = np.fromiter(accumulate(map(len, texts)), dtype=np.int64, count=len(texts))
+        # Byte-level BPE takes at least one byte per id (add() holds every word to it),
+        # and a text has at most one word per character: neither array can overflow.
+        out_ids = np.empty(len(joined), dtype=np.int64)
+        out_ends = np.empty(len(texts), dtype=np.int64)
+        missing = np.empty((len(joined), 2), dtype=np.int64)
+        program, slots = self._program, self._slots
+        missed = kernels.word_ids(
+            text, text_ends, *program, slots, self._word_bytes, self._ids, out_ids, out_ends, missing
+        )
+        if missed:
+            spans = missing[:missed]
+            self._learn(joined, text, spans)
+            placeheld, out_ids = out_ids, np.empty(len(joined), dtype=np.int64)
+            kernels.fill_missing(
+                text, placeheld, out_ends.copy(), spans, self._slots, self._word_bytes, self._ids, out_ids, out_ends
+            )
+        ends = out_ends.tolist()
+        return [out_ids[start:end] for start, end in zip([0, *ends], ends)]
+
+    def add(self, words: Sequence[str], ids: Sequence[Sequence[int]]) -> None:
+        """Remember each of ``words`` (ASCII, none in the table, each once) with its ids."""
+        joined = "".join(words).encode("ascii")
+        ends = list(accumulate(map(len, words)))
+        spans = np.array(list(zip([0, *ends], ends)), dtype=np.int64).reshape(-1, 2)
+        self._add(np.frombuffer(joined, dtype=np.uint8), spans, ids)
+
+    def _learn(self, joined: bytes, text: np.ndarray, spans: np.ndarray) -> None:
+        """Tokenize and add the words at ``spans`` of ``text`` (each word once)."""
+        first: dict[bytes, int] = {}
+        for number, (start, end) in enumerate(spans.tolist()):
+            first.setdefault(joined[start:end], number)
+        words = [word.decode("ascii") for word in first]
+        self._add(text, spans[list(first.values())], self._encode_words(words))
+
+    def _add(self, text: np.ndarray, spans: np.ndarray, ids: Sequence[Sequence[int]]) -> None:
+        """Add the words at ``spans`` of ``text`` (none in the table, each once), with at
+        least one id each and at most one per byte, as a byte-level BPE's (:meth:`ids`
+        sizes its output so)."""
+        lengths = (spans[:, 1] - spans[:, 0]).tolist()
+        if any(not 0 < len(word_ids) <= length for word_ids, length in zip(ids, lengths, strict=True)):
+            raise ValueError("a word with no ids or more ids than bytes")
+        if self._words + len(lengths) > self._max_words:
+            self.clear()
+        self._reserve(len(lengths), sum(lengths), sum(map(len, ids)))
+        kernels.add_words(
+            text,
+            spans,
+            np.array(list(chain.from_iterable(ids)), dtype=np.int64),
+            np.fromiter(accumulate(map(len, ids)), dtype=np.int64, count=len(ids)),
+            self._slots,
+            self._word_bytes,
+            self._ids,
+            self._used,
+        )
+        self._words += len(lengths)
+
+    def find(self, word: str) -> list[int] | None:
+        """``word``'s ids, if the table has it (for checks and tests)."""
+        encoded = word.encode("ascii")
+        slot = kernels.find_word(np.frombuffer(encoded, dtype=np.uint8), self._slots, self._word_bytes)
+        if slot < 0:
+            return None
+        return self.ids([word])[0].tolist()  # type: ignore[no-any-return]
+
+    def clear(self) -> None:
+        """Forget every word."""
+        self._slots = np.zeros((_FIRST_SLOTS, _SLOT_COLUMNS), dtype=np.uint64)
+        self._word_bytes = np.zeros(4 * _FIRST_SLOTS, dtype=np.uint8)
+        self._ids = np.zeros(_FIRST_SLOTS, dtype=np.int64)
+        #: The byte and id arenas' used lengths (updated by the kernel).
+        self._used = np.zeros(2, dtype=np.int64)
+        self._words = 0
+
+    def _reserve(self, words: int, word_bytes: int, ids: int) -> None:
+        """Room for this many more words, bytes and ids (slots moved when they double)."""
+        used_bytes, used_ids = self._used.tolist()
+        if used_bytes + word_bytes > len(self._word_bytes):
+            self._word_bytes = _grown(self._word_bytes, used_bytes + word_bytes)
+        if used_ids + ids > len(self._ids):
+            self._ids = _grown(self._ids, used_ids + ids)
+        needed = self._words + words
+        if needed > _LOAD * len(self._slots):
+            size = len(self._slots)
+            while needed > _LOAD * size:
+                size *= 2
+            slots = np.zeros((size, _SLOT_COLUMNS), dtype=np.uint64)
+            kernels.move_slots(self._slots, slots)
+            self._slots = slots
+
+
+def _grown(array: np.ndarray, needed: int) -> np.ndarray:
+    """``array`` copied into one at least twice as long and long enough for ``needed``."""
+    grown = np.zeros(max(needed, 2 * len(array)), dtype=array.dtype)
+    grown[: len(array)] = array
+    return grown
