@@ -530,7 +530,7 @@ def _match_alternative(text, at, stop, classes, items, first, last, counts, posi
                 break
 
 
-@njit(inline="always")
+@njit
 def _word_end(text, at, stop, classes, items, ends, starts, counts, positions):  # type: ignore[no-untyped-def]
     """Where the first alternative that matches at ``at`` ends; -1 if none does."""
     character = text[at]
@@ -644,21 +644,14 @@ def word_ids(text, text_ends, classes, items, ends, starts, slots, word_bytes, i
     for number in range(text_ends.shape[0]):
         stop = text_ends[number]
         at = start
-        gap = -1  # where the text between words began, while in it
         while at < stop:
             end = _word_end(text, at, stop, classes, items, ends, starts, counts, positions)
-            if end < 0:
-                if gap < 0:
-                    gap = at
-                at += 1
-                continue
-            if gap >= 0:
-                written, missed = _emit_word(text, gap, at, slots, word_bytes, ids, out_ids, written, missing, missed)
-                gap = -1
+            if end < 0:  # characters no alternative matches at: one word, up to where one does
+                end = at + 1
+                while end < stop and _word_end(text, end, stop, classes, items, ends, starts, counts, positions) < 0:
+                    end += 1
             written, missed = _emit_word(text, at, end, slots, word_bytes, ids, out_ids, written, missing, missed)
             at = end
-        if gap >= 0:
-            written, missed = _emit_word(text, gap, stop, slots, word_bytes, ids, out_ids, written, missing, missed)
         out_ends[number] = written
         start = stop
     return missed
@@ -741,9 +734,3 @@ def move_slots(old, slots):  # type: ignore[no-untyped-def]
             slot = _free_slot(slots, key)
             for column in range(4):
                 slots[slot, column] = old[row, column]
-
-
-@compiled(types.int64(_TEXT, _WORD_SLOTS, _U8))
-def find_word(word, slots, word_bytes):  # type: ignore[no-untyped-def]
-    """The slot of the word ``word``, or -1 (for the table's own checks)."""
-    return _find_word(word, 0, word.shape[0], slots, word_bytes)

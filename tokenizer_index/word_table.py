@@ -112,12 +112,17 @@ class WordTable:
         self._words += len(lengths)
 
     def find(self, word: str) -> list[int] | None:
-        """``word``'s ids, if the table has it (for checks and tests)."""
-        encoded = word.encode("ascii")
-        slot = kernels.find_word(np.frombuffer(encoded, dtype=np.uint8), self._slots, self._word_bytes)
-        if slot < 0:
+        """The ids of ``word`` (its words, if the program cuts it), if the table has them
+        all; nothing is added (for checks and tests)."""
+        text = np.frombuffer(word.encode("ascii"), dtype=np.uint8)
+        out_ids = np.empty(len(text), dtype=np.int64)
+        out_ends = np.empty(1, dtype=np.int64)
+        missing = np.empty((len(text), 2), dtype=np.int64)
+        text_ends = np.array([len(text)], dtype=np.int64)
+        arenas = (self._slots, self._word_bytes, self._ids)
+        if kernels.word_ids(text, text_ends, *self._program, *arenas, out_ids, out_ends, missing) or not len(text):
             return None
-        return self.ids([word])[0].tolist()  # type: ignore[no-any-return]
+        return out_ids[: out_ends[0]].tolist()  # type: ignore[no-any-return]
 
     def clear(self) -> None:
         """Forget every word."""
