@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 VERIFY_EVERY = 256
 #: Words whose ids are kept (~130 bytes each); past it the cache starts afresh.
 MAX_WORDS = 1 << 17
+#: And their characters: a client sending long runs of letters (a new 60K-letter "word"
+#: per request) fills memory before it fills the count (~8 GB at 131K such words).
+#: Vocabulary averages ~7 characters a word, so real text reaches the count first.
+MAX_WORD_CHARS = 1 << 22
 #: ASCII texts go to the compiled cutter when they have this many characters in all: it
 #: costs ~16 ns per character against ~47 in Python, but ~18 us more per call (its arrays,
 #: and a second call for new words), so below ~500 characters Python is cheaper.
@@ -354,10 +358,13 @@ class WordSplitter:
         }
         self._encode_words = encode_words
         self._ids: dict[str, list[int]] = {}
+        self._cached_chars = 0  # of the words in _ids
         # ASCII text's words cut and looked up in compiled code, where the pattern runs as
         # a program and no split comes before it (DeepSeek's three stay with re).
         program = word_program(self._ascii) if not self._ascii_before else None
-        self._table = WordTable(program, self._encode_for_table, MAX_WORDS) if program is not None else None
+        self._table = (
+            WordTable(program, self._encode_and_keep, MAX_WORDS, MAX_WORD_CHARS) if program is not None else None
+        )
         self._table_lock = threading.Lock()
         if self._unicode is not None:
             _agreed_code_points()  # now, with the tokenizer, not on a request's time
@@ -399,7 +406,7 @@ class WordSplitter:
 
     def ids_of(self, texts: list[str]) -> list[list[int] | np.ndarray]:
         """The ids of each of ``texts`` (:meth:`handles` them; at most :data:`MAX_WORDS`
-        characters in all): the ASCII ones' in one compiled call (int64 arrays) where there
+        characters in all, as ``tokenizer.WORD_SPLIT_MAX_CHARS`` keeps them): the ASCII ones' in one compiled call (int64 arrays) where there
         is a word program and they have :data:`COMPILED_MIN_CHARS` in all, else each as
         :meth:`ids` (lists)."""
         table = self._table
@@ -418,21 +425,22 @@ class WordSplitter:
         found: list[list[int] | None] = list(map(cache.get, words))
         if None in found:
             new = list(dict.fromkeys(word for word, ids in zip(words, found) if ids is None))
-            if len(cache) + len(new) > MAX_WORDS:
-                cache.clear()
-            encoded = dict(zip(new, self._encode_words(new)))
-            cache.update(encoded)
+            encoded = dict(zip(new, self._encode_and_keep(new)))
             found = [encoded[word] if ids is None else ids for word, ids in zip(words, found)]
         return list(chain.from_iterable(found))  # type: ignore[arg-type]
 
-    def _encode_for_table(self, words: list[str]) -> list[list[int]]:
-        """The library's ids of words new to the compiled table, kept in the dict too: short
-        texts, cut in Python, then find the words long ones brought."""
+    def _encode_and_keep(self, words: list[str]) -> list[list[int]]:
+        """The library's ids of ``words`` (new to the dict, or to the compiled table: short
+        texts, cut in Python, then find the words long ones brought), kept in the dict,
+        which starts afresh past :data:`MAX_WORDS` words or :data:`MAX_WORD_CHARS` characters."""
         cache = self._ids
-        if len(cache) + len(words) > MAX_WORDS:
+        chars = sum(map(len, words))
+        if len(cache) + len(words) > MAX_WORDS or self._cached_chars + chars > MAX_WORD_CHARS:
             cache.clear()
+            self._cached_chars = 0
         encoded = self._encode_words(words)
         cache.update(zip(words, encoded))
+        self._cached_chars += chars
         return encoded
 
     def words(self, text: str) -> list[str]:
@@ -460,6 +468,7 @@ class WordSplitter:
 
     def clear(self) -> None:
         self._ids.clear()
+        self._cached_chars = 0
         if self._table is not None:
             with self._table_lock:
                 self._table.clear()

@@ -29,15 +29,23 @@ _SLOT_COLUMNS = 4
 
 
 class WordTable:
-    """Words' ids (up to ``max_words``; past it the table starts afresh), for one program;
-    ``encode_words`` tokenizes words it lacks (each on its own, as the library does)."""
+    """Words' ids (up to ``max_words`` words of ``max_chars`` characters in all; past either
+    the table starts afresh), for one program; ``encode_words`` tokenizes words it lacks
+    (each on its own, as the library does)."""
 
     def __init__(
-        self, program: WordProgram, encode_words: Callable[[list[str]], list[list[int]]], max_words: int
+        self,
+        program: WordProgram,
+        encode_words: Callable[[list[str]], list[list[int]]],
+        max_words: int,
+        max_chars: int,
     ) -> None:
         self._program = program.arrays()
         self._encode_words = encode_words
         self._max_words = max_words
+        self._max_chars = max_chars
+        #: The most characters one call may bring: its new words always fit a fresh table.
+        self._max_call = min(max_words, max_chars)
         self.clear()
 
     def __len__(self) -> int:
@@ -48,11 +56,11 @@ class WordTable:
         return self._slots.nbytes + self._word_bytes.nbytes + self._ids.nbytes
 
     def ids(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """The ids of each of ``texts`` (ASCII, at most ``max_words`` characters in all),
-        word by word. Words not in the table are tokenized and added."""
+        """The ids of each of ``texts`` (ASCII, at most ``max_words`` and ``max_chars``
+        characters in all), word by word. Words not in the table are tokenized and added."""
         joined = "".join(texts).encode("ascii")
-        if len(joined) > self._max_words:  # (so one call's new words fit, after a clear)
-            raise ValueError(f"{len(joined)} characters in one call; at most {self._max_words}")
+        if len(joined) > self._max_call:  # (so one call's new words fit, after a clear)
+            raise ValueError(f"{len(joined)} characters in one call; at most {self._max_call}")
         text = np.frombuffer(joined, dtype=np.uint8)
         text_ends = np.fromiter(accumulate(map(len, texts)), dtype=np.int64, count=len(texts))
         # Byte-level BPE takes at least one byte per id (add() holds every word to it),
@@ -96,9 +104,10 @@ class WordTable:
         lengths = (spans[:, 1] - spans[:, 0]).tolist()
         if any(not 0 < len(word_ids) <= length for word_ids, length in zip(ids, lengths, strict=True)):
             raise ValueError("a word with no ids or more ids than bytes")
-        if self._words + len(lengths) > self._max_words:
+        chars = sum(lengths)
+        if self._words + len(lengths) > self._max_words or self._chars + chars > self._max_chars:
             self.clear()
-        self._reserve(len(lengths), sum(lengths), sum(map(len, ids)))
+        self._reserve(len(lengths), chars, sum(map(len, ids)))
         kernels.add_words(
             text,
             spans,
@@ -110,6 +119,7 @@ class WordTable:
             self._used,
         )
         self._words += len(lengths)
+        self._chars += chars
 
     def find(self, word: str) -> list[int] | None:
         """The ids of ``word`` (its words, if the program cuts it), if the table has them
@@ -131,7 +141,7 @@ class WordTable:
         self._ids = np.zeros(_FIRST_SLOTS, dtype=np.int64)
         #: The byte and id arenas' used lengths (updated by the kernel).
         self._used = np.zeros(2, dtype=np.int64)
-        self._words = 0
+        self._words = self._chars = 0
 
     def _reserve(self, words: int, word_bytes: int, ids: int) -> None:
         """Room for this many more words, bytes and ids (slots moved when they double)."""

@@ -49,10 +49,10 @@ class Registry:
         return [token for word in (_cut(pattern, text) if text else []) for token in self.encode([word])[0]]
 
 
-def _table(pattern: re.Pattern[str], registry: Registry, max_words: int = 1 << 17) -> WordTable:
+def _table(pattern: re.Pattern[str], registry: Registry) -> WordTable:
     program = word_program(pattern)
     assert program is not None
-    return WordTable(program, registry.encode, max_words)
+    return WordTable(program, registry.encode, max_words=1 << 17, max_chars=1 << 22)
 
 
 @pytest.fixture(scope="module", params=sorted(TOKENIZER_PATTERNS) + sorted(OTHER_PATTERNS))

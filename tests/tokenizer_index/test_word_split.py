@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
 
-from kvroute.tokenizer_index import RequestTokenizer
+from kvroute.tokenizer_index import RequestTokenizer, word_split
 from kvroute.tokenizer_index.tokenizer import VERIFY_EVERY, WORD_SPLIT_MAX_CHARS
 from kvroute.tokenizer_index.word_split import (
     COMPILED_MIN_CHARS,
@@ -145,6 +145,18 @@ def test_which_patterns_run_in_compiled_code(request: pytest.FixtureRequest, lib
     repeat) nor DeepSeek V3's (three splits one after the other)."""
     kind = request.node.callspec.params["library"]
     assert _splitter(library).compiled == (kind in {"default", "byte_level", "llama3", "qwen2"})
+
+
+def test_the_word_cache_is_bounded_in_characters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long runs of letters, new in every text, start the cache afresh at its bound in
+    characters, not only in words."""
+    monkeypatch.setattr(word_split, "MAX_WORD_CHARS", 5_000)
+    library = RequestTokenizer.default().backend
+    splitter = _splitter(library)
+    for number in range(20):
+        text = f"x {'qwertyuiop' * 100}{'z' * number} y"
+        assert splitter.ids(text) == _library_ids(library, [text])[0]
+        assert splitter._cached_chars <= 5_000 and len(splitter._ids) < 10
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,12 @@ from tests.tokenizer_index.test_word_program import Registry
 GPT2_ASCII = re.compile(ascii_pattern(_GPT2_PATTERN) or "")
 
 
-def _table(pattern: re.Pattern[str], registry: Registry, max_words: int = 1 << 17) -> WordTable:
+def _table(
+    pattern: re.Pattern[str], registry: Registry, max_words: int = 1 << 17, max_chars: int = 1 << 22
+) -> WordTable:
     program = word_program(pattern)
     assert program is not None
-    return WordTable(program, registry.encode, max_words)
+    return WordTable(program, registry.encode, max_words, max_chars)
 
 
 def test_a_table_that_fills_starts_afresh_and_stays_exact() -> None:
@@ -58,3 +60,16 @@ def test_a_word_with_more_ids_than_bytes_is_refused() -> None:
     table = _table(re.compile(r"\w+|\W"), Registry())
     with pytest.raises(ValueError, match="more ids than bytes"):
         table.add(["ab"], [[1, 2, 3]])
+
+
+def test_long_words_fill_the_characters_bound_first() -> None:
+    """A client sending a new long run of letters per request: the table starts afresh at
+    its characters' bound, long before its count of words."""
+    registry = Registry()
+    table = _table(GPT2_ASCII, registry, max_chars=20_000)
+    for number in range(30):
+        text = f" {'abcdefghij' * 200}{chr(97 + number % 26) * (number + 1)} tail"
+        assert table.ids([text])[0].tolist() == registry.expected(GPT2_ASCII, text)
+        assert table._chars <= 20_000 and len(table) <= 11  # ten long words at most, and " tail"
+    with pytest.raises(ValueError, match="at most 20000"):
+        table.ids(["a" * 20_001])
