@@ -687,6 +687,17 @@ def _free_slot(slots, key):  # type: ignore[no-untyped-def]
     return slot
 
 
+@njit(inline="always")
+def _append(arena, used, which, source, start, count):  # type: ignore[no-untyped-def]
+    """Copy ``source[start:start + count]`` to the end of ``arena`` (its used length is
+    ``used[which]``, updated); returns where it went."""
+    offset = used[which]
+    for index in range(count):
+        arena[offset + index] = source[start + index]
+    used[which] += count
+    return np.uint64(offset)
+
+
 @compiled(types.void(_TEXT, _ITEMS, _I64, _I64, _WORD_SLOTS, _U8, _I64, _I64))
 def add_words(text, spans, new_ids, id_ends, slots, word_bytes, ids, used):  # type: ignore[no-untyped-def]
     """Add the words ``text[start:end]`` of ``spans`` (none in the table, each once) with
@@ -703,24 +714,18 @@ def add_words(text, spans, new_ids, id_ends, slots, word_bytes, ids, used):  # t
         slot = _free_slot(slots, key)
         slots[slot, SLOT_KEY] = key
         length = end - start
+        count = id_end - id_start
         if length <= INLINE_BYTES:
             slots[slot, SLOT_WORD] = head
         else:
-            slots[slot, SLOT_WORD] = np.uint64(used[0])
-            for position in range(length):
-                word_bytes[used[0] + position] = text[start + position]
-            used[0] += length
-        count = id_end - id_start
+            slots[slot, SLOT_WORD] = _append(word_bytes, used, 0, text, start, length)
         if count <= INLINE_IDS:
             packed = np.uint64(new_ids[id_start]) & _LOW32
             if count == 2:
                 packed |= np.uint64(new_ids[id_start + 1]) << _SHIFT32
             slots[slot, SLOT_IDS] = packed
         else:
-            slots[slot, SLOT_IDS] = np.uint64(used[1])
-            for index in range(count):
-                ids[used[1] + index] = new_ids[id_start + index]
-            used[1] += count
+            slots[slot, SLOT_IDS] = _append(ids, used, 1, new_ids, id_start, count)
         slots[slot, SLOT_SIZES] = np.uint64(length) | (np.uint64(count) << _SHIFT32)
         id_start = id_end
 
