@@ -475,12 +475,12 @@ def release(
 # --- words: ASCII text cut by a tokenizer's pre-tokenizer regex, each word's ids looked up -----
 # The regex runs as a program (kvroute.tokenizer_index.word_program): per alternative a
 # sequence of items, each a greedy repeat of a character class or a one-character
-# lookahead; the alternatives are tried in order with backtracking, as Python's ``re``
-# does. The words' ids live in an open-addressing table keyed by a hash of each word
+# lookahead, and last an optional group of fixed strings (o200k's contractions); the
+# alternatives are tried in order with backtracking, as Python's ``re`` does. The words' ids live in an open-addressing table keyed by a hash of each word
 # (kvroute.tokenizer_index.word_table; its slots are described below).
 
 #: Item kinds of a word program.
-ITEM_REPEAT, ITEM_NOT_FOLLOWED_BY, ITEM_FOLLOWED_BY, ITEM_FAIL = 0, 1, 2, 3
+ITEM_REPEAT, ITEM_NOT_FOLLOWED_BY, ITEM_FOLLOWED_BY, ITEM_FAIL, ITEM_OPTIONAL_SUFFIX = 0, 1, 2, 3, 4
 _CLASSES = types.uint8[:, ::1]
 _ITEMS = types.int64[:, ::1]
 _U8 = types.uint8[::1]
@@ -489,7 +489,7 @@ _TEXT = types.Array(types.uint8, 1, "C", readonly=True)
 
 
 @njit(inline="always")
-def _match_alternative(text, at, stop, classes, items, first, last, counts, positions):  # type: ignore[no-untyped-def]
+def _match_alternative(text, at, stop, classes, items, suffixes, first, last, counts, positions):  # type: ignore[no-untyped-def]
     """Where items ``first..last-1`` matched from ``at`` end (-1: no match), greedy repeats
     giving back one character at a time on failure, as a backtracking engine does."""
     item = first
@@ -510,6 +510,9 @@ def _match_alternative(text, at, stop, classes, items, first, last, counts, posi
                 positions[item] = position
                 position += run
                 matched = True
+        elif kind == ITEM_OPTIONAL_SUFFIX:  # (always last: the first string that follows, or none)
+            position = _optional_suffix(text, position, stop, classes, suffixes, members, items[item, 2])
+            matched = True
         elif kind != ITEM_FAIL:
             following = position < stop and classes[members, text[position]] != 0
             if following == (kind == ITEM_FOLLOWED_BY):
@@ -530,8 +533,26 @@ def _match_alternative(text, at, stop, classes, items, first, last, counts, posi
                 break
 
 
+@njit(inline="always")
+def _optional_suffix(text, at, stop, classes, suffixes, first, count):  # type: ignore[no-untyped-def]
+    """Where the first of the ``count`` strings from ``suffixes[first]`` (each: its length,
+    then a class per character) that matches at ``at`` ends; ``at`` if none does."""
+    for suffix in range(first, first + count):
+        length = suffixes[suffix, 0]
+        if at + length > stop:
+            continue
+        whole = True
+        for offset in range(length):
+            if not classes[suffixes[suffix, offset + 1], text[at + offset]]:
+                whole = False
+                break
+        if whole:
+            return at + length
+    return at
+
+
 @njit
-def _word_end(text, at, stop, classes, items, ends, starts, counts, positions):  # type: ignore[no-untyped-def]
+def _word_end(text, at, stop, classes, items, ends, starts, suffixes, counts, positions):  # type: ignore[no-untyped-def]
     """Where the first alternative that matches at ``at`` ends; -1 if none does."""
     character = text[at]
     if character >= 128:
@@ -539,7 +560,7 @@ def _word_end(text, at, stop, classes, items, ends, starts, counts, positions): 
     for candidate in range(starts[character, 0]):
         alternative = starts[character, candidate + 1]
         first = ends[alternative - 1] if alternative > 0 else 0
-        end = _match_alternative(text, at, stop, classes, items, first, ends[alternative], counts, positions)
+        end = _match_alternative(text, at, stop, classes, items, suffixes, first, ends[alternative], counts, positions)
         if end >= 0:
             return end
     return -1
@@ -628,8 +649,10 @@ def _emit_word(text, start, end, slots, word_bytes, ids, out_ids, written, missi
     return written + count, missed
 
 
-@compiled(types.int64(_TEXT, _I64, _CLASSES, _ITEMS, _I64, _ITEMS, _WORD_SLOTS, _U8, _I64, _I64, _I64, _ITEMS))
-def word_ids(text, text_ends, classes, items, ends, starts, slots, word_bytes, ids, out_ids, out_ends, missing):  # type: ignore[no-untyped-def]
+@compiled(types.int64(_TEXT, _I64, _CLASSES, _ITEMS, _I64, _ITEMS, _ITEMS, _WORD_SLOTS, _U8, _I64, _I64, _I64, _ITEMS))
+def word_ids(
+    text, text_ends, classes, items, ends, starts, suffixes, slots, word_bytes, ids, out_ids, out_ends, missing
+):  # type: ignore[no-untyped-def]
     """Cut each text (``text`` holds them one after the other, the ``i``-th ending at
     ``text_ends[i]``) into the program's words, as ``re.findall`` does with the text
     between matches kept as words (``word_split._cut``), and write their ids one text
@@ -645,10 +668,13 @@ def word_ids(text, text_ends, classes, items, ends, starts, slots, word_bytes, i
         stop = text_ends[number]
         at = start
         while at < stop:
-            end = _word_end(text, at, stop, classes, items, ends, starts, counts, positions)
+            end = _word_end(text, at, stop, classes, items, ends, starts, suffixes, counts, positions)
             if end < 0:  # characters no alternative matches at: one word, up to where one does
                 end = at + 1
-                while end < stop and _word_end(text, end, stop, classes, items, ends, starts, counts, positions) < 0:
+                while (
+                    end < stop
+                    and _word_end(text, end, stop, classes, items, ends, starts, suffixes, counts, positions) < 0
+                ):
                     end += 1
             written, missed = _emit_word(text, at, end, slots, word_bytes, ids, out_ids, written, missing, missed)
             at = end

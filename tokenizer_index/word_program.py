@@ -2,13 +2,14 @@
 
 Python's ``re`` costs ~100 ns per word it finds (a 600-character user turn: ~10 us); the
 same cut in compiled code (:func:`kvroute.tokenizer_index.kernels.word_ids`) costs ~2 us.
-The patterns tokenizers use (GPT-2's, Llama 3's, Qwen 2's, in their ASCII translation by
-:func:`~kvroute.tokenizer_index.word_split.ascii_pattern`) are alternatives of short
-sequences of greedy character-class repeats, with one-character lookaheads: a program of
-such *items* per alternative, tried in order with backtracking, is what ``re`` does
-with them. Patterns with anything else (lazy or possessive repeats, repeated groups,
-captures, lookbehinds, anchors, an alternative that can match nothing, a branch after a
-repeat) get no program and stay with ``re``.
+The patterns tokenizers use (GPT-2's, Llama 3's, Qwen 2's, o200k's, in their ASCII
+translation by :func:`~kvroute.tokenizer_index.word_split.ascii_pattern`) are alternatives
+of short sequences of greedy character-class repeats, with one-character lookaheads and,
+last, an optional group of fixed strings (o200k's contractions): a program of such *items*
+per alternative, tried in order with backtracking, is what ``re`` does with them. Patterns
+with anything else (lazy or possessive repeats, other repeated groups, captures,
+lookbehinds, anchors, an alternative that can match nothing, a branch after a repeat)
+get no program and stay with ``re``.
 
 The pattern is read with ``re``'s own parser and every character class is evaluated by
 ``re`` itself on each of the 128 ASCII characters, so classes, escapes, ranges, negations
@@ -25,7 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from kvroute.tokenizer_index.kernels import ITEM_FAIL, ITEM_FOLLOWED_BY, ITEM_NOT_FOLLOWED_BY, ITEM_REPEAT
+from kvroute.tokenizer_index.kernels import (
+    ITEM_FAIL,
+    ITEM_FOLLOWED_BY,
+    ITEM_NOT_FOLLOWED_BY,
+    ITEM_OPTIONAL_SUFFIX,
+    ITEM_REPEAT,
+)
 
 try:  # re's parser and compiler: private modules, present since Python 3.11
     from re import _compiler as re_compiler  # type: ignore[attr-defined]
@@ -43,28 +50,35 @@ class _Refused(Exception):
     """The pattern uses something the program does not run."""
 
 
+Members = tuple[bool, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Item:
     kind: int
-    members: tuple[bool, ...]
+    members: Members
     least: int = 0
     most: int = 0
+    #: An optional suffix's strings, each a class per character, in the order tried.
+    strings: tuple[tuple[Members, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class WordProgram:
     """The arrays :func:`kernels.word_ids` runs: ``classes[c, ch]`` whether ASCII character
-    ``ch`` is in class ``c``; ``items[i]`` = (kind, class, least, most); alternative ``a``
-    is items ``ends[a-1]..ends[a]-1``; ``starts[ch]`` = (how many, then which) alternatives
-    can begin with ``ch``, in order."""
+    ``ch`` is in class ``c``; ``items[i]`` = (kind, class, least, most), for an optional
+    suffix (kind, its first string in ``suffixes``, how many, 0); alternative ``a`` is items
+    ``ends[a-1]..ends[a]-1``; ``starts[ch]`` = (how many, then which) alternatives can begin
+    with ``ch``, in order; ``suffixes[s]`` = (length, then a class per character)."""
 
     classes: np.ndarray
     items: np.ndarray
     ends: np.ndarray
     starts: np.ndarray
+    suffixes: np.ndarray
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        return self.classes, self.items, self.ends, self.starts
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return self.classes, self.items, self.ends, self.starts, self.suffixes
 
 
 def word_program(pattern: re.Pattern[str]) -> WordProgram | None:
@@ -78,6 +92,8 @@ def word_program(pattern: re.Pattern[str]) -> WordProgram | None:
         return None
     if not alternatives or any(_can_be_empty(alternative) for alternative in alternatives):
         return None  # findall's empty matches: not worth running here
+    if not all(_runnable(alternative) for alternative in alternatives):
+        return None
     return _program(alternatives)
 
 
@@ -87,9 +103,12 @@ def _alternatives(nodes: Sequence[Any], *, ignore_case: bool) -> list[list[Item]
     for op, argument in nodes:
         if op in _ONE_CHARACTER:
             alternatives = [alternative + [_repeat((op, argument), 1, 1, ignore_case)] for alternative in alternatives]
+        elif op is re_constants.MAX_REPEAT and (argument[0], argument[1]) == (0, 1) and not _one_character(argument[2]):
+            item = _optional_suffix(argument[2], ignore_case)
+            alternatives = [alternative + [item] for alternative in alternatives]
         elif op is re_constants.MAX_REPEAT:
             least, most, repeated = argument
-            if len(repeated.data) != 1 or repeated.data[0][0] not in _ONE_CHARACTER:
+            if not _one_character(repeated):
                 raise _Refused("a repeat of more than one character")
             most = UNBOUNDED if most is re_constants.MAXREPEAT else most
             item = _repeat(repeated.data[0], least, most, ignore_case)
@@ -127,6 +146,20 @@ def _followed_by(prefixes: list[list[Item]], alternatives: list[list[Item]]) -> 
     return [prefix + alternative for prefix in prefixes for alternative in alternatives]
 
 
+def _one_character(repeated: Any) -> bool:
+    return len(repeated.data) == 1 and repeated.data[0][0] in _ONE_CHARACTER
+
+
+def _optional_suffix(group: Any, ignore_case: bool) -> Item:
+    """``(?:...)?`` of fixed strings, as o200k ends its letters with ``(?i:'s|'t|...)?``; the
+    program runs it only last in an alternative (:func:`_program` checks), where ``re``
+    takes the first string that follows, or none, and never comes back to it."""
+    strings = _alternatives(group.data, ignore_case=ignore_case)
+    if any(item.kind != ITEM_REPEAT or item.least != 1 or item.most != 1 for string in strings for item in string):
+        raise _Refused("an optional group of more than fixed strings")
+    return Item(ITEM_OPTIONAL_SUFFIX, (False,) * ASCII, strings=tuple(tuple(i.members for i in s) for s in strings))
+
+
 def _repeat(node: tuple[Any, Any], least: int, most: int, ignore_case: bool) -> Item:
     return Item(ITEM_REPEAT, _members(node, ignore_case), least, most)
 
@@ -160,24 +193,40 @@ def _can_be_empty(alternative: list[Item]) -> bool:
     return all(item.least == 0 for item in alternative if item.kind == ITEM_REPEAT)
 
 
+def _runnable(alternative: list[Item]) -> bool:
+    """An optional suffix only last: the kernel never backtracks into one."""
+    return all(item.kind != ITEM_OPTIONAL_SUFFIX for item in alternative[:-1])
+
+
 def _program(alternatives: list[list[Item]]) -> WordProgram:
-    classes: list[tuple[bool, ...]] = []
+    classes: list[Members] = []
     rows: list[tuple[int, int, int, int]] = []
     ends: list[int] = []
+    suffixes: list[list[int]] = []
     starts = np.zeros((ASCII, len(alternatives) + 1), dtype=np.int64)
     for number, alternative in enumerate(alternatives):
         for item in alternative:
-            rows.append((item.kind, len(classes), item.least, item.most))
-            classes.append(item.members)
+            if item.kind == ITEM_OPTIONAL_SUFFIX:
+                rows.append((item.kind, len(suffixes), len(item.strings), 0))
+                for string in item.strings:
+                    suffixes.append([len(string), *range(len(classes), len(classes) + len(string))])
+                    classes += string
+            else:
+                rows.append((item.kind, len(classes), item.least, item.most))
+                classes.append(item.members)
         ends.append(len(rows))
         for character in _first_characters(alternative):
             starts[character, 0] += 1
             starts[character, starts[character, 0]] = number
+    longest = max((len(suffix) for suffix in suffixes), default=1)
     return WordProgram(
         classes=np.array(classes, dtype=np.uint8).reshape(-1, ASCII),
         items=np.array(rows, dtype=np.int64).reshape(-1, 4),
         ends=np.array(ends, dtype=np.int64),
         starts=starts,
+        suffixes=np.array([suffix + [0] * (longest - len(suffix)) for suffix in suffixes], dtype=np.int64).reshape(
+            -1, longest
+        ),
     )
 
 
@@ -187,6 +236,8 @@ def _first_characters(alternative: list[Item]) -> list[int]:
     possible = [False] * ASCII
     for item in alternative:
         if item.kind == ITEM_FAIL:
+            break
+        if item.kind == ITEM_OPTIONAL_SUFFIX:  # (last: the alternative cannot be empty, so unreached)
             break
         if item.kind != ITEM_REPEAT:
             continue  # a lookahead reads without taking: the next item takes the first character
