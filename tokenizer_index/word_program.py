@@ -80,6 +80,12 @@ class WordProgram:
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         return self.classes, self.items, self.ends, self.starts, self.suffixes
 
+    @property
+    def matches_ascii(self) -> bool:
+        """Whether some alternative can start with an ASCII character (DeepSeek's run of
+        CJK cannot: on ASCII text its split cuts nothing)."""
+        return bool(self.starts[:, 0].any())
+
 
 def word_program(pattern: re.Pattern[str]) -> WordProgram | None:
     """``pattern``'s program, or None where it uses what the program does not run."""

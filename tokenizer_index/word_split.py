@@ -359,15 +359,24 @@ class WordSplitter:
         self._encode_words = encode_words
         self._ids: dict[str, list[int]] = {}
         self._cached_chars = 0  # of the words in _ids
-        # ASCII text's words cut and looked up in compiled code, where the pattern runs as
-        # a program and no split comes before it (DeepSeek's three stay with re).
-        program = word_program(self._ascii) if not self._ascii_before else None
-        self._table = (
-            WordTable(program, self._encode_and_keep, MAX_WORDS, MAX_WORD_CHARS) if program is not None else None
-        )
+        self._table = self._compiled_table()
         self._table_lock = threading.Lock()
         if self._unicode is not None:
             _agreed_code_points()  # now, with the tokenizer, not on a request's time
+
+    def _compiled_table(self) -> WordTable | None:
+        """ASCII text's words cut and looked up in compiled code, where the patterns run as
+        programs and at most one split that can cut ASCII text comes before the last
+        (DeepSeek V3's: digit runs, then CJK runs, which no ASCII text has)."""
+        programs = [word_program(pattern) for pattern in (*self._ascii_before, self._ascii)]
+        *splits, program = programs
+        if program is None or any(split is None for split in splits):
+            return None
+        cutting = [split for split in splits if split is not None and split.matches_ascii]
+        if len(cutting) > 1:
+            return None
+        split = cutting[0] if cutting else None
+        return WordTable(program, self._encode_and_keep, MAX_WORDS, MAX_WORD_CHARS, split=split)
 
     @property
     def unicode(self) -> bool:

@@ -30,7 +30,8 @@ _SLOT_COLUMNS = 4
 
 class WordTable:
     """Words' ids (up to ``max_words`` words of ``max_chars`` characters in all; past either
-    the table starts afresh), for one program; ``encode_words`` tokenizes words it lacks
+    the table starts afresh), for one program (after a ``split`` program, where a
+    pre-tokenizer splits text in two steps); ``encode_words`` tokenizes words it lacks
     (each on its own, as the library does)."""
 
     def __init__(
@@ -39,8 +40,12 @@ class WordTable:
         encode_words: Callable[[list[str]], list[list[int]]],
         max_words: int,
         max_chars: int,
+        *,
+        split: WordProgram | None = None,
     ) -> None:
-        self._program = program.arrays()
+        # What word_ids runs: the split program (or, without one, any program: unread) and
+        # whether to run it, then the program.
+        self._program = (*(split or program).arrays(), split is not None, *program.arrays())
         self._encode_words = encode_words
         self._max_words = max_words
         self._max_chars = max_chars

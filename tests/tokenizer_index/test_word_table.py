@@ -7,11 +7,15 @@ from __future__ import annotations
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvroute.tokenizer_index.word_program import word_program
-from kvroute.tokenizer_index.word_split import _GPT2_PATTERN, ascii_pattern
+from kvroute.tokenizer_index.word_split import _GPT2_PATTERN, _cut, _isolated, ascii_pattern
 from kvroute.tokenizer_index.word_table import WordTable
 from tests.tokenizer_index.test_word_program import Registry
+from tests.tokenizer_index.test_word_split import ASCII_TEXT
+from tests.tokenizer_index.tokenizers_fixtures import DEEPSEEK_V3_PATTERNS
 
 GPT2_ASCII = re.compile(ascii_pattern(_GPT2_PATTERN) or "")
 
@@ -73,3 +77,23 @@ def test_long_words_fill_the_characters_bound_first() -> None:
         assert table._chars <= 20_000 and len(table) <= 11  # ten long words at most, and " tail"
     with pytest.raises(ValueError, match="at most 20000"):
         table.ids(["a" * 20_001])
+
+
+DEEPSEEK_DIGITS, _, DEEPSEEK_WORDS = (re.compile(ascii_pattern(source) or "") for source in DEEPSEEK_V3_PATTERNS)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts=st.lists(ASCII_TEXT, min_size=1, max_size=4))
+def test_a_split_program_cuts_first(texts: list[str]) -> None:
+    """DeepSeek V3's digit runs split off first (an isolating Split), then its words cut in
+    each piece, as ``WordSplitter.words`` does with ``re``."""
+    registry = Registry()
+    program, split = word_program(DEEPSEEK_WORDS), word_program(DEEPSEEK_DIGITS)
+    assert program is not None and split is not None
+    table = WordTable(program, registry.encode, 1 << 17, 1 << 22, split=split)
+    words = [
+        [word for piece in _isolated(DEEPSEEK_DIGITS, text) for word in _cut(DEEPSEEK_WORDS, piece)] for text in texts
+    ]
+    expected = [[token for word in text_words for token in registry.encode([word])[0]] for text_words in words]
+    for _ in range(2):
+        assert [ids.tolist() for ids in table.ids(texts)] == expected
