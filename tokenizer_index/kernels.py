@@ -476,7 +476,8 @@ def release(
 # The regex runs as a program (kvroute.tokenizer_index.word_program): per alternative a
 # sequence of items, each a greedy repeat of a character class or a one-character
 # lookahead, and last an optional group of fixed strings (o200k's contractions); the
-# alternatives are tried in order with backtracking, as Python's ``re`` does. The words' ids live in an open-addressing table keyed by a hash of each word
+# alternatives are tried in order with backtracking, as Python's ``re`` does. The words'
+# ids live in an open-addressing table keyed by a hash of each word
 # (kvroute.tokenizer_index.word_table; its slots are described below).
 
 #: Item kinds of a word program.

@@ -13,8 +13,9 @@ redone in Python. ASCII text, most of what agents and code send, is cut with ``r
 the pattern's Unicode classes have ASCII equivalents (``\\p{L}`` is ``[A-Za-z]``, ``\\s`` is
 ``[\\t\\n\\v\\f\\r ]``, ...), and every normalizer kvroute accepts here (NFC, NFD, NFKC,
 NFKD) leaves ASCII as it is. Where that ``re`` pattern runs as a program of the compiled
-cutter (``word_program.py``: GPT-2's, Llama 3's, Qwen 2's) ASCII text is cut and its words
-looked up in compiled code instead (``word_table.py``, 3-4x faster per word). Other text is normalized with :mod:`unicodedata` and cut with
+cutter (``word_program.py``: GPT-2's, Llama 3's, Qwen 2's, o200k's, DeepSeek V3's), long
+ASCII text is cut and its words looked up in compiled code instead (``word_table.py``,
+2-3x faster per word). Other text is normalized with :mod:`unicodedata` and cut with
 the ``regex`` module, which reads the pattern's Unicode classes as Oniguruma does (``\\s``
 becomes ``\\p{White_Space}``, what Oniguruma means by it), if all its characters are ones
 every Unicode table involved agrees on: assigned in Python's :mod:`unicodedata` (Unicode
@@ -415,9 +416,9 @@ class WordSplitter:
 
     def ids_of(self, texts: list[str]) -> list[list[int] | np.ndarray]:
         """The ids of each of ``texts`` (:meth:`handles` them; at most :data:`MAX_WORDS`
-        characters in all, as ``tokenizer.WORD_SPLIT_MAX_CHARS`` keeps them): the ASCII ones' in one compiled call (int64 arrays) where there
-        is a word program and they have :data:`COMPILED_MIN_CHARS` in all, else each as
-        :meth:`ids` (lists)."""
+        characters in all, as ``tokenizer.WORD_SPLIT_MAX_CHARS`` keeps them): the ASCII
+        ones' in one compiled call (int64 arrays) where there is a word program and they
+        have :data:`COMPILED_MIN_CHARS` in all, else each as :meth:`ids` (lists)."""
         table = self._table
         if table is None or sum(map(len, texts)) < COMPILED_MIN_CHARS:
             return [self.ids(text) for text in texts]
