@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -144,6 +145,28 @@ def test_which_patterns_run_in_compiled_code(library: Tokenizer) -> None:
     """GPT-2's, Llama 3's, Qwen 2's, o200k's patterns, and DeepSeek V3's three splits (on
     ASCII text, digit runs and then its words: its CJK runs cut nothing there)."""
     assert _splitter(library).compiled
+
+
+def test_threads_share_the_compiled_table() -> None:
+    """The router tokenizes on its event loop and, for large bodies, in worker threads: the
+    table (its kernels release the GIL) is used under a lock, and every text stays exact."""
+    library = RequestTokenizer.default().backend
+    splitter = _splitter(library)
+    assert splitter.compiled
+    failures: list[str] = []
+
+    def tokenize(thread: int) -> None:
+        for number in range(30):
+            text = " ".join(f"w{thread}x{number}y{word} common words here" for word in range(20))
+            if [list(ids) for ids in splitter.ids_of([text])] != _library_ids(library, [text]):
+                failures.append(text)
+
+    threads = [threading.Thread(target=tokenize, args=(thread,)) for thread in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
 
 
 def test_the_word_cache_is_bounded_in_characters(monkeypatch: pytest.MonkeyPatch) -> None:
