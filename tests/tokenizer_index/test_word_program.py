@@ -1,9 +1,9 @@
 """The compiled word cutter against ``re``: the same words, in the same order (differential),
 and the patterns it leaves to ``re``.
 
-Each word is given an id of its own (a registry), so the ids the compiled table writes
-spell out where it cut; the expected ids are those of ``re``'s cut (``word_split._cut``:
-the matches, and the text between them kept as words)."""
+Each word is given ids of its own (``word_fixtures.Registry``), so the ids the compiled
+table writes spell out where it cut; the expected ids are those of ``re``'s cut
+(``word_split._cut``: the matches, and the text between them kept as words)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvroute.tokenizer_index.word_program import word_program
-from kvroute.tokenizer_index.word_split import _GPT2_PATTERN, _cut, ascii_pattern
-from kvroute.tokenizer_index.word_table import WordTable
+from kvroute.tokenizer_index.word_split import _GPT2_PATTERN, ascii_pattern
 from tests.tokenizer_index.test_word_split import ASCII_TEXT
 from tests.tokenizer_index.tokenizers_fixtures import LLAMA3_PATTERN, O200K_PATTERN, QWEN2_PATTERN
+from tests.tokenizer_index.word_fixtures import Registry, word_table
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOKENIZER_PATTERNS = {
@@ -36,31 +36,6 @@ OTHER_PATTERNS = {
 }
 
 
-class Registry:
-    """Gives each new word ids of its own: one, or, for words of some lengths, several (so
-    the table's words with ids beyond its slots' two are exercised), never more than its
-    bytes (as a byte-level BPE)."""
-
-    def __init__(self) -> None:
-        self.ids: dict[str, list[int]] = {}
-
-    def encode(self, words: list[str]) -> list[list[int]]:
-        for word in words:
-            if word not in self.ids:
-                number = len(self.ids) + 1
-                self.ids[word] = [number] * min(len(word), 1 + len(word) % 4)
-        return [self.ids[word] for word in words]
-
-    def expected(self, pattern: re.Pattern[str], text: str) -> list[int]:
-        return [token for word in (_cut(pattern, text) if text else []) for token in self.encode([word])[0]]
-
-
-def _table(pattern: re.Pattern[str], registry: Registry) -> WordTable:
-    program = word_program(pattern)
-    assert program is not None
-    return WordTable(program, registry.encode, max_words=1 << 17, max_chars=1 << 22)
-
-
 @pytest.fixture(scope="module", params=sorted(TOKENIZER_PATTERNS) + sorted(OTHER_PATTERNS))
 def pattern(request: pytest.FixtureRequest) -> re.Pattern[str]:
     name = request.param
@@ -74,7 +49,7 @@ def pattern(request: pytest.FixtureRequest) -> re.Pattern[str]:
 @given(texts=st.lists(ASCII_TEXT, min_size=1, max_size=4))
 def test_words_are_res(pattern: re.Pattern[str], texts: list[str]) -> None:
     registry = Registry()
-    table = _table(pattern, registry)
+    table = word_table(pattern, registry)
     for _ in range(2):  # first every word is new, then every word is known
         found = [ids.tolist() for ids in table.ids(texts)]
         assert found == [registry.expected(pattern, text) for text in texts]

@@ -1,6 +1,6 @@
 """The compiled word table: exact through new words, growth, and a table that fills.
 
-Words get ids of their own (``test_word_program.Registry``), so the ids spell out the cut."""
+Words get ids of their own (``word_fixtures.Registry``), so the ids spell out the cut."""
 
 from __future__ import annotations
 
@@ -10,28 +10,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.tokenizer_index.word_program import word_program
 from kvroute.tokenizer_index.word_split import _GPT2_PATTERN, _cut, _isolated, ascii_pattern
-from kvroute.tokenizer_index.word_table import WordTable
-from tests.tokenizer_index.test_word_program import Registry
 from tests.tokenizer_index.test_word_split import ASCII_TEXT
 from tests.tokenizer_index.tokenizers_fixtures import DEEPSEEK_V3_PATTERNS
+from tests.tokenizer_index.word_fixtures import Registry, word_table
 
 GPT2_ASCII = re.compile(ascii_pattern(_GPT2_PATTERN) or "")
-
-
-def _table(
-    pattern: re.Pattern[str], registry: Registry, max_words: int = 1 << 17, max_chars: int = 1 << 22
-) -> WordTable:
-    program = word_program(pattern)
-    assert program is not None
-    return WordTable(program, registry.encode, max_words, max_chars)
 
 
 def test_a_table_that_fills_starts_afresh_and_stays_exact() -> None:
     pattern = GPT2_ASCII
     registry = Registry()
-    table = _table(pattern, registry, max_words=600)
+    table = word_table(pattern, registry, max_words=600)
     for round_ in range(40):
         text = " ".join(f"w{round_}x{number} longerwordnumber{number}" for number in range(20)) + "\n\n"
         assert table.ids([text])[0].tolist() == registry.expected(pattern, text)
@@ -43,7 +33,7 @@ def test_a_table_that_fills_starts_afresh_and_stays_exact() -> None:
 def test_slots_and_arenas_grow() -> None:
     pattern = GPT2_ASCII
     registry = Registry()
-    table = _table(pattern, registry)
+    table = word_table(pattern, registry)
     texts = [
         " ".join(f"word{number}abcdefgh{number * 7}" for number in range(start, start + 500)) for start in (0, 500)
     ]
@@ -53,15 +43,15 @@ def test_slots_and_arenas_grow() -> None:
     assert [ids.tolist() for ids in table.ids(texts)] == [registry.expected(pattern, text) for text in texts]
 
 
-def test_one_call_is_bounded_by_the_table() -> None:
-    table = _table(re.compile(r"\w+|\W"), Registry(), max_words=10)
+def test_one_call_is_bounded_by_theword_table() -> None:
+    table = word_table(re.compile(r"\w+|\W"), Registry(), max_words=10)
     with pytest.raises(ValueError, match="at most 10"):
         table.ids(["a" * 11])
 
 
 def test_a_word_with_more_ids_than_bytes_is_refused() -> None:
     """The output arrays hold one id per byte of text: a byte-level BPE never has more."""
-    table = _table(re.compile(r"\w+|\W"), Registry())
+    table = word_table(re.compile(r"\w+|\W"), Registry())
     with pytest.raises(ValueError, match="more ids than bytes"):
         table.add(["ab"], [[1, 2, 3]])
 
@@ -70,7 +60,7 @@ def test_long_words_fill_the_characters_bound_first() -> None:
     """A client sending a new long run of letters per request: the table starts afresh at
     its characters' bound, long before its count of words."""
     registry = Registry()
-    table = _table(GPT2_ASCII, registry, max_chars=20_000)
+    table = word_table(GPT2_ASCII, registry, max_chars=20_000)
     for number in range(30):
         text = f" {'abcdefghij' * 200}{chr(97 + number % 26) * (number + 1)} tail"
         assert table.ids([text])[0].tolist() == registry.expected(GPT2_ASCII, text)
@@ -88,9 +78,7 @@ def test_a_split_program_cuts_first(texts: list[str]) -> None:
     """DeepSeek V3's digit runs split off first (an isolating Split), then its words cut in
     each piece, as ``WordSplitter.words`` does with ``re``."""
     registry = Registry()
-    program, split = word_program(DEEPSEEK_WORDS), word_program(DEEPSEEK_DIGITS)
-    assert program is not None and split is not None
-    table = WordTable(program, registry.encode, 1 << 17, 1 << 22, split=split)
+    table = word_table(DEEPSEEK_WORDS, registry, split=DEEPSEEK_DIGITS)
     words = [
         [word for piece in _isolated(DEEPSEEK_DIGITS, text) for word in _cut(DEEPSEEK_WORDS, piece)] for text in texts
     ]
