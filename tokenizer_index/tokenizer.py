@@ -359,6 +359,8 @@ class RequestTokenizer:
         self._prompt_prefix, self._prompt_suffix = self._special_token_wrapping()
         self._words = self._word_splitter() if word_split else None
         self._word_texts = 0  # texts tokenized word by word, for the periodic check
+        # New units (pieces or chunks the piece cache lacked) by who tokenized them.
+        self._new_units = {"words": 0, "words_compiled": 0, "library": 0}
 
     # --- construction --------------------------------------------------------------------
 
@@ -635,6 +637,12 @@ class RequestTokenizer:
     def memo_stats(self) -> PromptMemoStats:
         """Size and counters of the remembered long prompts."""
         return self._memo.stats()
+
+    def unit_counts(self) -> dict[str, int]:
+        """Units of text by how their ids were found: ``cached`` (the piece cache), ``words``
+        (new text word by word in Python), ``words_compiled`` (in compiled code), ``library``
+        (the tokenizers library). Counters: they only grow."""
+        return {"cached": self._cache.stats().hits, **self._new_units}
 
     def render_memo_stats(self) -> PromptMemoStats:
         """Size and counters of the remembered rendered conversations."""
@@ -975,6 +983,7 @@ class RequestTokenizer:
         missing = [index for index, ids in enumerate(found) if ids is None]
         if missing and self._words is not None:
             missing = self._by_words(flat, missing, found, arrays=arrays)
+        self._new_units["library"] += len(missing)
         # In slices: the library returns a batch's encodings holding the GIL, ~15 ms for the
         # 6,700 chunks of a 1M-token document, a stall for the event loop; 256 at a time
         # hold it ~4 ms at most and cost no time.
@@ -1026,6 +1035,7 @@ class RequestTokenizer:
             self._word_texts += 1
             if self._word_texts % VERIFY_EVERY == 0 and not self._words_agree(unit, array.tolist()):
                 return missing
+            self._new_units["words_compiled" if isinstance(ids, np.ndarray) else "words"] += 1
             found[index] = array if arrays else as_list
             entries.append((unit, array, as_list))
         self._cache.put_many(entries)

@@ -447,6 +447,21 @@ class RouterMetrics:
             )
         )
 
+    def watch_tokenizer_units(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Export how the tokenizers found the ids of prompt text: which fast path served it."""
+        self.registry.register(
+            _EventCounters(
+                "kvroute_tokenizer_units",
+                "Units of prompt text (pieces between special tokens, long ones in chunks) by "
+                "how their ids were found (source: cached, the piece cache; words, new text "
+                "word by word in Python; words_compiled, in compiled code; library, the "
+                "tokenizers library: text word splitting does not handle, or all of it once "
+                "a periodic check turned word splitting off).",
+                counts,
+                label="source",
+            )
+        )
+
     def watch_cache_model(self, states: Callable[[], Mapping[str, CacheModelState]]) -> None:
         """Export each backend's cache model: the share of its cache counted on, its eviction
         rate, the answers that checked it."""

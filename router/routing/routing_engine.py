@@ -327,6 +327,15 @@ class RoutingEngine:
             counts["mismatches"] += stats.mismatches
         return counts
 
+    def tokenizer_unit_counts(self) -> dict[str, int]:
+        """Units of prompt text by how their ids were found, over every tokenizer
+        (:meth:`~kvroute.tokenizer_index.RequestTokenizer.unit_counts`)."""
+        counts = {"cached": 0, "words": 0, "words_compiled": 0, "library": 0}
+        for tokenizer in list(self._tokenizers.values()):
+            for source, count in tokenizer.unit_counts().items():
+                counts[source] += count
+        return counts
+
     # --- the hot path ------------------------------------------------------------------
     def prepare(self, endpoint: str, body: Mapping[str, Any]) -> PreparedPrompt | None:
         """Tokenize and hash a request's prompt; None when it cannot be (thread-safe)."""

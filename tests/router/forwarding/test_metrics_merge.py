@@ -38,6 +38,7 @@ def worker_metrics(requests: int, *, blocks: int, duration_s: float) -> RouterMe
     metrics.index_bytes.set(1000)
     metrics.kv_events_state.labels("http://a").set(1)
     metrics.watch_chat_renders(lambda: {"lookups": requests, "reused": requests - 1, "mismatches": 0})
+    metrics.watch_tokenizer_units(lambda: {"cached": requests, "words": 1, "words_compiled": 0, "library": 0})
     return metrics
 
 
@@ -64,6 +65,7 @@ def test_counters_and_histograms_sum_shared_state_takes_the_max() -> None:
     assert scrape.value("kvroute_peer_load_reports_total", event="published") == 10
     assert scrape.value("kvroute_peer_handshakes_total", result="succeeded") == 4
     assert scrape.value("kvroute_chat_renders_total", event="reused") == 2 + 4  # each worker its own memo
+    assert scrape.value("kvroute_tokenizer_units_total", source="cached") == 8  # each its own tokenizer
     assert scrape.value("kvroute_index_blocks", backend="http://a") == 12  # max: the indexes converge
     assert scrape.value("kvroute_index_bytes") == 2000  # memory: sum
     assert scrape.value("kvroute_kv_events_state", backend="http://a") == 1

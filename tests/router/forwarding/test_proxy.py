@@ -420,6 +420,35 @@ def test_metrics_count_long_chats_rendered_from_a_remembered_turn(sim_engines: A
     assert metrics.value("kvroute_chat_renders_total", event="mismatches") == 0
 
 
+def test_metrics_say_which_fast_path_tokenized_the_prompt(sim_engines: Any, router_server: Any) -> None:
+    """``kvroute_tokenizer_units_total{source}``: a short new question word by word in
+    Python, a long new tool result in compiled code, both again from the piece cache."""
+    router = router_server(sim_engines(1), policy="cache_aware")
+    short = [{"role": "user", "content": "what does the router cache, and why?"}]
+    long = [{"role": "user", "content": " ".join(f"line {number} of a tool result" for number in range(60))}]
+
+    def units() -> dict[str, float]:
+        metrics = router.metrics()
+        return {
+            source: metrics.value("kvroute_tokenizer_units_total", source=source)
+            for source in ("cached", "words", "words_compiled", "library")
+        }
+
+    before = units()
+    chat(router, messages=short)
+    after_short = units()
+    assert after_short["words"] > before["words"] and after_short["words_compiled"] == before["words_compiled"]
+    chat(router, messages=long)
+    after_long = units()
+    assert after_long["words_compiled"] > after_short["words_compiled"]
+    chat(router, messages=long)
+    again = units()
+    assert again["cached"] > after_long["cached"]
+    assert {source: again[source] for source in ("words", "words_compiled")} == {
+        source: after_long[source] for source in ("words", "words_compiled")
+    }
+
+
 def test_metrics_show_what_the_cache_model_learnt_from_the_answers(
     sim_engines: Any, router_server: Any, api: str
 ) -> None:
