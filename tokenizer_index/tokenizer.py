@@ -881,6 +881,7 @@ class RequestTokenizer:
         # and skips the character offsets routing never reads; the ids are the same.
         [encoding] = self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)
         ids = encoding.ids
+        self._new_units["library"] += 1  # the whole text, one unit
         return np.array(ids, dtype=np.int64) if array else ids
 
     def _encode_remembering(self, text: str, keys: list[int]) -> np.ndarray:

@@ -753,3 +753,21 @@ def test_cache_bound_holds_with_both_forms() -> None:
         stats = tok.cache_stats()
         assert stats.bytes <= stats.max_bytes
     assert tok.cache_stats().evictions > 0
+
+
+def test_unit_counts_say_how_text_was_tokenized() -> None:
+    """``unit_counts``: new short text word by word, long text in compiled code, the same
+    text again from the piece cache; without word splitting, the library."""
+    tokenizer = RequestTokenizer.default()
+    short, long = "a new question, briefly", " ".join(f"line {number} of a tool result" for number in range(60))
+    tokenizer.encode_text(short)
+    assert tokenizer.unit_counts()["words"] == 1 and tokenizer.unit_counts()["library"] == 0
+    tokenizer.encode_text(long)
+    assert tokenizer.unit_counts()["words_compiled"] >= 1
+    before = tokenizer.unit_counts()
+    tokenizer.encode_text(long)
+    after = tokenizer.unit_counts()
+    assert after["cached"] > before["cached"] and {**after, "cached": 0} == {**before, "cached": 0}
+    plain = RequestTokenizer.default(word_split=False)
+    plain.encode_text(short)
+    assert plain.unit_counts()["library"] == 1 and plain.unit_counts()["words"] == 0
