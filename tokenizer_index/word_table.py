@@ -15,6 +15,7 @@ Not thread-safe: the caller holds a lock around :meth:`WordTable.ids`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import accumulate, chain
 
 import numpy as np
@@ -26,6 +27,20 @@ from kvroute.tokenizer_index.word_program import WordProgram
 _LOAD = 0.5
 _FIRST_SLOTS = 2048
 _SLOT_COLUMNS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class _Lookup:
+    """What one :func:`kernels.word_ids` call found."""
+
+    joined: bytes
+    text: np.ndarray
+    #: The texts' ids one after the other, with a placeholder for each missing word.
+    ids: np.ndarray
+    #: Where each text's ids end in ``ids``.
+    ends: np.ndarray
+    #: The (start, end) of each word the table lacks, in order; None when it has them all.
+    missing: np.ndarray | None
 
 
 class WordTable:
@@ -63,6 +78,21 @@ class WordTable:
     def ids(self, texts: Sequence[str]) -> list[np.ndarray]:
         """The ids of each of ``texts`` (ASCII, at most ``max_words`` and ``max_chars``
         characters in all), word by word. Words not in the table are tokenized and added."""
+        found = self._look_up(texts)
+        out_ids, out_ends = found.ids, found.ends
+        if found.missing is not None:
+            self._learn(found.joined, found.text, found.missing)
+            out_ids = np.empty(len(found.joined), dtype=np.int64)
+            kernels.fill_missing(
+                found.text, found.ids, found.ends.copy(), found.missing, self._slots, self._word_bytes, self._ids,
+                out_ids, out_ends,
+            )  # fmt: skip
+        ends = out_ends.tolist()
+        return [out_ids[start:end] for start, end in zip([0, *ends], ends)]
+
+    def _look_up(self, texts: Sequence[str]) -> _Lookup:
+        """One :func:`kernels.word_ids` call over ``texts``: their ids, placeholders where
+        the table lacks a word."""
         joined = "".join(texts).encode("ascii")
         if len(joined) > self._max_call:  # (so one call's new words fit, after a clear)
             raise ValueError(f"{len(joined)} characters in one call; at most {self._max_call}")
@@ -73,19 +103,10 @@ class WordTable:
         out_ids = np.empty(len(joined), dtype=np.int64)
         out_ends = np.empty(len(texts), dtype=np.int64)
         missing = np.empty((len(joined), 2), dtype=np.int64)
-        program, slots = self._program, self._slots
         missed = kernels.word_ids(
-            text, text_ends, *program, slots, self._word_bytes, self._ids, out_ids, out_ends, missing
+            text, text_ends, *self._program, self._slots, self._word_bytes, self._ids, out_ids, out_ends, missing
         )
-        if missed:
-            spans = missing[:missed]
-            self._learn(joined, text, spans)
-            placeheld, out_ids = out_ids, np.empty(len(joined), dtype=np.int64)
-            kernels.fill_missing(
-                text, placeheld, out_ends.copy(), spans, self._slots, self._word_bytes, self._ids, out_ids, out_ends
-            )
-        ends = out_ends.tolist()
-        return [out_ids[start:end] for start, end in zip([0, *ends], ends)]
+        return _Lookup(joined, text, out_ids, out_ends, missing[:missed] if missed else None)
 
     def add(self, words: Sequence[str], ids: Sequence[Sequence[int]]) -> None:
         """Remember each of ``words`` (ASCII, none in the table, each once) with its ids."""
@@ -129,15 +150,10 @@ class WordTable:
     def find(self, word: str) -> list[int] | None:
         """The ids of ``word`` (its words, if the program cuts it), if the table has them
         all; nothing is added (for checks and tests)."""
-        text = np.frombuffer(word.encode("ascii"), dtype=np.uint8)
-        out_ids = np.empty(len(text), dtype=np.int64)
-        out_ends = np.empty(1, dtype=np.int64)
-        missing = np.empty((len(text), 2), dtype=np.int64)
-        text_ends = np.array([len(text)], dtype=np.int64)
-        arenas = (self._slots, self._word_bytes, self._ids)
-        if kernels.word_ids(text, text_ends, *self._program, *arenas, out_ids, out_ends, missing) or not len(text):
+        found = self._look_up([word])
+        if found.missing is not None or not word:
             return None
-        return out_ids[: out_ends[0]].tolist()  # type: ignore[no-any-return]
+        return found.ids[: found.ends[0]].tolist()  # type: ignore[no-any-return]
 
     def clear(self) -> None:
         """Forget every word."""
