@@ -323,13 +323,19 @@ def insert_run(  # type: ignore[no-untyped-def]
     (blocks added to the block table, entries added to the holder's table)."""
     count = hashes.shape[0]
     block_buckets = block_spills.shape[0]
+    holder_buckets = holder_spills.shape[0]
     holder_slots = np.empty(count, dtype=np.int64)
     added_blocks = 0
     added_entries = 0
     for i in range(count):
-        if i + AHEAD < count:
-            ahead = home_bucket(placement_of(held_key(hashes[i + AHEAD]), salt, multiplier), block_buckets) * BUCKET
-            prefetch(block_flat, ahead)
+        if i + AHEAD < count:  # what the block ahead will read: its bits (or bucket), its holder's bucket
+            ahead_placement = placement_of(held_key(hashes[i + AHEAD]), salt, multiplier)
+            ahead_slot = known[i + AHEAD] if i + AHEAD < known.shape[0] else -1
+            if ahead_slot >= 0:
+                prefetch(owners[ahead_slot], word)
+            else:
+                prefetch(block_flat, home_bucket(ahead_placement, block_buckets) * BUCKET)
+            prefetch(holder_flat, home_bucket(ahead_placement, holder_buckets) * BUCKET)
         key = held_key(hashes[i])
         placement = placement_of(key, salt, multiplier)
         new_block = False
@@ -348,6 +354,8 @@ def insert_run(  # type: ignore[no-untyped-def]
             added_entries += 1
         holder_slots[i] = slot
     for k in range(count):
+        if k + AHEAD < count:
+            prefetch(ticks, holder_slots[count - 1 - k - AHEAD])
         slot = holder_slots[count - 1 - k]
         ticks[slot] = tail + k
         log[tail + k] = slot
