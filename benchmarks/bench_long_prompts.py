@@ -298,7 +298,15 @@ class TurnResult:
 
 
 def measure_turns(
-    path: Path, result_tokens: int, prompt_tokens: int, index_blocks: int, repeats: int, seed: int, shape: str = "agent"
+    path: Path,
+    result_tokens: int,
+    prompt_tokens: int,
+    index_blocks: int,
+    repeats: int,
+    seed: int,
+    shape: str = "agent",
+    *,
+    chunk_chars: int | None = None,
 ) -> TurnResult:
     names = [f"http://10.0.0.{number + 1}:8000" for number in range(BACKENDS)]
     capacity = index_blocks // BACKENDS
@@ -308,8 +316,10 @@ def measure_turns(
         index.insert_hashes(name, block_hashes(tokens, BLOCK_SIZE, salt))
     engine, candidates = filled_engine(path, names, index_blocks, seed)
 
-    tokenizer = RequestTokenizer.from_pretrained(path)
-    cold = RequestTokenizer.from_pretrained(path)
+    # (chunk_chars only where given: a baseline tree run by this script may not know it.)
+    options = {} if chunk_chars is None else {"chunk_chars": chunk_chars}
+    tokenizer = RequestTokenizer.from_pretrained(path, **options)
+    cold = RequestTokenizer.from_pretrained(path, **options)
     # Run on a tree from before encode_rendered_chat_array (a baseline), encode_chat_array then
     # went on with encode_text_array after rendering.
     tokenize_rendered = getattr(tokenizer, "encode_rendered_chat_array", None) or (
@@ -645,6 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small-rate", type=float, default=200.0, help="small chats per second")
     parser.add_argument("--quiet-s", type=float, default=1.0, help="small chats alone before the huge prompts")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--chunk-chars", type=int, help="the tokenizer's chunk size for the turns (default: its own choice)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-out/long-prompts.json"))
     args = parser.parse_args(argv)
     if args.chat_template is not None:
@@ -653,7 +666,14 @@ def main(argv: list[str] | None = None) -> int:
 
     turns = [
         measure_turns(
-            args.tokenizer, int(size), args.prompt_tokens, args.index_blocks, args.repeats, args.seed, args.turn
+            args.tokenizer,
+            int(size),
+            args.prompt_tokens,
+            args.index_blocks,
+            args.repeats,
+            args.seed,
+            args.turn,
+            chunk_chars=args.chunk_chars,
         )
         for size in args.new_tokens.split(",")
     ]

@@ -22,9 +22,10 @@ an added token, whose ids are dropped, as it follows one inside the text, if the
 agree; where no cutting is exact the whole text is tokenized every time
 (:attr:`RequestTokenizer.incremental` is then ``False``).
 
-Chunked: a piece longer than :data:`CHUNK_CHARS` (an agent's tool result, a pasted
-document, a completions prompt) is cut further, at spaces between two letters, into chunks
-memoised on their own: a prompt that repeats most of an earlier one (a shared document with
+Chunked: a piece longer than :data:`CHUNK_CHARS` (:data:`COMPILED_CHUNK_CHARS` where new
+words are looked up in compiled code; an agent's tool result, a pasted document, a
+completions prompt) is cut further, at spaces between two letters, into chunks memoised
+on their own: a prompt that repeats most of an earlier one (a shared document with
 a new question after it) tokenizes only the chunks from where the two part. New chunks are
 encoded in one batch on all the tokenizer's threads, with the GIL released for all of it but
 the conversion of each chunk's ids: a 1M-token document tokenized in a worker thread never
@@ -109,6 +110,12 @@ SINGLE_ENCODE_TEXTS = 2
 #: exact). Smaller chunks re-tokenize less where two prompts part; at 512 a 1,088-token
 #: completions prompt that repeats a 1,024-token prefix costs ~0.3 of tokenizing it whole.
 CHUNK_CHARS = 512
+#: The chunk size where new ASCII text is cut and looked up in compiled code
+#: (:attr:`FastPaths.words` "(compiled)"): re-tokenizing a chunk there costs ~15 ns a
+#: character, less than each chunk's bookkeeping (~5 us: its cache entry, its array, its
+#: slot in the joined ids); a new 8,000-token tool result tokenizes in ~0.8 of the time
+#: at 2,048 as at 512 (benchmarks/README.md, "Longer chunks where words are compiled").
+COMPILED_CHUNK_CHARS = 2048
 #: New units go to the library's parallel batch call at most this many at a time.
 ENCODE_SLICE_UNITS = 256
 #: Texts' first units remembered under a context token (``RequestTokenizer._lead_ids``).
@@ -295,7 +302,7 @@ class RequestTokenizer:
         name: str = "tokenizer",
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         incremental: bool | None = None,
-        chunk_chars: int = CHUNK_CHARS,
+        chunk_chars: int | None = None,
         memo_bytes: int = DEFAULT_MEMO_BYTES,
         render_memo_bytes: int = DEFAULT_RENDER_MEMO_BYTES,
         word_split: bool = True,
@@ -308,7 +315,9 @@ class RequestTokenizer:
         (``bos_token``...). ``cache_bytes`` bounds the piece cache (0 disables it).
         ``incremental=None`` checks whether piecewise tokenization is exact for this tokenizer;
         ``False`` forces whole-text tokenization. New pieces longer than ``chunk_chars``
-        characters are tokenized in parallel chunks where that is exact (0: never).
+        characters are tokenized in parallel chunks where that is exact (0: never; None:
+        :data:`COMPILED_CHUNK_CHARS` where words are looked up in compiled code, else
+        :data:`CHUNK_CHARS`).
         ``memo_bytes`` bounds the long chat prompts remembered for their next turn (0: none);
         ``render_memo_bytes`` the rendered long conversations (0: every chat rendered whole).
         ``word_split=False`` leaves all new text to the library (else it is tokenized word by
@@ -352,12 +361,14 @@ class RequestTokenizer:
                 self._incremental = self._piecewise_after_context_is_exact()
             if not self._incremental:
                 log.info("tokenizer %s: piecewise tokenization is not exact; tokenizing whole texts", name)
-        self._chunk_chars = chunk_chars
-        self._chunks_long_pieces = chunk_chars > 0 and self._incremental and self._word_cuts_are_exact()
         self._prompt_prefix: np.ndarray | None
         self._prompt_suffix: np.ndarray | None
         self._prompt_prefix, self._prompt_suffix = self._special_token_wrapping()
         self._words = self._word_splitter() if word_split else None
+        if chunk_chars is None:
+            chunk_chars = COMPILED_CHUNK_CHARS if self._words is not None and self._words.compiled else CHUNK_CHARS
+        self._chunk_chars = chunk_chars
+        self._chunks_long_pieces = chunk_chars > 0 and self._incremental and self._word_cuts_are_exact()
         self._word_texts = 0  # texts tokenized word by word, for the periodic check
         # New units (pieces or chunks the piece cache lacked) by who tokenized them.
         self._new_units = {"words": 0, "words_compiled": 0, "library": 0}
@@ -608,6 +619,11 @@ class RequestTokenizer:
     def incremental(self) -> bool:
         """Whether texts are tokenized piece by piece with memoisation (else whole)."""
         return self._incremental
+
+    @property
+    def chunk_chars(self) -> int:
+        """The size (characters) long pieces are cut into chunks of, where they are."""
+        return self._chunk_chars
 
     @property
     def chunks_long_pieces(self) -> bool:
