@@ -101,10 +101,13 @@ _PROBE_TOKENS_MAX = 48
 #: vocabulary words on 2 cores). More goes to the library's parallel batch, which keeps the
 #: GIL free while a worker thread tokenizes a long document for the event loop.
 WORD_SPLIT_MAX_CHARS = 65_536
-#: Up to this many texts (a request's new words, usually one or two) go to the library one
-#: at a time: its batch call hands them to a thread pool, which costs more between
-#: requests (a new word: 6 against 10 us, in a router's loop).
-SINGLE_ENCODE_TEXTS = 2
+#: Up to this many texts of up to :data:`SINGLE_ENCODE_CHARS` in all (a request's or a
+#: turn's new words) go to the library one at a time: its batch call hands them to a
+#: thread pool, whose threads a router's loop finds asleep: 60-90 us more a call on 2
+#: cores, more than encoding ~30 new words one by one (benchmarks/README.md, "New words
+#: one at a time").
+SINGLE_ENCODE_TEXTS = 32
+SINGLE_ENCODE_CHARS = 1024
 #: Pieces longer than this (characters) are cached as chunks of about this size, cut at
 #: spaces between words, and new chunks tokenized in one parallel batch (where such cuts are
 #: exact). Smaller chunks re-tokenize less where two prompts part; at 512 a 1,088-token
@@ -589,7 +592,7 @@ class RequestTokenizer:
         return splitter
 
     def _encode_each(self, texts: list[str]) -> list[list[int]]:
-        if len(texts) <= SINGLE_ENCODE_TEXTS:
+        if len(texts) <= SINGLE_ENCODE_TEXTS and sum(map(len, texts)) <= SINGLE_ENCODE_CHARS:
             encode = self._tokenizer.encode
             return [encode(text, add_special_tokens=False).ids for text in texts]
         return [encoding.ids for encoding in self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
