@@ -434,9 +434,12 @@ class WordSplitter:
         cache = self._ids
         found: list[list[int] | None] = list(map(cache.get, words))
         if None in found:
-            new = list(dict.fromkeys(word for word, ids in zip(words, found) if ids is None))
+            # Only the new words' places visited in Python: a request brings one or two.
+            missing = _places_of_none(found)
+            new = list(dict.fromkeys(words[place] for place in missing))
             encoded = dict(zip(new, self._encode_and_keep(new)))
-            found = [encoded[word] if ids is None else ids for word, ids in zip(words, found)]
+            for place in missing:
+                found[place] = encoded[words[place]]
         return list(chain.from_iterable(found))  # type: ignore[arg-type]
 
     def _encode_and_keep(self, words: list[str]) -> list[list[int]]:
@@ -485,6 +488,17 @@ class WordSplitter:
 
     def __len__(self) -> int:
         return len(self._ids) + (len(self._table) if self._table is not None else 0)
+
+
+def _places_of_none(found: list[Any]) -> list[int]:
+    """Where ``found`` holds None (at least once), found by ``list.index`` (C) rather than a
+    Python loop over every item."""
+    places = [found.index(None)]
+    try:
+        while True:
+            places.append(found.index(None, places[-1] + 1))
+    except ValueError:
+        return places
 
 
 def _cut(pattern: re.Pattern[str] | regex.Pattern[str], text: str) -> list[str]:

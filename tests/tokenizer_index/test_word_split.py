@@ -326,3 +326,8 @@ def test_text_between_matches_is_a_word_too() -> None:
     )
     for text in ("ab, cd", ", ab", "ab ,", "", "  "):
         assert splitter.words(text) == [word for word, _ in isolating.pre_tokenize_str(text)]
+
+
+@given(st.lists(st.one_of(st.none(), st.lists(st.integers(0, 9), max_size=2)), min_size=1).filter(lambda x: None in x))
+def test_places_of_none_are_every_none_in_order(found: list[list[int] | None]) -> None:
+    assert word_split._places_of_none(found) == [place for place, ids in enumerate(found) if ids is None]
