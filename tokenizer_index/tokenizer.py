@@ -103,7 +103,7 @@ _PROBE_TOKENS_MAX = 48
 WORD_SPLIT_MAX_CHARS = 65_536
 #: Up to this many texts of up to :data:`SINGLE_ENCODE_CHARS` in all (a request's or a
 #: turn's new words) go to the library one at a time: its batch call hands them to a
-#: thread pool, whose threads a router's loop finds asleep: 60-90 us more a call on 2
+#: thread pool, whose threads a router's loop finds asleep: ~25-100 us more a call on 2
 #: cores, more than encoding ~30 new words one by one (benchmarks/README.md, "New words
 #: one at a time").
 SINGLE_ENCODE_TEXTS = 32
