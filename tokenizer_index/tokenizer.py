@@ -296,6 +296,9 @@ class RequestTokenizer:
     be shared by every request for a model.
     """
 
+    #: How a unit of text (a piece, or a chunk of a long one) got its ids (:meth:`unit_counts`).
+    UNIT_SOURCES = ("cached", "words", "words_compiled", "library")
+
     def __init__(
         self,
         tokenizer: Tokenizer,
@@ -374,7 +377,7 @@ class RequestTokenizer:
         self._chunks_long_pieces = chunk_chars > 0 and self._incremental and self._word_cuts_are_exact()
         self._word_texts = 0  # texts tokenized word by word, for the periodic check
         # New units (pieces or chunks the piece cache lacked) by who tokenized them.
-        self._new_units = {"words": 0, "words_compiled": 0, "library": 0}
+        self._new_units = {source: 0 for source in self.UNIT_SOURCES if source != "cached"}
 
     # --- construction --------------------------------------------------------------------
 

@@ -330,7 +330,7 @@ class RoutingEngine:
     def tokenizer_unit_counts(self) -> dict[str, int]:
         """Units of prompt text by how their ids were found, over every tokenizer
         (:meth:`~kvroute.tokenizer_index.RequestTokenizer.unit_counts`)."""
-        counts = {"cached": 0, "words": 0, "words_compiled": 0, "library": 0}
+        counts = dict.fromkeys(RequestTokenizer.UNIT_SOURCES, 0)
         for tokenizer in list(self._tokenizers.values()):
             for source, count in tokenizer.unit_counts().items():
                 counts[source] += count
