@@ -480,25 +480,75 @@ def release(
     return emptied
 
 
-# --- words: ASCII text cut by a tokenizer's pre-tokenizer regex, each word's ids looked up -----
+# --- words: text cut by a tokenizer's pre-tokenizer regex, each word's ids looked up ---------
 # The regex runs as a program (kvroute.tokenizer_index.word_program): per alternative a
 # sequence of items, each a greedy repeat of a character class or a one-character
 # lookahead, and last an optional group of fixed strings (o200k's contractions); the
-# alternatives are tried in order with backtracking, as Python's ``re`` does. The words'
-# ids live in an open-addressing table keyed by a hash of each word
+# alternatives are tried in order with backtracking, as Python's ``re`` does. Text arrives
+# as UTF-8: an ASCII byte is its own character class column, any other character is decoded
+# and mapped to the column of the characters every class treats alike (``cmap``). The
+# words' ids live in an open-addressing table keyed by a hash of each word's bytes
 # (kvroute.tokenizer_index.word_table; its slots are described below).
 
 #: Item kinds of a word program.
 ITEM_REPEAT, ITEM_NOT_FOLLOWED_BY, ITEM_FOLLOWED_BY, ITEM_FAIL, ITEM_OPTIONAL_SUFFIX = 0, 1, 2, 3, 4
+#: Class columns: 0-127 the ASCII characters, then groups of other characters; the last
+#: stands for characters the program does not know (no class holds them).
+CLASS_COLUMNS = 256
+UNKNOWN_COLUMN = CLASS_COLUMNS - 1
 _CLASSES = types.uint8[:, ::1]
 _ITEMS = types.int64[:, ::1]
 _U8 = types.uint8[::1]
 #: A text's bytes, as ``np.frombuffer`` gives them: read-only.
 _TEXT = types.Array(types.uint8, 1, "C", readonly=True)
+_CMAP = types.Array(types.uint8, 1, "C", readonly=True)
 
 
 @njit(inline="always")
-def _match_alternative(text, at, stop, classes, items, suffixes, first, last, counts, positions):  # type: ignore[no-untyped-def]
+def _code_point(text, at):  # type: ignore[no-untyped-def]
+    """The character of several bytes (valid UTF-8, as Python encodes) at ``at``, and its width."""
+    first = np.int64(text[at])
+    if first < 0xE0:
+        return ((first & 0x1F) << 6) | (np.int64(text[at + 1]) & 0x3F), 2
+    if first < 0xF0:
+        return ((first & 0x0F) << 12) | ((np.int64(text[at + 1]) & 0x3F) << 6) | (np.int64(text[at + 2]) & 0x3F), 3
+    point = ((first & 0x07) << 18) | ((np.int64(text[at + 1]) & 0x3F) << 12)
+    return point | ((np.int64(text[at + 2]) & 0x3F) << 6) | (np.int64(text[at + 3]) & 0x3F), 4
+
+
+@njit(inline="always")
+def _column(text, at, cmap):  # type: ignore[no-untyped-def]
+    """The class column of the character at byte ``at``, and its width in bytes."""
+    first = text[at]
+    if first < 0x80:
+        return np.int64(first), 1
+    point, width = _code_point(text, at)
+    if point >= cmap.shape[0]:
+        return np.int64(UNKNOWN_COLUMN), width
+    return np.int64(cmap[point]), width
+
+
+@njit(inline="always")
+def _all_known(text, cmap):  # type: ignore[no-untyped-def]
+    """Whether every character of ``text`` has a column of its own (none is unknown)."""
+    at = 0
+    while at < text.shape[0]:
+        column, width = _column(text, at, cmap)
+        if column == UNKNOWN_COLUMN:
+            return False
+        at += width
+    return True
+
+
+@compiled(types.boolean(_TEXT, _CMAP))
+def known_text(text, cmap):  # type: ignore[no-untyped-def]
+    """Whether every character of the UTF-8 ``text`` has a column in ``cmap`` (code points
+    past its end have none): ``word_split.agreed_text`` in one pass, without a copy."""
+    return _all_known(text, cmap)
+
+
+@njit(inline="always")
+def _match_alternative(text, at, stop, classes, items, suffixes, cmap, first, last, counts, positions, stops):  # type: ignore[no-untyped-def]
     """Where items ``first..last-1`` matched from ``at`` end (-1: no match), greedy repeats
     giving back one character at a time on failure, as a backtracking engine does."""
     item = first
@@ -512,21 +562,28 @@ def _match_alternative(text, at, stop, classes, items, suffixes, first, last, co
         if kind == ITEM_REPEAT:
             run = 0
             most = items[item, 3]
-            while run < most and position + run < stop and classes[members, text[position + run]]:
+            end = position
+            while run < most and end < stop:
+                column, width = _column(text, end, cmap)
+                if not classes[members, column]:
+                    break
                 run += 1
+                end += width
             if run >= items[item, 2]:
                 counts[item] = run
                 positions[item] = position
-                position += run
+                stops[item] = end
+                position = end
                 matched = True
         elif kind == ITEM_OPTIONAL_SUFFIX:  # (always last: the first string that follows, or none)
-            position = _optional_suffix(text, position, stop, classes, suffixes, members, items[item, 2])
+            position = _optional_suffix(text, position, stop, classes, suffixes, cmap, members, items[item, 2])
             matched = True
         elif kind != ITEM_FAIL:
-            following = position < stop and classes[members, text[position]] != 0
+            following = position < stop and classes[members, _column(text, position, cmap)[0]] != 0
             if following == (kind == ITEM_FOLLOWED_BY):
                 counts[item] = 0
                 positions[item] = position
+                stops[item] = position
                 matched = True
         if matched:
             item += 1
@@ -537,39 +594,48 @@ def _match_alternative(text, at, stop, classes, items, suffixes, first, last, co
                 return -1
             if items[item, 0] == ITEM_REPEAT and counts[item] > items[item, 2]:
                 counts[item] -= 1
-                position = positions[item] + counts[item]
+                position = stops[item] - 1
+                while text[position] & 0xC0 == 0x80:  # (a UTF-8 continuation byte)
+                    position -= 1
+                stops[item] = position
                 item += 1
                 break
 
 
 @njit(inline="always")
-def _optional_suffix(text, at, stop, classes, suffixes, first, count):  # type: ignore[no-untyped-def]
+def _optional_suffix(text, at, stop, classes, suffixes, cmap, first, count):  # type: ignore[no-untyped-def]
     """Where the first of the ``count`` strings from ``suffixes[first]`` (each: its length,
     then a class per character) that matches at ``at`` ends; ``at`` if none does."""
     for suffix in range(first, first + count):
         length = suffixes[suffix, 0]
-        if at + length > stop:
+        if at + length > stop:  # (a character takes a byte at least)
             continue
         whole = True
+        position = at
         for offset in range(length):
-            if not classes[suffixes[suffix, offset + 1], text[at + offset]]:
+            if position >= stop:
                 whole = False
                 break
+            column, width = _column(text, position, cmap)
+            if not classes[suffixes[suffix, offset + 1], column]:
+                whole = False
+                break
+            position += width
         if whole:
-            return at + length
+            return position
     return at
 
 
 @njit
-def _word_end(text, at, stop, classes, items, ends, starts, suffixes, counts, positions):  # type: ignore[no-untyped-def]
+def _word_end(text, at, stop, classes, items, ends, starts, suffixes, cmap, counts, positions, stops):  # type: ignore[no-untyped-def]
     """Where the first alternative that matches at ``at`` ends; -1 if none does."""
-    character = text[at]
-    if character >= 128:
-        return -1
-    for candidate in range(starts[character, 0]):
-        alternative = starts[character, candidate + 1]
+    column = _column(text, at, cmap)[0]
+    for candidate in range(starts[column, 0]):
+        alternative = starts[column, candidate + 1]
         first = ends[alternative - 1] if alternative > 0 else 0
-        end = _match_alternative(text, at, stop, classes, items, suffixes, first, ends[alternative], counts, positions)
+        end = _match_alternative(
+            text, at, stop, classes, items, suffixes, cmap, first, ends[alternative], counts, positions, stops
+        )
         if end >= 0:
             return end
     return -1
@@ -659,36 +725,46 @@ def _emit_word(text, start, end, slots, word_bytes, ids, out_ids, written, missi
 
 
 @njit(inline="always")
-def _piece_end(text, at, stop, classes, items, ends, starts, suffixes, counts, positions):  # type: ignore[no-untyped-def]
+def _piece_end(text, at, stop, classes, items, ends, starts, suffixes, cmap, counts, positions, stops):  # type: ignore[no-untyped-def]
     """Where the piece from ``at`` ends: the program's match there, or, where none starts,
     the characters up to where one does (``re.findall`` skips them; the tokenizer keeps
     them as a word, ``word_split._cut``)."""
-    end = _word_end(text, at, stop, classes, items, ends, starts, suffixes, counts, positions)
+    end = _word_end(text, at, stop, classes, items, ends, starts, suffixes, cmap, counts, positions, stops)
     if end < 0:
-        end = at + 1
-        while end < stop and _word_end(text, end, stop, classes, items, ends, starts, suffixes, counts, positions) < 0:
-            end += 1
+        end = at + _column(text, at, cmap)[1]
+        while (
+            end < stop
+            and _word_end(text, end, stop, classes, items, ends, starts, suffixes, cmap, counts, positions, stops) < 0
+        ):
+            end += _column(text, end, cmap)[1]
     return end
 
 
-_PROGRAM = (_CLASSES, _ITEMS, _I64, _ITEMS, _ITEMS)
+_PROGRAM = (_CLASSES, _ITEMS, _I64, _ITEMS, _ITEMS, _CMAP)
 
 
-@compiled(types.int64(_TEXT, _I64, *_PROGRAM, types.boolean, *_PROGRAM, _WORD_SLOTS, _U8, _I64, _I64, _I64, _ITEMS))
+@compiled(
+    types.int64(
+        _TEXT, _I64, types.boolean, *_PROGRAM, types.boolean, *_PROGRAM, _WORD_SLOTS, _U8, _I64, _I64, _I64, _ITEMS
+    )
+)
 def word_ids(
     text,
     text_ends,
+    wide,
     split_classes,
     split_items,
     split_ends,
     split_starts,
     split_suffixes,
+    split_cmap,
     split,
     classes,
     items,
     ends,
     starts,
     suffixes,
+    cmap,
     slots,
     word_bytes,
     ids,
@@ -696,17 +772,22 @@ def word_ids(
     out_ends,
     missing,
 ):  # type: ignore[no-untyped-def]
-    """Cut each text (``text`` holds them one after the other, the ``i``-th ending at
-    ``text_ends[i]``) into the program's words, as ``word_split._cut`` does (with ``split``,
-    each of the pieces the split program cuts it into first, as a pre-tokenizer's isolating
-    ``Split`` does), and write their ids one text after the other into ``out_ids`` (the
-    ``i``-th text's end at ``out_ends[i]``). Words not in the table go to ``missing`` as
-    (start, end); returns how many (when any, ``out_ids`` holds placeholders in their
-    place: :func:`_emit_word`)."""
+    """Cut each text (``text`` holds them one after the other as UTF-8, the ``i``-th ending
+    at byte ``text_ends[i]``; ``wide``: some are not ASCII) into the program's words, as
+    ``word_split._cut`` does (with ``split``, each of the pieces the split program cuts it
+    into first, as a pre-tokenizer's isolating ``Split`` does), and write their ids one text
+    after the other into ``out_ids`` (the ``i``-th text's end at ``out_ends[i]``). Words not
+    in the table go to ``missing`` as (start, end) in bytes; returns how many (when any,
+    ``out_ids`` holds placeholders in their place: :func:`_emit_word`), or -1, having done
+    nothing, when a character is one the programs do not know."""
+    if wide and not (_all_known(text, cmap) and (not split or _all_known(text, split_cmap))):
+        return -1
     counts = np.empty(items.shape[0], dtype=np.int64)
     positions = np.empty(items.shape[0], dtype=np.int64)
+    stops = np.empty(items.shape[0], dtype=np.int64)
     split_counts = np.empty(split_items.shape[0], dtype=np.int64)
     split_positions = np.empty(split_items.shape[0], dtype=np.int64)
+    split_stops = np.empty(split_items.shape[0], dtype=np.int64)
     written = 0
     missed = 0
     start = 0
@@ -718,19 +799,23 @@ def word_ids(
             if split:
                 piece_stop = _piece_end(
                     text, piece, stop, split_classes, split_items, split_ends, split_starts, split_suffixes,
-                    split_counts, split_positions,
+                    split_cmap, split_counts, split_positions, split_stops,
                 )  # fmt: skip
             at = piece
             while at < piece_stop:  # _piece_end written out: through it this loop ran 40 % slower
-                end = _word_end(text, at, piece_stop, classes, items, ends, starts, suffixes, counts, positions)
+                end = _word_end(
+                    text, at, piece_stop, classes, items, ends, starts, suffixes, cmap, counts, positions, stops
+                )
                 if end < 0:  # characters no alternative matches at: one word, up to where one does
-                    end = at + 1
-                    while (
-                        end < piece_stop
-                        and _word_end(text, end, piece_stop, classes, items, ends, starts, suffixes, counts, positions)
-                        < 0
-                    ):
-                        end += 1
+                    end = at + _column(text, at, cmap)[1]
+                    while end < piece_stop:
+                        found = _word_end(
+                            text, end, piece_stop, classes, items, ends, starts, suffixes, cmap, counts, positions,
+                            stops,
+                        )  # fmt: skip
+                        if found >= 0:
+                            break
+                        end += _column(text, end, cmap)[1]
                 written, missed = _emit_word(text, at, end, slots, word_bytes, ids, out_ids, written, missing, missed)
                 at = end
             piece = piece_stop

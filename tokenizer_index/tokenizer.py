@@ -113,7 +113,7 @@ SINGLE_ENCODE_CHARS = 1024
 #: exact). Smaller chunks re-tokenize less where two prompts part; at 512 a 1,088-token
 #: completions prompt that repeats a 1,024-token prefix costs ~0.3 of tokenizing it whole.
 CHUNK_CHARS = 512
-#: The chunk size where new ASCII text is cut and looked up in compiled code
+#: The chunk size where new text is cut and looked up in compiled code
 #: (:attr:`FastPaths.words` "(compiled)"): re-tokenizing a chunk there costs ~15 ns a
 #: character, less than each chunk's bookkeeping (~5 us: its cache entry, its array, its
 #: slot in the joined ids); a new 8,000-token tool result tokenizes in ~0.8 of the time
@@ -228,6 +228,13 @@ def _never_overlap(first: Sequence[str], second: Sequence[str]) -> bool:
     return True
 
 
+def _compiled_words(words: WordSplitter) -> str:
+    """What of the new text cut word by word is cut in compiled code, as ``FastPaths`` says it."""
+    if not words.compiled:
+        return ""
+    return " (compiled)" if words.compiled_wide or not words.unicode else " (compiled ascii)"
+
+
 def _one_run(arrays: Sequence[np.ndarray]) -> np.ndarray:
     """``arrays`` (read-only id arrays) joined into one read-only array (the one as it is)."""
     if len(arrays) == 1:
@@ -268,7 +275,7 @@ class FastPaths:
     #: Long pieces cut into chunks at spaces between words, each memoised.
     chunks: bool
     #: New text word by word: "ascii", "ascii+unicode", or "off"; "(compiled)" where
-    #: ASCII text is cut and looked up in compiled code.
+    #: all of it is cut and looked up in compiled code, "(compiled ascii)" where ASCII only.
     words: str
     #: Per chat template: None where long conversations render only their new messages,
     #: else why they render whole.
@@ -737,9 +744,7 @@ class RequestTokenizer:
             pieces=self._incremental,
             context_token=self._context,
             chunks=self._chunks_long_pieces,
-            words="off"
-            if words is None
-            else ("ascii+unicode" if words.unicode else "ascii") + (" (compiled)" if words.compiled else ""),
+            words="off" if words is None else ("ascii+unicode" if words.unicode else "ascii") + _compiled_words(words),
             templates=templates,
         )
 

@@ -12,15 +12,17 @@ The library's own ``pre_tokenize_str`` costs ten times a Python regex, so the cu
 redone in Python. ASCII text, most of what agents and code send, is cut with ``re``: there
 the pattern's Unicode classes have ASCII equivalents (``\\p{L}`` is ``[A-Za-z]``, ``\\s`` is
 ``[\\t\\n\\v\\f\\r ]``, ...), and every normalizer kvroute accepts here (NFC, NFD, NFKC,
-NFKD) leaves ASCII as it is. Where that ``re`` pattern runs as a program of the compiled
-cutter (``word_program.py``: GPT-2's, Llama 3's, Qwen 2's, o200k's, DeepSeek V3's), long
-ASCII text is cut and its words looked up in compiled code instead (``word_table.py``,
-2-3x faster per word). Other text is normalized with :mod:`unicodedata` and cut with
+NFKD) leaves ASCII as it is. Other text is normalized with :mod:`unicodedata` and cut with
 the ``regex`` module, which reads the pattern's Unicode classes as Oniguruma does (``\\s``
 becomes ``\\p{White_Space}``, what Oniguruma means by it), if all its characters are ones
 every Unicode table involved agrees on: assigned in Python's :mod:`unicodedata` (Unicode
 14 on Python 3.11) and below U+30000 (``regex`` reads some unassigned code points beyond
-as letters). Anything the translations do not know keeps the library's path. Exactness is
+as letters). Where the pattern runs as a program of the compiled cutter (``word_program.py``:
+GPT-2's, Llama 3's, Qwen 2's, o200k's; DeepSeek V3's for ASCII text only), long text is cut
+and its words looked up in compiled code instead (``word_table.py``, 2-3x faster per
+word): ASCII as the ``re`` pattern cuts it, other text, normalized, as the ``regex`` one
+does, its classes evaluated by ``regex`` on every agreed code point
+(:func:`marked_pattern`). Anything the translations do not know keeps the library's path. Exactness is
 checked three ways: probe texts at construction (:meth:`WordSplitter.agrees`, ASCII and
 other text apart), differential tests against the library, and in production every
 :data:`VERIFY_EVERY`-th text split here is also tokenized by the library and compared (a
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 import threading
 import unicodedata
 from collections.abc import Callable, Iterator
@@ -44,7 +45,8 @@ from typing import Any
 import numpy as np
 import regex
 
-from kvroute.tokenizer_index.word_program import word_program
+from kvroute.tokenizer_index import kernels
+from kvroute.tokenizer_index.word_program import MARK_BASE, MarkedPattern, word_program
 from kvroute.tokenizer_index.word_table import WordTable
 
 log = logging.getLogger(__name__)
@@ -236,6 +238,33 @@ def _unicode_part(part: str, in_class: bool) -> str:
     return part
 
 
+def marked_pattern(pattern: str) -> tuple[str, tuple[str, ...]] | None:
+    """``pattern`` in Python's ``re`` syntax with each Unicode property (and ``\\s``, read
+    as White_Space) a marker character, and the properties in the ``regex`` module's
+    syntax, the ``k``-th marked ``MARK_BASE + k`` (``word_program.MarkedPattern``); None
+    where it uses anything :func:`unicode_pattern` does not read."""
+    properties: list[str] = []
+
+    def marked_part(part: str, in_class: bool) -> str:
+        if part == "^" and in_class:
+            return r"\^"
+        if len(part) < 2 or part[0] != "\\" or part[1] not in "pPsS":
+            return _unicode_part(part, in_class)
+        escaped = part[1]
+        if in_class and escaped in "PS":
+            raise _Untranslatable  # a negation inside a class
+        written = r"\p{White_Space}" if escaped in "sS" else "\\p" + part[2:]
+        if written not in properties:
+            properties.append(written)
+        marker = chr(MARK_BASE + properties.index(written))
+        return marker if in_class else f"[{'^' if escaped in 'PS' else ''}{marker}]"
+
+    translated = _translated(pattern, marked_part)
+    if translated is None or not _compiles(re.compile, translated):
+        return None
+    return translated, tuple(properties)
+
+
 @cache
 def _agreed_code_points() -> np.ndarray:
     """Per code point below :data:`_UNICODE_LIMIT`, whether Python's Unicode tables assign it
@@ -247,8 +276,17 @@ def _agreed_code_points() -> np.ndarray:
 
 def agreed_text(text: str) -> bool:
     """Whether every character of ``text`` is one the Unicode tables involved agree on."""
-    points = np.frombuffer(text.encode("utf-32-le" if sys.byteorder == "little" else "utf-32-be"), dtype=np.uint32)
-    return not len(points) or (int(points.max()) < _UNICODE_LIMIT and bool(_agreed_code_points()[points].all()))
+    try:
+        encoded = text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return bool(kernels.known_text(np.frombuffer(encoded, dtype=np.uint8), _agreed_columns()))
+
+
+@cache
+def _agreed_columns() -> np.ndarray:
+    """:func:`_agreed_code_points` as a compiled program's ``cmap`` reads it."""
+    return np.where(_agreed_code_points(), 0, kernels.UNKNOWN_COLUMN).astype(np.uint8)
 
 
 def _class(members: str, *, negated: bool) -> str:
@@ -272,6 +310,9 @@ class WordPatterns:
     normal_forms: tuple[str, ...] = ()
     ascii_before: tuple[re.Pattern[str], ...] = ()
     unicode_before: tuple[regex.Pattern[str], ...] = ()
+    #: Each of ``(*ascii_before, ascii)`` marked for the compiled cutter
+    #: (:func:`marked_pattern`); empty where other text is left to the library.
+    marked: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 def word_pattern(normalizer: Any, pre_tokenizer: Any, model: Any) -> WordPatterns | None:
@@ -304,12 +345,14 @@ def word_pattern(normalizer: Any, pre_tokenizer: Any, model: Any) -> WordPattern
     unicode_sources = [unicode_pattern(source) for source in sources]
     unicode_compiled = [_compile_unicode(source) for source in unicode_sources if source is not None]
     unicode_known = len(unicode_compiled) == len(sources)
+    marked = [marked_pattern(source) for source in sources]
     return WordPatterns(
         ascii_compiled[-1],
         unicode_compiled[-1] if unicode_known else None,
         normal_forms,
         tuple(ascii_compiled[:-1]),
         tuple(unicode_compiled[:-1]) if unicode_known else (),
+        tuple(pair for pair in marked if pair is not None) if unicode_known and None not in marked else (),
     )
 
 
@@ -360,16 +403,25 @@ class WordSplitter:
         self._encode_words = encode_words
         self._ids: dict[str, list[int]] = {}
         self._cached_chars = 0  # of the words in _ids
-        self._table = self._compiled_table()
+        #: Whether the compiled table cuts text beyond ASCII too.
+        self._table_wide = False
+        self._table = self._compiled_table(patterns.marked if self._unicode is not None else ())
         self._table_lock = threading.Lock()
-        if self._unicode is not None:
-            _agreed_code_points()  # now, with the tokenizer, not on a request's time
 
-    def _compiled_table(self) -> WordTable | None:
-        """ASCII text's words cut and looked up in compiled code, where the patterns run as
+    def _compiled_table(self, marked: tuple[tuple[str, tuple[str, ...]], ...]) -> WordTable | None:
+        """Text's words cut and looked up in compiled code, where the patterns run as
         programs and at most one split that can cut ASCII text comes before the last
-        (DeepSeek V3's: digit runs, then CJK runs, which no ASCII text has)."""
-        programs = [word_program(pattern) for pattern in (*self._ascii_before, self._ascii)]
+        (DeepSeek V3's: digit runs, then CJK runs, which no ASCII text has); text beyond
+        ASCII too where every pattern has a marked program and every split cuts ASCII."""
+        patterns = (*self._ascii_before, self._ascii)
+        if marked:
+            known = _agreed_code_points()  # (built now, with the tokenizer, not on a request's time)
+            markings: list[MarkedPattern | None] = [
+                MarkedPattern(re.compile(source), properties, known) for source, properties in marked
+            ]
+        else:
+            markings = [None] * len(patterns)
+        programs = [word_program(pattern, marking) for pattern, marking in zip(patterns, markings, strict=True)]
         *splits, program = programs
         if program is None or any(split is None for split in splits):
             return None
@@ -377,6 +429,7 @@ class WordSplitter:
         if len(cutting) > 1:
             return None
         split = cutting[0] if cutting else None
+        self._table_wide = len(cutting) == len(splits) and all(used.wide for used in (program, *cutting))
         return WordTable(program, self._encode_and_keep, MAX_WORDS, MAX_WORD_CHARS, split=split)
 
     @property
@@ -390,13 +443,20 @@ class WordSplitter:
         expected = encode_text(list(_PROBES))
         if [self.ids(probe) for probe in _PROBES] != expected:
             return False
-        if self._table is not None and [ids.tolist() for ids in self._table.ids(_PROBES)] != expected:
+        if self._table is not None and _table_ids(self._table, _PROBES) != expected:
             log.warning("word program for %r differs from re on the probe texts; cutting with re", self._ascii.pattern)
             self._table = None
-        if self._unicode is not None and [self.ids(probe) for probe in _UNICODE_PROBES] != encode_text(
-            list(_UNICODE_PROBES)
-        ):
-            self._unicode = None
+        if self._unicode is not None:
+            expected = encode_text(list(_UNICODE_PROBES))
+            if [self.ids(probe) for probe in _UNICODE_PROBES] != expected:
+                self._unicode = None
+                self._table_wide = False
+            elif self._table_wide and self._table is not None:
+                # (the probes that hold characters the programs do not know, CJK and emoji, give None)
+                wide = [_table_ids(self._table, [self._normalized(probe)]) for probe in _UNICODE_PROBES]
+                if any(ids is not None and ids != [want] for ids, want in zip(wide, expected, strict=True)):
+                    log.warning("word program differs from regex on text beyond ASCII; cutting it in Python")
+                    self._table_wide = False
         self.clear()  # the probes' words are no one's
         return True
 
@@ -404,6 +464,11 @@ class WordSplitter:
     def compiled(self) -> bool:
         """Whether ASCII text is cut and looked up in compiled code (:mod:`word_table`)."""
         return self._table is not None
+
+    @property
+    def compiled_wide(self) -> bool:
+        """Whether text beyond ASCII is cut and looked up in compiled code too."""
+        return self._table is not None and self._table_wide
 
     def handles(self, text: str) -> bool:
         """Whether ``text`` is cut here: ASCII, or, with a Unicode pattern, text of words
@@ -422,10 +487,19 @@ class WordSplitter:
         table = self._table
         if table is None or sum(map(len, texts)) < COMPILED_MIN_CHARS:
             return [self.ids(text) for text in texts]
+        wide = self._table_wide and not all(text.isascii() for text in texts)
+        if wide:
+            with self._table_lock:
+                found = table.ids([self._normalized(text) for text in texts])
+            if found is not None:
+                return list(found)
+            # (a character the programs do not know: the text beyond ASCII is cut in Python)
         plain = [text for text in texts if text.isascii()]
         with self._table_lock:
-            found = iter(table.ids(plain))
-        return [next(found) if text.isascii() else self.ids(text) for text in texts]
+            ascii_found = table.ids(plain)
+        assert ascii_found is not None  # (the programs know every ASCII character)
+        each = iter(ascii_found)
+        return [next(each) if text.isascii() else self.ids(text) for text in texts]
 
     def ids(self, text: str) -> list[int]:
         """The ids of ``text`` (:meth:`handles` it): its words' ids joined; new words
@@ -466,8 +540,7 @@ class WordSplitter:
             if self._unicode is None:
                 raise ValueError("text that is not ASCII, and no Unicode pattern for this tokenizer")
             pattern, before = self._unicode, self._unicode_before
-            for form in self._normal_forms:
-                text = unicodedata.normalize(form, text)  # type: ignore[arg-type]
+            text = self._normalized(text)
         if not before:
             return _cut(pattern, text)
         pieces = [text]
@@ -479,6 +552,14 @@ class WordSplitter:
             pieces = [cut for piece in pieces for cut in _isolated(split, piece)]
         return [word for piece in pieces for word in _cut(pattern, piece)]
 
+    def _normalized(self, text: str) -> str:
+        """``text`` in each of the pipeline's normal forms in turn."""
+        if text.isascii():
+            return text
+        for form in self._normal_forms:
+            text = unicodedata.normalize(form, text)  # type: ignore[arg-type]
+        return text
+
     def clear(self) -> None:
         self._ids.clear()
         self._cached_chars = 0
@@ -488,6 +569,11 @@ class WordSplitter:
 
     def __len__(self) -> int:
         return len(self._ids) + (len(self._table) if self._table is not None else 0)
+
+
+def _table_ids(table: WordTable, texts: tuple[str, ...] | list[str]) -> list[list[int]] | None:
+    found = table.ids(texts)
+    return None if found is None else [ids.tolist() for ids in found]
 
 
 def _places_of_none(found: list[Any]) -> list[int]:

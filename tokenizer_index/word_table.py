@@ -1,4 +1,4 @@
-"""The ids of words seen before, where compiled code reads them: ASCII text to ids in one call.
+"""The ids of words seen before, where compiled code reads them: texts to ids in one call.
 
 :class:`WordTable` keeps each word and its ids in an open-addressing table of fixed-size
 slots (a short word and its one or two ids inside its slot, longer ones in two arenas;
@@ -44,7 +44,7 @@ class _Lookup:
 
 
 class WordTable:
-    """Words' ids (up to ``max_words`` words of ``max_chars`` characters in all; past either
+    """Words' ids (up to ``max_words`` words of ``max_chars`` UTF-8 bytes in all; past either
     the table starts afresh), for one program (after a ``split`` program, where a
     pre-tokenizer splits text in two steps); ``encode_words`` tokenizes words it lacks
     (each on its own, as the library does)."""
@@ -64,7 +64,7 @@ class WordTable:
         self._encode_words = encode_words
         self._max_words = max_words
         self._max_chars = max_chars
-        #: The most characters one call may bring: its new words always fit a fresh table.
+        #: The most bytes one call may bring: its new words always fit a fresh table.
         self._max_call = min(max_words, max_chars)
         self.clear()
 
@@ -75,10 +75,14 @@ class WordTable:
     def nbytes(self) -> int:
         return self._slots.nbytes + self._word_bytes.nbytes + self._ids.nbytes
 
-    def ids(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """The ids of each of ``texts`` (ASCII, at most ``max_words`` and ``max_chars``
-        characters in all), word by word. Words not in the table are tokenized and added."""
+    def ids(self, texts: Sequence[str]) -> list[np.ndarray] | None:
+        """The ids of each of ``texts`` (at most ``max_words`` and ``max_chars`` UTF-8 bytes
+        in all), word by word; None, having done nothing, if one holds a character the
+        programs do not know (any beyond ASCII, unless they were given a marked pattern).
+        Words not in the table are tokenized and added."""
         found = self._look_up(texts)
+        if found is None:
+            return None
         out_ids, out_ends = found.ids, found.ends
         if found.missing is not None:
             self._learn(found.joined, found.text, found.missing)
@@ -90,28 +94,32 @@ class WordTable:
         ends = out_ends.tolist()
         return [out_ids[start:end] for start, end in zip([0, *ends], ends)]
 
-    def _look_up(self, texts: Sequence[str]) -> _Lookup:
+    def _look_up(self, texts: Sequence[str]) -> _Lookup | None:
         """One :func:`kernels.word_ids` call over ``texts``: their ids, placeholders where
-        the table lacks a word."""
-        joined = "".join(texts).encode("ascii")
+        the table lacks a word; None where a character is one the programs do not know."""
+        joined = "".join(texts).encode("utf-8")
         if len(joined) > self._max_call:  # (so one call's new words fit, after a clear)
-            raise ValueError(f"{len(joined)} characters in one call; at most {self._max_call}")
+            raise ValueError(f"{len(joined)} bytes in one call; at most {self._max_call}")
         text = np.frombuffer(joined, dtype=np.uint8)
-        text_ends = np.fromiter(accumulate(map(len, texts)), dtype=np.int64, count=len(texts))
+        wide = not all(text.isascii() for text in texts)  # (isascii reads a flag: O(1))
+        lengths = map(_utf8_length, texts) if wide else map(len, texts)
+        text_ends = np.fromiter(accumulate(lengths), dtype=np.int64, count=len(texts))
         # Byte-level BPE takes at least one byte per id (add() holds every word to it),
         # and a text has at most one word per character: neither array can overflow.
         out_ids = np.empty(len(joined), dtype=np.int64)
         out_ends = np.empty(len(texts), dtype=np.int64)
         missing = np.empty((len(joined), 2), dtype=np.int64)
         missed = kernels.word_ids(
-            text, text_ends, *self._program, self._slots, self._word_bytes, self._ids, out_ids, out_ends, missing
+            text, text_ends, wide, *self._program, self._slots, self._word_bytes, self._ids, out_ids, out_ends, missing
         )
+        if missed < 0:
+            return None
         return _Lookup(joined, text, out_ids, out_ends, missing[:missed] if missed else None)
 
     def add(self, words: Sequence[str], ids: Sequence[Sequence[int]]) -> None:
-        """Remember each of ``words`` (ASCII, none in the table, each once) with its ids."""
-        joined = "".join(words).encode("ascii")
-        ends = list(accumulate(map(len, words)))
+        """Remember each of ``words`` (none in the table, each once) with its ids."""
+        joined = "".join(words).encode("utf-8")
+        ends = list(accumulate(map(_utf8_length, words)))
         spans = np.array(list(zip([0, *ends], ends)), dtype=np.int64).reshape(-1, 2)
         self._add(np.frombuffer(joined, dtype=np.uint8), spans, ids)
 
@@ -120,7 +128,7 @@ class WordTable:
         first: dict[bytes, int] = {}
         for number, (start, end) in enumerate(spans.tolist()):
             first.setdefault(joined[start:end], number)
-        words = [word.decode("ascii") for word in first]
+        words = [word.decode("utf-8") for word in first]
         self._add(text, spans[list(first.values())], self._encode_words(words))
 
     def _add(self, text: np.ndarray, spans: np.ndarray, ids: Sequence[Sequence[int]]) -> None:
@@ -151,7 +159,7 @@ class WordTable:
         """The ids of ``word`` (its words, if the program cuts it), if the table has them
         all; nothing is added (for checks and tests)."""
         found = self._look_up([word])
-        if found.missing is not None or not word:
+        if found is None or found.missing is not None or not word:
             return None
         return found.ids[: found.ends[0]].tolist()  # type: ignore[no-any-return]
 
@@ -179,6 +187,10 @@ class WordTable:
             slots = np.zeros((size, _SLOT_COLUMNS), dtype=np.uint64)
             kernels.move_slots(self._slots, slots)
             self._slots = slots
+
+
+def _utf8_length(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
 def _grown(array: np.ndarray, needed: int) -> np.ndarray:
