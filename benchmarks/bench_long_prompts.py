@@ -1,8 +1,8 @@
 """Long prompts: a 100K-token agent turn on a 1M-block index, and what a 1M-token prompt stalls.
 
     python -m kvroute.benchmarks.bench_long_prompts [--prompt-tokens 100000] [--new-tokens 500,2000,8000]
-        [--index-blocks 1000000] [--repeats 15] [--huge-tokens 1000000] [--huge-prompts 2]
-        [--out bench-out/long-prompts.json]
+        [--index-blocks 1000000] [--repeats 15] [--text ascii|typographic] [--huge-tokens 1000000]
+        [--huge-prompts 2] [--out bench-out/long-prompts.json]
 
 **The agent turn** (issue 16: <= 5 ms, and <= 5 % of a cold tokenization). An agent
 conversation (a system prompt, tools, a task, then turns of an assistant's tool call and the
@@ -158,20 +158,41 @@ class Samples:
 #: assistant's answer and the user's next question (``chat``: under Qwen 3's template a new
 #: query every turn, which its incremental render cannot reuse across).
 TURN_SHAPES = ("agent", "chat")
+#: The turns' text: the vocabulary's ASCII words, or the same typeset as models and web
+#: pages write (curly quotes and apostrophes, dashes, ellipses: a character beyond ASCII
+#: every few words, so new text takes the word cutter's path for such text).
+TEXT_STYLES = ("ascii", "typographic")
+_TYPOGRAPHY = ("\u2019s", " \u2014", "\u201d", " \u201c", "\u2026", " \u2013")
+
+
+def typeset(text: str, rng: np.random.Generator) -> str:
+    """``text`` with a typographic mark after about one word in eight."""
+    words_ = text.split(" ")
+    marks = rng.integers(0, len(_TYPOGRAPHY), size=len(words_)).tolist()
+    picks = rng.integers(0, 8, size=len(words_)).tolist()
+    return " ".join(
+        word + _TYPOGRAPHY[mark] if pick == 0 else word for word, mark, pick in zip(words_, marks, picks, strict=True)
+    )
 
 
 class AgentConversation:
     """An agent's messages: system prompt, task, then (tool call, tool result) turns, or
     (answer, question) turns for a chat."""
 
-    def __init__(self, seed: int, result_tokens: int, shape: str = "agent") -> None:
+    def __init__(self, seed: int, result_tokens: int, shape: str = "agent", text: str = "ascii") -> None:
         self._rng = np.random.default_rng(seed)
         self.result_tokens = result_tokens
         self.shape = shape
+        self.text = text
         self.messages: list[dict[str, Any]] = [
-            {"role": "system", "content": words(self._rng, AGENT_SYSTEM_TOKENS)},
-            {"role": "user", "content": "Task: " + words(self._rng, AGENT_TASK_TOKENS)},
+            {"role": "system", "content": self.words(self._rng, AGENT_SYSTEM_TOKENS)},
+            {"role": "user", "content": "Task: " + self.words(self._rng, AGENT_TASK_TOKENS)},
         ]
+
+    def words(self, rng: np.random.Generator, tokens: int) -> str:
+        """About ``tokens`` tokens of text in the conversation's style (``TEXT_STYLES``)."""
+        text = words(rng, tokens)
+        return typeset(text, rng) if self.text == "typographic" else text
 
     def add_turn(self) -> None:
         """The assistant calls a tool (its answer to the last prompt) and the tool answers."""
@@ -182,8 +203,8 @@ class AgentConversation:
         (or, for a chat, the assistant's text and the user's next question)."""
         if self.shape == "chat":
             return [
-                {"role": "assistant", "content": words(rng, ASSISTANT_TOKENS)},
-                {"role": "user", "content": words(rng, self.result_tokens)},
+                {"role": "assistant", "content": self.words(rng, ASSISTANT_TOKENS)},
+                {"role": "user", "content": self.words(rng, self.result_tokens)},
             ]
         function = AGENT_TOOLS[int(rng.integers(len(AGENT_TOOLS)))]["function"]
         argument = function["parameters"]["required"][0]
@@ -194,8 +215,8 @@ class AgentConversation:
             "function": {"name": function["name"], "arguments": json.dumps({argument: words(rng, 8)})},
         }
         return [
-            {"role": "assistant", "content": words(rng, ASSISTANT_TOKENS), "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": call_id, "content": words(rng, self.result_tokens)},
+            {"role": "assistant", "content": self.words(rng, ASSISTANT_TOKENS), "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call_id, "content": self.words(rng, self.result_tokens)},
         ]
 
     def body(self, messages: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -295,6 +316,7 @@ class TurnResult:
     whole: Spread
     total_vs_cold: float
     exact: bool
+    text: str = "ascii"
 
 
 def measure_turns(
@@ -307,6 +329,7 @@ def measure_turns(
     shape: str = "agent",
     *,
     chunk_chars: int | None = None,
+    style: str = "ascii",
 ) -> TurnResult:
     names = [f"http://10.0.0.{number + 1}:8000" for number in range(BACKENDS)]
     capacity = index_blocks // BACKENDS
@@ -334,7 +357,7 @@ def measure_turns(
         engine.route(CHAT.path, body, {}, candidates)
         return ids
 
-    agent = AgentConversation(seed, result_tokens, shape)
+    agent = AgentConversation(seed, result_tokens, shape, style)
     ids = route_here(agent.body())
     turn_tokens = len(route_here(agent.next_turn_body(seed))) - len(ids)
     while len(ids) + turn_tokens < prompt_tokens:  # every earlier turn was routed
@@ -378,6 +401,7 @@ def measure_turns(
         whole=samples.spread("whole"),
         total_vs_cold=round(total.median / cold_time.median, 4),
         exact=exact,
+        text=style,
     )
 
 
@@ -638,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index-blocks", type=int, default=1_000_000, help="backend-blocks in the index")
     parser.add_argument("--repeats", type=int, default=15, help="agent turns timed per size")
     parser.add_argument("--turn", choices=TURN_SHAPES, default="agent", help="what each turn adds (see TURN_SHAPES)")
+    parser.add_argument("--text", choices=TEXT_STYLES, default="ascii", help="the turns' text (see TEXT_STYLES)")
     parser.add_argument("--huge-tokens", type=int, default=1_000_000, help="0 skips the stall measurement")
     parser.add_argument("--huge-prompts", type=int, default=2, help="huge prompts per mode")
     parser.add_argument(
@@ -674,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
             args.seed,
             args.turn,
             chunk_chars=args.chunk_chars,
+            style=args.text,
         )
         for size in args.new_tokens.split(",")
     ]
@@ -714,6 +740,7 @@ def main(argv: list[str] | None = None) -> int:
         "precise": args.precise,
         "chat_template": str(args.chat_template) if args.chat_template else None,
         "turn": args.turn,
+        "text": args.text,
         "renders_incrementally": renders_incrementally(args.tokenizer),
         "backends": BACKENDS,
         "turns": [asdict(row) for row in turns],

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from kvroute.benchmarks import bench_long_prompts
 from kvroute.tokenizer_index import RequestTokenizer
 
@@ -70,3 +72,21 @@ def test_the_precise_stall_engine_is_filled_then_streams_events() -> None:
     first = engine.route(bench_long_prompts.CHAT.path, body, {}, candidates)
     again = engine.route(bench_long_prompts.CHAT.path, body, {}, candidates)
     assert again.backend == first.backend and again.predicted_cached_tokens >= 400
+
+
+def test_typographic_turns_take_the_wide_word_path_exactly(tmp_path: Path) -> None:
+    """Turns typeset with curly quotes and dashes: the ids still equal the library's."""
+    out = tmp_path / "typographic.json"
+    argv = ["--prompt-tokens", "6000", "--new-tokens", "600", "--index-blocks", "20000", "--repeats", "2"]
+    assert bench_long_prompts.main([*argv, "--text", "typographic", "--huge-tokens", "0", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["text"] == "typographic" and all(
+        row["exact"] and row["text"] == "typographic" for row in report["turns"]
+    )
+
+
+def test_typeset_text_marks_about_one_word_in_eight() -> None:
+    text = bench_long_prompts.words(np.random.default_rng(0), 4000)
+    typeset = bench_long_prompts.typeset(text, np.random.default_rng(1))
+    beyond = sum(not character.isascii() for character in typeset)
+    assert typeset.startswith(text.split()[0]) and 0.08 < beyond / len(text.split()) < 0.2

@@ -26,4 +26,16 @@ def test_texts_are_distinct_and_only_cjk_leaves_out_spaces() -> None:
     assert bench_new_text.texts("ascii", 1, 0)[0].isascii()
     assert bench_new_text.texts("identifiers", 1, 5)[0].count(" id_5_0_") == 8
     assert not bench_new_text.texts("spaced", 1, 0)[0].isascii()
+    punctuated = bench_new_text.texts("punctuated", 1, 0)[0]
+    assert not punctuated.isascii() and sum(not character.isascii() for character in punctuated) < len(punctuated) / 20
     assert bench_new_text.texts("cjk", 1, 0)[0].count(" ") == 1  # only before its number
+
+
+def test_long_texts_of_some_kinds(tmp_path: Path) -> None:
+    """``--chars`` past the compiled cutter's threshold, ``--kinds`` a subset."""
+    out = tmp_path / "new-text.json"
+    argv = ["--texts", "5", "--rounds", "2", "--chars", "3000", "--kinds", "punctuated,spaced", "--out", str(out)]
+    assert bench_new_text.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["kind"] for row in rows] == ["punctuated", "spaced"] and all(row["chars"] >= 3000 for row in rows)
+    assert all(row["equal"] for row in rows)
