@@ -8,10 +8,11 @@ renders as ``render(P)`` without its generation prompt, then ``render(P[:k] + Q)
 the text of ``P[:k]`` alone, where ``k`` is the template's number of *anchors* (1, or more
 where its head peels leading messages off, as Llama 3's takes the system message out). So
 each long conversation is remembered with its text without the generation prompt (its
-*body*), the JSON of its messages and of everything else the render read (tools,
+*body*), its messages' key (their JSON; :mod:`kvroute.tokenizer_index.messages_key`) and the
+JSON of everything else the render read (tools,
 documents, variables, and the texts of the ``strftime_now`` formats it calls, so a render
-made yesterday is not reused today); a request whose messages' JSON starts with a
-remembered conversation's, with the same other JSON, takes that body and renders only the
+made yesterday is not reused today); a request whose messages start with a remembered
+conversation's, as JSON, with the same other JSON, takes that body and renders only the
 anchors and the new messages. Templates whose texts depend on neighbours, a last match or
 parity render a few remembered messages again (:func:`_render_around`); templates that
 carry state between messages (DeepSeek's) render through a copy that reports it, and a
@@ -39,6 +40,7 @@ import orjson
 
 from kvroute.tokenizer_index.chat_messages import conversation_from_request
 from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError, strftime_now
+from kvroute.tokenizer_index.messages_key import EXACT_JSON, MessagesKey
 from kvroute.tokenizer_index.prompt_memo import (
     ENTRY_OVERHEAD_BYTES,
     PromptMemo,
@@ -56,10 +58,6 @@ MIN_MESSAGES = 16
 #: and the two compared (~1 % more render work): the last line of defence behind the syntax
 #: check and the probes, found in production rather than assumed.
 VERIFY_EVERY = 128
-# JSON that stands for one Python value only: orjson refuses subclasses of str, int, dict
-# and list, dataclasses and datetimes instead of writing them as their JSON look-alikes.
-_EXACT_JSON = orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
-_LIST_SEPARATORS = (ord(","), ord("]"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +137,8 @@ class RenderedConversation:
     #: message's text (no generation prompt). Kept whole: cutting the prompt off copied it.
     rendered: str
     length: int
-    #: The JSON array of the messages (kept whole: cutting its bracket off copied it).
-    messages_json: bytes
+    #: What its messages are compared by.
+    messages: MessagesKey
     count: int
     template: ChatTemplate
     #: The JSON of the tools, documents and variables.
@@ -163,28 +161,21 @@ class RenderedConversation:
     def nbytes(self) -> int:
         """What it is charged against the memo's bound."""
         texts = sys.getsizeof(self.rendered) + sys.getsizeof(self.head) + sys.getsizeof(self.generation_prompt)
-        return ENTRY_OVERHEAD_BYTES + texts + len(self.messages_json) + len(self.context_json)
+        return ENTRY_OVERHEAD_BYTES + texts + self.messages.nbytes + len(self.context_json)
 
     def replaces(self, other: RenderedConversation) -> bool:
         """Whether ``other`` is the same conversation rendered with the same settings (two
         conversations may render to the same text)."""
         return (
-            other.messages_json == self.messages_json
+            other.messages == self.messages
             and other.context_json == self.context_json
             and other.template is self.template
         )
 
-    def continues(self, template: ChatTemplate, context_json: bytes, messages_json: bytes) -> bool:
-        """Whether a render with this template and context, of messages with this JSON,
-        starts with this conversation's messages."""
-        opened = memoryview(self.messages_json)[:-1]  # without its closing bracket
-        return (
-            template is self.template
-            and context_json == self.context_json
-            and messages_json.startswith(opened)
-            and len(messages_json) > len(opened)
-            and messages_json[len(opened)] in _LIST_SEPARATORS
-        )
+    def continues(self, template: ChatTemplate, context_json: bytes, messages: MessagesKey) -> bool:
+        """Whether a render with this template and context, of messages with this key
+        (made like this conversation's), starts with this conversation's messages."""
+        return template is self.template and context_json == self.context_json and self.messages.continued_by(messages)
 
 
 class RenderMemo:
@@ -206,15 +197,14 @@ class RenderMemo:
             return settings.render_whole(messages)
         if settings.template.source in self._distrusted:
             return settings.render_whole(messages)
+        keys = conversation_keys(messages)
         try:
-            messages_json = orjson.dumps(messages, option=_EXACT_JSON)
-            context_json = orjson.dumps(settings.context(), option=_EXACT_JSON)
+            context_json = orjson.dumps(settings.context(), option=EXACT_JSON)
+            previous, messages_key = self._previous(keys, settings.template, context_json, messages)
         except TypeError:  # values JSON cannot stand for exactly
             return settings.render_whole(messages)
-        keys = conversation_keys(messages)
-        previous = self._previous(keys, settings.template, context_json, messages_json)
         if settings.shape.carried is not None:
-            return self._render_carried(previous, messages, settings, keys, (messages_json, context_json))
+            return self._render_carried(previous, messages, settings, keys, (messages_key, context_json))
         rendered = self._render_after(previous, messages, settings) if previous is not None else None
         if rendered is None:
             rendered = self._render_first(messages, settings)
@@ -230,7 +220,7 @@ class RenderMemo:
                 entry = RenderedConversation(
                     text,
                     len(text) - len(tail),
-                    messages_json,
+                    messages_key,
                     len(messages),
                     settings.template,
                     context_json,
@@ -268,13 +258,20 @@ class RenderMemo:
         return False
 
     def _previous(
-        self, keys: list[int], template: ChatTemplate, context_json: bytes, messages_json: bytes
-    ) -> RenderedConversation | None:
-        """The remembered conversation these messages continue (or repeat), if any."""
+        self, keys: list[int], template: ChatTemplate, context_json: bytes, messages: Sequence[Any]
+    ) -> tuple[RenderedConversation | None, MessagesKey]:
+        """The remembered conversation these messages continue (or repeat), if any, and the
+        key to remember them by (``TypeError`` where a value has no exact JSON)."""
+        made: dict[bool, MessagesKey] = {}  # by whether made apart
         for candidate in self._memo.candidates(keys):
-            if candidate.continues(template, context_json, messages_json):
-                return candidate
-        return None
+            apart = candidate.messages.contents is not None
+            key = made.get(apart)
+            if key is None:
+                key = made[apart] = candidate.messages.like(messages)
+            if candidate.continues(template, context_json, key):
+                return candidate, _kept(key, messages, candidate.messages)
+        key = made.get(True) or made.get(False)
+        return None, MessagesKey.of(messages) if key is None else _kept(key, messages)
 
     def _render_carried(
         self,
@@ -282,7 +279,7 @@ class RenderMemo:
         messages: Sequence[Any],
         settings: RenderSettings,
         keys: list[int],
-        encoded: tuple[bytes, bytes],
+        encoded: tuple[MessagesKey, bytes],
     ) -> str:
         """:meth:`render` under a template that carries state between messages: the new
         messages after ``previous``'s text where a window reaches its states, else all."""
@@ -299,9 +296,9 @@ class RenderMemo:
                 return settings.render_whole(messages)
         text = body + tail
         if keys:
-            messages_json, context_json = encoded
+            messages_key, context_json = encoded
             entry = RenderedConversation(
-                text, len(body), messages_json, len(messages), settings.template, context_json, "", "", None, states
+                text, len(body), messages_key, len(messages), settings.template, context_json, "", "", None, states
             )
             self._memo.remember(keys[0], entry)
         return text
@@ -352,6 +349,19 @@ class RenderMemo:
             log.warning("chat template rendered a conversation's first messages differently; rendering whole")
             return None
         return _Rendered(previous.body + rendered[len(head) :], head, generation_prompt)
+
+
+def _kept(key: MessagesKey, messages: Sequence[Any], continued: MessagesKey | None = None) -> MessagesKey:
+    """``key`` to remember ``messages`` by; made apart instead where it holds text beyond
+    ASCII (the conversation's next turn is compared without copying it). ``continued``:
+    the key ``key`` continues, whose JSON, if whole, is ASCII (kept so): only the rest is read."""
+    if key.contents is not None:
+        return key
+    if continued is not None and continued.contents is None:
+        ascii_only = key.json[len(continued.json) - 1 :].isascii()
+    else:
+        ascii_only = key.json.isascii()
+    return key if ascii_only else MessagesKey.apart(messages)
 
 
 #: Remembered messages rendered again behind a lookaround template's anchors: the last one's

@@ -691,6 +691,34 @@ def test_messages_changed_in_place_are_rendered_as_they_are_now() -> None:
     renderers.agree([*messages, {"role": "assistant", "content": "x"}])
 
 
+def test_a_conversation_beyond_ascii_is_compared_by_its_texts() -> None:
+    """Its key keeps the contents apart (compared as text, no UTF-8 copy each turn): the turn
+    that brings its first such text switches it over, later turns reuse, and a text changed
+    in place is seen."""
+    renderers = Renderers(ALL_TEMPLATES["default"])
+    renderers.memo._render_memo.min_messages = MIN_MESSAGES
+    messages = [{"role": "user" if turn % 2 else "assistant", "content": f"m{turn}"} for turn in range(MIN_MESSAGES)]
+
+    def remembered() -> list[Any]:
+        return [entry for entries in renderers.memo._render_memo._memo._by_key.values() for entry in entries]
+
+    renderers.agree(messages)
+    assert [entry.messages.contents for entry in remembered()] == [None]  # ASCII: its JSON whole
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"it’s turn {turn} \u2014 \u201cquoted\u201d"})
+        renderers.agree(messages, tools=TOOLS if turn == 3 else None)
+    stats = renderers.memo.render_memo_stats()
+    assert stats.reused == 3  # (the fourth turn's other tools: rendered whole)
+    latest = max(remembered(), key=lambda entry: entry.count)
+    assert latest.messages.contents is not None and latest.messages.json.isascii()
+    messages[MIN_MESSAGES + 1]["content"] = "changed \u2019"
+    messages.append({"role": "assistant", "content": "x"})
+    renderers.agree(messages, tools=TOOLS)  # (the remembered turn held the old text: whole)
+    assert renderers.memo.render_memo_stats().reused == 3
+    renderers.agree([*messages, {"role": "user", "content": "z \u00e9"}], tools=TOOLS)
+    assert renderers.memo.render_memo_stats().reused == 4
+
+
 def test_continue_final_message_renders_whole() -> None:
     renderers = Renderers(ALL_TEMPLATES["prefix_stable"])
     messages = [{"role": "user", "content": f"m{turn}"} for turn in range(20)]
