@@ -593,7 +593,8 @@ class RequestTokenizer:
         pattern = word_pattern(state.get("normalizer"), state.get("pre_tokenizer"), state.get("model"))
         if pattern is None:
             return None
-        splitter = WordSplitter(pattern, self._encode_each)
+        normalizer = self._tokenizer.normalizer
+        splitter = WordSplitter(pattern, self._encode_each, normalize=normalizer.normalize_str if normalizer else None)
         if not splitter.agrees(self._encode_each):
             log.info("tokenizer %s: its words cut in Python differ from its own; not tokenizing by words", self.name)
             return None

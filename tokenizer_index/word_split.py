@@ -274,19 +274,65 @@ def _agreed_code_points() -> np.ndarray:
     return np.array([category(chr(point)) not in unassigned for point in range(_UNICODE_LIMIT)], dtype=np.bool_)
 
 
-def agreed_text(text: str) -> bool:
-    """Whether every character of ``text`` is one the Unicode tables involved agree on."""
+def agreed_text(text: str, columns: np.ndarray | None = None) -> bool:
+    """Whether every character of ``text`` is one the Unicode tables involved agree on
+    (``columns``: :func:`known_columns` of the code points a splitter knows; by default
+    :func:`_agreed_code_points`)."""
     try:
         encoded = text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate
         return False
-    return bool(kernels.known_text(np.frombuffer(encoded, dtype=np.uint8), _agreed_columns()))
+    if columns is None:
+        columns = _agreed_columns()
+    return bool(kernels.known_text(np.frombuffer(encoded, dtype=np.uint8), columns))
+
+
+def known_columns(points: np.ndarray) -> np.ndarray:
+    """Per code point, known (``points``) or not, as a compiled program's ``cmap`` reads it."""
+    return np.where(points, 0, kernels.UNKNOWN_COLUMN).astype(np.uint8)
 
 
 @cache
 def _agreed_columns() -> np.ndarray:
-    """:func:`_agreed_code_points` as a compiled program's ``cmap`` reads it."""
-    return np.where(_agreed_code_points(), 0, kernels.UNKNOWN_COLUMN).astype(np.uint8)
+    return known_columns(_agreed_code_points())
+
+
+def normalization_disagreements(normalize: Callable[[str], str], forms: tuple[str, ...]) -> np.ndarray:
+    """The agreed code points that the pipeline's normalizer (``normalize``, the library's)
+    treats otherwise than :mod:`unicodedata` normalizing to ``forms`` in turn. The library's
+    tables are older than Python's: a combining mark it does not know is a starter to it,
+    so marks around it are not put in order (U+0899, U+10D27 read as in Unicode 14 by
+    Python, left as they are by the library)."""
+    points, probes = _normalization_probes()
+    theirs = normalize(probes).split("\n")
+    ours = probes
+    for form in forms:
+        ours = unicodedata.normalize(form, ours)  # type: ignore[arg-type]
+    mine = ours.split("\n")
+    if len(theirs) != len(points) or len(mine) != len(points):  # (a line normalized across its end)
+        return points
+    return points[[their != my for their, my in zip(theirs, mine, strict=True)]]
+
+
+@cache
+def _normalization_probes() -> tuple[np.ndarray, str]:
+    """The agreed code points beyond ASCII a normalizer may move or change (combining
+    marks, characters with a decomposition), and a text of one line each that shows how it
+    treats them: a mark between marks of the highest and lowest classes (which it orders
+    around the mark by the mark's class), any other such character alone (~0.1 s, once)."""
+    points = np.flatnonzero(_agreed_code_points())
+    combining, decomposition = unicodedata.combining, unicodedata.decomposition
+    chosen: list[int] = []
+    lines: list[str] = []
+    for point in points[points >= 128].tolist():
+        character = chr(point)
+        if combining(character):
+            chosen.append(point)
+            lines.append("\u0345" + character + "\u0334")  # (ypogegrammeni 240, tilde overlay 1)
+        elif decomposition(character):
+            chosen.append(point)
+            lines.append(character)
+    return np.array(chosen, dtype=np.int64), "\n".join(lines)
 
 
 def _class(members: str, *, negated: bool) -> str:
@@ -391,7 +437,13 @@ class WordSplitter:
     the cache is one dict, read and written an item at a time.
     """
 
-    def __init__(self, patterns: WordPatterns, encode_words: Callable[[list[str]], list[list[int]]]) -> None:
+    def __init__(
+        self,
+        patterns: WordPatterns,
+        encode_words: Callable[[list[str]], list[list[int]]],
+        *,
+        normalize: Callable[[str], str] | None = None,
+    ) -> None:
         self._ascii = patterns.ascii
         self._unicode = patterns.unicode
         self._normal_forms = patterns.normal_forms
@@ -401,6 +453,15 @@ class WordSplitter:
             split.pattern for split in (*self._ascii_before, *self._unicode_before) if "(?" in split.pattern
         }
         self._encode_words = encode_words
+        #: The code points text beyond ASCII may hold to be cut here: those the Unicode tables
+        #: agree on, less those the pipeline's own normalizer treats otherwise (``normalize``).
+        self._known = _agreed_code_points() if self._unicode is not None else np.zeros(0, dtype=np.bool_)
+        if self._unicode is not None and self._normal_forms and normalize is not None:
+            disagreeing = normalization_disagreements(normalize, self._normal_forms)
+            if len(disagreeing):
+                self._known = self._known.copy()
+                self._known[disagreeing] = False
+        self._known_columns = known_columns(self._known)
         self._ids: dict[str, list[int]] = {}
         self._cached_chars = 0  # of the words in _ids
         #: Whether the compiled table cuts text beyond ASCII too.
@@ -415,9 +476,8 @@ class WordSplitter:
         ASCII too where every pattern has a marked program and every split cuts ASCII."""
         patterns = (*self._ascii_before, self._ascii)
         if marked:
-            known = _agreed_code_points()  # (built now, with the tokenizer, not on a request's time)
             markings: list[MarkedPattern | None] = [
-                MarkedPattern(re.compile(source), properties, known) for source, properties in marked
+                MarkedPattern(re.compile(source), properties, self._known) for source, properties in marked
             ]
         else:
             markings = [None] * len(patterns)
@@ -477,7 +537,11 @@ class WordSplitter:
         agrees on."""
         if text.isascii():
             return True
-        return self._unicode is not None and text.count(" ") * SPACED_WORD_CHARS >= len(text) and agreed_text(text)
+        return (
+            self._unicode is not None
+            and text.count(" ") * SPACED_WORD_CHARS >= len(text)
+            and agreed_text(text, self._known_columns)
+        )
 
     def ids_of(self, texts: list[str]) -> list[list[int] | np.ndarray]:
         """The ids of each of ``texts`` (:meth:`handles` them; at most :data:`MAX_WORDS`

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import threading
+import unicodedata
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -239,6 +240,24 @@ def test_characters_the_unicode_tables_may_disagree_on_are_left_to_the_library()
     assert words.handles("naïve café, déjà vu: straße über alles")  # words between spaces
     assert not words.handles("中文字符，日本語のカタカナ。")  # one run of letters, new in every sentence
     assert not words.handles("naïve café \ue000")
+
+
+def test_marks_the_librarys_normalizer_orders_otherwise_are_left_to_it() -> None:
+    """The library's normalization tables are older than Python's: U+0899 and U+10D27
+    (combining marks of Unicode 14 and 11) are starters to it, so it leaves them in the order
+    Python's NFC swaps. A splitter given the pipeline's normalizer leaves text holding them
+    to the library; the ids stay the library's either way."""
+    tokenizer = RequestTokenizer.default()
+    text = "naïve words " * 60 + "then \U00010d27\u0899 marks"
+    normalize = tokenizer.backend.normalizer.normalize_str
+    assert normalize(text) != unicodedata.normalize("NFC", text)
+    disagreeing = word_split.normalization_disagreements(normalize, ("NFC",))
+    assert {0x0899, 0x10D27} <= set(disagreeing.tolist()) and 0x0301 not in disagreeing
+    words = tokenizer._words
+    assert words is not None and not words.handles(text) and words.handles(text.replace("\U00010d27\u0899", "e\u0301"))
+    assert words.compiled_wide
+    ids = tokenizer.backend.encode(text, add_special_tokens=False).ids
+    assert tokenizer.encode_text(text) == ids and RequestTokenizer(tokenizer.backend).encode_text(text) == ids
 
 
 def test_only_byte_level_bpes_with_isolating_regex_splits_split_by_words() -> None:
