@@ -319,7 +319,7 @@ def _normalization_probes() -> tuple[np.ndarray, str]:
     """The agreed code points beyond ASCII a normalizer may move or change (combining
     marks, characters with a decomposition), and a text of one line each that shows how it
     treats them: a mark between marks of the highest and lowest classes (which it orders
-    around the mark by the mark's class), any other such character alone (~0.1 s, once)."""
+    around the mark by the mark's class), any other such character alone (~50 ms, once)."""
     points = np.flatnonzero(_agreed_code_points())
     combining, decomposition = unicodedata.combining, unicodedata.decomposition
     chosen: list[int] = []

@@ -76,10 +76,10 @@ class WordTable:
         return self._slots.nbytes + self._word_bytes.nbytes + self._ids.nbytes
 
     def ids(self, texts: Sequence[str]) -> list[np.ndarray] | None:
-        """The ids of each of ``texts`` (at most ``max_words`` and ``max_chars`` UTF-8 bytes
-        in all), word by word; None, having done nothing, if one holds a character the
-        programs do not know (any beyond ASCII, unless they were given a marked pattern).
-        Words not in the table are tokenized and added."""
+        """The ids of each of ``texts`` (ASCII ones: at most ``max_words`` and ``max_chars``
+        bytes in all), word by word; None, having done nothing, if one holds a character the
+        programs do not know (any beyond ASCII, unless they were given a marked pattern) or
+        texts beyond ASCII pass that bound. Words not in the table are tokenized and added."""
         found = self._look_up(texts)
         if found is None:
             return None
@@ -98,10 +98,12 @@ class WordTable:
         """One :func:`kernels.word_ids` call over ``texts``: their ids, placeholders where
         the table lacks a word; None where a character is one the programs do not know."""
         joined = "".join(texts).encode("utf-8")
+        wide = not all(text.isascii() for text in texts)  # (isascii reads a flag: O(1))
         if len(joined) > self._max_call:  # (so one call's new words fit, after a clear)
+            if wide:  # (a character beyond ASCII takes up to 4 bytes: such texts go to Python)
+                return None
             raise ValueError(f"{len(joined)} bytes in one call; at most {self._max_call}")
         text = np.frombuffer(joined, dtype=np.uint8)
-        wide = not all(text.isascii() for text in texts)  # (isascii reads a flag: O(1))
         lengths = map(_utf8_length, texts) if wide else map(len, texts)
         text_ends = np.fromiter(accumulate(lengths), dtype=np.int64, count=len(texts))
         # Byte-level BPE takes at least one byte per id (add() holds every word to it),

@@ -175,6 +175,17 @@ def test_threads_share_the_compiled_table() -> None:
     assert not failures
 
 
+def test_long_text_beyond_ascii_past_the_compiled_bound_is_cut_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled table is bounded in bytes, the callers in characters: spaced CJK of the
+    callers' most characters takes ~3 bytes each; such a batch goes to Python, exactly."""
+    monkeypatch.setattr(word_split, "MAX_WORDS", 4_000)
+    library = RequestTokenizer.default().backend
+    splitter = _splitter(library)
+    texts = ["中文 字符 " * 300, "plain words " * 100]  # 1,800 characters, ~5,700 bytes
+    assert splitter.compiled_wide and all(map(splitter.handles, texts))
+    assert [list(ids) for ids in splitter.ids_of(texts)] == _library_ids(library, texts)
+
+
 def test_the_word_cache_is_bounded_in_characters(monkeypatch: pytest.MonkeyPatch) -> None:
     """Long runs of letters, new in every text, start the cache afresh at its bound in
     characters, not only in words."""

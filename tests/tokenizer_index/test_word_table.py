@@ -49,6 +49,16 @@ def test_one_call_is_bounded_by_theword_table() -> None:
         table.ids(["a" * 11])
 
 
+def test_texts_beyond_ascii_past_the_bound_in_bytes_are_left_to_python() -> None:
+    """Characters bound the callers (``tokenizer.WORD_SPLIT_MAX_CHARS``); beyond ASCII a
+    character takes up to 4 bytes, so such texts past the table's bound in bytes get None."""
+    table = word_table(GPT2_ASCII, Registry(), max_words=1000, source=_GPT2_PATTERN)
+    assert table.ids(["\u00e9 " * 300]) is not None  # 900 bytes
+    assert table.ids(["\u00e9 " * 400]) is None and table.ids(["\u4e2d " * 300]) is None
+    with pytest.raises(ValueError, match="at most 1000"):
+        table.ids(["e " * 600])
+
+
 def test_a_word_with_more_ids_than_bytes_is_refused() -> None:
     """The output arrays hold one id per byte of text: a byte-level BPE never has more."""
     table = word_table(re.compile(r"\w+|\W"), Registry())
