@@ -21,8 +21,8 @@ Every text's ids are checked equal between the two::
     python -m kvroute.benchmarks.bench_new_text [--texts 500] [--rounds 3] [--chars 500] [--kinds ascii,spaced]
         [--tokenizer DIR] [--out bench-out/new-text.json]
 
-Texts of 512 characters or more are cut in compiled code (``word_split.COMPILED_MIN_CHARS``):
-``--chars 8000`` times that path, a tool result's size.
+Texts of 128 characters or more (64 beyond ASCII) are cut in compiled code
+(``word_split.COMPILED_MIN_CHARS``); ``--chars 8000`` times a tool result's size.
 """
 
 from __future__ import annotations

@@ -59,10 +59,14 @@ MAX_WORDS = 1 << 17
 #: per request) fills memory before it fills the count (~8 GB at 131K such words).
 #: Vocabulary averages ~7 characters a word, so real text reaches the count first.
 MAX_WORD_CHARS = 1 << 22
-#: ASCII texts go to the compiled cutter when they have this many characters in all: it
-#: costs ~16 ns per character against ~47 in Python, but ~18 us more per call (its arrays,
-#: and a second call for new words), so below ~500 characters Python is cheaper.
-COMPILED_MIN_CHARS = 512
+#: Texts go to the compiled cutter when they have this many characters in all: it costs
+#: ~16 ns per character against ~60-100 in Python (``re`` and the dict), but a few us more
+#: per call (its arrays, and a second call for new words): in 2026-12 measurements Python
+#: was cheaper below ~130 ASCII characters, and below ~60 of text beyond ASCII, which
+#: ``regex`` cuts more slowly (``benchmarks/README.md``, "The compiled cutter for short texts").
+COMPILED_MIN_CHARS = 128
+#: The same where the texts are not all ASCII (and the cutter reads them: ``compiled_wide``).
+COMPILED_MIN_CHARS_WIDE = 64
 #: Text that is not ASCII is cut here when it has a space at least every this many
 #: characters (words that recur); other text, CJK above all, is left to the library.
 SPACED_WORD_CHARS = 16
@@ -545,13 +549,17 @@ class WordSplitter:
 
     def ids_of(self, texts: list[str]) -> list[list[int] | np.ndarray]:
         """The ids of each of ``texts`` (:meth:`handles` them; at most :data:`MAX_WORDS`
-        characters in all, as ``tokenizer.WORD_SPLIT_MAX_CHARS`` keeps them): the ASCII
-        ones' in one compiled call (int64 arrays) where there is a word program and they
-        have :data:`COMPILED_MIN_CHARS` in all, else each as :meth:`ids` (lists)."""
+        characters in all, as ``tokenizer.WORD_SPLIT_MAX_CHARS`` keeps them): in one
+        compiled call (int64 arrays; the ASCII ones, or all where the program reads text
+        beyond ASCII) where there is a word program and they have :data:`COMPILED_MIN_CHARS` in all (:data:`COMPILED_MIN_CHARS_WIDE` where some
+        are not ASCII and the program reads them too), else each as :meth:`ids` (lists)."""
         table = self._table
-        if table is None or sum(map(len, texts)) < COMPILED_MIN_CHARS:
+        chars = sum(map(len, texts))
+        if table is None or chars < COMPILED_MIN_CHARS_WIDE:
             return [self.ids(text) for text in texts]
         wide = self._table_wide and not all(text.isascii() for text in texts)
+        if chars < COMPILED_MIN_CHARS and not wide:
+            return [self.ids(text) for text in texts]
         if wide:
             with self._table_lock:
                 found = table.ids([self._normalized(text) for text in texts])
