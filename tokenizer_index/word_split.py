@@ -460,12 +460,13 @@ class WordSplitter:
         #: The code points text beyond ASCII may hold to be cut here: those the Unicode tables
         #: agree on, less those the pipeline's own normalizer treats otherwise (``normalize``).
         self._known = _agreed_code_points() if self._unicode is not None else np.zeros(0, dtype=np.bool_)
+        self._known_columns = _agreed_columns() if self._unicode is not None else known_columns(self._known)
         if self._unicode is not None and self._normal_forms and normalize is not None:
             disagreeing = normalization_disagreements(normalize, self._normal_forms)
             if len(disagreeing):
                 self._known = self._known.copy()
                 self._known[disagreeing] = False
-        self._known_columns = known_columns(self._known)
+                self._known_columns = known_columns(self._known)
         self._ids: dict[str, list[int]] = {}
         self._cached_chars = 0  # of the words in _ids
         #: Whether the compiled table cuts text beyond ASCII too.
@@ -554,11 +555,8 @@ class WordSplitter:
         beyond ASCII) where there is a word program and they have :data:`COMPILED_MIN_CHARS` in all (:data:`COMPILED_MIN_CHARS_WIDE` where some
         are not ASCII and the program reads them too), else each as :meth:`ids` (lists)."""
         table = self._table
-        chars = sum(map(len, texts))
-        if table is None or chars < COMPILED_MIN_CHARS_WIDE:
-            return [self.ids(text) for text in texts]
         wide = self._table_wide and not all(text.isascii() for text in texts)
-        if chars < COMPILED_MIN_CHARS and not wide:
+        if table is None or sum(map(len, texts)) < (COMPILED_MIN_CHARS_WIDE if wide else COMPILED_MIN_CHARS):
             return [self.ids(text) for text in texts]
         if wide:
             with self._table_lock:

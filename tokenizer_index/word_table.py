@@ -14,7 +14,7 @@ Not thread-safe: the caller holds a lock around :meth:`WordTable.ids`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
 
@@ -97,14 +97,18 @@ class WordTable:
     def _look_up(self, texts: Sequence[str]) -> _Lookup | None:
         """One :func:`kernels.word_ids` call over ``texts``: their ids, placeholders where
         the table lacks a word; None where a character is one the programs do not know."""
-        joined = "".join(texts).encode("utf-8")
         wide = not all(text.isascii() for text in texts)  # (isascii reads a flag: O(1))
+        lengths: Iterable[int]
+        if wide:  # (each text encoded on its own, for where its bytes end)
+            encoded = [text.encode("utf-8") for text in texts]
+            joined, lengths = b"".join(encoded), map(len, encoded)
+        else:
+            joined, lengths = "".join(texts).encode("ascii"), map(len, texts)
         if len(joined) > self._max_call:  # (so one call's new words fit, after a clear)
             if wide:  # (a character beyond ASCII takes up to 4 bytes: such texts go to Python)
                 return None
             raise ValueError(f"{len(joined)} bytes in one call; at most {self._max_call}")
         text = np.frombuffer(joined, dtype=np.uint8)
-        lengths = map(_utf8_length, texts) if wide else map(len, texts)
         text_ends = np.fromiter(accumulate(lengths), dtype=np.int64, count=len(texts))
         # Byte-level BPE takes at least one byte per id (add() holds every word to it),
         # and a text has at most one word per character: neither array can overflow.
@@ -120,8 +124,9 @@ class WordTable:
 
     def add(self, words: Sequence[str], ids: Sequence[Sequence[int]]) -> None:
         """Remember each of ``words`` (none in the table, each once) with its ids."""
-        joined = "".join(words).encode("utf-8")
-        ends = list(accumulate(map(_utf8_length, words)))
+        encoded = [word.encode("utf-8") for word in words]
+        joined = b"".join(encoded)
+        ends = list(accumulate(map(len, encoded)))
         spans = np.array(list(zip([0, *ends], ends)), dtype=np.int64).reshape(-1, 2)
         self._add(np.frombuffer(joined, dtype=np.uint8), spans, ids)
 
@@ -189,10 +194,6 @@ class WordTable:
             slots = np.zeros((size, _SLOT_COLUMNS), dtype=np.uint64)
             kernels.move_slots(self._slots, slots)
             self._slots = slots
-
-
-def _utf8_length(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
 def _grown(array: np.ndarray, needed: int) -> np.ndarray:
