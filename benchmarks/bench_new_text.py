@@ -1,6 +1,6 @@
 """Tokenizing text the router has not seen: word by word from the word cache vs the library.
 
-Nearly every request brings new text (a user's question, a tool's result). For five kinds
+Nearly every request brings new text (a user's question, a tool's result). For six kinds
 of text, each of distinct ~500-character texts (``--chars``) from a fixed vocabulary (so words recur, as
 in a conversation or a codebase) with a unique number at the end, this tokenizes every text
 once on a ``RequestTokenizer`` with word-by-word tokenization and on one without
@@ -8,8 +8,10 @@ once on a ``RequestTokenizer`` with word-by-word tokenization and on one without
 same kind, and reports this process's CPU per text (the library's threads included):
 
 * ``ascii``: English words, numbers and code punctuation;
-* ``identifiers``: the same with eight identifiers no text had before (a tool result's
-  names, paths and hashes), so every text has new words for the library;
+* ``identifiers``: the same with eight identifiers no text had before (``id_3_41_7``):
+  new strings, but each pre-tokenizer cuts them into words seen before;
+* ``fresh``: the ASCII words with eight words of random letters no text had before (a
+  tool result's new names and hashes): every text has words the word table lacks;
 * ``punctuated``: the ASCII words with typography as models and web pages write it (curly
   quotes and apostrophes, dashes, ellipses): ASCII but for a character every few words;
 * ``spaced``: accented Latin and Cyrillic words between spaces;
@@ -33,6 +35,7 @@ import os
 import platform
 import random
 import statistics
+import string
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -55,10 +58,10 @@ VOCABULARIES = {
     ).split(),
     "cjk": "数据 模型 路由 缓存 请求 用户 服务器 的 是 在 ， 。 ： キャッシュ リクエスト の を".split(),
 }
-VOCABULARIES["identifiers"] = VOCABULARIES["ascii"]
-JOINERS = {"ascii": " ", "identifiers": " ", "punctuated": " ", "spaced": " ", "cjk": ""}
+VOCABULARIES["identifiers"] = VOCABULARIES["fresh"] = VOCABULARIES["ascii"]
+JOINERS = {"ascii": " ", "identifiers": " ", "fresh": " ", "punctuated": " ", "spaced": " ", "cjk": ""}
 #: Words no other text has, per text of each kind.
-NEW_WORDS = {"identifiers": 8}
+NEW_WORDS = {"identifiers": 8, "fresh": 8}
 TEXT_CHARS = 500
 
 
@@ -84,7 +87,11 @@ def texts(kind: str, count: int, seed: int, chars: int = TEXT_CHARS) -> list[str
         words: list[str] = []
         while sum(map(len, words)) + len(words) < chars:
             words.append(rng.choice(vocabulary))
-        fresh = "".join(f" id_{seed}_{number}_{index}" for index in range(NEW_WORDS.get(kind, 0)))
+        if kind == "fresh":
+            letters = string.ascii_lowercase
+            fresh = "".join(" " + "".join(rng.choices(letters, k=rng.randint(5, 9))) for _ in range(NEW_WORDS[kind]))
+        else:
+            fresh = "".join(f" id_{seed}_{number}_{index}" for index in range(NEW_WORDS.get(kind, 0)))
         made.append(joiner.join(words) + fresh + f" #{seed}-{number}")
     return made
 

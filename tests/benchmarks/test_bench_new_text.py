@@ -25,6 +25,12 @@ def test_texts_are_distinct_and_only_cjk_leaves_out_spaces() -> None:
         assert all(len(text) >= bench_new_text.TEXT_CHARS // 2 for text in made)
     assert bench_new_text.texts("ascii", 1, 0)[0].isascii()
     assert bench_new_text.texts("identifiers", 1, 5)[0].count(" id_5_0_") == 8
+    vocabulary = set(bench_new_text.VOCABULARIES["fresh"])
+    fresh = [
+        [word for word in text.split() if word.isalpha() and word not in vocabulary]
+        for text in bench_new_text.texts("fresh", 2, 5)
+    ]
+    assert [len(words) for words in fresh] == [8, 8] and not set(fresh[0]) & set(fresh[1])
     assert not bench_new_text.texts("spaced", 1, 0)[0].isascii()
     punctuated = bench_new_text.texts("punctuated", 1, 0)[0]
     assert not punctuated.isascii() and sum(not character.isascii() for character in punctuated) < len(punctuated) / 20
