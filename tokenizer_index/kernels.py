@@ -866,6 +866,29 @@ def _append(arena, used, which, source, start, count):  # type: ignore[no-untype
     return np.uint64(offset)
 
 
+@njit(inline="always")
+def _add_word(text, start, end, new_ids, id_start, count, slots, word_bytes, ids, used):  # type: ignore[no-untyped-def]
+    """Add the word ``text[start:end]`` (not in the table) with its ``count`` ids from
+    ``new_ids[id_start]``; the caller made room in the slots and both arenas."""
+    head = _packed_head(text, start, end)
+    key = _word_key(text, start, end, head)
+    slot = _free_slot(slots, key)
+    slots[slot, SLOT_KEY] = key
+    length = end - start
+    if length <= INLINE_BYTES:
+        slots[slot, SLOT_WORD] = head
+    else:
+        slots[slot, SLOT_WORD] = _append(word_bytes, used, 0, text, start, length)
+    if count <= INLINE_IDS:
+        packed = np.uint64(new_ids[id_start]) & _LOW32
+        if count == 2:
+            packed |= np.uint64(new_ids[id_start + 1]) << _SHIFT32
+        slots[slot, SLOT_IDS] = packed
+    else:
+        slots[slot, SLOT_IDS] = _append(ids, used, 1, new_ids, id_start, count)
+    slots[slot, SLOT_SIZES] = np.uint64(length) | (np.uint64(count) << _SHIFT32)
+
+
 @compiled(types.void(_TEXT, _ITEMS, _I64, _I64, _WORD_SLOTS, _U8, _I64, _I64))
 def add_words(text, spans, new_ids, id_ends, slots, word_bytes, ids, used):  # type: ignore[no-untyped-def]
     """Add the words ``text[start:end]`` of ``spans`` (none in the table, each once) with
@@ -874,27 +897,10 @@ def add_words(text, spans, new_ids, id_ends, slots, word_bytes, ids, used):  # t
     room in the slots and both arenas."""
     id_start = 0
     for number in range(spans.shape[0]):
-        start = spans[number, 0]
-        end = spans[number, 1]
         id_end = id_ends[number]
-        head = _packed_head(text, start, end)
-        key = _word_key(text, start, end, head)
-        slot = _free_slot(slots, key)
-        slots[slot, SLOT_KEY] = key
-        length = end - start
-        count = id_end - id_start
-        if length <= INLINE_BYTES:
-            slots[slot, SLOT_WORD] = head
-        else:
-            slots[slot, SLOT_WORD] = _append(word_bytes, used, 0, text, start, length)
-        if count <= INLINE_IDS:
-            packed = np.uint64(new_ids[id_start]) & _LOW32
-            if count == 2:
-                packed |= np.uint64(new_ids[id_start + 1]) << _SHIFT32
-            slots[slot, SLOT_IDS] = packed
-        else:
-            slots[slot, SLOT_IDS] = _append(ids, used, 1, new_ids, id_start, count)
-        slots[slot, SLOT_SIZES] = np.uint64(length) | (np.uint64(count) << _SHIFT32)
+        _add_word(
+            text, spans[number, 0], spans[number, 1], new_ids, id_start, id_end - id_start, slots, word_bytes, ids, used
+        )
         id_start = id_end
 
 
@@ -907,3 +913,97 @@ def move_slots(old, slots):  # type: ignore[no-untyped-def]
             slot = _free_slot(slots, key)
             for column in range(4):
                 slots[slot, column] = old[row, column]
+
+
+# --- byte-level BPE (kvroute.tokenizer_index.bpe_merges) ------------------------------------
+
+#: Words up to this many bytes are tokenized here (each merge step reads every pair: n^2).
+BPE_MAX_BYTES = 64
+_I32 = types.int32[::1]
+_BPE = (_I64, _U64, _I32, _I32)
+
+
+@njit(inline="always")
+def _pair_key(left, right):  # type: ignore[no-untyped-def]
+    """A merge's table key: its two ids (each below 2**31) in one word, plus one (0 marks
+    an empty slot)."""
+    return ((np.uint64(left) << _SHIFT32) | np.uint64(right)) + _ONE
+
+
+@njit(inline="always")
+def _pair_slot(keys, key):  # type: ignore[no-untyped-def]
+    """The slot of ``key``, or of the empty slot where it would go (``keys[slot] == 0``)."""
+    mask = keys.shape[0] - 1
+    slot = np.int64(fmix(key) & np.uint64(mask))
+    while keys[slot] != 0 and keys[slot] != key:
+        slot = (slot + 1) & mask
+    return slot
+
+
+@compiled(types.void(_I64, _I64, _I64, _U64, _I32, _I32))
+def add_merges(lefts, rights, merged, keys, ranks, ids):  # type: ignore[no-untyped-def]
+    """The merges, ranked by their order, into the (empty) table ``keys`` with their
+    ``ranks`` and merged ``ids``; a pair listed twice keeps its last rank, as the library's
+    map does."""
+    for rank in range(lefts.shape[0]):
+        key = _pair_key(lefts[rank], rights[rank])
+        slot = _pair_slot(keys, key)
+        keys[slot] = key
+        ranks[slot] = rank
+        ids[slot] = merged[rank]
+
+
+@njit(inline="always")
+def _bpe(text, start, end, byte_ids, keys, ranks, ids, symbols):  # type: ignore[no-untyped-def]
+    """The BPE ids of the word ``text[start:end]`` (at most ``BPE_MAX_BYTES``) into
+    ``symbols``; returns how many. Each step merges the pair of lowest rank, the leftmost
+    of equals: the order in which the library's heap of merges pops them."""
+    count = end - start
+    for offset in range(count):
+        symbols[offset] = byte_ids[text[start + offset]]
+    while count > 1:
+        best = -1
+        best_rank = np.int64(ranks.shape[0])
+        best_id = np.int64(0)
+        for position in range(count - 1):
+            key = _pair_key(symbols[position], symbols[position + 1])
+            slot = _pair_slot(keys, key)
+            if keys[slot] == key and ranks[slot] < best_rank:
+                best, best_rank, best_id = position, np.int64(ranks[slot]), np.int64(ids[slot])
+        if best < 0:
+            break
+        symbols[best] = best_id
+        for position in range(best + 1, count - 1):
+            symbols[position] = symbols[position + 1]
+        count -= 1
+    return count
+
+
+@compiled(types.int64(_TEXT, *_BPE, _I64))
+def bpe_word(word, byte_ids, keys, ranks, ids, out):  # type: ignore[no-untyped-def]
+    """:func:`_bpe` of one word (at most ``BPE_MAX_BYTES``) into ``out``; how many ids."""
+    return _bpe(word, 0, word.shape[0], byte_ids, keys, ranks, ids, out)
+
+
+@compiled(types.UniTuple(types.int64, 2)(_TEXT, _ITEMS, *_BPE, _WORD_SLOTS, _U8, _I64, _I64))
+def learn_words(text, spans, byte_ids, keys, ranks, ids_of_merges, slots, word_bytes, ids, used):  # type: ignore[no-untyped-def]
+    """Add each word ``text[start:end]`` of ``spans`` (missing from the table; one may
+    come more than once) with its BPE ids; returns the words and bytes added, or (-1, 0),
+    having added none, when one is longer than ``BPE_MAX_BYTES``. The caller made room for
+    every span: slots, bytes and an id per byte."""
+    for number in range(spans.shape[0]):
+        if spans[number, 1] - spans[number, 0] > BPE_MAX_BYTES:
+            return -1, 0
+    symbols = np.empty(BPE_MAX_BYTES, dtype=np.int64)
+    added = 0
+    added_bytes = 0
+    for number in range(spans.shape[0]):
+        start = spans[number, 0]
+        end = spans[number, 1]
+        if _find_word(text, start, end, slots, word_bytes) >= 0:  # (met earlier in the call)
+            continue
+        count = _bpe(text, start, end, byte_ids, keys, ranks, ids_of_merges, symbols)
+        _add_word(text, start, end, symbols, 0, count, slots, word_bytes, ids, used)
+        added += 1
+        added_bytes += end - start
+    return added, added_bytes

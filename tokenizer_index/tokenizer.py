@@ -70,6 +70,7 @@ import numpy as np
 from tokenizers import AddedToken, Tokenizer
 
 from kvroute.tokenizer_index import hf_files
+from kvroute.tokenizer_index.bpe_merges import bpe_merges
 from kvroute.tokenizer_index.chat_messages import conversation_from_request, tools_from_request
 from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError
 from kvroute.tokenizer_index.piece_cache import PieceCache, PieceCacheStats, frozen_ids, join_ids
@@ -232,7 +233,8 @@ def _compiled_words(words: WordSplitter) -> str:
     """What of the new text cut word by word is cut in compiled code, as ``FastPaths`` says it."""
     if not words.compiled:
         return ""
-    return " (compiled)" if words.compiled_wide or not words.unicode else " (compiled ascii)"
+    bpe = ", new words by BPE" if words.compiled_bpe else ""
+    return f" (compiled{bpe})" if words.compiled_wide or not words.unicode else f" (compiled ascii{bpe})"
 
 
 def _one_run(arrays: Sequence[np.ndarray]) -> np.ndarray:
@@ -275,7 +277,8 @@ class FastPaths:
     #: Long pieces cut into chunks at spaces between words, each memoised.
     chunks: bool
     #: New text word by word: "ascii", "ascii+unicode", or "off"; "(compiled)" where
-    #: all of it is cut and looked up in compiled code, "(compiled ascii)" where ASCII only.
+    #: all of it is cut and looked up in compiled code, "(compiled ascii)" where ASCII only,
+    #: each with ", new words by BPE" where words it has not seen are tokenized there too.
     words: str
     #: Per chat template: None where long conversations render only their new messages,
     #: else why they render whole.
@@ -594,7 +597,12 @@ class RequestTokenizer:
         if pattern is None:
             return None
         normalizer = self._tokenizer.normalizer
-        splitter = WordSplitter(pattern, self._encode_each, normalize=normalizer.normalize_str if normalizer else None)
+        splitter = WordSplitter(
+            pattern,
+            self._encode_each,
+            normalize=normalizer.normalize_str if normalizer else None,
+            bpe=bpe_merges(state.get("model")),
+        )
         if not splitter.agrees(self._encode_each):
             log.info("tokenizer %s: its words cut in Python differ from its own; not tokenizing by words", self.name)
             return None

@@ -46,6 +46,7 @@ import numpy as np
 import regex
 
 from kvroute.tokenizer_index import kernels
+from kvroute.tokenizer_index.bpe_merges import BpeMerges
 from kvroute.tokenizer_index.word_program import MARK_BASE, MarkedPattern, word_program
 from kvroute.tokenizer_index.word_table import WordTable
 
@@ -447,6 +448,7 @@ class WordSplitter:
         encode_words: Callable[[list[str]], list[list[int]]],
         *,
         normalize: Callable[[str], str] | None = None,
+        bpe: BpeMerges | None = None,
     ) -> None:
         self._ascii = patterns.ascii
         self._unicode = patterns.unicode
@@ -471,6 +473,7 @@ class WordSplitter:
         self._cached_chars = 0  # of the words in _ids
         #: Whether the compiled table cuts text beyond ASCII too.
         self._table_wide = False
+        self._bpe = bpe if bpe is not None and self._bpe_agrees(bpe) else None
         self._table = self._compiled_table(patterns.marked if self._unicode is not None else ())
         self._table_lock = threading.Lock()
 
@@ -495,7 +498,17 @@ class WordSplitter:
             return None
         split = cutting[0] if cutting else None
         self._table_wide = len(cutting) == len(splits) and all(used.wide for used in (program, *cutting))
-        return WordTable(program, self._encode_and_keep, MAX_WORDS, MAX_WORD_CHARS, split=split)
+        return WordTable(program, self._encode_and_keep, MAX_WORDS, MAX_WORD_CHARS, split=split, bpe=self._bpe)
+
+    def _bpe_agrees(self, bpe: BpeMerges) -> bool:
+        """Whether ``bpe`` gives the library's ids for every word of the probe texts and of
+        texts of the vocabulary's own tokens (``bpe.probe_texts``)."""
+        texts = [*_PROBES, *(_UNICODE_PROBES if self._unicode is not None else ()), *bpe.probe_texts]
+        words = list(dict.fromkeys(word for text in texts for word in self.words(text)))
+        if bpe.agrees(words, self._encode_words):
+            return True
+        log.warning("byte-level BPE in compiled code differs from the library on probe words; not using it")
+        return False
 
     @property
     def unicode(self) -> bool:
@@ -534,6 +547,12 @@ class WordSplitter:
     def compiled_wide(self) -> bool:
         """Whether text beyond ASCII is cut and looked up in compiled code too."""
         return self._table is not None and self._table_wide
+
+    @property
+    def compiled_bpe(self) -> bool:
+        """Whether words new to the compiled table are tokenized in compiled code too
+        (a byte-level BPE, :mod:`kvroute.tokenizer_index.bpe_merges`), not by the library."""
+        return self._table is not None and self._bpe is not None
 
     def handles(self, text: str) -> bool:
         """Whether ``text`` is cut here: ASCII, or, with a Unicode pattern, text of words

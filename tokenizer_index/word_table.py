@@ -21,6 +21,7 @@ from itertools import accumulate, chain
 import numpy as np
 
 from kvroute.tokenizer_index import kernels
+from kvroute.tokenizer_index.bpe_merges import BpeMerges
 from kvroute.tokenizer_index.word_program import WordProgram
 
 #: Words per slot at most before the slots double (open addressing stays short-probed).
@@ -47,7 +48,8 @@ class WordTable:
     """Words' ids (up to ``max_words`` words of ``max_chars`` UTF-8 bytes in all; past either
     the table starts afresh), for one program (after a ``split`` program, where a
     pre-tokenizer splits text in two steps); ``encode_words`` tokenizes words it lacks
-    (each on its own, as the library does)."""
+    (each on its own, as the library does), or, for a byte-level BPE model, ``bpe``
+    (:mod:`kvroute.tokenizer_index.bpe_merges`) in compiled code."""
 
     def __init__(
         self,
@@ -57,11 +59,13 @@ class WordTable:
         max_chars: int,
         *,
         split: WordProgram | None = None,
+        bpe: BpeMerges | None = None,
     ) -> None:
         # What word_ids runs: the split program (or, without one, any program: unread) and
         # whether to run it, then the program.
         self._program = (*(split or program).arrays(), split is not None, *program.arrays())
         self._encode_words = encode_words
+        self._bpe = bpe
         self._max_words = max_words
         self._max_chars = max_chars
         #: The most bytes one call may bring: its new words always fit a fresh table.
@@ -79,13 +83,15 @@ class WordTable:
         """The ids of each of ``texts`` (ASCII ones: at most ``max_words`` and ``max_chars``
         bytes in all), word by word; None, having done nothing, if one holds a character the
         programs do not know (any beyond ASCII, unless they were given a marked pattern) or
-        texts beyond ASCII pass that bound. Words not in the table are tokenized and added."""
+        texts beyond ASCII pass that bound. Words not in the table are tokenized (by the BPE
+        given, else by ``encode_words``) and added."""
         found = self._look_up(texts)
         if found is None:
             return None
         out_ids, out_ends = found.ids, found.ends
         if found.missing is not None:
-            self._learn(found.joined, found.text, found.missing)
+            if not self._learn_compiled(found.text, found.missing):
+                self._learn(found.joined, found.text, found.missing)
             out_ids = np.empty(len(found.joined), dtype=np.int64)
             kernels.fill_missing(
                 found.text, found.ids, found.ends.copy(), found.missing, self._slots, self._word_bytes, self._ids,
@@ -129,6 +135,24 @@ class WordTable:
         ends = list(accumulate(map(len, encoded)))
         spans = np.array(list(zip([0, *ends], ends)), dtype=np.int64).reshape(-1, 2)
         self._add(np.frombuffer(joined, dtype=np.uint8), spans, ids)
+
+    def _learn_compiled(self, text: np.ndarray, spans: np.ndarray) -> bool:
+        """Add the words at ``spans`` of ``text`` (some maybe twice) with their BPE ids, in
+        compiled code; False, having added none, without a BPE or when one is too long."""
+        if self._bpe is None:
+            return False
+        chars = int((spans[:, 1] - spans[:, 0]).sum())
+        if self._words + len(spans) > self._max_words or self._chars + chars > self._max_chars:
+            self.clear()
+        self._reserve(len(spans), chars, chars)  # (BPE gives at most an id per byte)
+        added, added_chars = kernels.learn_words(
+            text, spans, *self._bpe.arrays(), self._slots, self._word_bytes, self._ids, self._used
+        )
+        if added < 0:
+            return False
+        self._words += added
+        self._chars += added_chars
+        return True
 
     def _learn(self, joined: bytes, text: np.ndarray, spans: np.ndarray) -> None:
         """Tokenize and add the words at ``spans`` of ``text`` (each word once)."""

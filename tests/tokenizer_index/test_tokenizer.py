@@ -527,7 +527,7 @@ def test_fast_paths_say_which_shortcuts_a_tokenizer_takes() -> None:
         True,
         None,
         True,
-        "ascii+unicode (compiled)",
+        "ascii+unicode (compiled, new words by BPE)",
     )
     assert default.templates == {"default": None}
     whole = RequestTokenizer(

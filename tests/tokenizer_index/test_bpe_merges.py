@@ -1,0 +1,209 @@
+"""Byte-level BPE in compiled code against the tokenizers library (differential): the same
+ids for every word a pre-tokenizer cuts, the models it refuses, and a word table that
+learns new words with it."""
+
+from __future__ import annotations
+
+import json
+import re
+from itertools import pairwise
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from kvroute.tokenizer_index import kernels
+from kvroute.tokenizer_index.bpe_merges import BpeMerges, bpe_merges, byte_characters
+from kvroute.tokenizer_index.tokenizer import RequestTokenizer
+from kvroute.tokenizer_index.word_program import word_program
+from kvroute.tokenizer_index.word_split import _GPT2_PATTERN, ascii_pattern
+from kvroute.tokenizer_index.word_table import WordTable
+from tests.tokenizer_index.tokenizers_fixtures import (
+    LLAMA3_PATTERN,
+    O200K_PATTERN,
+    QWEN2_PATTERN,
+    regex_split_tokenizer,
+    train_tokenizer,
+)
+
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TEXT = st.text(
+    st.one_of(
+        st.sampled_from("abcdefghijklmnopqrstuvwxyz THEQUICK0123456789_-.,:;'\"#/\n\t()[]{}"),
+        st.characters(codec="utf-8", exclude_categories=("Cs",)),
+    ),
+    max_size=80,
+)
+
+
+def _tokenizers() -> dict[str, Tokenizer]:
+    return {
+        "gpt2-style": train_tokenizer("byte_level", ["<|endoftext|>"]),
+        "llama3-style": regex_split_tokenizer(LLAMA3_PATTERN, ["<|eot_id|>"]),
+        "qwen2-style": regex_split_tokenizer(QWEN2_PATTERN, ["<|im_end|>"]),
+        "o200k-style": regex_split_tokenizer(O200K_PATTERN, ["<|end|>"]),
+        "default": Tokenizer.from_file(str(RequestTokenizer.default_path() / "tokenizer.json")),
+    }
+
+
+TOKENIZERS = _tokenizers()
+
+
+def _model(tokenizer: Tokenizer) -> dict[str, Any]:
+    return json.loads(tokenizer.to_str())["model"]  # type: ignore[no-any-return]
+
+
+def _words(tokenizer: Tokenizer, text: str) -> list[str]:
+    """``text`` as the words the library's pre-tokenizer hands its model (normalized first),
+    each as text again."""
+    if tokenizer.normalizer is not None:
+        text = tokenizer.normalizer.normalize_str(text)
+    decoded = {character: byte for byte, character in enumerate(byte_characters())}
+    pieces = tokenizer.pre_tokenizer.pre_tokenize_str(text) if text else []
+    words = [bytes(decoded[character] for character in piece).decode("utf-8", "replace") for piece, _ in pieces]
+    return [word for word in words if "\ufffd" not in word]
+
+
+@pytest.fixture(scope="module", params=sorted(TOKENIZERS))
+def tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
+    return TOKENIZERS[request.param]
+
+
+@pytest.fixture(scope="module")
+def merges(tokenizer: Tokenizer) -> BpeMerges:
+    built = bpe_merges(_model(tokenizer))
+    assert built is not None
+    return built
+
+
+def test_byte_characters_are_the_byte_level_alphabet() -> None:
+    characters = byte_characters()
+    assert len(set(characters)) == 256 and set(characters) == set(pre_tokenizers.ByteLevel.alphabet())
+    mapped = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    for text in ["".join(map(chr, range(1, 128))), "é€中😀\u0085\u00a0ÿ"]:
+        assert mapped.pre_tokenize_str(text)[0][0] == "".join(characters[byte] for byte in text.encode())
+
+
+@SETTINGS
+@given(texts=st.lists(TEXT, min_size=1, max_size=4))
+def test_each_word_has_the_librarys_ids(tokenizer: Tokenizer, merges: BpeMerges, texts: list[str]) -> None:
+    words = [word for text in texts for word in _words(tokenizer, text)]
+    words = [word for word in words if len(word.encode()) <= kernels.BPE_MAX_BYTES]
+    expected = [encoding.ids for encoding in tokenizer.encode_batch(words, add_special_tokens=False)]
+    assert [merges.encode(word) for word in words] == expected
+
+
+def test_the_vocabulary_probes_agree(tokenizer: Tokenizer, merges: BpeMerges) -> None:
+    assert merges.probe_texts
+    words = [word for text in merges.probe_texts for word in _words(tokenizer, text)]
+
+    def encode(batch: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in tokenizer.encode_batch(batch, add_special_tokens=False)]
+
+    assert merges.agrees(words, encode)
+    assert not merges.agrees(words, lambda batch: [[0] for _ in batch])
+
+
+def test_long_words_are_left_to_the_library(merges: BpeMerges) -> None:
+    assert merges.encode("x" * kernels.BPE_MAX_BYTES) is not None
+    assert merges.encode("x" * (kernels.BPE_MAX_BYTES + 1)) is None and merges.encode("") is None
+
+
+def test_a_pair_listed_twice_keeps_the_librarys_rank() -> None:
+    vocab = {character: number for number, character in enumerate(byte_characters())}
+    for token in ("ab", "bc", "abc"):
+        vocab[token] = len(vocab)
+    listed = [("a", "b"), ("b", "c"), ("ab", "c"), ("a", "b")]
+    library = Tokenizer(models.BPE(vocab=vocab, merges=listed))
+    library.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    built = bpe_merges(_model(library))
+    assert built is not None
+    for word in ("abc", "abcabc", "aab", "bcab"):
+        assert built.encode(word) == library.encode(word, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"type": "WordPiece"},
+        {"ignore_merges": True},
+        {"byte_fallback": True},
+        {"unk_token": "<unk>"},
+        {"dropout": 0.1},
+        {"continuing_subword_prefix": "##"},
+        {"end_of_word_suffix": "</w>"},
+        {"merges": ["a b c"]},
+        {"merges": [["a", "zz-not-in-vocab"]]},
+    ],
+)
+def test_what_is_not_a_plain_byte_level_bpe_is_refused(change: dict[str, Any]) -> None:
+    model = {**_model(TOKENIZERS["gpt2-style"]), **change}
+    assert bpe_merges(model) is None
+
+
+def test_a_vocabulary_without_every_byte_is_refused() -> None:
+    model = _model(TOKENIZERS["gpt2-style"])
+    model["vocab"] = {token: number for token, number in model["vocab"].items() if token != byte_characters()[0]}
+    assert bpe_merges(model) is None
+    assert bpe_merges(_model(train_tokenizer("metaspace_always", ["</s>"]))) is None
+    assert bpe_merges(None) is None
+
+
+def test_a_word_table_learns_new_words_without_the_library() -> None:
+    tokenizer = TOKENIZERS["default"]
+    merges = bpe_merges(_model(tokenizer))
+    program = word_program(re.compile(ascii_pattern(_GPT2_PATTERN) or ""))
+    assert merges is not None and program is not None
+    calls: list[list[str]] = []
+
+    def library(words: list[str]) -> list[list[int]]:
+        calls.append(words)
+        return [encoding.ids for encoding in tokenizer.encode_batch(words, add_special_tokens=False)]
+
+    table = WordTable(program, library, 1 << 16, 1 << 20, bpe=merges)
+    texts = [
+        f"request {number}: fetch id_{number * 7919} from /srv/{number:x} and 'return' it " * 3 for number in range(50)
+    ]
+    for text in texts:
+        assert table.ids([text])[0].tolist() == tokenizer.encode(text, add_special_tokens=False).ids
+    assert calls == []
+    long_word = "q" * (kernels.BPE_MAX_BYTES + 1)
+    text = f"new words{long_word} and more 123456789"
+    assert table.ids([text])[0].tolist() == tokenizer.encode(text, add_special_tokens=False).ids
+    assert len(calls) == 1 and any(long_word in word for word in calls[0])  # the whole call, by the library
+    assert table.find(" more") is not None
+
+
+def test_the_default_tokenizer_learns_words_in_compiled_code() -> None:
+    tokenizer = RequestTokenizer.from_pretrained(RequestTokenizer.default_path())
+    assert tokenizer.fast_paths().words.endswith(", new words by BPE)")
+    texts = [
+        f"Tool result {number}: checksum {number * 104729:x}, path /tmp/run{number}/out.log " * 4
+        for number in range(40)
+    ]
+    library = Tokenizer.from_file(str(RequestTokenizer.default_path() / "tokenizer.json"))
+    for text in texts:
+        assert tokenizer.encode_text(text) == library.encode(text, add_special_tokens=False).ids
+
+
+def test_a_table_that_fills_with_compiled_words_starts_afresh() -> None:
+    tokenizer = TOKENIZERS["default"]
+    merges = bpe_merges(_model(tokenizer))
+    program = word_program(re.compile(ascii_pattern(_GPT2_PATTERN) or ""))
+    assert merges is not None and program is not None
+
+    def library(words: list[str]) -> list[list[int]]:
+        raise AssertionError(f"the library was called for {words}")
+
+    def letters(number: int) -> str:  # a word no other number gives
+        return "".join(chr(ord("a") + int(digit)) for digit in str(number))
+
+    table = WordTable(program, library, 300, 1 << 20, bpe=merges)
+    sizes = []
+    for round_ in range(30):
+        text = " ".join(f"q{letters(round_ * 100 + number)}" for number in range(40))
+        assert table.ids([text])[0].tolist() == tokenizer.encode(text, add_special_tokens=False).ids
+        sizes.append(len(table))
+    assert max(sizes) <= 300 and any(after < before for before, after in pairwise(sizes))  # it started afresh

@@ -1,0 +1,142 @@
+"""A byte-level BPE model's merges as arrays compiled code runs: new words without the library.
+
+A word the word table (:mod:`kvroute.tokenizer_index.word_table`) has not seen went to the
+tokenizers library: ~7 us for one short word, and ~15 us of Python around the call, paid
+by nearly every request (a new number, name or identifier). A byte-level BPE's answer for
+one word is simple enough to compute where the table is: the word's bytes are ids (GPT-2's
+byte-to-character map, then the vocabulary), then the adjacent pair of lowest merge rank
+is merged, the leftmost of equals, until no pair has a merge. That is the order in which
+the library pops its heap of merges (rank, then position), so the ids are the library's;
+tested against it (``tests/tokenizer_index/test_bpe_merges.py``), and each tokenizer's
+table is checked on probe words when it is built (:meth:`BpeMerges.agrees`).
+
+Only for models that are exactly that: BPE with no dropout, unknown token, byte fallback,
+subword prefix or suffix and no ``ignore_merges`` (which looks the whole word up first),
+every byte in the vocabulary. Words of more than ``kernels.BPE_MAX_BYTES`` bytes stay with
+the library (each merge step reads every pair).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvroute.tokenizer_index import kernels
+
+#: Table slots per merge at least (open addressing stays short-probed).
+_SLOTS_PER_MERGE = 2
+#: Vocabulary tokens in the probe texts, and per text.
+_PROBE_TOKENS = 600
+_TOKENS_PER_PROBE = 24
+
+
+def byte_characters() -> list[str]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte (printable
+    Latin-1 bytes for themselves, the others shifted past 255 in byte order)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    characters = {byte: chr(byte) for byte in kept}
+    shifted = 0
+    for byte in range(256):
+        if byte not in characters:
+            characters[byte] = chr(256 + shifted)
+            shifted += 1
+    return [characters[byte] for byte in range(256)]
+
+
+@dataclass(frozen=True, slots=True)
+class BpeMerges:
+    """``byte_ids[b]``: the id of byte ``b``; ``keys``/``ranks``/``ids``: each merge's pair
+    (:func:`kernels._pair_key`), rank and merged id, in an open-addressing table."""
+
+    byte_ids: np.ndarray
+    keys: np.ndarray
+    ranks: np.ndarray
+    ids: np.ndarray
+    #: Texts of the vocabulary's tokens, to check the merges on (:meth:`agrees`).
+    probe_texts: tuple[str, ...] = ()
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return self.byte_ids, self.keys, self.ranks, self.ids
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self.arrays())
+
+    def encode(self, word: str) -> list[int] | None:
+        """The ids of one word (None past ``kernels.BPE_MAX_BYTES`` bytes; for checks and tests)."""
+        encoded = word.encode("utf-8")
+        if not encoded or len(encoded) > kernels.BPE_MAX_BYTES:
+            return None
+        out = np.empty(kernels.BPE_MAX_BYTES, dtype=np.int64)
+        count = kernels.bpe_word(np.frombuffer(encoded, dtype=np.uint8), *self.arrays(), out)
+        return out[:count].tolist()  # type: ignore[no-any-return]
+
+    def agrees(self, words: Sequence[str], encode_words: Callable[[list[str]], list[list[int]]]) -> bool:
+        """Whether these words' ids equal the library's (``encode_words``, each on its own)."""
+        words = [word for word in words if 0 < len(word.encode("utf-8")) <= kernels.BPE_MAX_BYTES]
+        return [self.encode(word) for word in words] == encode_words(words)
+
+
+def bpe_merges(model: Mapping[str, Any] | None) -> BpeMerges | None:
+    """The merges of a tokenizer's ``model`` (its tokenizer.json entry), or None where the
+    model is not a plain byte-level BPE."""
+    if model is None or model.get("type") != "BPE":
+        return None
+    if any(model.get(option) for option in ("dropout", "unk_token", "byte_fallback", "ignore_merges")):
+        return None
+    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        return None
+    vocab: Mapping[str, int] = model.get("vocab") or {}
+    byte_ids = [id_ for id_ in map(vocab.get, byte_characters()) if id_ is not None]
+    if len(byte_ids) != 256:
+        return None
+    lefts: list[int] = []
+    rights: list[int] = []
+    merged: list[int] = []
+    for merge in model.get("merges") or ():
+        pair = _pair(merge)
+        if pair is None:
+            return None
+        left, right, both = vocab.get(pair[0]), vocab.get(pair[1]), vocab.get(pair[0] + pair[1])
+        if left is None or right is None or both is None:
+            return None  # (the library refuses such a model)
+        lefts.append(left)
+        rights.append(right)
+        merged.append(both)
+    if max([*byte_ids, *merged], default=0) >= 1 << 31:
+        return None
+    size = 1 << max(4, (_SLOTS_PER_MERGE * len(merged)).bit_length())
+    keys = np.zeros(size, dtype=np.uint64)
+    ranks = np.zeros(size, dtype=np.int32)
+    merged_ids = np.zeros(size, dtype=np.int32)
+    kernels.add_merges(
+        np.array(lefts, dtype=np.int64), np.array(rights, dtype=np.int64), np.array(merged, dtype=np.int64),
+        keys, ranks, merged_ids,
+    )  # fmt: skip
+    return BpeMerges(np.array(byte_ids, dtype=np.int64), keys, ranks, merged_ids, _probe_texts(vocab))
+
+
+def _probe_texts(vocab: Mapping[str, int]) -> tuple[str, ...]:
+    """About :data:`_PROBE_TOKENS` tokens spread over the vocabulary (merged early and
+    late), their bytes as text, :data:`_TOKENS_PER_PROBE` to a text."""
+    decoded = {character: byte for byte, character in enumerate(byte_characters())}
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    texts = []
+    for token in tokens[:: max(1, len(tokens) // _PROBE_TOKENS)]:
+        if all(character in decoded for character in token):
+            raw = bytes(decoded[character] for character in token)
+            texts.append(raw.decode("utf-8", errors="ignore"))
+    return tuple("".join(texts[at : at + _TOKENS_PER_PROBE]) for at in range(0, len(texts), _TOKENS_PER_PROBE))
+
+
+def _pair(merge: Any) -> tuple[str, str] | None:
+    """A merge as tokenizer.json writes it: ``"a b"`` (older files) or ``["a", "b"]``."""
+    if isinstance(merge, str):
+        parts = merge.split(" ")
+        return (parts[0], parts[1]) if len(parts) == 2 else None
+    if isinstance(merge, list) and len(merge) == 2 and all(isinstance(part, str) for part in merge):
+        return merge[0], merge[1]
+    return None
