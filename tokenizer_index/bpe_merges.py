@@ -11,23 +11,25 @@ tested against it (``tests/tokenizer_index/test_bpe_merges.py``), and each token
 table is checked on probe words when it is built (:meth:`BpeMerges.agrees`).
 
 Only for models that are exactly that: BPE with no dropout, unknown token, byte fallback,
-subword prefix or suffix and no ``ignore_merges`` (which looks the whole word up first),
-every byte in the vocabulary. Words of more than ``kernels.BPE_MAX_BYTES`` bytes stay with
-the library (each merge step reads every pair).
+subword prefix or suffix, every byte in the vocabulary. A model with ``ignore_merges``
+(Llama 3's) gives a word the vocabulary holds whole its one id before any merge: its
+vocabulary is kept in a word table's slots too, looked up first. Words of more than
+``kernels.BPE_MAX_BYTES`` bytes stay with the library (each merge step reads every pair).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, pairwise
 from typing import Any
 
 import numpy as np
 
 from kvroute.tokenizer_index import kernels
 
-#: Table slots per merge at least (open addressing stays short-probed).
-_SLOTS_PER_MERGE = 2
+#: Open-addressing tables are at most this full (probes stay short).
+_LOAD = 0.7
 #: Vocabulary tokens in the probe texts, and per text.
 _PROBE_TOKENS = 600
 _TOKENS_PER_PROBE = 24
@@ -49,17 +51,21 @@ def byte_characters() -> list[str]:
 @dataclass(frozen=True, slots=True)
 class BpeMerges:
     """``byte_ids[b]``: the id of byte ``b``; ``keys``/``ranks``/``ids``: each merge's pair
-    (:func:`kernels._pair_key`), rank and merged id, in an open-addressing table."""
+    (:func:`kernels._pair_key`), rank and merged id, in an open-addressing table;
+    ``whole_slots``/``whole_bytes``: the vocabulary's tokens (their bytes) and ids in a word
+    table's layout (``kernels.SLOT_KEY``...) where the model has ``ignore_merges``, else empty."""
 
     byte_ids: np.ndarray
     keys: np.ndarray
     ranks: np.ndarray
     ids: np.ndarray
+    whole_slots: np.ndarray
+    whole_bytes: np.ndarray
     #: Texts of the vocabulary's tokens, to check the merges on (:meth:`agrees`).
     probe_texts: tuple[str, ...] = ()
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        return self.byte_ids, self.keys, self.ranks, self.ids
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.byte_ids, self.keys, self.ranks, self.ids, self.whole_slots, self.whole_bytes
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +91,7 @@ def bpe_merges(model: Mapping[str, Any] | None) -> BpeMerges | None:
     model is not a plain byte-level BPE."""
     if model is None or model.get("type") != "BPE":
         return None
-    if any(model.get(option) for option in ("dropout", "unk_token", "byte_fallback", "ignore_merges")):
+    if any(model.get(option) for option in ("dropout", "unk_token", "byte_fallback")):
         return None
     if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
         return None
@@ -108,7 +114,7 @@ def bpe_merges(model: Mapping[str, Any] | None) -> BpeMerges | None:
         merged.append(both)
     if max([*byte_ids, *merged], default=0) >= 1 << 31:
         return None
-    size = 1 << max(4, (_SLOTS_PER_MERGE * len(merged)).bit_length())
+    size = _table_size(len(merged))
     keys = np.zeros(size, dtype=np.uint64)
     ranks = np.zeros(size, dtype=np.int32)
     merged_ids = np.zeros(size, dtype=np.int32)
@@ -116,7 +122,44 @@ def bpe_merges(model: Mapping[str, Any] | None) -> BpeMerges | None:
         np.array(lefts, dtype=np.int64), np.array(rights, dtype=np.int64), np.array(merged, dtype=np.int64),
         keys, ranks, merged_ids,
     )  # fmt: skip
-    return BpeMerges(np.array(byte_ids, dtype=np.int64), keys, ranks, merged_ids, _probe_texts(vocab))
+    whole = _whole_words(vocab) if model.get("ignore_merges") else None
+    if model.get("ignore_merges") and whole is None:
+        return None
+    whole_slots, whole_bytes = whole or (np.zeros((1, 4), dtype=np.uint64), np.zeros(1, dtype=np.uint8))
+    return BpeMerges(
+        np.array(byte_ids, dtype=np.int64), keys, ranks, merged_ids, whole_slots, whole_bytes, _probe_texts(vocab)
+    )
+
+
+def _table_size(entries: int) -> int:
+    """A power of two at least ``entries / _LOAD``."""
+    return 1 << max(4, (int(entries / _LOAD) + 1).bit_length())
+
+
+def _whole_words(vocab: Mapping[str, int]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The vocabulary's tokens as bytes, with their ids, in a word table's slots and byte
+    arena (:func:`kernels.add_words`); None where a token is not byte-level text."""
+    decoded = {character: byte for byte, character in enumerate(byte_characters())}
+    words: list[bytes] = []
+    word_ids: list[int] = []
+    for token, id_ in vocab.items():
+        if any(character not in decoded for character in token):
+            return None
+        if token:  # (no word is empty)
+            words.append(bytes(decoded[character] for character in token))
+            word_ids.append(id_)
+    joined = b"".join(words)
+    ends = list(accumulate(map(len, words)))
+    spans = np.array(list(pairwise([0, *ends])), dtype=np.int64).reshape(-1, 2)
+    slots = np.zeros((_table_size(len(words)), 4), dtype=np.uint64)
+    word_bytes = np.zeros(max(1, len(joined)), dtype=np.uint8)
+    used = np.zeros(2, dtype=np.int64)
+    ids = np.array(word_ids, dtype=np.int64)
+    kernels.add_words(
+        np.frombuffer(joined, dtype=np.uint8), spans, ids, np.arange(1, len(ids) + 1, dtype=np.int64),
+        slots, word_bytes, np.zeros(1, dtype=np.int64), used,
+    )  # fmt: skip
+    return slots, word_bytes[: max(1, int(used[0]))].copy()
 
 
 def _probe_texts(vocab: Mapping[str, int]) -> tuple[str, ...]:

@@ -920,7 +920,9 @@ def move_slots(old, slots):  # type: ignore[no-untyped-def]
 #: Words up to this many bytes are tokenized here (each merge step reads every pair: n^2).
 BPE_MAX_BYTES = 64
 _I32 = types.int32[::1]
-_BPE = (_I64, _U64, _I32, _I32)
+#: A BPE's arrays: byte ids; merge keys, ranks and merged ids; the vocabulary's whole words
+#: (a word table's slots and byte arena, empty but where the model has ``ignore_merges``).
+_BPE = (_I64, _U64, _I32, _I32, _WORD_SLOTS, _U8)
 
 
 @njit(inline="always")
@@ -954,10 +956,16 @@ def add_merges(lefts, rights, merged, keys, ranks, ids):  # type: ignore[no-unty
 
 
 @njit(inline="always")
-def _bpe(text, start, end, byte_ids, keys, ranks, ids, symbols):  # type: ignore[no-untyped-def]
+def _bpe(text, start, end, byte_ids, keys, ranks, ids, whole_slots, whole_bytes, symbols):  # type: ignore[no-untyped-def]
     """The BPE ids of the word ``text[start:end]`` (at most ``BPE_MAX_BYTES``) into
-    ``symbols``; returns how many. Each step merges the pair of lowest rank, the leftmost
-    of equals: the order in which the library's heap of merges pops them."""
+    ``symbols``; returns how many. A word the vocabulary holds whole, where ``whole_slots``
+    holds the vocabulary (``ignore_merges``), is its one id. Else each step merges the pair
+    of lowest rank, the leftmost of equals: the order in which the library's heap of merges
+    pops them."""
+    whole = _find_word(text, start, end, whole_slots, whole_bytes)
+    if whole >= 0:
+        symbols[0] = np.int64(whole_slots[whole, SLOT_IDS] & _LOW32)
+        return 1
     count = end - start
     for offset in range(count):
         symbols[offset] = byte_ids[text[start + offset]]
@@ -980,13 +988,15 @@ def _bpe(text, start, end, byte_ids, keys, ranks, ids, symbols):  # type: ignore
 
 
 @compiled(types.int64(_TEXT, *_BPE, _I64))
-def bpe_word(word, byte_ids, keys, ranks, ids, out):  # type: ignore[no-untyped-def]
+def bpe_word(word, byte_ids, keys, ranks, ids, whole_slots, whole_bytes, out):  # type: ignore[no-untyped-def]
     """:func:`_bpe` of one word (at most ``BPE_MAX_BYTES``) into ``out``; how many ids."""
-    return _bpe(word, 0, word.shape[0], byte_ids, keys, ranks, ids, out)
+    return _bpe(word, 0, word.shape[0], byte_ids, keys, ranks, ids, whole_slots, whole_bytes, out)
 
 
 @compiled(types.UniTuple(types.int64, 2)(_TEXT, _ITEMS, *_BPE, _WORD_SLOTS, _U8, _I64, _I64))
-def learn_words(text, spans, byte_ids, keys, ranks, ids_of_merges, slots, word_bytes, ids, used):  # type: ignore[no-untyped-def]
+def learn_words(  # type: ignore[no-untyped-def]
+    text, spans, byte_ids, keys, ranks, ids_of_merges, whole_slots, whole_bytes, slots, word_bytes, ids, used
+):
     """Add each word ``text[start:end]`` of ``spans`` (missing from the table; one may
     come more than once) with its BPE ids; returns the words and bytes added, or (-1, 0),
     having added none, when one is longer than ``BPE_MAX_BYTES``. The caller made room for
@@ -1002,7 +1012,7 @@ def learn_words(text, spans, byte_ids, keys, ranks, ids_of_merges, slots, word_b
         end = spans[number, 1]
         if _find_word(text, start, end, slots, word_bytes) >= 0:  # (met earlier in the call)
             continue
-        count = _bpe(text, start, end, byte_ids, keys, ranks, ids_of_merges, symbols)
+        count = _bpe(text, start, end, byte_ids, keys, ranks, ids_of_merges, whole_slots, whole_bytes, symbols)
         _add_word(text, start, end, symbols, 0, count, slots, word_bytes, ids, used)
         added += 1
         added_bytes += end - start

@@ -38,10 +38,25 @@ TEXT = st.text(
 )
 
 
+def _ignoring_merges(tokenizer: Tokenizer, extra: list[str]) -> Tokenizer:
+    """``tokenizer`` with ``ignore_merges`` (as Llama 3's) and ``extra`` words in its
+    vocabulary that no merge builds, so only the whole-word lookup finds them."""
+    state = json.loads(tokenizer.to_str())
+    model = state["model"]
+    model["ignore_merges"] = True
+    characters = byte_characters()
+    for word in extra:
+        token = "".join(characters[byte] for byte in word.encode())
+        model["vocab"].setdefault(token, len(model["vocab"]) + len(state["added_tokens"]))
+    return Tokenizer.from_str(json.dumps(state))
+
+
 def _tokenizers() -> dict[str, Tokenizer]:
+    llama3 = regex_split_tokenizer(LLAMA3_PATTERN, ["<|eot_id|>"])
     return {
         "gpt2-style": train_tokenizer("byte_level", ["<|endoftext|>"]),
-        "llama3-style": regex_split_tokenizer(LLAMA3_PATTERN, ["<|eot_id|>"]),
+        "llama3-style": llama3,
+        "llama3-style, ignore_merges": _ignoring_merges(llama3, [" router", "abc", " the", " zqx", "202"]),
         "qwen2-style": regex_split_tokenizer(QWEN2_PATTERN, ["<|im_end|>"]),
         "o200k-style": regex_split_tokenizer(O200K_PATTERN, ["<|end|>"]),
         "default": Tokenizer.from_file(str(RequestTokenizer.default_path() / "tokenizer.json")),
@@ -111,6 +126,20 @@ def test_long_words_are_left_to_the_library(merges: BpeMerges) -> None:
     assert merges.encode("x" * (kernels.BPE_MAX_BYTES + 1)) is None and merges.encode("") is None
 
 
+def test_with_ignore_merges_a_whole_word_of_the_vocabulary_is_its_one_id() -> None:
+    tokenizer = TOKENIZERS["llama3-style, ignore_merges"]
+    merges = bpe_merges(_model(tokenizer))
+    plain = bpe_merges({**_model(tokenizer), "ignore_merges": False})
+    assert merges is not None and plain is not None
+    unreachable = 0
+    for word in (" router", "abc", " zqx", "202"):
+        expected = tokenizer.encode(word, add_special_tokens=False).ids
+        assert len(expected) == 1 and merges.encode(word) == expected
+        unreachable += plain.encode(word) != expected  # (a word no merge builds)
+    assert unreachable >= 2
+    assert merges.encode(" routers") == tokenizer.encode(" routers", add_special_tokens=False).ids
+
+
 def test_a_pair_listed_twice_keeps_the_librarys_rank() -> None:
     vocab = {character: number for number, character in enumerate(byte_characters())}
     for token in ("ab", "bc", "abc"):
@@ -128,7 +157,6 @@ def test_a_pair_listed_twice_keeps_the_librarys_rank() -> None:
     "change",
     [
         {"type": "WordPiece"},
-        {"ignore_merges": True},
         {"byte_fallback": True},
         {"unk_token": "<unk>"},
         {"dropout": 0.1},
@@ -207,3 +235,12 @@ def test_a_table_that_fills_with_compiled_words_starts_afresh() -> None:
         assert table.ids([text])[0].tolist() == tokenizer.encode(text, add_special_tokens=False).ids
         sizes.append(len(table))
     assert max(sizes) <= 300 and any(after < before for before, after in pairwise(sizes))  # it started afresh
+
+
+def test_a_tokenizer_that_ignores_merges_learns_words_in_compiled_code() -> None:
+    library = TOKENIZERS["llama3-style, ignore_merges"]
+    tokenizer = RequestTokenizer(library)
+    assert tokenizer.fast_paths().words.endswith(", new words by BPE)")
+    for number in range(20):
+        text = f"Ask the router {number}: zqx abc{number} 202 x{number * 7}y, then the zqxzqx reply. " * 3
+        assert tokenizer.encode_text(text) == library.encode(text, add_special_tokens=False).ids
