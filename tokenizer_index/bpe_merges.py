@@ -72,13 +72,21 @@ class BpeMerges:
         return sum(array.nbytes for array in self.arrays())
 
     def encode(self, word: str) -> list[int] | None:
-        """The ids of one word (None past ``kernels.BPE_MAX_BYTES`` bytes; for checks and tests)."""
+        """The ids of one word (None past ``kernels.BPE_MAX_BYTES`` bytes), by the kernels a
+        word table runs, on a table of its own (for checks and tests)."""
         encoded = word.encode("utf-8")
         if not encoded or len(encoded) > kernels.BPE_MAX_BYTES:
             return None
-        out = np.empty(kernels.BPE_MAX_BYTES, dtype=np.int64)
-        count = kernels.bpe_word(np.frombuffer(encoded, dtype=np.uint8), *self.arrays(), out)
-        return out[:count].tolist()  # type: ignore[no-any-return]
+        text = np.frombuffer(encoded, dtype=np.uint8)
+        span = np.array([[0, len(encoded)]], dtype=np.int64)
+        slots = np.zeros((2, 4), dtype=np.uint64)
+        word_bytes = np.zeros(len(encoded), dtype=np.uint8)
+        ids = np.zeros(len(encoded), dtype=np.int64)
+        kernels.learn_words(text, span, *self.arrays(), slots, word_bytes, ids, np.zeros(2, dtype=np.int64))
+        out, end = np.empty(len(encoded), dtype=np.int64), np.empty(1, dtype=np.int64)
+        placeholder, placeholder_end = np.array([-1], dtype=np.int64), np.array([1], dtype=np.int64)
+        kernels.fill_missing(text, placeholder, placeholder_end, span, slots, word_bytes, ids, out, end)
+        return out[: end[0]].tolist()  # type: ignore[no-any-return]
 
     def agrees(self, words: Sequence[str], encode_words: Callable[[list[str]], list[list[int]]]) -> bool:
         """Whether these words' ids equal the library's (``encode_words``, each on its own)."""

@@ -987,12 +987,6 @@ def _bpe(text, start, end, byte_ids, keys, ranks, ids, whole_slots, whole_bytes,
     return count
 
 
-@compiled(types.int64(_TEXT, *_BPE, _I64))
-def bpe_word(word, byte_ids, keys, ranks, ids, whole_slots, whole_bytes, out):  # type: ignore[no-untyped-def]
-    """:func:`_bpe` of one word (at most ``BPE_MAX_BYTES``) into ``out``; how many ids."""
-    return _bpe(word, 0, word.shape[0], byte_ids, keys, ranks, ids, whole_slots, whole_bytes, out)
-
-
 @compiled(types.UniTuple(types.int64, 2)(_TEXT, _ITEMS, *_BPE, _WORD_SLOTS, _U8, _I64, _I64))
 def learn_words(  # type: ignore[no-untyped-def]
     text, spans, byte_ids, keys, ranks, ids_of_merges, whole_slots, whole_bytes, slots, word_bytes, ids, used
