@@ -503,8 +503,9 @@ class WordSplitter:
     def _bpe_agrees(self, bpe: BpeMerges) -> bool:
         """Whether ``bpe`` gives the library's ids for every word of the probe texts and of
         texts of the vocabulary's own tokens (``bpe.probe_texts``)."""
-        texts = [*_PROBES, *(_UNICODE_PROBES if self._unicode is not None else ()), *bpe.probe_texts]
-        words = list(dict.fromkeys(word for text in texts for word in self.words(text)))
+        texts = [*_PROBES, *_UNICODE_PROBES, *bpe.probe_texts]
+        cut = [text for text in texts if text.isascii() or self._unicode is not None]  # (else words() refuses it)
+        words = list(dict.fromkeys(word for text in cut for word in self.words(text)))
         if bpe.agrees(words, self._encode_words):
             return True
         log.warning("byte-level BPE in compiled code differs from the library on probe words; not using it")

@@ -18,7 +18,7 @@ from kvroute.tokenizer_index import kernels
 from kvroute.tokenizer_index.bpe_merges import BpeMerges, bpe_merges, byte_characters
 from kvroute.tokenizer_index.tokenizer import RequestTokenizer
 from kvroute.tokenizer_index.word_program import word_program
-from kvroute.tokenizer_index.word_split import _GPT2_PATTERN, ascii_pattern
+from kvroute.tokenizer_index.word_split import _GPT2_PATTERN, WordPatterns, WordSplitter, ascii_pattern
 from kvroute.tokenizer_index.word_table import WordTable
 from tests.tokenizer_index.tokenizers_fixtures import (
     LLAMA3_PATTERN,
@@ -244,3 +244,19 @@ def test_a_tokenizer_that_ignores_merges_learns_words_in_compiled_code() -> None
     for number in range(20):
         text = f"Ask the router {number}: zqx abc{number} 202 x{number * 7}y, then the zqxzqx reply. " * 3
         assert tokenizer.encode_text(text) == library.encode(text, add_special_tokens=False).ids
+
+
+def test_a_splitter_for_ascii_only_checks_its_bpe_on_ascii_words() -> None:
+    """A pipeline whose pattern has no translation beyond ASCII cuts only ASCII text in
+    Python: the BPE's vocabulary probes beyond it are not cut (they would raise)."""
+    tokenizer = TOKENIZERS["default"]
+    merges = bpe_merges(_model(tokenizer))
+    assert merges is not None and any(not text.isascii() for text in merges.probe_texts)
+
+    def encode(words: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in tokenizer.encode_batch(words, add_special_tokens=False)]
+
+    splitter = WordSplitter(WordPatterns(re.compile(ascii_pattern(_GPT2_PATTERN) or "")), encode, bpe=merges)
+    assert not splitter.unicode and splitter.compiled_bpe
+    text = "A new word, zqxvbn, in " * 10
+    assert splitter.ids_of([text])[0].tolist() == tokenizer.encode(text, add_special_tokens=False).ids
