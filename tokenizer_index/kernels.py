@@ -987,27 +987,29 @@ def _bpe(text, start, end, byte_ids, keys, ranks, ids, whole_slots, whole_bytes,
     return count
 
 
-@compiled(types.UniTuple(types.int64, 2)(_TEXT, _ITEMS, *_BPE, _WORD_SLOTS, _U8, _I64, _I64))
+@compiled(types.UniTuple(types.int64, 3)(_TEXT, _ITEMS, *_BPE, _WORD_SLOTS, _U8, _I64, _I64, _I64))
 def learn_words(  # type: ignore[no-untyped-def]
-    text, spans, byte_ids, keys, ranks, ids_of_merges, whole_slots, whole_bytes, slots, word_bytes, ids, used
+    text, spans, byte_ids, keys, ranks, ids_of_merges, whole_slots, whole_bytes, slots, word_bytes, ids, used, left
 ):
     """Add each word ``text[start:end]`` of ``spans`` (missing from the table; one may
-    come more than once) with its BPE ids; returns the words and bytes added, or (-1, 0),
-    having added none, when one is longer than ``BPE_MAX_BYTES``. The caller made room for
-    every span: slots, bytes and an id per byte."""
-    for number in range(spans.shape[0]):
-        if spans[number, 1] - spans[number, 0] > BPE_MAX_BYTES:
-            return -1, 0
+    come more than once) with its BPE ids, but for those longer than ``BPE_MAX_BYTES``,
+    whose numbers go to ``left``; returns the words and bytes added and how many were left.
+    The caller made room for every span: slots, bytes and an id per byte."""
     symbols = np.empty(BPE_MAX_BYTES, dtype=np.int64)
     added = 0
     added_bytes = 0
+    long_words = 0
     for number in range(spans.shape[0]):
         start = spans[number, 0]
         end = spans[number, 1]
+        if end - start > BPE_MAX_BYTES:
+            left[long_words] = number
+            long_words += 1
+            continue
         if _find_word(text, start, end, slots, word_bytes) >= 0:  # (met earlier in the call)
             continue
         count = _bpe(text, start, end, byte_ids, keys, ranks, ids_of_merges, whole_slots, whole_bytes, symbols)
         _add_word(text, start, end, symbols, 0, count, slots, word_bytes, ids, used)
         added += 1
         added_bytes += end - start
-    return added, added_bytes
+    return added, added_bytes, long_words

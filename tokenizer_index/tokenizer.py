@@ -77,7 +77,13 @@ from kvroute.tokenizer_index.piece_cache import PieceCache, PieceCacheStats, fro
 from kvroute.tokenizer_index.prompt_memo import PromptMemo, PromptMemoStats, RememberedPrompt, conversation_keys
 from kvroute.tokenizer_index.render_memo import RenderMemo, RenderSettings, incremental_render_agrees
 from kvroute.tokenizer_index.template_prefix import PrefixShape, prefix_shape
-from kvroute.tokenizer_index.word_split import VERIFY_EVERY, WordSplitter, pipeline_parts, word_pattern
+from kvroute.tokenizer_index.word_split import (
+    NEW_WORD_SOURCES,
+    VERIFY_EVERY,
+    WordSplitter,
+    pipeline_parts,
+    word_pattern,
+)
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +314,7 @@ class RequestTokenizer:
 
     #: How a unit of text (a piece, or a chunk of a long one) got its ids (:meth:`unit_counts`).
     UNIT_SOURCES = ("cached", "words", "words_compiled", "library")
+    NEW_WORD_SOURCES = NEW_WORD_SOURCES
 
     def __init__(
         self,
@@ -681,6 +688,12 @@ class RequestTokenizer:
         (new text word by word in Python), ``words_compiled`` (in compiled code), ``library``
         (the tokenizers library). Counters: they only grow."""
         return {"cached": self._cache.stats().hits, **self._new_units}
+
+    def new_word_counts(self) -> dict[str, int]:
+        """Words new text brought that the word caches lacked, by who tokenized them: ``bpe``
+        (compiled code, :mod:`~kvroute.tokenizer_index.bpe_merges`) or ``library``; none
+        without word-by-word tokenization. Counters: they only grow."""
+        return self._words.new_word_counts() if self._words is not None else dict.fromkeys(NEW_WORD_SOURCES, 0)
 
     def render_memo_stats(self) -> PromptMemoStats:
         """Size and counters of the remembered rendered conversations."""

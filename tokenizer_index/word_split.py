@@ -66,6 +66,8 @@ MAX_WORD_CHARS = 1 << 22
 #: was cheaper below ~130 ASCII characters, and below ~60 of text beyond ASCII, which
 #: ``regex`` cuts more slowly (``benchmarks/README.md``, "The compiled cutter for short texts").
 COMPILED_MIN_CHARS = 128
+#: Who tokenized a word new to the caches (:meth:`WordSplitter.new_word_counts`).
+NEW_WORD_SOURCES = ("bpe", "library")
 #: The same where the texts are not all ASCII (and the cutter reads them: ``compiled_wide``).
 COMPILED_MIN_CHARS_WIDE = 64
 #: Text that is not ASCII is cut here when it has a space at least every this many
@@ -471,6 +473,7 @@ class WordSplitter:
                 self._known_columns = known_columns(self._known)
         self._ids: dict[str, list[int]] = {}
         self._cached_chars = 0  # of the words in _ids
+        self._library_words = 0  # new words the library tokenized
         #: Whether the compiled table cuts text beyond ASCII too.
         self._table_wide = False
         self._bpe = bpe if bpe is not None and self._bpe_agrees(bpe) else None
@@ -536,7 +539,10 @@ class WordSplitter:
                 if any(ids is not None and ids != [want] for ids, want in zip(wide, expected, strict=True)):
                     log.warning("word program differs from regex on text beyond ASCII; cutting it in Python")
                     self._table_wide = False
-        self.clear()  # the probes' words are no one's
+        self.clear()  # the probes' words are no one's: neither kept nor counted
+        self._library_words = 0
+        if self._table is not None:
+            self._table.bpe_words = 0
         return True
 
     @property
@@ -554,6 +560,11 @@ class WordSplitter:
         """Whether words new to the compiled table are tokenized in compiled code too
         (a byte-level BPE, :mod:`kvroute.tokenizer_index.bpe_merges`), not by the library."""
         return self._table is not None and self._bpe is not None
+
+    def new_word_counts(self) -> dict[str, int]:
+        """Words new to the caches by who tokenized them: ``bpe`` (compiled code), ``library``.
+        Counters: they only grow."""
+        return {"bpe": self._table.bpe_words if self._table is not None else 0, "library": self._library_words}
 
     def handles(self, text: str) -> bool:
         """Whether ``text`` is cut here: ASCII, or, with a Unicode pattern, text of words
@@ -616,6 +627,7 @@ class WordSplitter:
             cache.clear()
             self._cached_chars = 0
         encoded = self._encode_words(words)
+        self._library_words += len(words)
         cache.update(zip(words, encoded))
         self._cached_chars += chars
         return encoded

@@ -70,6 +70,8 @@ class WordTable:
         self._max_chars = max_chars
         #: The most bytes one call may bring: its new words always fit a fresh table.
         self._max_call = min(max_words, max_chars)
+        #: Words learned by ``bpe`` in compiled code (the others went to ``encode_words``).
+        self.bpe_words = 0
         self.clear()
 
     def __len__(self) -> int:
@@ -90,8 +92,7 @@ class WordTable:
             return None
         out_ids, out_ends = found.ids, found.ends
         if found.missing is not None:
-            if not self._learn_compiled(found.text, found.missing):
-                self._learn(found.joined, found.text, found.missing)
+            self._learn_missing(found)
             out_ids = np.empty(len(found.joined), dtype=np.int64)
             kernels.fill_missing(
                 found.text, found.ids, found.ends.copy(), found.missing, self._slots, self._word_bytes, self._ids,
@@ -136,23 +137,26 @@ class WordTable:
         spans = np.array(list(zip([0, *ends], ends)), dtype=np.int64).reshape(-1, 2)
         self._add(np.frombuffer(joined, dtype=np.uint8), spans, ids)
 
-    def _learn_compiled(self, text: np.ndarray, spans: np.ndarray) -> bool:
-        """Add the words at ``spans`` of ``text`` (some maybe twice) with their BPE ids, in
-        compiled code; False, having added none, without a BPE or when one is too long."""
-        if self._bpe is None:
-            return False
-        chars = int((spans[:, 1] - spans[:, 0]).sum())
-        if self._words + len(spans) > self._max_words or self._chars + chars > self._max_chars:
-            self.clear()
-        self._reserve(len(spans), chars, chars)  # (BPE gives at most an id per byte)
-        added, added_chars = kernels.learn_words(
-            text, spans, *self._bpe.arrays(), self._slots, self._word_bytes, self._ids, self._used
-        )
-        if added < 0:
-            return False
-        self._words += added
-        self._chars += added_chars
-        return True
+    def _learn_missing(self, found: _Lookup) -> None:
+        """Tokenize and add the words the lookup lacked: by the BPE in compiled code where
+        there is one, by ``encode_words`` the rest (words past ``kernels.BPE_MAX_BYTES``)."""
+        spans = found.missing
+        assert spans is not None
+        if self._bpe is not None:
+            # Room for every word first (each at most an id per byte, the library's too),
+            # so that adding the long ones after cannot start the table afresh.
+            chars = int((spans[:, 1] - spans[:, 0]).sum())
+            self._make_room(len(spans), chars, chars)
+            left = np.empty(len(spans), dtype=np.int64)
+            added, added_chars, long_words = kernels.learn_words(
+                found.text, spans, *self._bpe.arrays(), self._slots, self._word_bytes, self._ids, self._used, left
+            )
+            self._words += added
+            self._chars += added_chars
+            self.bpe_words += added
+            spans = spans[left[:long_words]]
+        if len(spans):
+            self._learn(found.joined, found.text, spans)
 
     def _learn(self, joined: bytes, text: np.ndarray, spans: np.ndarray) -> None:
         """Tokenize and add the words at ``spans`` of ``text`` (each word once)."""
@@ -170,9 +174,7 @@ class WordTable:
         if any(not 0 < len(word_ids) <= length for word_ids, length in zip(ids, lengths, strict=True)):
             raise ValueError("a word with no ids or more ids than bytes")
         chars = sum(lengths)
-        if self._words + len(lengths) > self._max_words or self._chars + chars > self._max_chars:
-            self.clear()
-        self._reserve(len(lengths), chars, sum(map(len, ids)))
+        self._make_room(len(lengths), chars, sum(map(len, ids)))
         kernels.add_words(
             text,
             spans,
@@ -202,6 +204,12 @@ class WordTable:
         #: The byte and id arenas' used lengths (updated by the kernel).
         self._used = np.zeros(2, dtype=np.int64)
         self._words = self._chars = 0
+
+    def _make_room(self, words: int, word_bytes: int, ids: int) -> None:
+        """Room for this many more words, starting afresh past the table's bounds."""
+        if self._words + words > self._max_words or self._chars + word_bytes > self._max_chars:
+            self.clear()
+        self._reserve(words, word_bytes, ids)
 
     def _reserve(self, words: int, word_bytes: int, ids: int) -> None:
         """Room for this many more words, bytes and ids (slots moved when they double)."""

@@ -462,6 +462,20 @@ class RouterMetrics:
             )
         )
 
+    def watch_tokenizer_new_words(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Export who tokenized the words new text brought that the word caches lacked."""
+        self.registry.register(
+            _EventCounters(
+                "kvroute_tokenizer_new_words",
+                "Words of new prompt text that the word caches lacked, by who tokenized them "
+                "(by: bpe, the byte-level BPE in compiled code; library, the tokenizers library: "
+                "words of more than 64 bytes, short texts cut in Python, or a model the compiled "
+                "BPE does not run).",
+                counts,
+                label="by",
+            )
+        )
+
     def watch_cache_model(self, states: Callable[[], Mapping[str, CacheModelState]]) -> None:
         """Export each backend's cache model: the share of its cache counted on, its eviction
         rate, the answers that checked it."""

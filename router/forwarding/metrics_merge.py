@@ -48,6 +48,7 @@ RULES: dict[str, Rule] = {
     "kvroute_peer_handshakes": "sum",
     "kvroute_chat_renders": "sum",
     "kvroute_tokenizer_units": "sum",
+    "kvroute_tokenizer_new_words": "sum",
     "kvroute_cache_model_answers": "sum",
     "kvroute_backend_breaker_trips": "sum",
     # each worker's own load and resources

@@ -148,6 +148,7 @@ def build_app(
     )
     metrics.watch_chat_renders(routing.chat_render_counts)
     metrics.watch_tokenizer_units(routing.tokenizer_unit_counts)
+    metrics.watch_tokenizer_new_words(routing.tokenizer_new_word_counts)
     metrics.watch_cache_model(routing.cache_model_states)
     if state.exchange is not None:
         exchange = state.exchange

@@ -336,6 +336,15 @@ class RoutingEngine:
                 counts[source] += count
         return counts
 
+    def tokenizer_new_word_counts(self) -> dict[str, int]:
+        """Words new text brought that the word caches lacked, by who tokenized them, over
+        every tokenizer (:meth:`~kvroute.tokenizer_index.RequestTokenizer.new_word_counts`)."""
+        counts = dict.fromkeys(RequestTokenizer.NEW_WORD_SOURCES, 0)
+        for tokenizer in list(self._tokenizers.values()):
+            for source, count in tokenizer.new_word_counts().items():
+                counts[source] += count
+        return counts
+
     # --- the hot path ------------------------------------------------------------------
     def prepare(self, endpoint: str, body: Mapping[str, Any]) -> PreparedPrompt | None:
         """Tokenize and hash a request's prompt; None when it cannot be (thread-safe)."""

@@ -200,7 +200,7 @@ def test_a_word_table_learns_new_words_without_the_library() -> None:
     long_word = "q" * (kernels.BPE_MAX_BYTES + 1)
     text = f"new words{long_word} and more 123456789"
     assert table.ids([text])[0].tolist() == tokenizer.encode(text, add_special_tokens=False).ids
-    assert len(calls) == 1 and any(long_word in word for word in calls[0])  # the whole call, by the library
+    assert calls == [[" words" + long_word]]  # only the word past BPE_MAX_BYTES, by the library
     assert table.find(" more") is not None
 
 
@@ -212,8 +212,15 @@ def test_the_default_tokenizer_learns_words_in_compiled_code() -> None:
         for number in range(40)
     ]
     library = Tokenizer.from_file(str(RequestTokenizer.default_path() / "tokenizer.json"))
+    assert tokenizer.new_word_counts() == {"bpe": 0, "library": 0}  # (the start-up probes are no one's)
     for text in texts:
         assert tokenizer.encode_text(text) == library.encode(text, add_special_tokens=False).ids
+    learned = tokenizer.new_word_counts()
+    assert learned["bpe"] >= 40 and learned["library"] == 0
+    text = "A blob: " + "qwertyuiop" * 8 + ", and zqxwv" * 12  # one word of 81 bytes, one short new word
+    assert tokenizer.encode_text(text) == library.encode(text, add_special_tokens=False).ids
+    counts = tokenizer.new_word_counts()
+    assert counts["library"] == 1 and counts["bpe"] > learned["bpe"]
 
 
 def test_a_table_that_fills_with_compiled_words_starts_afresh() -> None:

@@ -422,7 +422,8 @@ def test_metrics_count_long_chats_rendered_from_a_remembered_turn(sim_engines: A
 
 def test_metrics_say_which_fast_path_tokenized_the_prompt(sim_engines: Any, router_server: Any) -> None:
     """``kvroute_tokenizer_units_total{source}``: a short new question word by word in
-    Python, a long new tool result in compiled code, both again from the piece cache."""
+    Python, a long new tool result in compiled code (its new words by the compiled BPE,
+    ``kvroute_tokenizer_new_words_total{by}``), both again from the piece cache."""
     router = router_server(sim_engines(1), policy="cache_aware")
     short = [{"role": "user", "content": "what does the router cache, and why?"}]
     long = [{"role": "user", "content": " ".join(f"line {number} of a tool result" for number in range(60))}]
@@ -438,9 +439,12 @@ def test_metrics_say_which_fast_path_tokenized_the_prompt(sim_engines: Any, rout
     chat(router, messages=short)
     after_short = units()
     assert after_short["words"] > before["words"] and after_short["words_compiled"] == before["words_compiled"]
+    new_words = router.metrics().value("kvroute_tokenizer_new_words_total", by="bpe")
     chat(router, messages=long)
     after_long = units()
     assert after_long["words_compiled"] > after_short["words_compiled"]
+    # Its new words (numbers, under the default tokenizer's whole digit runs) by the BPE.
+    assert router.metrics().value("kvroute_tokenizer_new_words_total", by="bpe") > new_words
     chat(router, messages=long)
     again = units()
     assert again["cached"] > after_long["cached"]
