@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
 from itertools import accumulate, pairwise
 from typing import Any
 
@@ -35,7 +36,8 @@ _PROBE_TOKENS = 600
 _TOKENS_PER_PROBE = 24
 
 
-def byte_characters() -> list[str]:
+@cache
+def byte_characters() -> tuple[str, ...]:
     """GPT-2's byte-level alphabet: the character that stands for each byte (printable
     Latin-1 bytes for themselves, the others shifted past 255 in byte order)."""
     kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -45,7 +47,22 @@ def byte_characters() -> list[str]:
         if byte not in characters:
             characters[byte] = chr(256 + shifted)
             shifted += 1
-    return [characters[byte] for byte in range(256)]
+    return tuple(characters[byte] for byte in range(256))
+
+
+def token_bytes(token: str) -> bytes | None:
+    """The bytes a byte-level token (a vocabulary entry) stands for; None where one of its
+    characters is not of the byte-level alphabet."""
+    values = _byte_values()
+    try:
+        return bytes(values[character] for character in token)
+    except KeyError:
+        return None
+
+
+@cache
+def _byte_values() -> dict[str, int]:
+    return {character: byte for byte, character in enumerate(byte_characters())}
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,14 +165,14 @@ def _table_size(entries: int) -> int:
 def _whole_words(vocab: Mapping[str, int]) -> tuple[np.ndarray, np.ndarray] | None:
     """The vocabulary's tokens as bytes, with their ids, in a word table's slots and byte
     arena (:func:`kernels.add_words`); None where a token is not byte-level text."""
-    decoded = {character: byte for byte, character in enumerate(byte_characters())}
     words: list[bytes] = []
     word_ids: list[int] = []
     for token, id_ in vocab.items():
-        if any(character not in decoded for character in token):
+        word = token_bytes(token)
+        if word is None:
             return None
-        if token:  # (no word is empty)
-            words.append(bytes(decoded[character] for character in token))
+        if word:  # (no word is empty)
+            words.append(word)
             word_ids.append(id_)
     joined = b"".join(words)
     ends = list(accumulate(map(len, words)))
@@ -174,12 +191,11 @@ def _whole_words(vocab: Mapping[str, int]) -> tuple[np.ndarray, np.ndarray] | No
 def _probe_texts(vocab: Mapping[str, int]) -> tuple[str, ...]:
     """About :data:`_PROBE_TOKENS` tokens spread over the vocabulary (merged early and
     late), their bytes as text, :data:`_TOKENS_PER_PROBE` to a text."""
-    decoded = {character: byte for byte, character in enumerate(byte_characters())}
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
     texts = []
     for token in tokens[:: max(1, len(tokens) // _PROBE_TOKENS)]:
-        if all(character in decoded for character in token):
-            raw = bytes(decoded[character] for character in token)
+        raw = token_bytes(token)
+        if raw is not None:
             texts.append(raw.decode("utf-8", errors="ignore"))
     return tuple("".join(texts[at : at + _TOKENS_PER_PROBE]) for at in range(0, len(texts), _TOKENS_PER_PROBE))
 

@@ -66,10 +66,10 @@ MAX_WORD_CHARS = 1 << 22
 #: was cheaper below ~130 ASCII characters, and below ~60 of text beyond ASCII, which
 #: ``regex`` cuts more slowly (``benchmarks/README.md``, "The compiled cutter for short texts").
 COMPILED_MIN_CHARS = 128
-#: Who tokenized a word new to the caches (:meth:`WordSplitter.new_word_counts`).
-NEW_WORD_SOURCES = ("bpe", "library")
 #: The same where the texts are not all ASCII (and the cutter reads them: ``compiled_wide``).
 COMPILED_MIN_CHARS_WIDE = 64
+#: Who tokenized a word new to the caches (:meth:`WordSplitter.new_word_counts`).
+NEW_WORD_SOURCES = ("bpe", "library")
 #: Text that is not ASCII is cut here when it has a space at least every this many
 #: characters (words that recur); other text, CJK above all, is left to the library.
 SPACED_WORD_CHARS = 16

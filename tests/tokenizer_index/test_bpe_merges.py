@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvroute.tokenizer_index import kernels
-from kvroute.tokenizer_index.bpe_merges import BpeMerges, bpe_merges, byte_characters
+from kvroute.tokenizer_index.bpe_merges import BpeMerges, bpe_merges, byte_characters, token_bytes
 from kvroute.tokenizer_index.tokenizer import RequestTokenizer
 from kvroute.tokenizer_index.word_program import word_program
 from kvroute.tokenizer_index.word_split import _GPT2_PATTERN, WordPatterns, WordSplitter, ascii_pattern
@@ -75,9 +75,8 @@ def _words(tokenizer: Tokenizer, text: str) -> list[str]:
     each as text again."""
     if tokenizer.normalizer is not None:
         text = tokenizer.normalizer.normalize_str(text)
-    decoded = {character: byte for byte, character in enumerate(byte_characters())}
     pieces = tokenizer.pre_tokenizer.pre_tokenize_str(text) if text else []
-    words = [bytes(decoded[character] for character in piece).decode("utf-8", "replace") for piece, _ in pieces]
+    words = [(token_bytes(piece) or b"").decode("utf-8", "replace") for piece, _ in pieces]
     return [word for word in words if "\ufffd" not in word]
 
 
@@ -99,6 +98,7 @@ def test_byte_characters_are_the_byte_level_alphabet() -> None:
     mapped = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     for text in ["".join(map(chr, range(1, 128))), "é€中😀\u0085\u00a0ÿ"]:
         assert mapped.pre_tokenize_str(text)[0][0] == "".join(characters[byte] for byte in text.encode())
+    assert token_bytes("".join(characters)) == bytes(range(256)) and token_bytes("a\u4e2d") is None
 
 
 @SETTINGS
