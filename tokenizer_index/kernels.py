@@ -551,7 +551,10 @@ def known_text(text, cmap):  # type: ignore[no-untyped-def]
 @njit(inline="always")
 def _match_alternative(text, at, stop, classes, items, suffixes, cmap, first, last, counts, positions, stops):  # type: ignore[no-untyped-def]
     """Where items ``first..last-1`` matched from ``at`` end (-1: no match), greedy repeats
-    giving back one character at a time on failure, as a backtracking engine does."""
+    giving back one character at a time on failure, as a backtracking engine does.
+    ``positions`` (where each item began) is written but no longer read since ``stops``
+    came: without it word_ids ran 12 % slower (730-748 against 651-677 us on 30 KB of ASCII,
+    each version compiled and run from the other's checkout too, 2026-12-06), code layout."""
     item = first
     position = at
     while True:
