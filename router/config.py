@@ -321,7 +321,10 @@ class Settings(BaseSettings):
     speculative_ttl_s: float = Field(
         default=2.0,
         gt=0,
-        description="precise mode: how long a routed request's blocks count before the engine's events confirm them",
+        description=(
+            "precise mode: how long a routed request's blocks count before the engine's events confirm them, "
+            "from the routing and again from the engine's answer (events can come after it)"
+        ),
     )
 
     # --- health and timeouts ---------------------------------------------------------

@@ -299,7 +299,8 @@ class _BackendEventCounters:
             "and the batches replayed for them, unrecoverable_gaps, restarts (engine restarts "
             "seen), disconnects, replay_failures, apply_errors, other_rank_batches (a data-parallel "
             "rank's endpoint sending another rank's batches, not applied), and what the decoder skipped "
-            "(malformed_messages, malformed_events, unknown_events).",
+            "(malformed_messages, malformed_events, unknown_events); answers_before_events: engine answers "
+            "that came before the events of all their prompt's blocks (held speculatively again).",
             labels=["backend", "event"],
         )
         for backend, events in self._counts().items():

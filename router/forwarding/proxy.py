@@ -589,8 +589,8 @@ class Proxy:
         self._metrics.record_request(outcome)
         self._metrics.record_decision(plan.policy, decision.reason)
         try:
-            pending = self._routing.observe(plan, cached_tokens, sliced=True)
-            if pending is not None:
+            answered = attempt.status.startswith("2")
+            for pending in self._routing.observe(plan, cached_tokens, answered=answered, sliced=True):
                 insert_in_loop_turns(pending)
         except Exception:
             log.exception("routing feedback failed")

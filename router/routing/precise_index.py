@@ -15,8 +15,10 @@ Layers, per backend:
   announces each store and each eviction, so copies are counted.
 * **speculative** — right after a routing decision the request's blocks are inserted for
   the chosen backend with a short TTL (``speculative_ttl_s``), so a burst of siblings
-  co-locates before the engine's events arrive. The engine's ``BlockStored`` then confirms
-  them in the exact layer; a ``BlockRemoved`` drops them from both; the rest expire.
+  co-locates before the engine's events arrive, and again when the engine answers unless
+  the events confirmed them already (they can come after the answer). The engine's
+  ``BlockStored`` then confirms them in the exact layer; a ``BlockRemoved`` drops them
+  from both; the rest expire.
 * **approximate** — the routing engine's own index, passed in to :meth:`PreciseIndex.match`,
   answers for a backend whose stream is not usable (see ``KVEventsState``), and fills in
   for blocks older than the history a late-joining router could replay (``PARTIAL``).
@@ -133,6 +135,7 @@ class _Backend:
     complete: bool = True  # False: history before the stream unknown (PARTIAL)
     unmatchable_stores: int = 0
     ignored_events: int = 0
+    answers_before_events: int = 0  # answers whose blocks the events had not all confirmed
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,8 @@ class PreciseStats:
     speculative_blocks: dict[str, int]
     states: dict[str, KVEventsState]
     block_sizes: dict[str, int | None]
+    #: Engine answers that came before the events of all their prompt's blocks.
+    answers_before_events: dict[str, int]
 
 
 class PreciseIndex:
@@ -267,6 +272,7 @@ class PreciseIndex:
             speculative_blocks={name: self._speculative_blocks(name) for name in names},
             states=self.states(),
             block_sizes={name: known.block_size for name, known in self._backends.items()},
+            answers_before_events={name: known.answers_before_events for name, known in self._backends.items()},
         )
 
     def _speculative_blocks(self, backend: str) -> int:
@@ -297,9 +303,7 @@ class PreciseIndex:
         """Matched prompt tokens per backend: from events for backends with a usable stream
         (exact or speculative, whichever is longer), from ``approximate`` (the routing
         engine's index) for the others, and the longest of all three while ``PARTIAL``."""
-        for subscriber in self._subscribers.values():
-            subscriber.drain()
-        self.flush()
+        self._catch_up()
         matched = {
             backend: tokens
             for backend, tokens in approximate.items()
@@ -334,12 +338,49 @@ class PreciseIndex:
         subscriber = self._subscribers.get(backend)
         if subscriber is not None:
             subscriber.note_routed()
+        held = self._hashes_for(known, prepared)
+        if held is None:
+            return None
+        block_size, hashes = held
+        return insert_blocks(self._speculative[block_size], backend, hashes, sliced=sliced)
+
+    def answered(self, backend: str, prepared: PreciseHashes, *, sliced: bool = False) -> PendingInsert | None:
+        """``backend``'s engine answered the request: it holds the prompt's blocks now. Unless
+        its events confirmed them all already, hold them speculatively for another
+        ``speculative_ttl_s``, so that the TTL counts from the answer, not from the routing.
+
+        vLLM can publish a request's events after its answer. A request that spent longer
+        than the TTL in the engine's queue had lost its guesses by then, and the next turn,
+        sent at once, found only the shared system prompt (the e2e tier, on a loaded CPU).
+        ``sliced`` as in :meth:`speculate`."""
+        known = self._backends.get(backend)
+        if known is None:
+            return None
+        held = self._hashes_for(known, prepared)
+        if held is None:
+            return None
+        block_size, hashes = held
+        self._catch_up()
+        if self._exact[block_size].match_hashes(hashes).get(backend, 0) == len(hashes) * block_size:
+            return None
+        known.answers_before_events += 1
+        return insert_blocks(self._speculative[block_size], backend, hashes, sliced=sliced)
+
+    def _catch_up(self) -> None:
+        """Apply the events every stream has received, and write them to the index layers."""
+        for subscriber in self._subscribers.values():
+            subscriber.drain()
+        self.flush()
+
+    @staticmethod
+    def _hashes_for(known: _Backend, prepared: PreciseHashes) -> tuple[int, np.ndarray] | None:
+        """The backend's block size and the prompt's hashes under it; None if there are none."""
         if known.block_size is None:
             return None
         hashes = prepared.hashes.get(known.block_size)
         if hashes is None or not len(hashes):
             return None
-        return insert_blocks(self._speculative[known.block_size], backend, hashes, sliced=sliced)
+        return known.block_size, hashes
 
     # -- event side (kvroute.router.routing.kv_events.EventSink) -------------------------------------
 
@@ -600,9 +641,12 @@ class PreciseIndex:
 
     def stream_counts(self) -> dict[str, dict[str, int]]:
         """Per backend with a subscriber, its stream's counters by name (messages, gaps,
-        disconnects, ...; what its decoder skipped included), for ``/metrics``."""
+        disconnects, ...; what its decoder skipped included; answers that came before the
+        events of their blocks), for ``/metrics``."""
         return {
-            url: asdict(subscriber.stats) | asdict(subscriber.decoder.stats)
+            url: asdict(subscriber.stats)
+            | asdict(subscriber.decoder.stats)
+            | {"answers_before_events": self._backends[url].answers_before_events}
             for url, subscriber in self._subscribers.items()
         }
 

@@ -461,11 +461,26 @@ class RoutingEngine:
         plan.pending_inserts = pending = pending[1:]
         return bool(pending)
 
-    def observe(self, plan: RoutePlan, cached_tokens: int | None, *, sliced: bool = False) -> PendingInsert | None:
-        """Feedback after an attempt: the engine's ``cached_tokens`` (None when not reported).
-        ``sliced``: a long prompt the engine held less of than modelled is touched again
-        only in its last slice here; the rest is returned, to insert with ``insert_next``."""
+    def observe(
+        self, plan: RoutePlan, cached_tokens: int | None, *, answered: bool = True, sliced: bool = False
+    ) -> tuple[PendingInsert, ...]:
+        """Feedback after an attempt: the engine's ``cached_tokens`` (None when not reported);
+        ``answered``: the engine answered (it computed the prompt), not an error. ``sliced``:
+        of a long prompt's blocks, inserted again here, only the last slice goes in at once;
+        the rest is returned, to insert with ``insert_next``."""
         self._computing.settle(plan.serial)
+        prompt = plan.prompt
+        pending: tuple[PendingInsert, ...] = ()
+        if answered and prompt is not None and prompt.precise is not None and self._precise is not None:
+            held = self._precise.answered(plan.backend, prompt.precise, sliced=sliced)
+            if held is not None:
+                pending += (held,)
+        corrected = self._check_model(plan, cached_tokens, sliced=sliced)
+        return pending if corrected is None else (*pending, corrected)
+
+    def _check_model(self, plan: RoutePlan, cached_tokens: int | None, *, sliced: bool) -> PendingInsert | None:
+        """Compare the engine's ``cached_tokens`` with the router's model of its cache, and
+        correct the model where the engine held less."""
         prompt = plan.prompt
         if cached_tokens is None or prompt is None:
             return None

@@ -218,9 +218,15 @@ def test_data_parallel_ranks_are_backends_with_their_own_events(tmp_path: Path) 
                 per_rank = Counter(result.backend for result in run.results)
                 later = [result for result in run.results if result.turn > 0]
                 history_hits = sum(r.cached_tokens for r in later) / sum(r.prompt_tokens for r in later)
+                metrics = router.metrics()
+                early = sum(
+                    metrics.get(f"kvroute_kv_events_total{{backend={name},event=answers_before_events}}", 0.0)
+                    for name in engine.backend_names
+                )
                 report(
                     describe(f"{policy} (precise, 2 ranks)", run)
                     + f"; requests per rank {sorted(per_rank.values())}, later turns cached {history_hits:.1%}"
+                    + f", answers before their events {early:.0f}"
                 )
                 assert set(per_rank) <= set(engine.backend_names)
                 wrong = run.misses()

@@ -261,6 +261,44 @@ def test_speculative_blocks_bridge_the_gap_until_events_arrive() -> None:
     assert index.stats().speculative_blocks == {BACKEND: 0, OTHER: 0}
 
 
+def test_the_speculative_ttl_counts_from_the_engines_answer() -> None:
+    """A request that waited in the engine's queue longer than ``speculative_ttl_s`` has
+    lost its guesses when it is answered, and the engine may publish its stored blocks
+    after the answer: the answer holds them again for a TTL, so the next turn, sent at
+    once, finds its history (a vLLM e2e run on a loaded CPU predicted only the system
+    prompt). An error answer computed nothing and holds nothing; blocks the events
+    confirmed are not held twice."""
+    now = [1000.0]
+    precise = precise_index("http://b0", speculative_ttl_s=2.0, clock=lambda: now[0])
+    routing = RoutingEngine(Settings(policy="cache_aware"), precise=precise)
+    backends = [Backend("http://b0")]
+    precise.apply_events("http://b0", [stored([1], tokens(50, 32), block_size=32)])  # its block size
+    prompt = tokens(51, 96)
+
+    def next_turn() -> int:
+        body = {"model": "sim", "prompt": prompt + tokens(52, 40), "max_tokens": 4}
+        return routing.route("/v1/completions", body, {}, backends).predicted_cached_tokens
+
+    for answered, held in ((True, 96), (False, 0)):
+        plan = routing.route("/v1/completions", {"model": "sim", "prompt": prompt, "max_tokens": 4}, {}, backends)
+        now[0] += 3.0  # queued past the TTL: the guesses expired
+        assert precise.stats().speculative_blocks == {"http://b0": 0}
+        assert routing.observe(plan, 0, answered=answered) == ()
+        assert precise.stats().answers_before_events == {"http://b0": 1}
+        assert next_turn() == held
+        now[0] += 2.5  # no events came: the answer's hold expires too
+        assert next_turn() == 0
+        now[0] += 2.5
+    # Events confirmed the prompt before the answer: nothing more to hold.
+    plan = routing.route("/v1/completions", {"model": "sim", "prompt": prompt, "max_tokens": 4}, {}, backends)
+    now[0] += 3.0
+    precise.apply_events("http://b0", [stored([2, 3, 4], prompt, block_size=32)])
+    routing.observe(plan, 0)
+    assert precise.stats().speculative_blocks == {"http://b0": 0}
+    assert precise.stats().answers_before_events == {"http://b0": 1}
+    assert next_turn() == 96
+
+
 def test_a_long_prompts_speculative_blocks_go_in_slices_and_end_as_one_insert(monkeypatch: pytest.MonkeyPatch) -> None:
     """``route(sliced=True)`` in precise mode: the speculative layer gets the last slice at
     once and the rest through ``learn_slice``, after the approximate index's slices; both
@@ -821,6 +859,7 @@ def test_two_routers_serving_the_same_engines_converge_and_decide_alike(
             # The stream's counters: every batch the engine published was applied, none lost.
             assert scrape.value("kvroute_kv_events_total", backend=sim.url, event="messages") == sim.published()
             assert scrape.value("kvroute_kv_events_total", backend=sim.url, event="unrecoverable_gaps") == 0
+            assert 0 <= scrape.value("kvroute_kv_events_total", backend=sim.url, event="answers_before_events") <= 60
     # The same request, asked of each router: the same backend, the same prediction. The
     # requests are prompts an engine holds whole, so answering them stores nothing new and
     # the engines (and both indexes) stay as they are between the two routers' answers.

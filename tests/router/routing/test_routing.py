@@ -186,8 +186,8 @@ def test_a_long_prompts_shortfall_touches_it_again_in_slices(monkeypatch: pytest
         served(engine, chat("first question"), backends)
         plan = route(engine, body, backends)
         pending = engine.observe(plan, 32, sliced=sliced)
-        assert (pending is not None) == sliced and engine.feedback.drifts == 1
-        while pending is not None and pending.insert_next():
+        assert len(pending) == sliced and engine.feedback.drifts == 1
+        while pending and pending[0].insert_next():
             pass
         again = route(engine, following, backends)
         assert again.backend == plan.backend
