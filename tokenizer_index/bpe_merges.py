@@ -89,27 +89,43 @@ class BpeMerges:
         return sum(array.nbytes for array in self.arrays())
 
     def encode(self, word: str) -> list[int] | None:
-        """The ids of one word (None past ``kernels.BPE_MAX_BYTES`` bytes), by the kernels a
-        word table runs, on a table of its own (for checks and tests)."""
-        encoded = word.encode("utf-8")
-        if not encoded or len(encoded) > kernels.BPE_MAX_BYTES:
+        """The ids of one word (None if empty or past ``kernels.BPE_MAX_BYTES`` bytes)."""
+        encoded = self.encode_words([word])
+        return None if encoded is None else encoded[0]
+
+    def encode_words(self, words: Sequence[str]) -> list[list[int]] | None:
+        """The ids of each of ``words``; None if one is empty or longer than
+        ``kernels.BPE_MAX_BYTES`` bytes. By the kernels a word table runs (learn, then fill
+        in), on a table of their own: in one call for a short text's new words
+        (``word_split``)."""
+        encoded = [word.encode("utf-8") for word in words]
+        if not all(0 < len(word) <= kernels.BPE_MAX_BYTES for word in encoded):
             return None
-        text = np.frombuffer(encoded, dtype=np.uint8)
-        span = np.array([[0, len(encoded)]], dtype=np.int64)
-        slots = np.zeros((2, 4), dtype=np.uint64)
-        word_bytes = np.zeros(len(encoded), dtype=np.uint8)
-        ids = np.zeros(len(encoded), dtype=np.int64)
-        used, left = np.zeros(2, dtype=np.int64), np.empty(1, dtype=np.int64)
-        kernels.learn_words(text, span, *self.arrays(), slots, word_bytes, ids, used, left)
-        out, end = np.empty(len(encoded), dtype=np.int64), np.empty(1, dtype=np.int64)
-        placeholder, placeholder_end = np.array([-1], dtype=np.int64), np.array([1], dtype=np.int64)
-        kernels.fill_missing(text, placeholder, placeholder_end, span, slots, word_bytes, ids, out, end)
-        return out[: end[0]].tolist()  # type: ignore[no-any-return]
+        joined, spans = word_spans(encoded)
+        text = np.frombuffer(joined, dtype=np.uint8)
+        slots = np.zeros((_table_size(len(encoded)), 4), dtype=np.uint64)
+        word_bytes = np.zeros(max(1, len(joined)), dtype=np.uint8)
+        ids = np.zeros(max(1, len(joined)), dtype=np.int64)
+        used, left = np.zeros(2, dtype=np.int64), np.empty(len(encoded), dtype=np.int64)
+        kernels.learn_words(text, spans, *self.arrays(), slots, word_bytes, ids, used, left)
+        # Each word as a text of one placeholder (-1 - its number), filled in from the table.
+        placeholders = np.arange(-1, -len(encoded) - 1, -1, dtype=np.int64)
+        ends = np.arange(1, len(encoded) + 1, dtype=np.int64)
+        out, out_ends = np.empty(max(1, len(joined)), dtype=np.int64), np.empty(len(encoded), dtype=np.int64)
+        kernels.fill_missing(text, placeholders, ends, spans, slots, word_bytes, ids, out, out_ends)
+        flat, bounds = out.tolist(), out_ends.tolist()
+        return [flat[start:end] for start, end in pairwise([0, *bounds])]
 
     def agrees(self, words: Sequence[str], encode_words: Callable[[list[str]], list[list[int]]]) -> bool:
         """Whether these words' ids equal the library's (``encode_words``, each on its own)."""
         words = [word for word in words if 0 < len(word.encode("utf-8")) <= kernels.BPE_MAX_BYTES]
-        return [self.encode(word) for word in words] == encode_words(words)
+        return self.encode_words(words) == encode_words(words)
+
+
+def word_spans(words: Sequence[bytes]) -> tuple[bytes, np.ndarray]:
+    """``words`` joined, and each one's (start, end) in the join: what the kernels read."""
+    ends = list(accumulate(map(len, words)))
+    return b"".join(words), np.array(list(pairwise([0, *ends])), dtype=np.int64).reshape(-1, 2)
 
 
 def bpe_merges(model: Mapping[str, Any] | None) -> BpeMerges | None:
@@ -174,9 +190,7 @@ def _whole_words(vocab: Mapping[str, int]) -> tuple[np.ndarray, np.ndarray] | No
         if word:  # (no word is empty)
             words.append(word)
             word_ids.append(id_)
-    joined = b"".join(words)
-    ends = list(accumulate(map(len, words)))
-    spans = np.array(list(pairwise([0, *ends])), dtype=np.int64).reshape(-1, 2)
+    joined, spans = word_spans(words)
     slots = np.zeros((_table_size(len(words)), 4), dtype=np.uint64)
     word_bytes = np.zeros(max(1, len(joined)), dtype=np.uint8)
     used = np.zeros(2, dtype=np.int64)

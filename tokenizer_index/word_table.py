@@ -21,7 +21,7 @@ from itertools import accumulate, chain
 import numpy as np
 
 from kvroute.tokenizer_index import kernels
-from kvroute.tokenizer_index.bpe_merges import BpeMerges
+from kvroute.tokenizer_index.bpe_merges import BpeMerges, word_spans
 from kvroute.tokenizer_index.word_program import WordProgram
 
 #: Words per slot at most before the slots double (open addressing stays short-probed).
@@ -131,10 +131,7 @@ class WordTable:
 
     def add(self, words: Sequence[str], ids: Sequence[Sequence[int]]) -> None:
         """Remember each of ``words`` (none in the table, each once) with its ids."""
-        encoded = [word.encode("utf-8") for word in words]
-        joined = b"".join(encoded)
-        ends = list(accumulate(map(len, encoded)))
-        spans = np.array(list(zip([0, *ends], ends)), dtype=np.int64).reshape(-1, 2)
+        joined, spans = word_spans([word.encode("utf-8") for word in words])
         self._add(np.frombuffer(joined, dtype=np.uint8), spans, ids)
 
     def _learn_missing(self, found: _Lookup) -> None:

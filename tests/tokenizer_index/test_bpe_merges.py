@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from kvroute.tokenizer_index import kernels
+from kvroute.tokenizer_index import kernels, word_split
 from kvroute.tokenizer_index.bpe_merges import BpeMerges, bpe_merges, byte_characters, token_bytes
 from kvroute.tokenizer_index.tokenizer import RequestTokenizer
 from kvroute.tokenizer_index.word_program import word_program
@@ -108,6 +108,7 @@ def test_each_word_has_the_librarys_ids(tokenizer: Tokenizer, merges: BpeMerges,
     words = [word for word in words if len(word.encode()) <= kernels.BPE_MAX_BYTES]
     expected = [encoding.ids for encoding in tokenizer.encode_batch(words, add_special_tokens=False)]
     assert [merges.encode(word) for word in words] == expected
+    assert merges.encode_words(words) == expected  # (one call, as a short text's new words)
 
 
 def test_the_vocabulary_probes_agree(tokenizer: Tokenizer, merges: BpeMerges) -> None:
@@ -124,6 +125,9 @@ def test_the_vocabulary_probes_agree(tokenizer: Tokenizer, merges: BpeMerges) ->
 def test_long_words_are_left_to_the_library(merges: BpeMerges) -> None:
     assert merges.encode("x" * kernels.BPE_MAX_BYTES) is not None
     assert merges.encode("x" * (kernels.BPE_MAX_BYTES + 1)) is None and merges.encode("") is None
+    assert merges.encode_words(["a", "x" * kernels.BPE_MAX_BYTES]) is not None
+    assert merges.encode_words(["a", "x" * (kernels.BPE_MAX_BYTES + 1)]) is None
+    assert merges.encode_words(["a", ""]) is None and merges.encode_words([]) == []
 
 
 def test_with_ignore_merges_a_whole_word_of_the_vocabulary_is_its_one_id() -> None:
@@ -221,6 +225,15 @@ def test_the_default_tokenizer_learns_words_in_compiled_code() -> None:
     assert tokenizer.encode_text(text) == library.encode(text, add_special_tokens=False).ids
     counts = tokenizer.new_word_counts()
     assert counts["library"] == 1 and counts["bpe"] > learned["bpe"]
+    # Short texts are cut in Python (word_split.COMPILED_MIN_CHARS); their new words too
+    # are the BPE's, in one call per text, not the library's.
+    for number in range(20):
+        name = "".join(chr(ord("a") + (number * 7 + place * 3) % 26) for place in range(6))
+        short = f"Ask zq{name} about wq{name}."
+        assert len(short) < word_split.COMPILED_MIN_CHARS
+        assert tokenizer.encode_text(short) == library.encode(short, add_special_tokens=False).ids
+    after = tokenizer.new_word_counts()
+    assert after["library"] == 1 and after["bpe"] >= counts["bpe"] + 40
 
 
 def test_a_table_that_fills_with_compiled_words_starts_afresh() -> None:
