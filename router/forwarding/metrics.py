@@ -470,7 +470,7 @@ class RouterMetrics:
                 "kvroute_tokenizer_new_words",
                 "Words of new prompt text that the word caches lacked, by who tokenized them "
                 "(by: bpe, the byte-level BPE in compiled code; library, the tokenizers library: "
-                "words of more than 64 bytes, short texts cut in Python, or a model the compiled "
+                "words of more than 64 bytes, a short text's one new word, or a model the compiled "
                 "BPE does not run).",
                 counts,
                 label="by",
