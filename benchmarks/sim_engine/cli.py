@@ -63,6 +63,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER endpoint, e.g. tcp://*:5558")
     p.add_argument("--kv-events-format", choices=("map", "array"), default="map")
     p.add_argument("--kv-events-topic", default="kv-events")
+    p.add_argument(
+        "--kv-events-delay-s",
+        type=float,
+        default=0.0,
+        help="publish each step's events this many seconds late (answers can come first, as from vLLM)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--api-key",
@@ -91,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> SimEngineConfig:
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_format=args.kv_events_format,
         kv_events_topic=args.kv_events_topic,
+        kv_events_delay_s=args.kv_events_delay_s,
         seed=args.seed,
         api_key=args.api_key or None,
         api=args.api,

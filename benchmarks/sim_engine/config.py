@@ -36,6 +36,9 @@ class SimEngineConfig:
     kv_events_format: KVEventsFormat = "map"
     kv_events_topic: str = "kv-events"
     kv_events_buffer_steps: int = 10_000
+    #: Publish each step's events this many (wall-clock) seconds after the step, so that the
+    #: answers can come first, as they often do from vLLM, whose publisher is a thread of its own.
+    kv_events_delay_s: float = 0.0
     seed: int = 0
     engine_id: str = "0"
     # Shortest real sleep of the scheduler: faster steps are simulated back to back and
@@ -69,6 +72,8 @@ class SimEngineConfig:
         ):
             if rate <= 0:
                 raise ValueError(f"{name} must be > 0, got {rate}")
+        if self.kv_events_delay_s < 0:
+            raise ValueError(f"kv_events_delay_s must be >= 0, got {self.kv_events_delay_s}")
         if self.kv_capacity_tokens < self.block_size:
             raise ValueError("kv_capacity_tokens must hold at least one block")
         if self.api not in ("vllm", "sglang"):

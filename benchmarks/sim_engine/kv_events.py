@@ -130,6 +130,7 @@ class KVEventPublisher:
         buffer_steps: int = 10_000,
         data_parallel_rank: int = 0,
         hwm: int = 100_000,
+        delay_s: float = 0.0,
     ) -> None:
         self._encode_event = event_as_map if event_format == "map" else event_as_array
         self._topic = topic.encode()
@@ -138,6 +139,8 @@ class KVEventPublisher:
         self._pending: list[KVEvent] = []
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._next_seq = 0
+        self._delay_s = delay_s
+        self._closed = False
         # PUB is a plain synchronous socket (its sends never block); the replay ROUTER lives
         # on an asyncio shadow of the same context so one task can await requests.
         self._ctx = zmq.Context()
@@ -186,9 +189,19 @@ class KVEventPublisher:
         seq = self._next_seq
         self._next_seq += 1
         self._buffer.append((seq, payload))
+        frames = (self._topic, seq.to_bytes(8, "big"), payload)
+        if self._delay_s > 0:
+            # (call_later keeps the batches in order: their times only grow)
+            asyncio.get_running_loop().call_later(self._delay_s, self._send, frames)
+        else:
+            self._send(frames)
+
+    def _send(self, frames: tuple[bytes, bytes, bytes]) -> None:
+        if self._closed:  # (a delayed batch after close: dropped, as by a stopped engine)
+            return
         with contextlib.suppress(zmq.Again):
             # At the high-water mark PUB drops rather than block, like vLLM's publisher.
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+            self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
 
     async def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -214,6 +227,7 @@ class KVEventPublisher:
             self._replay_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._replay_task
+        self._closed = True
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)

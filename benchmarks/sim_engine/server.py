@@ -106,6 +106,7 @@ class SimEngine:
                 event_format=config.kv_events_format,
                 topic=config.kv_events_topic,
                 buffer_steps=config.kv_events_buffer_steps,
+                delay_s=config.kv_events_delay_s,
             )
             self.publisher.start()
         sglang_events = SGLangEventHashes() if config.api == "sglang" else None

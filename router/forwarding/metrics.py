@@ -300,7 +300,8 @@ class _BackendEventCounters:
             "seen), disconnects, replay_failures, apply_errors, other_rank_batches (a data-parallel "
             "rank's endpoint sending another rank's batches, not applied), and what the decoder skipped "
             "(malformed_messages, malformed_events, unknown_events); answers_before_events: engine answers "
-            "that came before the events of all their prompt's blocks (held speculatively again).",
+            "that came before the events of all their prompt's blocks (held speculatively again; also "
+            "counts prompts whose blocks no event can confirm, such as those after an image).",
             labels=["backend", "event"],
         )
         for backend, events in self._counts().items():

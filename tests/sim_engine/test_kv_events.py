@@ -222,6 +222,23 @@ async def test_generated_blocks_are_stored_after_the_prompt_chained() -> None:
         assert feed.engine.cache is not None and feed.engine.cache.index_blocks == 4
 
 
+async def test_delayed_events_come_after_the_answer_in_order() -> None:
+    """``kv_events_delay_s``: a step's batch is published that long after the step, so the
+    answer comes first (as from vLLM), and the batches keep their order."""
+    async with event_feed("map", kv_events_delay_s=1.0) as feed:
+        await feed.complete(token_prompt(8, 40))
+        with pytest.raises(asyncio.TimeoutError):
+            await feed.receive(timeout=0.2)  # answered; its blocks not yet announced
+        await feed.complete(token_prompt(9, 40))
+        last = expected_hashes(feed.engine, token_prompt(9, 40))
+        batches = await feed.receive_until(lambda event: event.get("block_hashes") == last)
+        stores = [event for batch in batches for event in batch.events if event["type"] == "BlockStored"]
+        assert [event["block_hashes"] for event in stores] == [
+            expected_hashes(feed.engine, token_prompt(seed, 40)) for seed in (8, 9)
+        ]
+        assert [batch.seq for batch in batches] == sorted(batch.seq for batch in batches)
+
+
 async def test_array_events_are_positional() -> None:
     async with event_feed("array", kv_capacity_tokens=64) as feed:
         prompt = token_prompt(4, 48)

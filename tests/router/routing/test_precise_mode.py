@@ -818,6 +818,33 @@ def test_two_routers_on_the_same_engines_agree(
 # --------------------------------------------------------------------------- through routers
 
 
+def test_the_next_turn_finds_its_history_when_the_engine_answers_before_its_events(
+    evented_sims: Callable[..., list[EventedSim]], router_server: Callable[..., Any]
+) -> None:
+    """An engine that publishes its events after its answers (vLLM often does; the sim with
+    ``kv_events_delay_s``), and a turn that takes longer than ``speculative_ttl_s``: the
+    router holds the answered prompt's blocks again from the answer, so the conversation's
+    next turn, sent at once, is predicted its whole history, as the engine then reports."""
+    (sim,) = evented_sims(1, kv_events_delay_s=3.0, time_scale=1.0)
+    router = router_server(
+        policy="cache_aware",
+        kv_events=True,
+        speculative_ttl_s=0.3,
+        backends=[{"url": sim.url, "kv_events_endpoint": sim.events, "kv_events_replay_endpoint": sim.replay}],
+    )
+    RunningIndex(router.loop, router.state.precise).go_live(sim)  # type: ignore[arg-type]
+    client = router.client()
+    first = tokens(70, 200)
+    started = time.monotonic()
+    client.completions.create(model="sim", prompt=first, max_tokens=20)  # 20 tokens at 50/s: 0.4 s
+    assert time.monotonic() - started > 0.3  # the routing's speculative blocks have expired
+    raw = client.completions.with_raw_response.create(model="sim", prompt=first + tokens(71, 40), max_tokens=2)
+    assert raw.parse().usage.prompt_tokens_details.cached_tokens == 192  # type: ignore[union-attr]
+    assert int(raw.headers["x-kvroute-matched-tokens"]) == 192
+    early = router.metrics().value("kvroute_kv_events_total", backend=sim.url, event="answers_before_events")
+    assert early is not None and early >= 1
+
+
 def test_two_routers_serving_the_same_engines_converge_and_decide_alike(
     evented_sims: Callable[..., list[EventedSim]], router_server: Callable[..., Any]
 ) -> None:
