@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -278,6 +279,17 @@ def test_every_queried_metric_is_exported(
         pass
 
     router_exports = exported_names(httpx.get(router.url + "/metrics", timeout=30).text)
+    # What only a router in precise mode exports (its KV-event streams' counters).
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        events_port = probe.getsockname()[1]
+    (evented,) = sim_engines(1, kv_events_endpoint=f"tcp://*:{events_port}")
+    precise = router_server(
+        policy="cache_aware",
+        kv_events=True,
+        backends=[{"url": evented.url, "kv_events_endpoint": f"tcp://127.0.0.1:{events_port}"}],
+    )
+    router_exports |= exported_names(httpx.get(precise.url + "/metrics", timeout=30).text)
     engine_exports = exported_names(httpx.get(engine.url + "/metrics", timeout=30).text)
     vllm_exports = expand_vllm(VLLM_METRICS)
 
