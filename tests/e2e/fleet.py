@@ -6,7 +6,7 @@ tiny model with kvroute's default tokenizer into the cache, and starts both repl
 parallel on free ports. ``launch_router`` starts ``kvroute serve`` in front of them.
 ``run_workload`` sends a workload with the ``openai`` SDK and measures the engines' own
 prefix-cache counters over it. Results worth reading go through ``report`` and are printed
-in pytest's terminal summary (see conftest.py), so CI logs show them on success too.
+in pytest's terminal summary (see tests/summary.py), so CI logs show them on success too.
 
 Environment: ``KVROUTE_E2E_CACHE`` (default ``~/.cache/kvroute``) holds the venv and the
 model; ``KVROUTE_E2E_START_TIMEOUT`` (default 1500 s) bounds install + start-up.
