@@ -352,9 +352,10 @@ class PreciseIndex:
         vLLM can publish a request's events after its answer. A request that spent longer
         than the TTL in the engine's queue had lost its guesses by then, and the next turn,
         sent at once, found only the shared system prompt (the e2e tier, on a loaded CPU).
-        ``sliced`` as in :meth:`speculate`."""
+        Nothing for a backend whose stream is not usable (no events to wait for). ``sliced``
+        as in :meth:`speculate`."""
         known = self._backends.get(backend)
-        if known is None:
+        if known is None or known.state is KVEventsState.APPROXIMATE:
             return None
         held = self._hashes_for(known, prepared)
         if held is None:

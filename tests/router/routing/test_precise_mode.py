@@ -297,6 +297,13 @@ def test_the_speculative_ttl_counts_from_the_engines_answer() -> None:
     assert precise.stats().speculative_blocks == {"http://b0": 0}
     assert precise.stats().answers_before_events == {"http://b0": 1}
     assert next_turn() == 96
+    # A stream that is not usable has no events to wait for: nothing held, nothing counted.
+    precise.set_state("http://b0", KVEventsState.APPROXIMATE)
+    plan = routing.route("/v1/completions", {"model": "sim", "prompt": tokens(53, 96), "max_tokens": 4}, {}, backends)
+    now[0] += 3.0
+    routing.observe(plan, 0)
+    assert precise.stats().speculative_blocks == {"http://b0": 0}
+    assert precise.stats().answers_before_events == {"http://b0": 1}
 
 
 def test_a_long_prompts_speculative_blocks_go_in_slices_and_end_as_one_insert(monkeypatch: pytest.MonkeyPatch) -> None:
