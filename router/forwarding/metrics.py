@@ -43,6 +43,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+KV_EVENT_LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 class _Histogram:
@@ -310,6 +311,26 @@ class _BackendEventCounters:
         yield family
 
 
+class _KVEventLagCollector:
+    """``kvroute_kv_events_lag_seconds{backend}``: how long after an answer the event that
+    confirmed its prompt's last block came, for the answers that came first."""
+
+    def __init__(self, lags: Mapping[str, _Histogram]) -> None:
+        self._lags = lags
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            "kvroute_kv_events_lag_seconds",
+            "Precise mode: from an engine's answer to the KV event that stored its prompt's last block, "
+            "for answers that came before it (answers_before_events). Past --speculative-ttl-s, a "
+            "conversation's next turn sent at once can miss its history.",
+            labels=["backend"],
+        )
+        for backend, lags in self._lags.items():
+            family.add_metric([backend], lags.cumulative(), lags.total)
+        yield family
+
+
 class _CacheModelCollector:
     """``kvroute_cache_model_*{backend}``: what each backend's cache model learnt from answers."""
 
@@ -362,6 +383,8 @@ class RouterMetrics:
         self.pairs: dict[tuple[str, str], _PairStats] = {}
         #: (policy, reason) -> decisions.
         self.decisions: dict[tuple[str, str], int] = {}
+        #: backend -> how long after answers their KV events came (precise mode).
+        self.kv_event_lags: dict[str, _Histogram] = {}
         self.index_blocks = Gauge(
             "kvroute_index_blocks",
             "Blocks the router's prefix index holds per backend.",
@@ -484,8 +507,17 @@ class RouterMetrics:
         self.registry.register(_CacheModelCollector(states))
 
     def watch_kv_events(self, counts: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
-        """Export each KV-event stream's counters (``--kv-events``), per backend and event."""
+        """Export each KV-event stream's counters (``--kv-events``), per backend and event,
+        and the lag of events behind answers (:meth:`record_kv_event_lag`)."""
         self.registry.register(_BackendEventCounters(counts))
+        self.registry.register(_KVEventLagCollector(self.kv_event_lags))
+
+    def record_kv_event_lag(self, backend: str, seconds: float) -> None:
+        """An engine's KV event stored an answered prompt's last block ``seconds`` after the answer."""
+        lags = self.kv_event_lags.get(backend)
+        if lags is None:
+            lags = self.kv_event_lags[backend] = _Histogram(KV_EVENT_LAG_BUCKETS)
+        lags.observe(seconds)
 
     # --- hot path ----------------------------------------------------------------------
     def record_request(self, outcome: AttemptOutcome) -> None:
@@ -521,6 +553,7 @@ class RouterMetrics:
             del self.requests[request_key]
         for pair in [key for key in self.pairs if key[0] == url]:
             del self.pairs[pair]
+        self.kv_event_lags.pop(url, None)
         for gauge in (self.index_blocks, self.kv_events_state):
             try:
                 gauge.remove(url)

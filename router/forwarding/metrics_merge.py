@@ -50,6 +50,7 @@ RULES: dict[str, Rule] = {
     "kvroute_tokenizer_units": "sum",
     "kvroute_tokenizer_new_words": "sum",
     "kvroute_cache_model_answers": "sum",
+    "kvroute_kv_events_lag_seconds": "sum",
     "kvroute_backend_breaker_trips": "sum",
     # each worker's own load and resources
     "kvroute_backend_in_flight_requests": "sum",

@@ -273,7 +273,11 @@ def _peers_status(state: RouterState) -> dict[str, Any]:
 def _precise_index(settings: Settings, pool: BackendPool, metrics: RouterMetrics) -> PreciseIndex:
     """The KV-event index, following the pool and exporting each stream's state."""
     gauge = metrics.kv_events_state
-    precise = PreciseIndex.from_settings(settings, on_state=lambda url, kv_state: gauge.labels(url).set(int(kv_state)))
+    precise = PreciseIndex.from_settings(
+        settings,
+        on_state=lambda url, kv_state: gauge.labels(url).set(int(kv_state)),
+        on_event_lag=metrics.record_kv_event_lag,
+    )
     metrics.watch_kv_events(precise.stream_counts)
     pool.on_added(lambda backend: precise.add_backend(backend.url, backend.kv_events_endpoint))
     pool.on_removed(lambda backend: precise.remove_backend(backend.url))

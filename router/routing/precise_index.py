@@ -75,6 +75,9 @@ log = logging.getLogger(__name__)
 
 #: Media whose blocks a request can hit; "CPU"/disk tiers of offloading connectors are not.
 INDEXED_MEDIA = frozenset({None, "GPU", "gpu"})
+#: Answers per backend whose confirming event is awaited (to time it), the oldest dropped
+#: beyond: the events of some prompts never come (blocks after an image).
+AWAITED_ANSWERS = 1024
 
 
 def precise_salt(lora_name: str | None, cache_salt: str | None) -> str | None:
@@ -136,6 +139,8 @@ class _Backend:
     unmatchable_stores: int = 0
     ignored_events: int = 0
     answers_before_events: int = 0  # answers whose blocks the events had not all confirmed
+    # Such an answer's last block (router hash) -> when it came, until an event stores it.
+    awaited: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +168,8 @@ class PreciseIndex:
 
     Proxy side: ``add_backend`` / ``remove_backend`` as backends come and go,
     ``await start()`` / ``await stop()`` with the app, ``on_state`` to export
-    ``kvroute_kv_events_state{backend}``.
+    ``kvroute_kv_events_state{backend}``, ``on_event_lag`` to export how long after an
+    answer the event that confirms its prompt's last block came (answers that came first).
     """
 
     def __init__(
@@ -175,9 +181,11 @@ class PreciseIndex:
         events_port: int | None = None,
         replay_port: int | None = None,
         on_state: Callable[[str, KVEventsState], None] | None = None,
+        on_event_lag: Callable[[str, float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._speculative_ttl_s = speculative_ttl_s
+        self._on_event_lag = on_event_lag
         self._topic = topic
         self._silence_s = silence_s
         self._events_port = events_port
@@ -200,7 +208,10 @@ class PreciseIndex:
 
     @classmethod
     def from_settings(
-        cls, settings: Settings, on_state: Callable[[str, KVEventsState], None] | None = None
+        cls,
+        settings: Settings,
+        on_state: Callable[[str, KVEventsState], None] | None = None,
+        on_event_lag: Callable[[str, float], None] | None = None,
     ) -> PreciseIndex:
         """A precise index subscribed to every configured backend that has an endpoint."""
         index = cls(
@@ -210,6 +221,7 @@ class PreciseIndex:
             events_port=settings.kv_events_port,
             replay_port=settings.kv_events_replay_port,
             on_state=on_state,
+            on_event_lag=on_event_lag,
         )
         for backend in settings.backend_ranks():
             index.configure_backend(backend.name, backend.kv_events_endpoint, backend.kv_events_replay_endpoint)
@@ -365,6 +377,10 @@ class PreciseIndex:
         if self._exact[block_size].match_hashes(hashes).get(backend, 0) == len(hashes) * block_size:
             return None
         known.answers_before_events += 1
+        awaited = known.awaited
+        if len(awaited) >= AWAITED_ANSWERS:
+            del awaited[next(iter(awaited))]
+        awaited[int(hashes[-1])] = self._clock()
         return insert_blocks(self._speculative[block_size], backend, hashes, sliced=sliced)
 
     def _catch_up(self) -> None:
@@ -433,6 +449,7 @@ class PreciseIndex:
         known.copies.clear()
         known.pending_insert.clear()
         known.pending_remove.clear()
+        known.awaited.clear()
         if known.block_size is not None:
             self._exact[known.block_size].clear(backend)
             self._speculative[known.block_size].clear(backend)
@@ -499,7 +516,17 @@ class PreciseIndex:
             if router_value is not None:
                 pending_remove.discard(router_value)
                 pending_insert[router_value] = None
+        if known.awaited:
+            self._confirm_awaited(backend, known, router_hashes)
         self._dirty.add(backend)
+
+    def _confirm_awaited(self, backend: str, known: _Backend, router_hashes: list[int | None]) -> None:
+        """Time the answers whose prompt's last block these stored blocks include."""
+        now = self._clock()
+        for router_value in router_hashes:
+            answered_at = known.awaited.pop(router_value, None) if router_value is not None else None
+            if answered_at is not None and self._on_event_lag is not None:
+                self._on_event_lag(backend, now - answered_at)
 
     def _router_hashes(self, known: _Backend, event: BlockStored) -> list[int | None]:
         """The router's chained hashes of the stored blocks, or Nones when they cannot be

@@ -306,6 +306,32 @@ def test_the_speculative_ttl_counts_from_the_engines_answer() -> None:
     assert precise.stats().answers_before_events == {"http://b0": 1}
 
 
+def test_how_long_events_lag_behind_answers_is_timed() -> None:
+    """For an answer that came before its events, the time until the event that stores the
+    prompt's last block (``on_event_lag``): what tells an operator whether
+    ``speculative_ttl_s`` covers the engine's lag. An answer after its events is not timed."""
+    now = [1000.0]
+    lags: list[tuple[str, float]] = []
+    precise = precise_index(
+        "http://b0", speculative_ttl_s=2.0, clock=lambda: now[0], on_event_lag=lambda *lag: lags.append(lag)
+    )
+    routing = RoutingEngine(Settings(policy="cache_aware"), precise=precise)
+    backends = [Backend("http://b0")]
+    precise.apply_events("http://b0", [stored([1], tokens(60, 32), block_size=32)])  # its block size
+    prompt = tokens(61, 96)
+    body = {"model": "sim", "prompt": prompt, "max_tokens": 4}
+    routing.observe(routing.route("/v1/completions", body, {}, backends), 0)
+    now[0] += 0.25
+    precise.apply_events("http://b0", [stored([2, 3], prompt[:64], block_size=32)])
+    assert lags == []  # not the last block yet
+    now[0] += 0.25
+    precise.apply_events("http://b0", [stored([4], prompt[64:], parent=3, block_size=32)])
+    assert lags == [("http://b0", 0.5)]
+    routing.observe(routing.route("/v1/completions", body, {}, backends), 64)
+    precise.apply_events("http://b0", [stored([4], prompt[64:], parent=3, block_size=32)])  # a copy
+    assert lags == [("http://b0", 0.5)]
+
+
 def test_a_long_prompts_speculative_blocks_go_in_slices_and_end_as_one_insert(monkeypatch: pytest.MonkeyPatch) -> None:
     """``route(sliced=True)`` in precise mode: the speculative layer gets the last slice at
     once and the rest through ``learn_slice``, after the approximate index's slices; both
@@ -849,7 +875,13 @@ def test_the_next_turn_finds_its_history_when_the_engine_answers_before_its_even
     assert raw.parse().usage.prompt_tokens_details.cached_tokens == 192  # type: ignore[union-attr]
     assert int(raw.headers["x-kvroute-matched-tokens"]) == 192
     early = router.metrics().value("kvroute_kv_events_total", backend=sim.url, event="answers_before_events")
-    assert early is not None and early >= 1
+    assert early >= 1
+    # The events come ~3 s after the turn's prefill, ~2.6 s after its answer: timed.
+    wait_until(lambda: router.metrics().value("kvroute_kv_events_lag_seconds_count", backend=sim.url) >= 1, timeout=15)
+    scrape = router.metrics()
+    count = scrape.value("kvroute_kv_events_lag_seconds_count", backend=sim.url)
+    assert 1.0 < scrape.value("kvroute_kv_events_lag_seconds_sum", backend=sim.url) / count < 10.0
+    assert scrape.value("kvroute_kv_events_lag_seconds_bucket", backend=sim.url, le="1.0") == 0
 
 
 def test_two_routers_serving_the_same_engines_converge_and_decide_alike(
