@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from kvroute.tokenizer_index import kernels, word_split
+from kvroute.tokenizer_index import kernels
 from kvroute.tokenizer_index.bpe_merges import BpeMerges, bpe_merges, byte_characters, token_bytes
 from kvroute.tokenizer_index.tokenizer import RequestTokenizer
 from kvroute.tokenizer_index.word_program import word_program
@@ -227,11 +227,13 @@ def test_the_default_tokenizer_learns_words_in_compiled_code() -> None:
     assert counts["library"] == 1 and counts["bpe"] > learned["bpe"]
     # Short texts are cut in Python (word_split.COMPILED_MIN_CHARS); their new words too
     # are the BPE's, in one call per text, not the library's.
+    units = tokenizer.unit_counts()
     for number in range(20):
         name = "".join(chr(ord("a") + (number * 7 + place * 3) % 26) for place in range(6))
         short = f"Ask zq{name} about wq{name}."
-        assert len(short) < word_split.COMPILED_MIN_CHARS
         assert tokenizer.encode_text(short) == library.encode(short, add_special_tokens=False).ids
+    cut = {source: count - units[source] for source, count in tokenizer.unit_counts().items()}
+    assert cut["words"] == 20 and cut["words_compiled"] == 0  # each cut in Python
     after = tokenizer.new_word_counts()
     assert after["library"] == 1 and after["bpe"] >= counts["bpe"] + 40
 
