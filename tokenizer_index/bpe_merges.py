@@ -103,15 +103,15 @@ class BpeMerges:
             return None
         joined, spans = word_spans(encoded)
         text = np.frombuffer(joined, dtype=np.uint8)
+        # A table of its own: slots, and an arena of an id per byte (room for every word's).
         slots = np.zeros((_table_size(len(encoded)), 4), dtype=np.uint64)
-        word_bytes = np.zeros(max(1, len(joined)), dtype=np.uint8)
-        ids = np.zeros(max(1, len(joined)), dtype=np.int64)
+        word_bytes, ids = np.empty(len(joined), dtype=np.uint8), np.empty(len(joined), dtype=np.int64)
         used, left = np.zeros(2, dtype=np.int64), np.empty(len(encoded), dtype=np.int64)
         kernels.learn_words(text, spans, *self.arrays(), slots, word_bytes, ids, used, left)
         # Each word as a text of one placeholder (-1 - its number), filled in from the table.
         placeholders = np.arange(-1, -len(encoded) - 1, -1, dtype=np.int64)
         ends = np.arange(1, len(encoded) + 1, dtype=np.int64)
-        out, out_ends = np.empty(max(1, len(joined)), dtype=np.int64), np.empty(len(encoded), dtype=np.int64)
+        out, out_ends = np.empty(len(joined), dtype=np.int64), np.empty(len(encoded), dtype=np.int64)
         kernels.fill_missing(text, placeholders, ends, spans, slots, word_bytes, ids, out, out_ends)
         flat, bounds = out.tolist(), out_ends.tolist()
         return [flat[start:end] for start, end in pairwise([0, *bounds])]
