@@ -287,11 +287,14 @@ class _EventCounters:
         yield family
 
 
-class _BackendEventCounters:
-    """``kvroute_kv_events_total{backend,event}``, read from the streams at scrape time."""
+class _KVEventCollector:
+    """Precise mode's streams, read at scrape time: ``kvroute_kv_events_total{backend,event}``
+    and ``kvroute_kv_events_lag_seconds{backend}`` (how long after an answer the event that
+    confirmed its prompt's last block came, for the answers that came first)."""
 
-    def __init__(self, counts: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+    def __init__(self, counts: Callable[[], Mapping[str, Mapping[str, int]]], lags: Mapping[str, _Histogram]) -> None:
         self._counts = counts
+        self._lags = lags
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(
@@ -309,17 +312,7 @@ class _BackendEventCounters:
             for event, count in events.items():
                 family.add_metric([backend, event], count)
         yield family
-
-
-class _KVEventLagCollector:
-    """``kvroute_kv_events_lag_seconds{backend}``: how long after an answer the event that
-    confirmed its prompt's last block came, for the answers that came first."""
-
-    def __init__(self, lags: Mapping[str, _Histogram]) -> None:
-        self._lags = lags
-
-    def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(
+        lag = HistogramMetricFamily(
             "kvroute_kv_events_lag_seconds",
             "Precise mode: from an engine's answer to the KV event that stored its prompt's last block, "
             "for answers that came before it (answers_before_events). Past --speculative-ttl-s, a "
@@ -327,8 +320,8 @@ class _KVEventLagCollector:
             labels=["backend"],
         )
         for backend, lags in self._lags.items():
-            family.add_metric([backend], lags.cumulative(), lags.total)
-        yield family
+            lag.add_metric([backend], lags.cumulative(), lags.total)
+        yield lag
 
 
 class _CacheModelCollector:
@@ -509,8 +502,7 @@ class RouterMetrics:
     def watch_kv_events(self, counts: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
         """Export each KV-event stream's counters (``--kv-events``), per backend and event,
         and the lag of events behind answers (:meth:`record_kv_event_lag`)."""
-        self.registry.register(_BackendEventCounters(counts))
-        self.registry.register(_KVEventLagCollector(self.kv_event_lags))
+        self.registry.register(_KVEventCollector(counts, self.kv_event_lags))
 
     def record_kv_event_lag(self, backend: str, seconds: float) -> None:
         """An engine's KV event stored an answered prompt's last block ``seconds`` after the answer."""
