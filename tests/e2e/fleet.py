@@ -372,6 +372,9 @@ class Result:
     cached_tokens: int
     router_prompt_tokens: int | None
     predicted_tokens: int | None
+    #: When the client sent it and had its answer (``time.monotonic()``).
+    sent_s: float = 0.0
+    answered_s: float = 0.0
 
 
 @dataclass
@@ -411,10 +414,12 @@ async def _send_session(
     results = []
     for request in requests:
         headers = {session_header: request.session_id} if session_header and request.session_id else {}
+        sent_s = time.monotonic()
         raw = await client.chat.completions.with_raw_response.create(
             **{**request.body, "model": MODEL, "temperature": 0.0}, extra_headers=headers
         )
         completion = raw.parse()
+        answered_s = time.monotonic()
         usage = completion.usage
         assert usage is not None and usage.prompt_tokens_details is not None, "vLLM sent no prompt_tokens_details"
         headers = raw.headers
@@ -431,6 +436,8 @@ async def _send_session(
                 predicted_tokens=int(headers["x-kvroute-matched-tokens"])
                 if "x-kvroute-matched-tokens" in headers
                 else None,
+                sent_s=sent_s,
+                answered_s=answered_s,
             )
         )
     return results
