@@ -18,7 +18,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.paths import REPO
-from tests.servers import RouterServer, SimServer
+from tests.servers import RouterServer, SimServer, wait_until
 
 DASHBOARD = REPO / "deploy" / "grafana" / "kvroute.json"
 
@@ -103,6 +103,7 @@ REQUIRED_ROUTER_METRICS = {
     "kvroute_engine_prefix_cache_hit_ratio",
     "kvroute_engine_requests_waiting",
     "kvroute_kv_events_state",
+    "kvroute_kv_events_lag_seconds_bucket",
 }
 REQUIRED_VLLM_METRICS = {
     "vllm:prefix_cache_queries_total",
@@ -283,12 +284,24 @@ def test_every_queried_metric_is_exported(
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         events_port = probe.getsockname()[1]
-    (evented,) = sim_engines(1, kv_events_endpoint=f"tcp://*:{events_port}")
+    # Its events come after its answers (as vLLM's often do), so the lag histogram has samples.
+    (evented,) = sim_engines(1, kv_events_endpoint=f"tcp://*:{events_port}", kv_events_delay_s=0.1)
     precise = router_server(
         policy="cache_aware",
         kv_events=True,
         backends=[{"url": evented.url, "kv_events_endpoint": f"tcp://127.0.0.1:{events_port}"}],
     )
+    precise_client = precise.client()
+    asked = iter(range(1000))
+
+    def lag_exported() -> bool:
+        question = [{"role": "user", "content": f"Question {next(asked)}: " + "what is in the cache? " * 20}]
+        precise_client.chat.completions.create(model="sim", messages=question, max_tokens=4)
+        return "kvroute_kv_events_lag_seconds_bucket" in exported_names(
+            httpx.get(precise.url + "/metrics", timeout=30).text
+        )
+
+    wait_until(lag_exported, timeout=20, interval=0.2)
     router_exports |= exported_names(httpx.get(precise.url + "/metrics", timeout=30).text)
     engine_exports = exported_names(httpx.get(engine.url + "/metrics", timeout=30).text)
     vllm_exports = expand_vllm(VLLM_METRICS)

@@ -30,6 +30,7 @@ from typing import Any, Self
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.test_dashboard import all_panels, dashboard
 from tests.paths import REPO
@@ -298,6 +299,18 @@ def panel_queries() -> list[Query]:
     ]
 
 
+def events_applied(router: RouterServer) -> dict[str, bool]:
+    """Per backend, whether the router applied events from its KV-event stream (the
+    event-stream panels' counters are exported, as zeros, even when no event ever came)."""
+    text = httpx.get(router.url + "/metrics", timeout=30).text
+    return {
+        sample.labels["backend"]: sample.value > 0
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvroute_kv_events_total" and sample.labels.get("event") == "events"
+    }
+
+
 def query_variables() -> list[dict[str, Any]]:
     """The dashboard's template variables of type query."""
     return [variable for variable in dashboard()["templating"]["list"] if variable["type"] == "query"]
@@ -363,11 +376,15 @@ def test_every_dashboard_query_runs_on_a_real_prometheus(
     start_prometheus: Callable[[dict[str, Any]], Prometheus],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # Precise mode (KV events over ZeroMQ on loopback), so the event-stream panels have data too.
+    # Precise mode (KV events over ZeroMQ on loopback), so the event-stream panels have data too;
+    # the events come after the answers, as vLLM's often do, so the lag panel has data.
     event_ports = [(free_port(), free_port()) for _ in range(2)]
     engines = [
         sim_engines(
-            1, kv_events_endpoint=f"tcp://127.0.0.1:{events}", kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay}"
+            1,
+            kv_events_endpoint=f"tcp://*:{events}",  # bound (a concrete address would connect)
+            kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay}",
+            kv_events_delay_s=0.05,
         )[0]
         for events, replay in event_ports
     ]
@@ -419,7 +436,11 @@ def test_every_dashboard_query_runs_on_a_real_prometheus(
             ),
         ]
         rules = rule_problems(prometheus)
+        applied = events_applied(router)
     assert not traffic.errors, traffic.errors[:5]
+    assert applied == dict.fromkeys(sorted(engine.url for engine in engines), True), (
+        f"KV events applied per backend: {applied}"
+    )
     failures = [line for evaluation in evaluations for line in evaluation.failures]
     empty = [line for evaluation in evaluations for line in evaluation.empty]
     with capsys.disabled():
