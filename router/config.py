@@ -31,11 +31,26 @@ class ConfigError(ValueError):
     """Raised when the configuration is invalid; the message names the offending field."""
 
 
+def _json_object(value: Any) -> Any:
+    """A JSON object given as text (a flag's value) decoded; anything else unchanged."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"expected a JSON object, got {value!r}") from exc
+    return value
+
+
 class ModelConfig(BaseModel):
-    """Per-model settings (``models:`` section of the YAML file)."""
+    """Per-model settings (``models:`` section of the YAML file); the chat template ones as
+    :class:`Settings` describes them, for this model's engines."""
 
     tokenizer: str | None = None
     block_size: int | None = Field(default=None, gt=0)
+    chat_template: str | None = None
+    default_chat_template_kwargs: dict[str, Any] | None = None
+
+    _decode_kwargs = field_validator("default_chat_template_kwargs", mode="before")(_json_object)
 
 
 ProxyCredential = Literal["if_absent", "always", "never"]
@@ -261,9 +276,25 @@ class Settings(BaseSettings):
         default=None,
         description="tokenizer: local directory or hub id (default: the shipped offline BPE tokenizer)",
     )
+    chat_template: str | None = Field(
+        default=None,
+        description="the chat template the engines were started with (vllm serve --chat-template): a file or "
+        "Jinja source, used instead of the tokenizer's own",
+    )
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="the engines' default chat template keywords, a JSON object (vllm serve "
+        "--default-chat-template-kwargs, e.g. '{\"enable_thinking\": false}'); a request's own take precedence",
+    )
+    trust_request_chat_template: bool = Field(
+        default=False,
+        description="render a request's own chat_template, as engines started with --trust-request-chat-template "
+        "do (vLLM refuses such requests without it, and so they are routed without a prefix match)",
+    )
     models: dict[str, ModelConfig] = Field(
         default_factory=dict,
-        description="per-model settings (config file only): {model: {tokenizer, block_size}}",
+        description="per-model settings (config file only): {model: {tokenizer, block_size, chat_template, "
+        "default_chat_template_kwargs}}",
     )
     block_size: int | None = Field(
         default=None,
@@ -450,6 +481,8 @@ class Settings(BaseSettings):
     def peer_accepted_key(self) -> PeerKey | None:
         """The pair of the second secret (``peer_accepted_secret_file``), if any."""
         return _key_in(self.peer_accepted_secret_file)
+
+    _decode_kwargs = field_validator("default_chat_template_kwargs", mode="before")(_json_object)
 
     @field_validator("backends", mode="before")
     @classmethod

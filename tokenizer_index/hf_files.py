@@ -79,6 +79,22 @@ def read_chat_templates(directory: Path, config: Mapping[str, Any]) -> dict[str,
     return _templates_from_entry(config.get("chat_template"))
 
 
+def load_chat_template(value: str) -> str:
+    """A chat template given as an engine takes it (``vllm serve --chat-template``): the
+    contents of the file at ``value``, else ``value`` itself when it reads as Jinja (holds a
+    brace or a newline), else an error naming the missing file."""
+    path = Path(value).expanduser()
+    try:
+        is_file = path.is_file()
+    except OSError:  # e.g. Jinja source longer than a file name may be
+        is_file = False
+    if is_file:
+        return path.read_text(encoding="utf-8")
+    if any(mark in value for mark in "{}\n"):
+        return value
+    raise FileNotFoundError(f"chat template {value!r} is neither a file nor Jinja source")
+
+
 def read_directory_chat_templates(directory: Path) -> dict[str, str]:
     """The chat templates of a tokenizer directory (see :func:`read_chat_templates`)."""
     return read_chat_templates(directory, _read_json(directory / "tokenizer_config.json"))

@@ -62,7 +62,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +271,24 @@ def _cut_at_word_spaces(text: str, size: int) -> list[str]:
     return chunks
 
 
+#: Distinct templates brought by requests kept compiled (vLLM's ``--trust-request-chat-template``).
+REQUEST_TEMPLATES = 16
+
+
+@lru_cache(maxsize=REQUEST_TEMPLATES)
+def request_template(source: str) -> ChatTemplate:
+    """A chat template a request brought, compiled once while it stays among the recent ones."""
+    return ChatTemplate.from_source(source)
+
+
+def _check_template_kwargs(kwargs: Mapping[str, Any]) -> None:
+    """Refuse what chat template keywords may not set (as vLLM does): the template itself
+    (a request brings one in its ``chat_template`` field) and ``tokenize``."""
+    for forbidden in ("chat_template", "tokenize"):
+        if forbidden in kwargs:
+            raise ValueError(f"chat_template_kwargs may not set {forbidden!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class FastPaths:
     """Which of its shortcuts a tokenizer takes (each exact, each checked at construction
@@ -329,6 +347,7 @@ class RequestTokenizer:
         memo_bytes: int = DEFAULT_MEMO_BYTES,
         render_memo_bytes: int = DEFAULT_RENDER_MEMO_BYTES,
         word_split: bool = True,
+        default_chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         """Wrap a ``tokenizers.Tokenizer``.
 
@@ -344,8 +363,11 @@ class RequestTokenizer:
         ``memo_bytes`` bounds the long chat prompts remembered for their next turn (0: none);
         ``render_memo_bytes`` the rendered long conversations (0: every chat rendered whole).
         ``word_split=False`` leaves all new text to the library (else it is tokenized word by
-        word where that is exact).
+        word where that is exact). ``default_chat_template_kwargs`` are the engine's
+        (``vllm serve --default-chat-template-kwargs``): a request's own take precedence.
         """
+        self._default_kwargs = dict(default_chat_template_kwargs or {})
+        _check_template_kwargs(self._default_kwargs)
         tokenizer.no_truncation()
         tokenizer.no_padding()
         self._tokenizer = tokenizer
@@ -399,25 +421,29 @@ class RequestTokenizer:
     # --- construction --------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | os.PathLike[str], **options: Any) -> RequestTokenizer:
+    def from_pretrained(
+        cls, name_or_path: str | os.PathLike[str], *, chat_template: str | None = None, **options: Any
+    ) -> RequestTokenizer:
         """Load a Hugging Face tokenizer: a local directory, or a hub id via transformers.
 
-        ``options`` are passed to the constructor (``cache_bytes``, ``incremental``,
-        ``chunk_chars``, ``memo_bytes``).
+        ``chat_template`` (Jinja source) replaces the tokenizer's own templates, for every
+        request, as ``vllm serve --chat-template`` does. ``options`` are passed to the
+        constructor (``cache_bytes``, ``incremental``, ``chunk_chars``, ``memo_bytes``,
+        ``default_chat_template_kwargs``...).
         """
         files = hf_files.load(os.fspath(name_or_path))
         return cls(
             files.tokenizer,
-            chat_templates=files.chat_templates,
+            chat_templates=files.chat_templates if chat_template is None else {"default": chat_template},
             special_tokens=files.special_tokens,
             name=files.name_or_path,
             **options,
         )
 
     @classmethod
-    def default(cls, **options: Any) -> RequestTokenizer:
+    def default(cls, *, chat_template: str | None = None, **options: Any) -> RequestTokenizer:
         """The byte-level BPE shipped with kvroute (ChatML template); needs no download."""
-        return cls.from_pretrained(cls.default_path(), **options)
+        return cls.from_pretrained(cls.default_path(), chat_template=chat_template, **options)
 
     @staticmethod
     def default_path() -> Path:
@@ -710,9 +736,15 @@ class RequestTokenizer:
 
     # --- chat ------------------------------------------------------------------------------
 
-    def chat_template(self, *, tools: bool = False) -> ChatTemplate:
-        """The template a request uses: ``tool_use`` for requests with tools when present."""
+    def chat_template(self, *, tools: bool = False, requested: str | None = None) -> ChatTemplate:
+        """The template a request uses: the one it brings (``requested``: Jinja source, or
+        where the tokenizer has several named templates one of their names, as transformers
+        reads it), else ``tool_use`` for requests with tools when present, else the default."""
         sources = self._template_sources
+        if requested is not None:
+            return (
+                self._compiled_template(requested) if self._names_template(requested) else request_template(requested)
+            )
         if tools and "tool_use" in sources:
             name = "tool_use"
         elif "default" in sources:
@@ -722,6 +754,11 @@ class RequestTokenizer:
         else:
             raise ValueError(f"the tokenizer has several chat templates and no default: {sorted(sources)}")
         return self._compiled_template(name)
+
+    def _names_template(self, requested: str) -> bool:
+        """Whether a request's ``chat_template`` names one of the tokenizer's templates (only
+        where it has several, as in transformers; else it is Jinja source)."""
+        return len(self._template_sources) > 1 and requested in self._template_sources
 
     def _compiled_template(self, name: str) -> ChatTemplate:
         """The chat template of that name, compiled at its first use."""
@@ -779,21 +816,23 @@ class RequestTokenizer:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> str:
         """The prompt text vLLM renders for this chat request (see :meth:`encode_chat`)."""
-        template = self.chat_template(tools=tools is not None)
+        template = self.chat_template(tools=tools is not None, requested=chat_template)
         variables: dict[str, Any] = {**self.special_tokens}
-        if chat_template_kwargs:
-            request_kwargs = dict(chat_template_kwargs)
-            for forbidden in ("chat_template", "tokenize"):
-                if forbidden in request_kwargs:
-                    raise ValueError(f"chat_template_kwargs may not set {forbidden!r}")
+        if chat_template_kwargs or self._default_kwargs:
+            request_kwargs = {**self._default_kwargs, **(chat_template_kwargs or {})}
+            _check_template_kwargs(request_kwargs)
             # Keywords of apply_chat_template itself steer the rendering instead of the template.
             add_generation_prompt = bool(request_kwargs.pop("add_generation_prompt", add_generation_prompt))
             continue_final_message = bool(request_kwargs.pop("continue_final_message", continue_final_message))
             documents = request_kwargs.pop("documents", documents)
             variables.update(request_kwargs)
-        shape = None if continue_final_message else self._incremental_shape(template)
+        # A template the request brought renders whole: probing each one's shape (and keeping
+        # the verdicts) would let clients grow that table.
+        own = chat_template is None or self._names_template(chat_template)
+        shape = None if continue_final_message or not own else self._incremental_shape(template)
         if shape is not None:
             settings = RenderSettings(
                 template, tools_from_request(tools), documents, variables, add_generation_prompt, shape
@@ -818,6 +857,7 @@ class RequestTokenizer:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> list[int]:
         """The prompt token ids vLLM computes for a ``/v1/chat/completions`` request.
 
@@ -833,6 +873,7 @@ class RequestTokenizer:
             chat_template_kwargs=chat_template_kwargs,
             documents=documents,
             continue_final_message=continue_final_message,
+            chat_template=chat_template,
         )
         return self.encode_text(text)
 
@@ -845,6 +886,7 @@ class RequestTokenizer:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> np.ndarray:
         """:meth:`encode_chat` as a new contiguous int64 array (what the block hasher takes).
 
@@ -858,6 +900,7 @@ class RequestTokenizer:
             chat_template_kwargs=chat_template_kwargs,
             documents=documents,
             continue_final_message=continue_final_message,
+            chat_template=chat_template,
         )
         return self.encode_rendered_chat_array(text, messages)
 

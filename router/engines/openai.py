@@ -44,11 +44,14 @@ _GENERATION_FIELDS: dict[str, Any] = {
 
 
 def chat_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> np.ndarray | None:
-    """The rendered chat's token ids, with the options the engines pass to the template."""
+    """The rendered chat's token ids, with the options the engines pass to the template (and
+    the template the request brings, which the routing engine lets through only when told
+    that the engines trust it)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return None
     kwargs = body.get("chat_template_kwargs")
+    template = body.get("chat_template")
     return tokenizer.encode_chat_array(
         messages,
         tools=body.get("tools") or None,
@@ -56,6 +59,7 @@ def chat_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> np.ndar
         chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
         documents=body.get("documents"),
         continue_final_message=body.get("continue_final_message") is True,
+        chat_template=template if isinstance(template, str) else None,
     )
 
 

@@ -91,6 +91,15 @@ def expected_output_tokens_of(body: Mapping[str, Any]) -> int:
     return DEFAULT_EXPECTED_OUTPUT_TOKENS
 
 
+def brings_chat_template(body: Mapping[str, Any]) -> bool:
+    """Whether a request brings its own chat template (its ``chat_template`` field, or the
+    same key in ``chat_template_kwargs``), which vLLM renders only when trusted."""
+    kwargs = body.get("chat_template_kwargs")
+    return body.get("chat_template") is not None or (
+        isinstance(kwargs, Mapping) and kwargs.get("chat_template") is not None
+    )
+
+
 def session_key_of(body: Mapping[str, Any], headers: Mapping[str, str], session_header: str) -> str | None:
     key = headers.get(session_header)
     if key:

@@ -81,6 +81,7 @@ from kvroute.router.routing.precise_index import PreciseHashes, PreciseIndex
 from kvroute.router.routing.sliced_insert import PendingInsert, insert_blocks
 from kvroute.tokenizer_index import PrefixIndex, RequestTokenizer
 from kvroute.tokenizer_index.hashing import block_hashes, request_salt
+from kvroute.tokenizer_index.hf_files import load_chat_template
 
 log = logging.getLogger("kvroute.routing")
 
@@ -248,7 +249,8 @@ class RoutingEngine:
         self._default_label = self._split.labels[0] if self._split else settings.policy
         self._policies: dict[str, Policy] = {}
         self._fallback = LeastLoad()
-        self._tokenizers: dict[str | None, RequestTokenizer] = {}
+        # By (tokenizer source, chat template, default template keywords as JSON).
+        self._tokenizers: dict[tuple[str | None, str | None, str | None], RequestTokenizer] = {}
         self._tracking = False
         # Explained decisions for --decision-log and, with the admin API, GET /admin/decisions.
         self.decisions = DecisionRecorder(log=settings.decision_log, ring_size=RING_SIZE if settings.admin_token else 0)
@@ -349,6 +351,8 @@ class RoutingEngine:
     def prepare(self, endpoint: str, body: Mapping[str, Any]) -> PreparedPrompt | None:
         """Tokenize and hash a request's prompt; None when it cannot be (thread-safe)."""
         model = body.get("model")
+        if not self._settings.trust_request_chat_template and request_info.brings_chat_template(body):
+            return None  # the engines refuse it (vLLM without --trust-request-chat-template)
         tokenizer = self._tokenizer_for(model if isinstance(model, str) else None)
         try:
             tokens = _tokenize(tokenizer, endpoint, body)
@@ -630,12 +634,30 @@ class RoutingEngine:
             self._tokenizer_for(name)
 
     def _tokenizer_for(self, model: str | None) -> RequestTokenizer:
-        configured = self._settings.models.get(model) if model is not None else None
-        source = configured.tokenizer if configured and configured.tokenizer else self._settings.tokenizer
-        tokenizer = self._tokenizers.get(source)
+        settings = self._settings
+        configured = settings.models.get(model) if model is not None else None
+        source = configured.tokenizer if configured and configured.tokenizer else settings.tokenizer
+        template = configured.chat_template if configured and configured.chat_template else settings.chat_template
+        kwargs = (
+            configured.default_chat_template_kwargs
+            if configured and configured.default_chat_template_kwargs is not None
+            else settings.default_chat_template_kwargs
+        )
+        key = (source, template, orjson.dumps(kwargs, option=orjson.OPT_SORT_KEYS).decode() if kwargs else None)
+        tokenizer = self._tokenizers.get(key)
         if tokenizer is None:
-            loaded = RequestTokenizer.default() if source is None else RequestTokenizer.from_pretrained(source)
-            tokenizer = self._tokenizers.setdefault(source, loaded)
+            options: dict[str, Any] = {
+                "chat_template": load_chat_template(template) if template else None,
+                "default_chat_template_kwargs": kwargs,
+            }
+            loaded = (
+                RequestTokenizer.default(**options)
+                if source is None
+                else RequestTokenizer.from_pretrained(source, **options)
+            )
+            if template:
+                loaded.chat_template()  # compiled now: a broken template stops the start, not each request
+            tokenizer = self._tokenizers.setdefault(key, loaded)
             if tokenizer is loaded:  # what this model's requests will cost, said once
                 log.info("tokenizer %s: %s", source or "kvroute's default", loaded.fast_paths().summary())
         return tokenizer

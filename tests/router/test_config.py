@@ -94,6 +94,11 @@ def test_typed_flags_are_converted_by_the_settings_model() -> None:
             "5557",
             "--tokenizer",
             "/models/x",
+            "--chat-template",
+            "/models/x/tool_use.jinja",
+            "--default-chat-template-kwargs",
+            '{"enable_thinking": false}',
+            "--trust-request-chat-template",
         ]
     )
     assert settings.allow_policy_header is True
@@ -107,6 +112,9 @@ def test_typed_flags_are_converted_by_the_settings_model() -> None:
     assert settings.log_level == "debug"
     assert settings.kv_events is True and settings.kv_events_port == 5557
     assert settings.tokenizer == "/models/x"
+    assert settings.chat_template == "/models/x/tool_use.jinja"
+    assert settings.default_chat_template_kwargs == {"enable_thinking": False}
+    assert settings.trust_request_chat_template is True
 
 
 def test_every_tunable_settings_field_has_a_kebab_case_flag() -> None:

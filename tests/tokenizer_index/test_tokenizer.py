@@ -267,6 +267,87 @@ def test_reasoning_and_template_kwargs(
             llama_tok.encode_chat(messages, chat_template_kwargs={name: []})
 
 
+def test_the_engines_chat_template_and_default_keywords(llama_dir: Path, llama_hf: Any, default_hf: Any) -> None:
+    """What the engines were started with renders as transformers renders it given the same:
+    default keywords (``vllm serve --default-chat-template-kwargs``) under the request's own,
+    and a template (``--chat-template``) in place of the tokenizer's, tools or not. Here a
+    default date changes the first block of every prompt."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    dated = RequestTokenizer.from_pretrained(llama_dir, default_chat_template_kwargs={"date_string": "01 Jan 2030"})
+    assert dated.encode_chat(messages) == hf_chat_ids(
+        llama_hf, messages, add_generation_prompt=True, date_string="01 Jan 2030"
+    )
+    own = {"date_string": "02 Feb 2031"}
+    assert dated.encode_chat(messages, chat_template_kwargs=own) == hf_chat_ids(
+        llama_hf, messages, add_generation_prompt=True, **own
+    )
+    # apply_chat_template's own keywords, as defaults too
+    unprompted = {"add_generation_prompt": False, "date_string": "01 Jan 2030"}
+    assert RequestTokenizer.from_pretrained(llama_dir, default_chat_template_kwargs=unprompted).encode_chat(
+        messages
+    ) == hf_chat_ids(llama_hf, messages, **unprompted)
+    for forbidden in ("chat_template", "tokenize"):
+        with pytest.raises(ValueError, match=forbidden):
+            RequestTokenizer.from_pretrained(llama_dir, default_chat_template_kwargs={forbidden: "x"})
+
+    chatml = default_hf.chat_template
+    replaced = RequestTokenizer.from_pretrained(llama_dir, chat_template=chatml)
+    tools = [{"type": "function", "function": {"name": "now", "description": "the time", "parameters": {}}}]
+    assert replaced.encode_chat(messages) == hf_chat_ids(
+        llama_hf, messages, add_generation_prompt=True, chat_template=chatml
+    )
+    assert replaced.encode_chat(messages, tools=tools) == hf_chat_ids(
+        llama_hf, messages, tools=tools, add_generation_prompt=True, chat_template=chatml
+    )
+    assert replaced.encode_chat(messages) != RequestTokenizer.from_pretrained(llama_dir).encode_chat(messages)
+
+
+def test_a_chat_template_the_request_brings(llama_dir: Path, llama_hf: Any, default_hf: Any) -> None:
+    """A request's own ``chat_template`` (vLLM's ``--trust-request-chat-template``): Jinja
+    source, rendered as transformers renders it, whole (its shape is neither probed nor
+    kept, so clients cannot grow that table); a bad one is the request's error."""
+    tokenizer = RequestTokenizer.from_pretrained(llama_dir)
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "?"},
+    ]
+    tokenizer.encode_chat(messages)
+    shapes = dict(tokenizer._incremental_shapes)
+    chatml = default_hf.chat_template
+    assert tokenizer.encode_chat(messages, chat_template=chatml) == hf_chat_ids(
+        llama_hf, messages, add_generation_prompt=True, chat_template=chatml
+    )
+    assert tokenizer.encode_chat_array(messages * 30, chat_template=chatml).tolist() == hf_chat_ids(
+        llama_hf, messages * 30, add_generation_prompt=True, chat_template=chatml
+    )
+    assert tokenizer._incremental_shapes == shapes
+    with pytest.raises(ValueError):
+        tokenizer.encode_chat(messages, chat_template="{% if %}")
+
+
+def test_a_request_names_one_of_several_templates(tmp_path: Path, default_hf: Any) -> None:
+    """Where a tokenizer has several named templates a request may name one (transformers
+    looks names up there only)."""
+    tokenizer = train_tokenizer("byte_level", ["<|im_start|>", "<|im_end|>"])
+    chatml = default_hf.chat_template
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    directory = write_tokenizer_dir(
+        tmp_path / "named",
+        tokenizer,
+        chat_template={"default": chatml, "plain": plain},
+        special_tokens={"eos_token": "<|im_end|>"},
+    )
+    ours = RequestTokenizer.from_pretrained(directory)
+    hf = transformers.AutoTokenizer.from_pretrained(str(directory))
+    messages = [{"role": "user", "content": "hi"}]
+    for name in ("plain", "default"):
+        assert ours.encode_chat(messages, chat_template=name) == hf_chat_ids(
+            hf, messages, add_generation_prompt=True, chat_template=name
+        )
+    assert ours.render_chat(messages, chat_template="plain") == "user: hi\n"
+
+
 def test_continue_final_message(pair: tuple[RequestTokenizer, Any]) -> None:
     ours, hf = pair
     messages = [{"role": "user", "content": "Say a word"}, {"role": "assistant", "content": "Sure, the word is  "}]

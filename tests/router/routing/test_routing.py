@@ -131,6 +131,57 @@ def test_per_model_tokenizer_is_used(tmp_path: Any) -> None:
     assert plain.request.prompt_tokens != 6
 
 
+def test_the_engines_chat_template_settings_decide_the_prompt(tmp_path: Any) -> None:
+    """The engines' ``--chat-template`` (a file or Jinja source) and
+    ``--default-chat-template-kwargs``, fleet-wide and per model, are how the router renders:
+    its prompt is the tokenizer's render under them."""
+    template = "{% for m in messages %}{{ m['role'] }} says {{ m['content'] }}{{ suffix }}\n{% endfor %}"
+    (tmp_path / "plain.jinja").write_text(template)
+    body = chat("hello")
+    tokenizer = RequestTokenizer.default()
+
+    def prompt_of(settings: Settings, model: str = "sim") -> int | None:
+        return RoutingEngine(settings).route(CHAT, {**body, "model": model}, {}, fleet(1)).request.prompt_tokens
+
+    plain_with = RequestTokenizer.default(chat_template=template, default_chat_template_kwargs={"suffix": "!"})
+    expected = len(plain_with.encode_chat(body["messages"]))
+    assert plain_with.render_chat(body["messages"]).startswith("system says rule 0")
+    fleet_wide = Settings(
+        policy="cache_aware",
+        chat_template=str(tmp_path / "plain.jinja"),
+        default_chat_template_kwargs='{"suffix": "!"}',
+    )
+    assert prompt_of(fleet_wide) == expected
+    per_model = Settings(
+        policy="cache_aware",
+        models={"plain": {"chat_template": template, "default_chat_template_kwargs": {"suffix": "!"}}},
+    )
+    assert prompt_of(per_model, "plain") == expected
+    assert prompt_of(per_model) == len(tokenizer.encode_chat(body["messages"]))
+    with pytest.raises(FileNotFoundError, match="neither a file nor Jinja"):
+        RoutingEngine(Settings(policy="cache_aware", chat_template=str(tmp_path / "missing.jinja")))
+    with pytest.raises(ValueError, match="invalid chat template"):
+        RoutingEngine(Settings(policy="cache_aware", chat_template="{% if %}"))
+
+
+def test_a_request_template_is_rendered_only_where_the_engines_trust_it() -> None:
+    """vLLM refuses a request's own ``chat_template`` unless started with
+    ``--trust-request-chat-template``: so the router does not predict a prefix for it (the
+    default template's render would be the wrong prompt) unless told the same."""
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    backends = fleet(2)
+    for brought in ({"chat_template": template}, {"chat_template_kwargs": {"chat_template": template}}):
+        untrusted = RoutingEngine(Settings(policy="cache_aware"))
+        plan = route(untrusted, chat("hello", **brought), backends)
+        assert (plan.reason, plan.request.prompt_tokens) == ("fallback", None)
+    trusted = RoutingEngine(Settings(policy="cache_aware", trust_request_chat_template=True))
+    plan = served(trusted, chat("hello", chat_template=template), backends)
+    messages = chat("hello")["messages"]
+    assert plan.request.prompt_tokens == len(RequestTokenizer.default().encode_chat(messages, chat_template=template))
+    again = route(trusted, chat("hello", "hi", "more", chat_template=template), backends)
+    assert (again.backend, again.predicted_cached_tokens) == (plan.backend, plan.request.prompt_tokens // 16 * 16)
+
+
 def test_block_size_comes_from_config_then_the_engines_then_16() -> None:
     ids = {"model": "sim", "prompt": list(range(1000, 1100))}
     engine = RoutingEngine(Settings(policy="cache_aware"))
