@@ -3,8 +3,9 @@
 Each engine module lists the ones it serves. Prompts: a chat is rendered with the
 model's chat template (vLLM, and SGLang unless ``--chat-template`` names one of its
 built-in conversation templates), a completion's ``prompt`` is text or token ids (a
-batch routes by its first prompt). The body schemas are what the router reads; the rest
-passes through.
+batch routes by its first prompt), a Responses request is the chat vLLM makes of it
+(:mod:`kvroute.router.engines.responses_input`). The body schemas are what the router
+reads; the rest passes through.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvroute.router.engines.base import Endpoint
+from kvroute.router.engines.responses_input import responses_chat
 from kvroute.router.engines.usage import OPENAI_USAGE
 from kvroute.tokenizer_index import RequestTokenizer
 
@@ -60,6 +62,22 @@ def chat_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> np.ndar
         documents=body.get("documents"),
         continue_final_message=body.get("continue_final_message") is True,
         chat_template=template if isinstance(template, str) else None,
+    )
+
+
+def responses_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> np.ndarray | None:
+    """A Responses request's token ids: the chat vLLM renders for it
+    (:mod:`kvroute.router.engines.responses_input`); None with history the engine stored."""
+    chat = responses_chat(body)
+    if chat is None:
+        return None
+    kwargs = body.get("chat_template_kwargs")
+    return tokenizer.encode_chat_array(
+        chat.messages,
+        tools=chat.tools,
+        add_generation_prompt=not chat.continue_final_message,
+        chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+        continue_final_message=chat.continue_final_message,
     )
 
 
@@ -110,7 +128,7 @@ RESPONSES = Endpoint(
     True,
     OPENAI_USAGE,
     False,
-    None,
+    responses_prompt,
     {
         "required": ["model", "input"],
         "properties": {

@@ -14,13 +14,16 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from kvroute.benchmarks.workloads import WorkloadRequest, system_prompt
 from tests.e2e.event_capture import EventCapture, explain_misses
 from tests.e2e.fleet import (
+    MODEL,
     START_TIMEOUT_S,
     RouterProcess,
     RunSummary,
@@ -134,6 +137,99 @@ def test_cache_aware_beats_round_robin_on_vllms_own_hit_rate(
     report(f"{'':<22} predicted cached tokens {predicted}, vLLM-reported {reported}")
     assert cache_aware.agreement() >= 0.9
     assert abs(predicted - reported) <= 0.05 * max(reported, 1)
+
+
+LOOKUP_TOOL = {
+    "name": "lookup",
+    "description": "look a word up",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+}
+
+
+def agent_turns() -> list[tuple[str, dict[str, Any]]]:
+    """(label, request) pairs of the shapes agents send: the Responses API's string and item
+    inputs (messages with content parts, an assistant answer, reasoning, a function call and
+    its output, function tools, a tool of another kind, a developer message) and a chat with
+    tools and a tool call; each later one extends an earlier one's prompt."""
+    system = "You are the assistant of the kvroute fleet. " * 30
+    first = [{"role": "user", "content": "Tell me about routers. " * 20}]
+    second = [
+        *first,
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Routers route. " * 10}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "And caches? " * 10}]},
+    ]
+    third = [
+        *second,
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": '{"word": "cache"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "a cache keeps things " * 10},
+    ]
+    chat = [
+        {"role": "system", "content": system},
+        *first,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"word": "x"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "x is a letter " * 10},
+    ]
+    return [
+        ("responses: text", {"input": "What is a prefix cache? " * 20, "instructions": system}),
+        ("responses: items", {"input": first, "instructions": system}),
+        ("responses: answer, parts", {"input": second, "instructions": system}),
+        (
+            "responses: tool call",
+            {"input": third, "instructions": system, "tools": [{"type": "function", **LOOKUP_TOOL}]},
+        ),
+        ("responses: other tool", {"input": second, "instructions": system, "tools": [{"type": "web_search"}]}),
+        ("responses: developer", {"input": [{"role": "developer", "content": "be terse"}, *first]}),
+        # (tool_choice "auto", the default, needs a tool-call parser: not what this test is about)
+        (
+            "chat: tool call",
+            {"messages": chat, "tools": [{"type": "function", "function": LOOKUP_TOOL}], "tool_choice": "none"},
+        ),
+    ]
+
+
+def test_agent_requests_are_tokenized_as_vllm_renders_them(
+    vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]
+) -> None:
+    """The Responses API and tool calls through the real ``openai`` client: on every request
+    the router's prompt has vLLM's token count, and its prediction (each sent twice, the
+    second finding the first's blocks) is what vLLM reports cached."""
+    vllm_fleet.reset_prefix_caches()
+    router = kvroute("cache_aware")
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="e2e", max_retries=0, timeout=120)
+    seen = []
+    for label, request in agent_turns():
+        for _ in range(2):
+            if "messages" in request:
+                chat = client.chat.completions.with_raw_response.create(
+                    model=MODEL, max_tokens=4, temperature=0.0, **request
+                )
+                usage = chat.parse().usage
+                assert usage is not None and usage.prompt_tokens_details is not None
+                engine = (usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0)
+                headers = chat.headers
+            else:
+                response = client.responses.with_raw_response.create(
+                    model=MODEL, max_output_tokens=4, temperature=0.0, **request
+                )
+                used = response.parse().usage
+                assert used is not None
+                engine = (used.input_tokens, used.input_tokens_details.cached_tokens)
+                headers = response.headers
+            router_side = (int(headers["x-kvroute-prompt-tokens"]), int(headers["x-kvroute-matched-tokens"]))
+            seen.append((label, router_side, engine))
+    report(
+        f"{'agent requests':<22} {len(seen)} requests (Responses API and chat tool calls), router (prompt, "
+        f"predicted) == vLLM (prompt, cached) on {sum(router == engine for _, router, engine in seen)}"
+    )
+    assert all(router == engine for _, router, engine in seen), f"(label, router, vLLM): {seen}"
+    assert sum(engine[1] for _, _, engine in seen) > 0, "no request found an earlier one's blocks"
 
 
 def test_precise_mode_matches_cached_tokens_under_eviction(
