@@ -33,18 +33,14 @@ paths below are in sgl-project/sglang, ``python/sglang/srt/``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 
 from kvroute.router.engines.base import CacheInfoMetric, Endpoint, EngineAPI, EngineFacts
 from kvroute.router.engines.openai import CHAT, COMPLETIONS, EMBEDDINGS
-from kvroute.router.engines.usage import Usage, UsageFormat
+from kvroute.router.engines.usage import Usage, UsageFormat, is_count
 from kvroute.tokenizer_index import RequestTokenizer
-
-
-def _is_count(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def meta_info_usage(obj: Any) -> Usage | None:
@@ -56,8 +52,8 @@ def meta_info_usage(obj: Any) -> Usage | None:
         return None
     prompt, cached = meta.get("prompt_tokens"), meta.get("cached_tokens")
     return Usage(
-        prompt_tokens=prompt if _is_count(prompt) else None,
-        cached_tokens=cached if _is_count(cached) else None,
+        prompt_tokens=prompt if is_count(prompt) else None,
+        cached_tokens=cached if is_count(cached) else None,
     )
 
 
@@ -121,15 +117,15 @@ def facts_from_server_info(info: Mapping[str, Any]) -> EngineFacts:
     state under ``internal_states``; the fields read here are top level in every version)."""
     page = info.get("page_size")
     capacity = info.get("max_total_num_tokens")
-    if not _is_count(capacity):
+    if not is_count(capacity):
         states = info.get("internal_states")
         first = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
         capacity = first.get("max_total_num_tokens")
     report = info.get("enable_cache_report")
     version = info.get("version")
     return EngineFacts(
-        page_size=page if _is_count(page) and page > 0 else None,
-        capacity_tokens=capacity if _is_count(capacity) and capacity > 0 else None,
+        page_size=page if is_count(page) and page > 0 else None,
+        capacity_tokens=capacity if is_count(capacity) and capacity > 0 else None,
         cache_report=report if isinstance(report, bool) else None,
         version=version if isinstance(version, str) else None,
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
@@ -52,8 +52,8 @@ def usage_from_object(obj: Any) -> Usage | None:
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return Usage(
-        prompt_tokens=prompt if _is_count(prompt) else None,
-        cached_tokens=cached if _is_count(cached) else None,
+        prompt_tokens=prompt if is_count(prompt) else None,
+        cached_tokens=cached if is_count(cached) else None,
     )
 
 
@@ -84,7 +84,8 @@ def usage_from_body(body: bytes, usage_format: UsageFormat = OPENAI_USAGE) -> Us
         return None
 
 
-def _is_count(value: Any) -> bool:
+def is_count(value: Any) -> TypeGuard[int]:
+    """A token count: a non-negative int (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 

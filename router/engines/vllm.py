@@ -1,6 +1,7 @@
 """vLLM's API as the router uses it.
 
-* Endpoints: the OpenAI ones, plus ``/tokenize`` and ``/detokenize`` (no usage).
+* Endpoints: the OpenAI ones, Anthropic's Messages API (:mod:`kvroute.router.engines.anthropic`),
+  plus ``/tokenize`` and ``/detokenize`` (no usage).
 * Cached tokens: ``usage.prompt_tokens_details.cached_tokens``, always reported; in a
   stream only in the ``stream_options.include_usage`` chunk, which the router asks for.
 * Load: ``vllm:num_requests_running`` / ``vllm:num_requests_waiting``; KV usage
@@ -18,6 +19,7 @@
 
 from __future__ import annotations
 
+from kvroute.router.engines.anthropic import COUNT_TOKENS, MESSAGES
 from kvroute.router.engines.base import (
     CacheInfoMetric,
     Endpoint,
@@ -65,7 +67,7 @@ SERIES: dict[str, str] = {
 
 VLLM = EngineAPI(
     name="vllm",
-    endpoints=(CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, TOKENIZE, DETOKENIZE),
+    endpoints=(CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, MESSAGES, COUNT_TOKENS, TOKENIZE, DETOKENIZE),
     series=SERIES,
     cache_info=CacheInfoMetric("vllm:cache_config_info", "block_size", "num_gpu_blocks", "kv_cache_size_tokens"),
     reset_cache=("POST", "/reset_prefix_cache"),

@@ -101,11 +101,17 @@ def brings_chat_template(body: Mapping[str, Any]) -> bool:
 
 
 def session_key_of(body: Mapping[str, Any], headers: Mapping[str, str], session_header: str) -> str | None:
+    """The session header, else the OpenAI ``user`` field, else Anthropic's
+    ``metadata.user_id`` (which Claude Code fills per session)."""
     key = headers.get(session_header)
     if key:
         return key
     user = body.get("user")
-    return user if isinstance(user, str) and user else None
+    if isinstance(user, str) and user:
+        return user
+    metadata = body.get("metadata")
+    user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
+    return user_id if isinstance(user_id, str) and user_id else None
 
 
 def body_with_usage_requested(body: dict[str, Any]) -> bytes:

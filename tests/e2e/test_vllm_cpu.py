@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -230,6 +231,95 @@ def test_agent_requests_are_tokenized_as_vllm_renders_them(
     )
     assert all(router == engine for _, router, engine in seen), f"(label, router, vLLM): {seen}"
     assert sum(engine[1] for _, _, engine in seen) > 0, "no request found an earlier one's blocks"
+
+
+def claude_code_turns() -> list[tuple[str, dict[str, Any]]]:
+    """(label, request) pairs shaped as Claude Code sends them to ``/v1/messages``: the
+    billing block before the system prompt, thinking, text and a tool call in one assistant
+    turn, a tool result with text after it, a reminder block, an inline system message."""
+    system = "You are the assistant of the kvroute fleet. " * 30
+    tools = [
+        {
+            "name": LOOKUP_TOOL["name"],
+            "description": LOOKUP_TOOL["description"],
+            "input_schema": LOOKUP_TOOL["parameters"],
+        }
+    ]
+    first = [{"role": "user", "content": "Tell me about routers. " * 20}]
+    answer = [
+        {"type": "thinking", "thinking": "hmm", "signature": "s"},
+        {"type": "text", "text": "Routers route. " * 10},
+        {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"word": "cache"}},
+    ]
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "toolu_1",
+        "content": [{"type": "text", "text": "a cache keeps " * 10}],
+    }
+    second = [
+        *first,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": [result, {"type": "text", "text": "And?"}]},
+    ]
+    reminder = [
+        {"type": "text", "text": "<system-reminder>be brief</system-reminder>"},
+        {"type": "text", "text": "ok " * 10},
+    ]
+    third = [*second, {"role": "assistant", "content": "More text. " * 10}, {"role": "user", "content": reminder}]
+    billing = {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=0f3a"}
+    inline = [
+        *first,
+        {"role": "assistant", "content": "ok"},
+        {"role": "system", "content": "be terse"},
+        {"role": "user", "content": "go on"},
+    ]
+    return [
+        ("messages: text", {"system": system, "messages": first}),
+        ("messages: billing block", {"system": [billing, {"type": "text", "text": system}], "messages": first}),
+        (
+            "messages: tool turn",
+            {"system": system, "messages": second, "tools": tools, "tool_choice": {"type": "none"}},
+        ),
+        ("messages: next turn", {"system": system, "messages": third, "tools": tools, "tool_choice": {"type": "none"}}),
+        ("messages: inline system", {"system": system, "messages": inline}),
+    ]
+
+
+def test_claude_code_requests_are_tokenized_as_vllm_renders_them(
+    vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]
+) -> None:
+    """Anthropic's Messages API through the real ``anthropic`` client: the router's prompt has
+    vLLM's token count and its prediction is what vLLM reports read from the cache (each
+    request sent twice, then streamed), and ``/v1/messages/count_tokens`` passes through."""
+    vllm_fleet.reset_prefix_caches()
+    router = kvroute("cache_aware")
+    client = anthropic.Anthropic(base_url=router.url, api_key="e2e", max_retries=0, timeout=120)
+    seen = []
+    for label, request in claude_code_turns():
+        for _ in range(2):
+            raw = client.messages.with_raw_response.create(model=MODEL, max_tokens=4, **request)
+            usage = raw.parse().usage
+            read, written = usage.cache_read_input_tokens or 0, usage.cache_creation_input_tokens or 0
+            engine = (usage.input_tokens + read + written, read)  # input_tokens: neither read nor written
+            seen.append(
+                (
+                    label,
+                    (int(raw.headers["x-kvroute-prompt-tokens"]), int(raw.headers["x-kvroute-matched-tokens"])),
+                    engine,
+                )
+            )
+        with client.messages.stream(model=MODEL, max_tokens=4, **request) as stream:
+            assert stream.get_final_message().usage.cache_read_input_tokens == engine[1]
+    metrics = router.metrics()
+    counted = client.messages.count_tokens(model=MODEL, **claude_code_turns()[0][1])
+    report(
+        f"{'Claude Code requests':<22} {len(seen)} /v1/messages requests, router (prompt, predicted) == vLLM "
+        f"(prompt, cache read) on {sum(router == engine for _, router, engine in seen)}"
+    )
+    assert all(router == engine for _, router, engine in seen), f"(label, router, vLLM): {seen}"
+    # The streams' usage was read too: predicted and observed agree over all 15 requests.
+    assert metrics["kvroute_observed_cached_tokens_total"] == metrics["kvroute_predicted_cached_tokens_total"] > 0
+    assert counted.input_tokens == seen[0][2][0]
 
 
 def test_precise_mode_matches_cached_tokens_under_eviction(

@@ -1,0 +1,55 @@
+"""The Anthropic Messages endpoints: usage as vLLM reports it, the prompt, the session key."""
+
+from __future__ import annotations
+
+from kvroute.router.engines.anthropic import MESSAGES, anthropic_usage
+from kvroute.router.engines.usage import StreamTap, Usage, usage_from_body
+from kvroute.router.engines.vllm import VLLM
+from kvroute.router.routing.request_info import session_key_of
+from kvroute.tokenizer_index import RequestTokenizer
+
+
+def test_the_prompt_is_the_sum_of_the_uncached_read_and_written_tokens() -> None:
+    """vLLM's ``input_tokens`` counts only what was neither read from the cache nor written to it."""
+    body = b'{"usage": {"input_tokens": 17, "cache_read_input_tokens": 640, "cache_creation_input_tokens": 0}}'
+    assert MESSAGES.usage is not None
+    assert usage_from_body(body, MESSAGES.usage) == Usage(prompt_tokens=657, cached_tokens=640)
+    assert anthropic_usage({"usage": {"input_tokens": 5}}) == Usage(prompt_tokens=5, cached_tokens=None)
+    assert anthropic_usage({"usage": {"input_tokens": -1}}) is None
+    assert anthropic_usage({"usage": {"input_tokens": 5, "cache_read_input_tokens": "x"}}) is None
+
+
+def test_a_stream_counts_its_last_usage() -> None:
+    """message_start carries the usage known then, the last message_delta all of it."""
+    start = b'event: message_start\ndata: {"type": "message_start", "message": {"usage": {"input_tokens": 657}}}\n\n'
+    delta = (
+        b'event: message_delta\ndata: {"type": "message_delta", "usage": '
+        b'{"input_tokens": 17, "cache_read_input_tokens": 640, "output_tokens": 4}}\n\n'
+    )
+    stop = b'event: message_stop\ndata: {"type": "message_stop"}\n\n'
+    assert MESSAGES.usage is not None
+    tap = StreamTap(strip_usage_chunk=False, usage_format=MESSAGES.usage)
+    for chunk in (start, delta, stop):
+        assert tap.feed(chunk) == chunk
+    tap.finish()
+    assert tap.usage == Usage(prompt_tokens=657, cached_tokens=640)
+
+
+def test_vllm_serves_the_messages_api_and_claude_codes_session_is_its_key() -> None:
+    assert {"/v1/messages", "/v1/messages/count_tokens"} <= {endpoint.path for endpoint in VLLM.endpoints}
+    body = {"metadata": {"user_id": "user_ab12_account__session_5f0e"}, "messages": []}
+    assert session_key_of(body, {}, "x-session-id") == "user_ab12_account__session_5f0e"
+    assert session_key_of(body, {"x-session-id": "s"}, "x-session-id") == "s"
+    assert session_key_of({"metadata": {"user_id": 3}}, {}, "x-session-id") is None
+
+
+def test_the_prompt_is_the_converted_chat_rendered() -> None:
+    tokenizer = RequestTokenizer.default()
+    body = {"model": "m", "max_tokens": 4, "system": "Be brief.", "messages": [{"role": "user", "content": "hi"}]}
+    assert MESSAGES.prompt is not None
+    ids = MESSAGES.prompt(tokenizer, body)
+    assert ids is not None
+    assert ids.tolist() == tokenizer.encode_chat(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    )
+    assert MESSAGES.prompt(tokenizer, {**body, "messages": "nope"}) is None
