@@ -63,6 +63,7 @@ from kvroute.benchmarks.results import (
     write_json,
 )
 from kvroute.benchmarks.virtual_fleet import VirtualFleet
+from kvroute.benchmarks.wire import WIRES, on_wire
 from kvroute.benchmarks.workloads import (
     CHAT_ENDPOINT,
     WORKLOAD_KINDS,
@@ -120,6 +121,8 @@ class RunSettings:
     max_in_flight: int
     time_scale: float
     setting: str = ""  # the settings-sweep point this run belongs to, if any
+    #: The API chat requests go over (:mod:`kvroute.benchmarks.wire`).
+    wire: str = "chat"
 
     def in_flight_limit(self, workload: Workload) -> int:
         """The client's bound on requests in flight: ``--max-in-flight``, or the workload's
@@ -204,7 +207,7 @@ async def run_target(
         progress = Progress(len(workload.requests), f"{workload.name} / {target}")
         run = await replay(
             front.url,
-            workload.requests,
+            [on_wire(request, settings.wire) for request in workload.requests],
             speedup=settings.speedup,
             max_in_flight=settings.in_flight_limit(workload),
             progress=progress,
@@ -574,6 +577,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", help="model name to request (default: sim, or the first model the external engines serve)"
     )
     where.add_argument("--tokenizer", help="tokenizer directory for sims, routers and bound")
+    where.add_argument(
+        "--wire",
+        choices=WIRES,
+        default="chat",
+        help="external engines: send the chat workloads over this API: OpenAI's chat completions, its "
+        "Responses API (/v1/responses) or Anthropic's Messages API (/v1/messages, Claude Code's), "
+        "carrying the same conversations",
+    )
     who = parser.add_argument_group("targets")
     who.add_argument(
         "--policies",
@@ -670,6 +681,9 @@ async def _main(args: argparse.Namespace) -> int:
     if not sim and swept:
         print("kvroute bench: --sweep-* needs --engine sim", file=sys.stderr)
         return 2
+    if sim and args.wire != "chat":
+        print("kvroute bench: --wire needs --engine URL,... (sims speak the chat API)", file=sys.stderr)
+        return 2
     if sim and args.data_parallel_size > 1:
         print("kvroute bench: --data-parallel-size needs --engine URL,... (sims have no ranks)", file=sys.stderr)
         return 2
@@ -728,7 +742,11 @@ async def _main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         settings = RunSettings(
-            speedup=speedup, max_in_flight=args.max_in_flight, time_scale=time_scale if sim else 1.0, setting=setting
+            speedup=speedup,
+            max_in_flight=args.max_in_flight,
+            time_scale=time_scale if sim else 1.0,
+            setting=setting,
+            wire=args.wire,
         )
         ran = await run_bench(
             workloads, fleet, targets, settings, tokenizer=args.tokenizer, bound=not args.no_bound, repeats=args.repeat

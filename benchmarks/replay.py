@@ -1,8 +1,9 @@
 """The replay driver: send a workload to one base URL at its arrival times, measure each request.
 
-Every request is sent streaming with ``stream_options.include_usage``, so one request gives
-its time to first token (first chunk that carries generated text), its end-to-end latency
-and the engine's ``usage`` (prompt tokens, ``prompt_tokens_details.cached_tokens``). The
+Every request is sent streaming (chats and completions with ``stream_options.include_usage``),
+so one request gives its time to first token (first event that carries generated text), its
+end-to-end latency and the engine's usage (prompt and cached tokens; each endpoint's stream
+as :mod:`kvroute.benchmarks.wire` reads it). The
 ``x-kvroute-*`` response headers, when a kvroute router is in front, add the backend chosen
 and the tokens the router predicted to be cached.
 
@@ -28,6 +29,7 @@ from typing import TextIO
 import aiohttp
 import orjson
 
+from kvroute.benchmarks.wire import CHAT_STREAM, STREAMS
 from kvroute.benchmarks.workloads import WorkloadRequest
 
 
@@ -119,15 +121,6 @@ def _headers(request: WorkloadRequest) -> dict[str, str]:
     return {"content-type": "application/json", "x-session-id": request.session_id}
 
 
-def _has_text(chunk: dict) -> bool:
-    """True when a streamed chunk carries generated text (chat delta or completion text)."""
-    for choice in chunk.get("choices") or ():
-        delta = choice.get("delta")
-        if delta.get("content") if isinstance(delta, dict) else choice.get("text"):
-            return True
-    return False
-
-
 async def send_one(
     session: aiohttp.ClientSession,
     url: str,
@@ -142,9 +135,11 @@ async def send_one(
     latency count from there, so time spent waiting for the client's own concurrency limit
     counts as it would for a user.
     """
+    stream = STREAMS.get(request.endpoint, CHAT_STREAM)
     body = dict(request.body)
     body["stream"] = True
-    body["stream_options"] = {"include_usage": True}
+    if stream.stream_options:
+        body["stream_options"] = {"include_usage": True}
     sent = due
     record.sent_s = due - started
     try:
@@ -172,13 +167,12 @@ async def send_one(
                 if "error" in chunk:
                     record.error = f"stream error: {str(chunk['error'])[:200]}"
                     return
-                if record.ttft_s is None and _has_text(chunk):
+                if record.ttft_s is None and stream.has_text(chunk):
                     record.ttft_s = time.perf_counter() - sent
-                usage = chunk.get("usage")
-                if usage:
-                    record.prompt_tokens = usage.get("prompt_tokens")
-                    details = usage.get("prompt_tokens_details") or {}
-                    record.cached_tokens = details.get("cached_tokens")
+                usage = stream.usage(chunk)
+                if usage is not None:
+                    record.prompt_tokens = usage.prompt_tokens
+                    record.cached_tokens = usage.cached_tokens
             record.latency_s = time.perf_counter() - sent
             if record.ttft_s is None:
                 record.ttft_s = record.latency_s  # no text at all (max_tokens 0 or empty)

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvroute.router.engines.anthropic_input import anthropic_chat, system_first_only
 from kvroute.router.engines.base import Endpoint
+from kvroute.router.engines.openai import converted_chat_prompt
 from kvroute.router.engines.usage import Usage, UsageFormat, is_count
 from kvroute.tokenizer_index import RequestTokenizer
 
@@ -33,14 +34,7 @@ def messages_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> np.
     """A Messages request's token ids: the chat vLLM renders for it; None where the
     conversion cannot tell it exactly."""
     chat = anthropic_chat(body, merge_inline_system=_merges_inline_system(tokenizer))
-    if chat is None:
-        return None
-    kwargs = body.get("chat_template_kwargs")
-    return tokenizer.encode_chat_array(
-        chat.messages,
-        tools=chat.tools,
-        chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
-    )
+    return None if chat is None else converted_chat_prompt(tokenizer, body, chat.messages, chat.tools)
 
 
 def _merges_inline_system(tokenizer: RequestTokenizer) -> bool:

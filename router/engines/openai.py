@@ -71,13 +71,28 @@ def responses_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> np
     chat = responses_chat(body)
     if chat is None:
         return None
+    return converted_chat_prompt(
+        tokenizer, body, chat.messages, chat.tools, continue_final_message=chat.continue_final_message
+    )
+
+
+def converted_chat_prompt(
+    tokenizer: RequestTokenizer,
+    body: Mapping[str, Any],
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    *,
+    continue_final_message: bool = False,
+) -> np.ndarray:
+    """The token ids of the chat another API's request became (Responses, Anthropic
+    Messages), rendered with the request's ``chat_template_kwargs``."""
     kwargs = body.get("chat_template_kwargs")
     return tokenizer.encode_chat_array(
-        chat.messages,
-        tools=chat.tools,
-        add_generation_prompt=not chat.continue_final_message,
+        messages,
+        tools=tools,
+        add_generation_prompt=not continue_final_message,
         chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
-        continue_final_message=chat.continue_final_message,
+        continue_final_message=continue_final_message,
     )
 
 

@@ -326,28 +326,6 @@ def test_a_chat_template_the_request_brings(llama_dir: Path, llama_hf: Any, defa
         tokenizer.encode_chat(messages, chat_template="{% if %}")
 
 
-def test_a_request_names_one_of_several_templates(tmp_path: Path, default_hf: Any) -> None:
-    """Where a tokenizer has several named templates a request may name one (transformers
-    looks names up there only)."""
-    tokenizer = train_tokenizer("byte_level", ["<|im_start|>", "<|im_end|>"])
-    chatml = default_hf.chat_template
-    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    directory = write_tokenizer_dir(
-        tmp_path / "named",
-        tokenizer,
-        chat_template={"default": chatml, "plain": plain},
-        special_tokens={"eos_token": "<|im_end|>"},
-    )
-    ours = RequestTokenizer.from_pretrained(directory)
-    hf = transformers.AutoTokenizer.from_pretrained(str(directory))
-    messages = [{"role": "user", "content": "hi"}]
-    for name in ("plain", "default"):
-        assert ours.encode_chat(messages, chat_template=name) == hf_chat_ids(
-            hf, messages, add_generation_prompt=True, chat_template=name
-        )
-    assert ours.render_chat(messages, chat_template="plain") == "user: hi\n"
-
-
 def test_continue_final_message(pair: tuple[RequestTokenizer, Any]) -> None:
     ours, hf = pair
     messages = [{"role": "user", "content": "Say a word"}, {"role": "assistant", "content": "Sure, the word is  "}]
@@ -460,6 +438,12 @@ def test_template_files_and_fallback(tmp_path: Path, default_hf: Any) -> None:
     messages = [{"role": "user", "content": "hi"}]
     tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}}]
     assert ours.encode_chat(messages) == hf_chat_ids(hf, messages, add_generation_prompt=True)
+    # Where there are several, a request's chat_template may name one (transformers looks
+    # names up there only).
+    assert ours.encode_chat(messages, chat_template="tool_use") == hf_chat_ids(
+        hf, messages, add_generation_prompt=True, chat_template="tool_use"
+    )
+    assert ours.render_chat(messages, chat_template="default") == "user: hi\n"
     assert ours.encode_chat(messages, tools=tools) == hf_chat_ids(hf, messages, tools=tools, add_generation_prompt=True)
     assert ours.render_chat(messages) == "user: hi\n"
     # A tokenizer without any chat template gets the shipped ChatML one.
