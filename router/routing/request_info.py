@@ -101,14 +101,16 @@ def brings_chat_template(body: Mapping[str, Any]) -> bool:
 
 
 def session_key_of(body: Mapping[str, Any], headers: Mapping[str, str], session_header: str) -> str | None:
-    """The session header, else the OpenAI ``user`` field, else Anthropic's
+    """The session header, else OpenAI's ``prompt_cache_key`` (its own hint for routing to
+    a cache, which Codex fills per conversation), else the ``user`` field, else Anthropic's
     ``metadata.user_id`` (which Claude Code fills per session)."""
     key = headers.get(session_header)
     if key:
         return key
-    user = body.get("user")
-    if isinstance(user, str) and user:
-        return user
+    for field in ("prompt_cache_key", "user"):
+        value = body.get(field)
+        if isinstance(value, str) and value:
+            return value
     metadata = body.get("metadata")
     user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
     return user_id if isinstance(user_id, str) and user_id else None

@@ -41,6 +41,9 @@ def test_vllm_serves_the_messages_api_and_claude_codes_session_is_its_key() -> N
     assert session_key_of(body, {}, "x-session-id") == "user_ab12_account__session_5f0e"
     assert session_key_of(body, {"x-session-id": "s"}, "x-session-id") == "s"
     assert session_key_of({"metadata": {"user_id": 3}}, {}, "x-session-id") is None
+    # OpenAI's own cache-routing hint comes before the user field.
+    assert session_key_of({"prompt_cache_key": "conv-1", "user": "u"}, {}, "x-session-id") == "conv-1"
+    assert session_key_of({"prompt_cache_key": "", "user": "u"}, {}, "x-session-id") == "u"
 
 
 def test_the_prompt_is_the_converted_chat_rendered() -> None:
