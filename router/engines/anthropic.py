@@ -12,13 +12,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from kvroute.router.engines.anthropic_input import anthropic_chat, system_first_only
 from kvroute.router.engines.base import Endpoint
-from kvroute.router.engines.openai import converted_chat_prompt
+from kvroute.router.engines.openai import converted_chat_prompt, template_keywords
 from kvroute.router.engines.usage import Usage, UsageFormat, is_count
 from kvroute.tokenizer_index import RequestTokenizer
 
@@ -34,7 +35,44 @@ def messages_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> np.
     """A Messages request's token ids: the chat vLLM renders for it; None where the
     conversion cannot tell it exactly."""
     chat = anthropic_chat(body, merge_inline_system=_merges_inline_system(tokenizer))
-    return None if chat is None else converted_chat_prompt(tokenizer, body, chat.messages, chat.tools)
+    if chat is None:
+        return None
+    return converted_chat_prompt(tokenizer, body, chat.messages, chat.tools, effort=_effort(tokenizer, body))
+
+
+def _effort(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> str | None:
+    """The reasoning effort vLLM gives the chat: ``output_config.effort``, unless thinking is
+    disabled, which asks for :func:`disabled_thinking_effort`."""
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "disabled":
+        return disabled_thinking_effort(tokenizer)
+    output = body.get("output_config")
+    effort = output.get("effort") if isinstance(output, dict) else None
+    return effort if isinstance(effort, str) else None
+
+
+#: Anthropic's efforts (vLLM's AnthropicEffort), for the probe below.
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+@lru_cache(maxsize=16)
+def disabled_thinking_effort(tokenizer: RequestTokenizer) -> str:
+    """The effort vLLM asks for when a request disables thinking (its ``auto`` choice):
+    ``none``, unless the template fails on it or renders it as one of the thinking efforts
+    (it then ignores it), when ``low``. Probed once per tokenizer, as vLLM probes once."""
+    hello = [{"role": "user", "content": "Hi"}]
+
+    def rendered(effort: str) -> str | None:
+        keywords = template_keywords({}, effort)
+        try:
+            return tokenizer.render_chat(hello, chat_template_kwargs=keywords)
+        except ValueError:
+            return None
+
+    without = rendered("none")
+    if without is None or any(rendered(effort) == without for effort in EFFORTS):
+        return "low"
+    return "none"
 
 
 def _merges_inline_system(tokenizer: RequestTokenizer) -> bool:

@@ -45,6 +45,20 @@ _GENERATION_FIELDS: dict[str, Any] = {
 }
 
 
+def template_keywords(body: Mapping[str, Any], effort: Any) -> dict[str, Any] | None:
+    """The request's ``chat_template_kwargs`` with its reasoning effort, as vLLM 0.32 hands
+    them to the template: ``reasoning_effort`` (over the request's own keyword) and, unless
+    the request sets it, ``enable_thinking``, false only for the effort ``"none"``. An
+    absent effort (or ``"auto"``) adds nothing."""
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+    if isinstance(effort, str) and effort not in ("", "auto"):
+        if "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = effort != "none"
+        kwargs["reasoning_effort"] = effort
+    return kwargs or None
+
+
 def chat_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> np.ndarray | None:
     """The rendered chat's token ids, with the options the engines pass to the template (and
     the template the request brings, which the routing engine lets through only when told
@@ -52,13 +66,12 @@ def chat_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> np.ndar
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return None
-    kwargs = body.get("chat_template_kwargs")
     template = body.get("chat_template")
     return tokenizer.encode_chat_array(
         messages,
         tools=body.get("tools") or None,
         add_generation_prompt=body.get("add_generation_prompt", True) is not False,
-        chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+        chat_template_kwargs=template_keywords(body, body.get("reasoning_effort")),
         documents=body.get("documents"),
         continue_final_message=body.get("continue_final_message") is True,
         chat_template=template if isinstance(template, str) else None,
@@ -71,8 +84,14 @@ def responses_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> np
     chat = responses_chat(body)
     if chat is None:
         return None
+    reasoning = body.get("reasoning")
     return converted_chat_prompt(
-        tokenizer, body, chat.messages, chat.tools, continue_final_message=chat.continue_final_message
+        tokenizer,
+        body,
+        chat.messages,
+        chat.tools,
+        effort=reasoning.get("effort") if isinstance(reasoning, dict) else None,
+        continue_final_message=chat.continue_final_message,
     )
 
 
@@ -82,16 +101,17 @@ def converted_chat_prompt(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     *,
+    effort: Any = None,
     continue_final_message: bool = False,
 ) -> np.ndarray:
     """The token ids of the chat another API's request became (Responses, Anthropic
-    Messages), rendered with the request's ``chat_template_kwargs``."""
-    kwargs = body.get("chat_template_kwargs")
+    Messages), rendered with the request's ``chat_template_kwargs`` and reasoning effort
+    (:func:`template_keywords`)."""
     return tokenizer.encode_chat_array(
         messages,
         tools=tools,
         add_generation_prompt=not continue_final_message,
-        chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+        chat_template_kwargs=template_keywords(body, effort),
         continue_final_message=continue_final_message,
     )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvroute.router.engines.anthropic import MESSAGES, anthropic_usage
+from kvroute.router.engines.anthropic import MESSAGES, anthropic_usage, disabled_thinking_effort
 from kvroute.router.engines.usage import StreamTap, Usage, usage_from_body
 from kvroute.router.engines.vllm import VLLM
 from kvroute.router.routing.request_info import session_key_of
@@ -56,3 +56,32 @@ def test_the_prompt_is_the_converted_chat_rendered() -> None:
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     )
     assert MESSAGES.prompt(tokenizer, {**body, "messages": "nope"}) is None
+
+
+#: Qwen 3's switch, reduced: thinking off leaves an empty think block before the answer.
+THINKING_SWITCH = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_a_disabled_thinking_asks_for_the_effort_the_template_honours() -> None:
+    """vLLM's probe: ``none`` where the template renders it apart from every thinking
+    effort, else ``low`` (it would be ignored, or it fails)."""
+    assert disabled_thinking_effort(RequestTokenizer.default(chat_template=THINKING_SWITCH)) == "none"
+    assert disabled_thinking_effort(RequestTokenizer.default()) == "low"  # ChatML reads neither keyword
+    refusing = "{% if reasoning_effort == 'none' %}{{ raise_exception('no') }}{% endif %}" + THINKING_SWITCH
+    assert disabled_thinking_effort(RequestTokenizer.default(chat_template=refusing)) == "low"
+
+
+def test_thinking_disabled_and_an_effort_reach_the_template() -> None:
+    tokenizer = RequestTokenizer.default(chat_template=THINKING_SWITCH)
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    assert MESSAGES.prompt is not None
+    plain = tokenizer.decode(MESSAGES.prompt(tokenizer, body).tolist())
+    disabled = tokenizer.decode(MESSAGES.prompt(tokenizer, {**body, "thinking": {"type": "disabled"}}).tolist())
+    assert not plain.endswith("</think>\n\n") and disabled == plain + "<think>\n\n</think>\n\n"
+    # An effort of the output config thinks (enable_thinking true): as without one here.
+    effort = {**body, "output_config": {"effort": "high"}}
+    assert tokenizer.decode(MESSAGES.prompt(tokenizer, effort).tolist()) == plain
