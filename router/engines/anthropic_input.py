@@ -63,7 +63,7 @@ def anthropic_chat(body: Mapping[str, Any], *, merge_inline_system: bool) -> Ant
         for message in messages:
             _append_message(chat, message, merge_inline_system=merge_inline_system)
         return AnthropicChat(chat, _chat_tools(body.get("tools")))
-    except (Unconvertible, TypeError, AttributeError):
+    except (Unconvertible, KeyError, TypeError, AttributeError):
         return None
 
 

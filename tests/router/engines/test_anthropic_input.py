@@ -133,3 +133,8 @@ def test_tools_take_the_chat_form() -> None:
 )
 def test_what_is_not_converted_exactly_has_no_chat(messages: Any) -> None:
     assert anthropic_chat({"messages": messages}, merge_inline_system=False) is None
+
+
+def test_malformed_tools_have_no_chat() -> None:
+    for tools in ([{"description": "no name"}], ["lookup"], {"name": "x"}):
+        assert anthropic_chat({"messages": [], "tools": tools}, merge_inline_system=False) is None
