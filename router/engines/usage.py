@@ -32,28 +32,33 @@ _MAX_PENDING_BYTES = 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts an engine reported for one request."""
+    """Token counts an engine reported for one request (and, for the Responses API, the id
+    it answered under, which a later request may continue: ``previous_response_id``)."""
 
     prompt_tokens: int | None
     cached_tokens: int | None
+    response_id: str | None = None
 
 
 def usage_from_object(obj: Any) -> Usage | None:
     """The usage of a decoded response or stream chunk (OpenAI chat/completions or responses shape)."""
     if not isinstance(obj, dict):
         return None
+    answer: Any = obj  # the object the usage belongs to
     usage = obj.get("usage")
     if not isinstance(usage, dict):
-        response = obj.get("response")  # /v1/responses stream: response.completed event
-        usage = response.get("usage") if isinstance(response, dict) else None
+        answer = obj.get("response")  # /v1/responses stream: response.completed event
+        usage = answer.get("usage") if isinstance(answer, dict) else None
         if not isinstance(usage, dict):
             return None
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    response_id = answer.get("id") if answer.get("object") == "response" else None
     return Usage(
         prompt_tokens=prompt if is_count(prompt) else None,
         cached_tokens=cached if is_count(cached) else None,
+        response_id=response_id if isinstance(response_id, str) else None,
     )
 
 

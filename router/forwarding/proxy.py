@@ -590,7 +590,10 @@ class Proxy:
         self._metrics.record_decision(plan.policy, decision.reason)
         try:
             answered = attempt.status.startswith("2")
-            for pending in self._routing.observe(plan, cached_tokens, answered=answered, sliced=True):
+            response_id = usage.response_id if usage is not None else None
+            for pending in self._routing.observe(
+                plan, cached_tokens, answered=answered, sliced=True, response_id=response_id
+            ):
                 insert_in_loop_turns(pending)
         except Exception:
             log.exception("routing feedback failed")

@@ -79,6 +79,7 @@ from kvroute.router.routing.policies import (
 )
 from kvroute.router.routing.precise_index import PreciseHashes, PreciseIndex
 from kvroute.router.routing.sliced_insert import PendingInsert, insert_blocks
+from kvroute.router.routing.stored_responses import StoredResponses
 from kvroute.tokenizer_index import PrefixIndex, RequestTokenizer
 from kvroute.tokenizer_index.hashing import block_hashes, request_salt
 from kvroute.tokenizer_index.hf_files import load_chat_template
@@ -91,6 +92,9 @@ UNKNOWN_CAPACITY_TOKENS = 1 << 21
 #: Request header that forces a policy when ``allow_policy_header`` is on.
 POLICY_HEADER = "x-kvroute-policy"
 FALLBACK_REASON = "fallback"
+#: A Responses request continuing an answer, sent to the backend that stored it.
+STORED_RESPONSE_REASON = "stored_response"
+RESPONSES_PATH = "/v1/responses"
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +253,7 @@ class RoutingEngine:
         self._default_label = self._split.labels[0] if self._split else settings.policy
         self._policies: dict[str, Policy] = {}
         self._fallback = LeastLoad()
+        self._stored_responses = StoredResponses()
         # By (tokenizer source, chat template, default template keywords as JSON).
         self._tokenizers: dict[tuple[str | None, str | None, str | None], RequestTokenizer] = {}
         self._tracking = False
@@ -438,7 +443,10 @@ class RoutingEngine:
 
         label = self._label(headers, session_key, request.conversation, body)
         policy = self._policy(label)
-        if policy.needs_prefix_match and prepared is None:
+        stored = self._stored_backend(endpoint, body, candidates)
+        if stored is not None:
+            decision = Decision(stored, STORED_RESPONSE_REASON)
+        elif policy.needs_prefix_match and prepared is None:
             chosen = self._fallback.choose(request, candidates)
             decision = Decision(chosen.backend, FALLBACK_REASON, chosen.matched_tokens)
         else:
@@ -466,13 +474,22 @@ class RoutingEngine:
         return bool(pending)
 
     def observe(
-        self, plan: RoutePlan, cached_tokens: int | None, *, answered: bool = True, sliced: bool = False
+        self,
+        plan: RoutePlan,
+        cached_tokens: int | None,
+        *,
+        answered: bool = True,
+        sliced: bool = False,
+        response_id: str | None = None,
     ) -> tuple[PendingInsert, ...]:
         """Feedback after an attempt: the engine's ``cached_tokens`` (None when not reported);
         ``answered``: the engine answered (it computed the prompt), not an error. ``sliced``:
         of a long prompt's blocks, inserted again here, only the last slice goes in at once;
-        the rest is returned, to insert with ``insert_next``."""
+        the rest is returned, to insert with ``insert_next``. ``response_id``: the Responses
+        API's id of the answer, which continuations are routed back by."""
         self._computing.settle(plan.serial)
+        if answered and response_id is not None:
+            self._stored_responses.remember(response_id, plan.backend)
         prompt = plan.prompt
         pending: tuple[PendingInsert, ...] = ()
         if answered and prompt is not None and prompt.precise is not None and self._precise is not None:
@@ -572,6 +589,13 @@ class RoutingEngine:
         for evicted in answers.in_order():
             self.cache_model.peer_answered(backend, evicted)
 
+    def _stored_backend(self, endpoint: str, body: Mapping[str, Any], candidates: Sequence[BackendView]) -> str | None:
+        """For a Responses request continuing an answer, the candidate that stored it."""
+        if endpoint != RESPONSES_PATH:
+            return None
+        stored = self._stored_responses.backend_of(body.get("previous_response_id"))
+        return stored if stored is not None and any(backend.url == stored for backend in candidates) else None
+
     def forget_backend(self, url: str) -> None:
         """A backend left the pool: drop its index entries, ledger entries and policy state."""
         for index in self._indexes.values():
@@ -586,6 +610,7 @@ class RoutingEngine:
         for policy in self._policies.values():
             policy.forget_backend(url)
         self._fallback.forget_backend(url)
+        self._stored_responses.forget_backend(url)
 
     def update_engine_stats(self, url: str, stats: EngineStats) -> None:
         """Listener for :mod:`kvroute.router.fleet.engine_stats`: learns each engine's block size."""

@@ -257,6 +257,9 @@ def launch_fleet(log_dir: Path, replicas: int = 2, data_parallel_size: int = 1) 
         "KVROUTE_VLLM_KV_CACHE_BYTES": KV_CACHE_BYTES,
         # No torch.compile: starts in ~half the time; the tier checks caching, not speed.
         "KVROUTE_VLLM_EXTRA_ARGS": "--enforce-eager",
+        # Stored Responses answers (kept in the answering replica's memory): their
+        # continuations must be routed back there.
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         "KVROUTE_LOG_DIR": str(log_dir),
         "KVROUTE_START_TIMEOUT": str(int(START_TIMEOUT_S)),
     }

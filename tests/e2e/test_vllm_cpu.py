@@ -233,6 +233,45 @@ def test_agent_requests_are_tokenized_as_vllm_renders_them(
     assert sum(engine[1] for _, _, engine in seen) > 0, "no request found an earlier one's blocks"
 
 
+def test_a_responses_continuation_reaches_the_replica_that_stored_it(
+    vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]
+) -> None:
+    """vLLM keeps a stored Responses answer in the memory of the replica that gave it, and
+    answers 404 to a continuation (``previous_response_id``) anywhere else. Under round
+    robin, which would alternate replicas, every continuation (streamed ones too) goes back
+    to the replica holding its history, and finds that history cached there."""
+    router = kvroute("round_robin")
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="e2e", max_retries=0, timeout=120)
+    first = client.responses.with_raw_response.create(
+        model=MODEL, input="Tell me about routers. " * 20, max_output_tokens=4
+    )
+    response_id = first.parse().id
+    homes = {first.headers["x-kvroute-backend"]}
+    cached = []
+    for turn in range(6):
+        question = f"And what about step {turn}? " * 5
+        if turn % 2:
+            with client.responses.with_streaming_response.create(
+                model=MODEL, input=question, previous_response_id=response_id, max_output_tokens=4, stream=True
+            ) as streamed:
+                headers = streamed.headers
+                events = [event for event in streamed.parse() if event.type == "response.completed"]
+            answer = events[-1].response
+        else:
+            raw = client.responses.with_raw_response.create(
+                model=MODEL, input=question, previous_response_id=response_id, max_output_tokens=4
+            )
+            headers, answer = raw.headers, raw.parse()
+        assert headers["x-kvroute-reason"] == "stored_response", dict(headers)
+        homes.add(headers["x-kvroute-backend"])
+        assert answer.usage is not None
+        cached.append(answer.usage.input_tokens_details.cached_tokens)
+        response_id = answer.id
+    report(f"{'stored responses':<22} 6 continuations on {len(homes)} replica, cached tokens per turn {cached}")
+    assert len(homes) == 1
+    assert all(tokens > 0 for tokens in cached)
+
+
 def claude_code_turns() -> list[tuple[str, dict[str, Any]]]:
     """(label, request) pairs shaped as Claude Code sends them to ``/v1/messages``: the
     billing block before the system prompt, thinking, text and a tool call in one assistant

@@ -8,7 +8,7 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.router.engines.usage import StreamTap, Usage, usage_from_body
+from kvroute.router.engines.usage import StreamTap, Usage, usage_from_body, usage_from_object
 
 
 def sse(payload: object) -> bytes:
@@ -110,3 +110,15 @@ def test_usage_from_bodies() -> None:
     assert usage_from_body(b'not json but has "usage"') is None
     assert usage_from_body(b'{"usage": {"prompt_tokens": "7"}}') == Usage(prompt_tokens=None, cached_tokens=None)
     assert usage_from_body(b"{}") is None
+
+
+def test_a_responses_answer_says_its_id_beside_its_usage() -> None:
+    """The id a later request may continue (previous_response_id): from the body, or from
+    the stream's response.completed event; a chat completion's id is not one."""
+    usage = {"input_tokens": 9, "input_tokens_details": {"cached_tokens": 0}}
+    body = {"id": "resp_1", "object": "response", "usage": usage}
+    assert usage_from_object(body) == Usage(9, 0, response_id="resp_1")
+    event = {"type": "response.completed", "response": body}
+    assert usage_from_object(event) == Usage(9, 0, response_id="resp_1")
+    chat = {"id": "chatcmpl-1", "object": "chat.completion", "usage": {"prompt_tokens": 9}}
+    assert usage_from_object(chat) == Usage(9, None)

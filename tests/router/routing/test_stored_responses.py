@@ -1,0 +1,56 @@
+"""StoredResponses, and the routing engine sending a Responses continuation back home."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute.router.config import Settings
+from kvroute.router.fleet.backends import Backend
+from kvroute.router.routing.routing_engine import RoutingEngine
+from kvroute.router.routing.stored_responses import StoredResponses
+
+RESPONSES = "/v1/responses"
+
+
+def test_the_most_recent_answers_are_remembered() -> None:
+    stored = StoredResponses(capacity=2)
+    stored.remember("resp_1", "http://b0")
+    stored.remember("resp_2", "http://b1")
+    stored.remember("resp_1", "http://b0")  # seen again: now the most recent
+    stored.remember("resp_3", "http://b1")
+    assert (stored.backend_of("resp_1"), stored.backend_of("resp_2"), stored.backend_of("resp_3")) == (
+        "http://b0",
+        None,
+        "http://b1",
+    )
+    assert stored.backend_of(None) is None and stored.backend_of(7) is None
+    stored.forget_backend("http://b1")
+    assert len(stored) == 1
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "cache_aware", "sticky"])
+def test_a_continuation_goes_to_the_backend_that_answered(policy: str) -> None:
+    """vLLM keeps a stored response in the memory of the replica that answered: a request
+    continuing it must go there, whatever the policy would choose."""
+    engine = RoutingEngine(Settings(policy=policy))
+    backends = [Backend(f"http://b{i}") for i in range(3)]
+    first = engine.route(RESPONSES, {"model": "m", "input": "hi"}, {}, backends)
+    engine.observe(first, 0, response_id="resp_1")
+    continuation = {"model": "m", "input": "and?", "previous_response_id": "resp_1"}
+    for _ in range(4):
+        plan = engine.route(RESPONSES, continuation, {}, backends)
+        assert (plan.backend, plan.reason) == (first.backend, "stored_response")
+    # Not when that backend is no candidate (down, draining), nor for an unknown id, nor
+    # after an error answer (nothing was stored).
+    others = [backend for backend in backends if backend.url != first.backend]
+    assert engine.route(RESPONSES, continuation, {}, others).reason != "stored_response"
+    unknown = {**continuation, "previous_response_id": "resp_9"}
+    assert engine.route(RESPONSES, unknown, {}, backends).reason != "stored_response"
+    failed = engine.route(RESPONSES, {"model": "m", "input": "x"}, {}, backends)
+    engine.observe(failed, None, answered=False, response_id="resp_2")
+    assert engine.route(RESPONSES, {**continuation, "previous_response_id": "resp_2"}, {}, backends).reason != (
+        "stored_response"
+    )
+    # A backend that leaves takes its answers with it.
+    engine.forget_backend(first.backend)
+    assert engine.route(RESPONSES, continuation, {}, backends).reason != "stored_response"
