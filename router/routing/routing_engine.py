@@ -256,6 +256,7 @@ class RoutingEngine:
         self._stored_responses = StoredResponses()
         # By (tokenizer source, chat template, default template keywords as JSON).
         self._tokenizers: dict[tuple[str | None, str | None, str | None], RequestTokenizer] = {}
+        self._model_tokenizers: dict[str | None, RequestTokenizer] = {}  # see _tokenizer_for
         self._tracking = False
         # Explained decisions for --decision-log and, with the admin API, GET /admin/decisions.
         self.decisions = DecisionRecorder(log=settings.decision_log, ring_size=RING_SIZE if settings.admin_token else 0)
@@ -659,6 +660,17 @@ class RoutingEngine:
             self._tokenizer_for(name)
 
     def _tokenizer_for(self, model: str | None) -> RequestTokenizer:
+        # Per configured model (any other model is the fleet-wide entry, None): a lookup per
+        # request, and no entry per name a client makes up.
+        name = model if model is not None and model in self._settings.models else None
+        tokenizer = self._model_tokenizers.get(name)
+        if tokenizer is None:
+            tokenizer = self._model_tokenizers[name] = self._load_tokenizer(name)
+        return tokenizer
+
+    def _load_tokenizer(self, model: str | None) -> RequestTokenizer:
+        """The tokenizer of a configured model (None: the fleet's), shared by every model
+        with the same tokenizer, chat template and default template keywords."""
         settings = self._settings
         configured = settings.models.get(model) if model is not None else None
         source = configured.tokenizer if configured and configured.tokenizer else settings.tokenizer
