@@ -1,7 +1,7 @@
 """Errors the router itself answers, always in OpenAI's JSON shape.
 
 Every error a client can see from kvroute is ``{"error": {"message", "type", "code"}}``
-with a fitting HTTP status, whether it comes from the proxy (bad body, unknown model, no
+(with ``"type": "error"`` beside it, which Anthropic's clients expect) with a fitting HTTP status, whether it comes from the proxy (bad body, unknown model, no
 backend, upstream timeout), from aiohttp's dispatcher (unknown path, wrong method, body too
 large) or from an unexpected exception (500, logged with its traceback, never shown).
 A stream that breaks after its headers were sent cannot change its status any more; it
@@ -86,8 +86,9 @@ class RouterError(Exception):
 
 
 def error_body(message: str, *, error_type: str, code: str | int | None) -> bytes:
-    """The JSON bytes of an OpenAI-style error object."""
-    return orjson.dumps({"error": {"message": message, "type": error_type, "code": code}})
+    """The JSON bytes of an OpenAI-style error object, in the envelope Anthropic's clients
+    read too (``"type": "error"`` beside it: the router serves ``/v1/messages``)."""
+    return orjson.dumps({"type": "error", "error": {"message": message, "type": error_type, "code": code}})
 
 
 def status_error_body(status: int, message: str, code: str | None) -> bytes:

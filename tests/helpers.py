@@ -20,7 +20,9 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | None 
     """Check that ``response`` is the router's OpenAI-style error with ``status`` (and ``code``); return it."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json")
-    error = response.json()["error"]
+    body = response.json()
+    assert body["type"] == "error"  # Anthropic's envelope, for /v1/messages clients
+    error = body["error"]
     assert set(error) == {"message", "type", "code"}
     assert isinstance(error["message"], str) and error["message"]
     assert "Traceback" not in error["message"]

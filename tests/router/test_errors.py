@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -59,6 +60,21 @@ def test_unknown_model_is_404(router: RouterServer) -> None:
         router.client().chat.completions.create(model="no-such-model", messages=MESSAGES)
     assert raised.value.code == "model_not_found"
     assert raised.value.type == "invalid_request_error"
+
+
+def test_anthropics_client_reads_the_routers_own_errors(router: RouterServer) -> None:
+    """Claude Code's client (``anthropic``) gets the router's errors as errors it knows."""
+    client = anthropic.Anthropic(base_url=router.url, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as raised:
+        client.messages.create(model="no-such-model", max_tokens=4, messages=MESSAGES)  # type: ignore[arg-type]
+    assert raised.value.body == {
+        "type": "error",
+        "error": {
+            "message": "The model `no-such-model` does not exist.",
+            "type": "invalid_request_error",
+            "code": "model_not_found",
+        },
+    }
 
 
 def test_body_over_the_limit_is_413(router: RouterServer) -> None:

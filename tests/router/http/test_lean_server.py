@@ -370,7 +370,8 @@ def test_an_unexpected_error_is_a_json_500_and_the_connection_goes_on(
     answers, closed = exchange(router.url, post("/v1/chat/completions", CHAT) + get("/health"), 2)
     assert answers[0].status == 500
     assert answers[0].body == {
-        "error": {"message": "internal router error", "type": "server_error", "code": "internal_error"}
+        "type": "error",
+        "error": {"message": "internal router error", "type": "server_error", "code": "internal_error"},
     }
     assert answers[1].status == 200 and not closed
 
