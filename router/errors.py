@@ -112,7 +112,8 @@ def sse_error_event(message: str, *, code: str = "upstream_stream_error") -> byt
     """The end of a stream cut short: an SSE ``error`` event, then ``data: [DONE]``.
 
     The ``data`` line carries the usual error object, which the ``openai`` SDK raises as
-    ``APIError``; ``[DONE]`` lets any other SSE client stop reading instead of hanging.
+    ``APIError`` (and, in its envelope, is Anthropic's ``error`` event); ``[DONE]`` lets any
+    other SSE client stop reading instead of hanging.
     """
     payload = error_body(message, error_type="server_error", code=code)
     return b"event: error\ndata: " + payload + b"\n\ndata: [DONE]\n\n"
