@@ -53,16 +53,10 @@ def responses_body(chat: Mapping[str, Any]) -> dict[str, Any]:
             if message.get("content"):
                 text = {"type": "output_text", "text": message["content"]}
                 items.append({"type": "message", "role": "assistant", "content": [text]})
-            for call in message.get("tool_calls") or ():
-                function = call["function"]
-                items.append(
-                    {
-                        "type": "function_call",
-                        "call_id": call["id"],
-                        "name": function["name"],
-                        "arguments": function["arguments"],
-                    }
-                )
+            items += [
+                {"type": "function_call", "call_id": call_id, "name": name, "arguments": arguments}
+                for call_id, name, arguments in _calls(message)
+            ]
         elif role == "tool":
             items.append(
                 {"type": "function_call_output", "call_id": message["tool_call_id"], "output": message["content"]}
@@ -87,16 +81,10 @@ def messages_body(chat: Mapping[str, Any]) -> dict[str, Any]:
             body["system"] = content
         elif role == "assistant":
             blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
-            for call in message.get("tool_calls") or ():
-                function = call["function"]
-                blocks.append(
-                    {
-                        "type": "tool_use",
-                        "id": call["id"],
-                        "name": function["name"],
-                        "input": json.loads(function["arguments"]),
-                    }
-                )
+            blocks += [
+                {"type": "tool_use", "id": call_id, "name": name, "input": json.loads(arguments)}
+                for call_id, name, arguments in _calls(message)
+            ]
             turns.append({"role": "assistant", "content": blocks})
         else:
             block = (
@@ -115,6 +103,14 @@ def messages_body(chat: Mapping[str, Any]) -> dict[str, Any]:
             for f in (tool["function"] for tool in chat["tools"])
         ]
     return body
+
+
+def _calls(message: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(id, function name, JSON arguments) of an assistant message's tool calls."""
+    return [
+        (call["id"], call["function"]["name"], call["function"]["arguments"])
+        for call in message.get("tool_calls") or ()
+    ]
 
 
 @dataclass(frozen=True, slots=True)
