@@ -1,7 +1,8 @@
 """Sticky sessions: consistent hashing with bounded load.
 
 A request's session key comes from the ``session_header`` header (``x-session-id`` by
-default) or the body's ``user`` field (the routing engine extracts it). A new session is
+default) or the body's ``prompt_cache_key``, ``user`` or Anthropic ``metadata.user_id``
+field (the routing engine extracts it: ``request_info.session_key_of``). A new session is
 placed by rendezvous hashing -- every backend gets a score ``hash(key, url)`` and the
 session goes to the highest-scoring one -- so every router replica, with no shared
 state, makes the same first choice, and adding or removing a backend moves only the
@@ -47,7 +48,7 @@ def rendezvous_score(key: str, url: str) -> int:
 
 
 class Sticky(Policy):
-    """One backend per session key (`x-session-id` or the body's `user`): rendezvous hashing with bounded load; no key: `cache_aware`.
+    """One backend per session key (`x-session-id`, else the body's `prompt_cache_key`, `user` or Anthropic `metadata.user_id`): rendezvous hashing with bounded load; no key: `cache_aware`.
 
     See the module docstring.
     """
