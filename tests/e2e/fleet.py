@@ -232,9 +232,14 @@ def _healthy(url: str) -> bool:
 
 
 @contextmanager
-def launch_fleet(log_dir: Path, replicas: int = 2, data_parallel_size: int = 1) -> Iterator[VllmFleet]:
-    """Healthy vLLM replicas (each with ``data_parallel_size`` ranks) for the duration of the
-    ``with`` block."""
+def launch_fleet(
+    log_dir: Path, replicas: int = 2, data_parallel_size: int = 1, vllm_args: Sequence[str] = ()
+) -> Iterator[VllmFleet]:
+    """Healthy vLLM replicas (each with ``data_parallel_size`` ranks, and ``vllm_args`` on
+    their command lines: no spaces inside one, run_cpu.sh splits them at spaces) for the
+    duration of the ``with`` block."""
+    if any(" " in arg for arg in vllm_args):
+        raise ValueError(f"vLLM arguments cannot hold spaces here: {list(vllm_args)}")
     if shutil.which("curl") is None:
         raise LaunchError("deploy/local/run_cpu.sh needs curl on PATH")
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -256,7 +261,7 @@ def launch_fleet(log_dir: Path, replicas: int = 2, data_parallel_size: int = 1) 
         "KVROUTE_VLLM_DATA_PARALLEL": str(data_parallel_size),
         "KVROUTE_VLLM_KV_CACHE_BYTES": KV_CACHE_BYTES,
         # No torch.compile: starts in ~half the time; the tier checks caching, not speed.
-        "KVROUTE_VLLM_EXTRA_ARGS": "--enforce-eager",
+        "KVROUTE_VLLM_EXTRA_ARGS": " ".join(["--enforce-eager", *vllm_args]),
         # Stored Responses answers (kept in the answering replica's memory): their
         # continuations must be routed back there.
         "VLLM_ENABLE_RESPONSES_API_STORE": "1",

@@ -10,6 +10,7 @@ that two routers following the same engines' KV events hold the same index.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -270,6 +271,115 @@ def test_a_responses_continuation_reaches_the_replica_that_stored_it(
     report(f"{'stored responses':<22} 6 continuations on {len(homes)} replica, cached tokens per turn {cached}")
     assert len(homes) == 1
     assert all(tokens > 0 for tokens in cached)
+
+
+#: A chat template reading keywords from the engine's defaults, the request and the
+#: reasoning effort (Qwen 3's thinking switch, reduced).
+KEYWORD_TEMPLATE = """{%- if greeting is defined %}<|im_start|>system
+{{ greeting }}<|im_end|>
+{% endif -%}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% if reasoning_effort is defined and reasoning_effort %}[effort {{ reasoning_effort }}]{% endif %}{% endif %}
+"""
+
+
+def test_the_engines_chat_template_settings_and_the_reasoning_effort(tmp_path: Path) -> None:
+    """vLLM started with ``--chat-template`` and ``--default-chat-template-kwargs``, kvroute
+    told the same: on every API the router's prompt and prediction equal vLLM's, with the
+    engine's default keyword, the request's own over it, and each way of asking for a
+    reasoning effort (vLLM 0.32 hands it to the template, and sets ``enable_thinking``);
+    a request's own template, untrusted, is refused by vLLM and routed without a match."""
+    template = tmp_path / "keywords.jinja"
+    template.write_text(KEYWORD_TEMPLATE)
+    greeting = {"greeting": "Welcome_to_the_kvroute_fleet."}
+    args = [
+        "--chat-template",
+        str(template),
+        "--default-chat-template-kwargs",
+        json.dumps(greeting, separators=(",", ":")),
+    ]
+    with launch_fleet(tmp_path / "fleet", replicas=1, vllm_args=args) as engine:
+        router = launch_router(
+            engine, tmp_path, "cache_aware", chat_template=str(template), default_chat_template_kwargs=greeting
+        )
+        try:
+            openai_client = openai.OpenAI(base_url=router.url + "/v1", api_key="e2e", max_retries=0, timeout=120)
+            anthropic_client = anthropic.Anthropic(base_url=router.url, api_key="e2e", max_retries=0, timeout=120)
+            messages = [{"role": "user", "content": "Tell me about routers. " * 10}]
+            seen = []
+            for label, extra in (
+                ("default greeting", {}),
+                ("own greeting", {"extra_body": {"chat_template_kwargs": {"greeting": "Hi"}}}),
+                ("effort none", {"reasoning_effort": "none"}),
+                ("effort high", {"reasoning_effort": "high"}),
+                (
+                    "effort none, thinking on",
+                    {"reasoning_effort": "none", "extra_body": {"chat_template_kwargs": {"enable_thinking": True}}},
+                ),
+            ):
+                chat = openai_client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=messages, max_tokens=2, **extra
+                )
+                usage = chat.parse().usage
+                assert usage is not None and usage.prompt_tokens_details is not None
+                seen.append(
+                    (f"chat: {label}", chat.headers, (usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens))
+                )
+            for label, extra in (
+                ("plain", {}),
+                ("effort none", {"reasoning": {"effort": "none"}}),
+                ("effort low", {"reasoning": {"effort": "low"}}),
+            ):
+                response = openai_client.responses.with_raw_response.create(
+                    model=MODEL, input=messages[0]["content"], max_output_tokens=2, **extra
+                )
+                used = response.parse().usage
+                assert used is not None
+                seen.append(
+                    (
+                        f"responses: {label}",
+                        response.headers,
+                        (used.input_tokens, used.input_tokens_details.cached_tokens),
+                    )
+                )
+            for label, extra in (
+                ("plain", {}),
+                ("thinking disabled", {"thinking": {"type": "disabled"}}),
+                ("effort high", {"output_config": {"effort": "high"}}),
+            ):
+                message = anthropic_client.messages.with_raw_response.create(
+                    model=MODEL, messages=messages, max_tokens=2, **extra
+                )
+                read = message.parse().usage
+                read_tokens = read.cache_read_input_tokens or 0
+                prompt = read.input_tokens + read_tokens + (read.cache_creation_input_tokens or 0)
+                seen.append((f"messages: {label}", message.headers, (prompt, read_tokens)))
+            untrusted = httpx.post(
+                router.url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": messages, "max_tokens": 2, "chat_template": "{{ messages }}"},
+                timeout=60,
+            )
+        finally:
+            router.stop()
+    rows = [
+        (label, (int(headers["x-kvroute-prompt-tokens"]), int(headers["x-kvroute-matched-tokens"])), engine_side)
+        for label, headers, engine_side in seen
+    ]
+    report(
+        f"{'engine chat settings':<22} {len(rows)} requests (default and own keywords, reasoning efforts), router "
+        f"(prompt, predicted) == vLLM's on {sum(router_side == engine_side for _, router_side, engine_side in rows)}"
+    )
+    assert all(router_side == engine_side for _, router_side, engine_side in rows), rows
+    # The settings reached both: the prompts differ where the keywords do.
+    assert len({engine_side[0] for _, _, engine_side in rows}) >= 3, rows
+    assert (untrusted.status_code, untrusted.headers.get("x-kvroute-reason")) == (400, "fallback"), untrusted.text
 
 
 def claude_code_turns() -> list[tuple[str, dict[str, Any]]]:
