@@ -29,7 +29,7 @@ from typing import TextIO
 import aiohttp
 import orjson
 
-from kvroute.benchmarks.wire import CHAT_STREAM, STREAMS
+from kvroute.benchmarks.wire import stream_of, streaming_body
 from kvroute.benchmarks.workloads import WorkloadRequest
 
 
@@ -135,11 +135,8 @@ async def send_one(
     latency count from there, so time spent waiting for the client's own concurrency limit
     counts as it would for a user.
     """
-    stream = STREAMS.get(request.endpoint, CHAT_STREAM)
-    body = dict(request.body)
-    body["stream"] = True
-    if stream.stream_options:
-        body["stream_options"] = {"include_usage": True}
+    stream = stream_of(request)
+    body = streaming_body(request)
     sent = due
     record.sent_s = due - started
     try:

@@ -19,11 +19,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvroute.benchmarks.workloads import CHAT_ENDPOINT, WorkloadRequest
-from kvroute.router.engines.anthropic import anthropic_usage
+from kvroute.router.engines.anthropic import MESSAGES, anthropic_usage
+from kvroute.router.engines.openai import RESPONSES
 from kvroute.router.engines.usage import Usage, usage_from_object
 
-RESPONSES_ENDPOINT = "/v1/responses"
-MESSAGES_ENDPOINT = "/v1/messages"
+RESPONSES_ENDPOINT = RESPONSES.path
+MESSAGES_ENDPOINT = MESSAGES.path
 #: The APIs a chat request can be sent over (``--wire``).
 WIRES = ("chat", "responses", "messages")
 
@@ -147,3 +148,16 @@ STREAMS: dict[str, StreamFormat] = {
     RESPONSES_ENDPOINT: StreamFormat(_responses_has_text, usage_from_object),
     MESSAGES_ENDPOINT: StreamFormat(_messages_has_text, anthropic_usage),
 }
+
+
+def stream_of(request: WorkloadRequest) -> StreamFormat:
+    """How the answer to ``request`` streams."""
+    return STREAMS.get(request.endpoint, CHAT_STREAM)
+
+
+def streaming_body(request: WorkloadRequest) -> dict[str, Any]:
+    """``request``'s body asking for a stream, and for its usage where the API needs asking."""
+    body = {**request.body, "stream": True}
+    if stream_of(request).stream_options:
+        body["stream_options"] = {"include_usage": True}
+    return body

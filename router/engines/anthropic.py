@@ -75,10 +75,11 @@ def disabled_thinking_effort(tokenizer: RequestTokenizer) -> str:
     return "none"
 
 
+@lru_cache(maxsize=16)
 def _merges_inline_system(tokenizer: RequestTokenizer) -> bool:
     """Whether vLLM merges inline system messages for this tokenizer's templates: when the
     template for requests without tools or the one with tools takes system messages first
-    only (vLLM probes both)."""
+    only (vLLM probes both, once; so does this, per tokenizer)."""
     return any(system_first_only(tokenizer.chat_template(tools=tools).source) for tools in (False, True))
 
 

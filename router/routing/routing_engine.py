@@ -57,6 +57,7 @@ import orjson
 
 from kvroute.router.config import Settings
 from kvroute.router.engines import endpoint_for
+from kvroute.router.engines.openai import RESPONSES
 from kvroute.router.fleet.engine_stats import EngineStats
 from kvroute.router.routing import request_info, sliced_insert
 from kvroute.router.routing.cache_model import CacheModel
@@ -94,7 +95,6 @@ POLICY_HEADER = "x-kvroute-policy"
 FALLBACK_REASON = "fallback"
 #: A Responses request continuing an answer, sent to the backend that stored it.
 STORED_RESPONSE_REASON = "stored_response"
-RESPONSES_PATH = "/v1/responses"
 
 
 @dataclass(frozen=True, slots=True)
@@ -592,7 +592,7 @@ class RoutingEngine:
 
     def _stored_backend(self, endpoint: str, body: Mapping[str, Any], candidates: Sequence[BackendView]) -> str | None:
         """For a Responses request continuing an answer, the candidate that stored it."""
-        if endpoint != RESPONSES_PATH:
+        if endpoint != RESPONSES.path:
             return None
         stored = self._stored_responses.backend_of(body.get("previous_response_id"))
         return stored if stored is not None and any(backend.url == stored for backend in candidates) else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.benchmarks.wire import MESSAGES_ENDPOINT, RESPONSES_ENDPOINT, STREAMS, on_wire
+from kvroute.benchmarks.wire import MESSAGES_ENDPOINT, RESPONSES_ENDPOINT, STREAMS, on_wire, streaming_body
 from kvroute.benchmarks.workloads import agent_sessions, multi_turn
 from kvroute.router.engines import endpoint_for
 from kvroute.router.engines.usage import Usage
@@ -45,4 +45,9 @@ def test_each_streams_text_and_usage_are_read() -> None:
     assert messages.usage(
         {"type": "message_delta", "usage": {"input_tokens": 26, "cache_read_input_tokens": 64}}
     ) == Usage(90, 64)
-    assert not responses.stream_options and not messages.stream_options
+    # Only OpenAI's chat and completions streams carry usage when asked with stream_options.
+    chat_request = next(iter(multi_turn(conversations=1, turns=1)))
+    assert streaming_body(chat_request)["stream_options"] == {"include_usage": True}
+    for wire in ("responses", "messages"):
+        sent = streaming_body(on_wire(chat_request, wire))
+        assert sent["stream"] is True and "stream_options" not in sent

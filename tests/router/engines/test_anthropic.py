@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import httpx
+
 from kvroute.router.engines.anthropic import MESSAGES, anthropic_usage, disabled_thinking_effort
 from kvroute.router.engines.usage import StreamTap, Usage, usage_from_body
-from kvroute.router.engines.vllm import VLLM
 from kvroute.router.routing.request_info import session_key_of
 from kvroute.tokenizer_index import RequestTokenizer
 
@@ -35,8 +38,18 @@ def test_a_stream_counts_its_last_usage() -> None:
     assert tap.usage == Usage(prompt_tokens=657, cached_tokens=640)
 
 
-def test_vllm_serves_the_messages_api_and_claude_codes_session_is_its_key() -> None:
-    assert {"/v1/messages", "/v1/messages/count_tokens"} <= {endpoint.path for endpoint in VLLM.endpoints}
+def test_a_vllm_backend_is_sent_the_messages_api(sim_engines: Any, router_server: Any) -> None:
+    """The router proxies both Messages paths to a vLLM backend (a sim engine, which answers
+    them 404 itself: the router's own 404 for an unknown path would name no backend)."""
+    (engine,) = sim_engines(1)
+    router = router_server([engine])
+    body = {"model": "sim", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        answer = httpx.post(router.url + path, json=body, timeout=30)
+        assert answer.headers["x-kvroute-backend"] == engine.url, (path, answer.status_code, answer.text)
+
+
+def test_claude_codes_session_is_its_key() -> None:
     body = {"metadata": {"user_id": "user_ab12_account__session_5f0e"}, "messages": []}
     assert session_key_of(body, {}, "x-session-id") == "user_ab12_account__session_5f0e"
     assert session_key_of(body, {"x-session-id": "s"}, "x-session-id") == "s"
