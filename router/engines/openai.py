@@ -173,3 +173,26 @@ RESPONSES = Endpoint(
         },
     },
 )
+
+
+#: A stored response's own calls, ``/v1/responses/{response_id}`` and below it: vLLM 0.32
+#: serves ``GET`` (``?stream=true&starting_after=N`` resumes a background stream) and
+#: ``POST .../cancel``; OpenAI's API also ``DELETE`` and ``GET .../input_items``. They go to
+#: the replica that stored the response. ``path`` is the one that names the engines serving
+#: them (those serving ``/v1/responses``); the request goes upstream under its own path.
+RESPONSE_LOOKUP = Endpoint("/v1/responses", "responses_stored", False, None, False)
+#: Those calls' routes: (method, path pattern, OpenAPI operation id).
+STORED_RESPONSE_ROUTES = (
+    ("GET", "/v1/responses/{response_id}", "responses_retrieve"),
+    ("DELETE", "/v1/responses/{response_id}", "responses_delete"),
+    ("POST", "/v1/responses/{response_id}/cancel", "responses_cancel"),
+    ("GET", "/v1/responses/{response_id}/input_items", "responses_input_items"),
+)
+
+
+def continued_response(path: str, body: Mapping[str, Any]) -> str | None:
+    """The stored response a ``/v1/responses`` request continues (``previous_response_id``)."""
+    if path != RESPONSES.path:
+        return None
+    previous = body.get("previous_response_id")
+    return previous if isinstance(previous, str) else None

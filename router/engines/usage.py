@@ -46,19 +46,25 @@ def usage_from_object(obj: Any) -> Usage | None:
         return None
     answer: Any = obj  # the object the usage belongs to
     usage = obj.get("usage")
-    if not isinstance(usage, dict):
-        answer = obj.get("response")  # /v1/responses stream: response.completed event
-        usage = answer.get("usage") if isinstance(answer, dict) else None
-        if not isinstance(usage, dict):
+    if not isinstance(usage, dict) and obj.get("object") != "response":
+        answer = obj.get("response")  # a /v1/responses stream event: the response it reports on
+        if not isinstance(answer, dict):
             return None
+        usage = answer.get("usage")
+    response_id = answer.get("id") if answer.get("object") == "response" else None
+    if not isinstance(response_id, str):
+        response_id = None
+    if not isinstance(usage, dict):
+        # A response without usage yet (a background one, queued; a stream's
+        # response.created): which replica stores it is still worth knowing.
+        return None if response_id is None else Usage(None, None, response_id)
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    response_id = answer.get("id") if answer.get("object") == "response" else None
     return Usage(
         prompt_tokens=prompt if is_count(prompt) else None,
         cached_tokens=cached if is_count(cached) else None,
-        response_id=response_id if isinstance(response_id, str) else None,
+        response_id=response_id,
     )
 
 

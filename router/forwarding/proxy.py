@@ -36,6 +36,7 @@ client did not ask for it, and the extra usage chunk is removed again (``kvroute
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -47,6 +48,7 @@ from typing import Any
 import orjson
 
 from kvroute.router.config import Settings
+from kvroute.router.engines.openai import RESPONSE_LOOKUP, continued_response
 from kvroute.router.engines.usage import OPENAI_USAGE, StreamTap, Usage, usage_from_body
 from kvroute.router.errors import RouterError, sse_error_event
 from kvroute.router.fleet.backends import Backend, BackendPool
@@ -79,7 +81,13 @@ from kvroute.router.routing.request_info import (
     body_with_usage_requested,
     parse_request,
 )
-from kvroute.router.routing.routing_engine import PendingInsert, PreparedPrompt, RoutePlan, RoutingEngine
+from kvroute.router.routing.routing_engine import (
+    STORED_RESPONSE_REASON,
+    PendingInsert,
+    PreparedPrompt,
+    RoutePlan,
+    RoutingEngine,
+)
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -120,6 +128,10 @@ MAX_REQUEST_ID_CHARS = 128
 # client yet and generation has no side effects, so another replica may answer instead.
 _RETRYABLE_STATUSES = frozenset({500, 502, 503, 504})
 _STATUS_LABELS = {code: str(code) for code in range(100, 600)}
+# A stored response's own calls have no body the router reads.
+_NOTHING_PARSED = ParsedRequest(
+    body={}, model=None, stream=False, include_usage=False, expected_output_tokens=0, session_key=None
+)
 
 
 @dataclass(slots=True)
@@ -147,6 +159,11 @@ class _Call:
     body: bytes
     #: The router asked for the stream's usage chunk and removes it again.
     usage_injected: bool
+    #: The stored response the call reaches (its ``previous_response_id``, or the id in a
+    #: stored response's own path): a backend answering 404 may not be the one storing it.
+    stored_id: str | None
+    #: The request method, as sent upstream.
+    method: bytes = b"POST"
 
 
 @dataclass(slots=True)
@@ -158,6 +175,8 @@ class _Attempt:
     backend: Backend
     #: Another backend may still take over when this one fails before the client sees a byte.
     can_retry: bool
+    #: Not known to store the call's response: its 404 sends the call on (with ``can_retry``).
+    searching: bool
     status: str = "500"  # until known: an escaping exception becomes a 500
     ttft_s: float | None = None
     usage: Usage | None = None
@@ -261,8 +280,18 @@ class Proxy:
         self._strip_kvroute_headers = not settings.allow_policy_header
 
     # --- entry -----------------------------------------------------------------------
-    async def forward(self, request: ClientRequest, endpoint: Endpoint, sink: ResponseSink) -> None:
-        """Handle one request to a proxied endpoint; its answer goes to ``sink``."""
+    async def forward(
+        self, request: ClientRequest, endpoint: Endpoint, sink: ResponseSink, stored_id: str | None = None
+    ) -> None:
+        """Handle one request to a proxied endpoint; its answer goes to ``sink``.
+
+        With ``endpoint`` :data:`RESPONSE_LOOKUP`, a call on the stored response
+        ``stored_id`` itself (read, cancel, delete; any method): the body goes as sent to the
+        backend that stored it, or, where this router does not know which (another router
+        or worker created it, or this one restarted), to each in turn until one does not
+        answer 404. A ``/v1/responses`` request continuing an unknown response searches the
+        same way: vLLM looks the stored response up before it generates anything.
+        """
         started = time.monotonic()
         request_id = request_id_of(request.headers)
         try:
@@ -272,9 +301,15 @@ class Proxy:
             if not isinstance(raw, bytes):
                 # The server's reader applies max_body_bytes and request_read_timeout_s (413, 408).
                 raw = await raw()
-            parsed = parse_request(raw, endpoint, request.headers, self._session_header)
-            prepared = await self._prepare(endpoint, parsed, len(raw))
-            body, usage_injected = _outgoing_body(endpoint, parsed, raw)
+            if endpoint is RESPONSE_LOOKUP:
+                parsed, prepared, body, usage_injected = _NOTHING_PARSED, None, raw, False
+                method = request.method.encode()
+            else:
+                parsed = parse_request(raw, endpoint, request.headers, self._session_header)
+                prepared = await self._prepare(endpoint, parsed, len(raw))
+                body, usage_injected = _outgoing_body(endpoint, parsed, raw)
+                stored_id = continued_response(endpoint.path, parsed.body)
+                method = b"POST"
             call = _Call(
                 request,
                 sink,
@@ -286,6 +321,8 @@ class Proxy:
                 prepared,
                 body,
                 usage_injected,
+                stored_id,
+                method,
             )
             await self._route(call)
         except RouterError as exc:
@@ -293,7 +330,8 @@ class Proxy:
 
     # --- choosing backends -----------------------------------------------------------
     async def _route(self, call: _Call) -> None:
-        """Try the call on a backend; once more elsewhere if that fails before the first byte."""
+        """Try the call on a backend; once more elsewhere if that fails before the first byte
+        (and on every other backend in turn while a search for a stored response finds 404)."""
         pool = self._pool
         model = call.parsed.model
         path = call.endpoint.path
@@ -302,7 +340,7 @@ class Proxy:
         holds_request_slot = False
         last_error: RouterError | None = None
         try:
-            for attempt in range(2):
+            for attempt in itertools.count():  # each retry has one candidate less
                 if self._admission_limited:
                     # May wait for a turn (or raise 429); only backends with room come back.
                     eligible = partial(self._eligible, model, path, failed)
@@ -319,15 +357,16 @@ class Proxy:
                 if backend is None:
                     log.error("policy %s chose %s, which is not in the pool", plan.policy, plan.backend)
                     raise RouterError(500, "routing chose an unknown backend", code="internal_error")
-                can_retry = attempt == 0 and alternatives > 1
+                searching = call.stored_id is not None and plan.decision.reason != STORED_RESPONSE_REASON
+                can_retry = alternatives > 1 and (attempt == 0 or searching)
                 try:
-                    await self._attempt(_Attempt(call, plan, backend, can_retry))
+                    await self._attempt(_Attempt(call, plan, backend, can_retry, searching))
                     return
                 except _Retry as retry:
                     failed.append(backend)
                     last_error = retry.error
                     log.debug("retrying %s elsewhere after %s failed: %s", call.request_id, backend.url, retry)
-            raise last_error or RouterError(502, "no backend could take the request", code="backend_unavailable")
+            raise AssertionError("unreachable")
         finally:
             if holds_request_slot:
                 admission.leave()
@@ -360,6 +399,8 @@ class Proxy:
 
     def _plan(self, call: _Call, candidates: list[Backend]) -> RoutePlan:
         parsed = call.parsed
+        if call.endpoint is RESPONSE_LOOKUP:
+            return self._routing.route_stored(call.stored_id or "", candidates)
         try:
             return self._routing.route(
                 call.endpoint.path,
@@ -405,7 +446,8 @@ class Proxy:
                 rank_field = call.endpoint.rank_field
                 if rank_field is not None and backend.access.rank is not None:
                     body = body_with_rank(body, call.parsed.body, rank_field, backend.access.rank)
-                upstream = await self._upstream.post(
+                upstream = await self._upstream.send(
+                    call.method,
                     backend.access.origin,
                     call.request.raw_path.encode(),
                     self._upstream_headers(attempt),
@@ -423,9 +465,9 @@ class Proxy:
                     pool.request_failed(backend)
                 else:
                     pool.request_succeeded(backend)
-                if attempt.can_retry and status in _RETRYABLE_STATUSES:
+                if attempt.can_retry and (status in _RETRYABLE_STATUSES or (status == 404 and attempt.searching)):
                     attempt.status = _STATUS_LABELS[status]
-                    raise _Retry(RouterError(502, f"backend {backend.url} answered {status}", code="bad_gateway"))
+                    raise _Retry(self._retry_error(backend, status))
                 attempt.status = _STATUS_LABELS.get(status) or str(status)
                 if upstream.is_event_stream:
                     await self._relay_stream(attempt, upstream)
@@ -446,6 +488,13 @@ class Proxy:
             if self._admission_limited:
                 self._admission.wake()  # a backend's request slot freed
             self._finish(attempt)
+
+    @staticmethod
+    def _retry_error(backend: Backend, status: int) -> RouterError:
+        """The error an answer that sent the call on becomes, if no backend is left to try."""
+        if status == 404:
+            return RouterError(404, "no backend holds the stored response", code="response_not_found")
+        return RouterError(502, f"backend {backend.url} answered {status}", code="bad_gateway")
 
     async def _learn_in_slices(self, plan: RoutePlan) -> None:
         """Insert a huge prompt's blocks into the index a slice per event-loop turn, so other
@@ -483,8 +532,8 @@ class Proxy:
         # From the first chunk on, a stream may pause at most idle_timeout_s.
         upstream.set_timeout(self._idle_timeout)
         sink = attempt.call.sink
-        usage_format = attempt.call.endpoint.usage or OPENAI_USAGE
-        tap = StreamTap(strip_usage_chunk=attempt.call.usage_injected, usage_format=usage_format)
+        usage_format = attempt.call.endpoint.usage
+        tap = StreamTap(strip_usage_chunk=attempt.call.usage_injected, usage_format=usage_format or OPENAI_USAGE)
         write = sink.write
         try:
             await sink.start(upstream.status, self._response_headers(upstream, attempt))
@@ -505,7 +554,8 @@ class Proxy:
                     if rest:
                         await write(rest)
                     break
-            attempt.usage = tap.usage
+            if usage_format is not None:  # not a stored response's stream read again
+                attempt.usage = tap.usage
             await sink.end()
         except ConnectionResetError:
             # The client hung up and a write noticed first: abort the engine's work now.
@@ -595,6 +645,9 @@ class Proxy:
                 plan, cached_tokens, answered=answered, sliced=True, response_id=response_id
             ):
                 insert_in_loop_turns(pending)
+            stored_id = attempt.call.stored_id
+            if stored_id is not None and answered:
+                self._routing.remember_response(stored_id, decision.backend)  # found it there
         except Exception:
             log.exception("routing feedback failed")
         decisions = self._routing.decisions

@@ -498,11 +498,19 @@ class UpstreamClient:
             pool = self._pools[key] = _OriginPool(origin, context)
         return pool
 
-    async def post(
-        self, target: Origin | str, path: bytes, headers: RawHeaders, body: bytes, *, first_byte_timeout: float
+    async def send(
+        self,
+        method: bytes,
+        target: Origin | str,
+        path: bytes,
+        headers: RawHeaders,
+        body: bytes,
+        *,
+        first_byte_timeout: float,
     ) -> UpstreamResponse:
-        """POST ``body`` to ``path`` under the backend ``target`` (its :class:`Origin`, or its
-        URL); returns once the response head arrived. The origin's path prefix goes first.
+        """Send ``method`` with ``body`` to ``path`` under the backend ``target`` (its
+        :class:`Origin`, or its URL); returns once the response head arrived. The origin's
+        path prefix goes first.
 
         ``headers`` must not contain Host, Content-Length or Transfer-Encoding. Raises
         :class:`UpstreamConnectError` (nothing sent), :class:`UpstreamDisconnected`,
@@ -511,7 +519,7 @@ class UpstreamClient:
         pool = self._pool(target)
         origin = pool.origin
         target_path = origin.prefix + path if origin.prefix else path
-        head = _request_head(b"POST", target_path, origin.host_header, headers, len(body))
+        head = _request_head(method, target_path, origin.host_header, headers, len(body))
         for attempt in (0, 1):
             connection = pool.take_idle() if attempt == 0 else None
             if connection is None:
@@ -550,7 +558,9 @@ class UpstreamClient:
 
 
 def _request_head(method: bytes, path: bytes, host: bytes, headers: RawHeaders, length: int) -> bytes:
-    lines = [method + b" " + path + b" HTTP/1.1", b"Host: " + host, b"Content-Length: %d" % length]
+    lines = [method + b" " + path + b" HTTP/1.1", b"Host: " + host]
+    if length or method == b"POST":  # a GET or DELETE without a body has no Content-Length (RFC 9110 8.6)
+        lines.append(b"Content-Length: %d" % length)
     lines += [name + b": " + value for name, value in headers]
     lines.append(b"\r\n")
     return b"\r\n".join(lines)

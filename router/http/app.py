@@ -35,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvroute.router.config import Settings
 from kvroute.router.dns_name import DnsName
+from kvroute.router.engines.openai import RESPONSE_LOOKUP, STORED_RESPONSE_ROUTES
 from kvroute.router.errors import JSON_CONTENT_TYPE, JsonErrorServer, error_middleware, error_response, json_response
 from kvroute.router.fleet.backends import Backend, BackendPool
 from kvroute.router.fleet.discovery import build_discovery, check_discovery
@@ -167,6 +168,9 @@ def build_app(
         direct_routes[endpoint.path] = _proxy_handler(state, endpoint)
         lean_routes[endpoint.path.encode()] = _lean_handler(state, endpoint)
         app.router.add_post(endpoint.path, direct_routes[endpoint.path])
+    stored_response_call = _proxy_handler(state, RESPONSE_LOOKUP)
+    for method, path, _ in STORED_RESPONSE_ROUTES:
+        app.router.add_route(method, path, stored_response_call)
     app[DIRECT_ROUTES] = direct_routes
     app[LEAN_ROUTES] = lean_routes
     app.router.add_get("/v1/models", _models_handler(state))
@@ -303,7 +307,9 @@ def _started(part: _T | None) -> _T:
 
 
 def _proxy_handler(state: RouterState, endpoint: Endpoint) -> Handler:
-    """A proxied endpoint under aiohttp: its request and response through the proxy's seam."""
+    """A proxied endpoint under aiohttp: its request and response through the proxy's seam
+    (also called directly, unmatched, by the lean server's hand-over; a stored response's
+    own calls, :data:`RESPONSE_LOOKUP`, name it in their matched path)."""
     settings = state.settings
     max_body_bytes = settings.max_body_bytes
     read_timeout_s = settings.request_read_timeout_s
@@ -311,7 +317,8 @@ def _proxy_handler(state: RouterState, endpoint: Endpoint) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         sink = AiohttpSink(request)
         client = client_request(request, max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s)
-        await _started(state.proxy).forward(client, endpoint, sink)
+        stored_id = request.match_info["response_id"] if endpoint is RESPONSE_LOOKUP else None
+        await _started(state.proxy).forward(client, endpoint, sink, stored_id)
         return sink.finished()
 
     return handle

@@ -17,6 +17,7 @@ import orjson
 
 from kvroute.router import __version__
 from kvroute.router.engines import ENDPOINTS, ENGINE_SETTINGS, ENGINES, Endpoint
+from kvroute.router.engines.openai import RESPONSES, STORED_RESPONSE_ROUTES
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -67,8 +68,47 @@ def _proxied_operation(endpoint: Endpoint, secured: bool) -> dict[str, Any]:
     schema["properties"] = properties
     if endpoint.requires_model and "model" not in schema.get("required", []):
         schema["required"] = ["model", *schema.get("required", [])]
+    operation: dict[str, Any] = {
+        "operationId": endpoint.name,
+        "summary": f"Proxied to a backend chosen by the routing policy ({endpoint.path}).",
+        "description": "Served by " + ", ".join(_engines_serving(endpoint)) + " backends.",
+        "requestBody": {"required": True, "content": {JSON: {"schema": schema}}},
+        "responses": _relayed_answers(streams="stream" in properties),
+    }
+    if secured:
+        operation["security"] = [{"apiKey": []}]
+    return operation
+
+
+def _stored_response_operation(operation_id: str, method: str, secured: bool) -> dict[str, Any]:
+    """A stored response's own call: relayed to the replica that stored it."""
+    parameters: list[dict[str, Any]] = [
+        {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    if operation_id == "responses_retrieve":
+        parameters += [
+            {"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"}},
+            {"name": "starting_after", "in": "query", "required": False, "schema": {"type": "integer"}},
+        ]
+    operation: dict[str, Any] = {
+        "operationId": operation_id,
+        "summary": "Relayed to the backend that stored the response; where the router does not "
+        "know which, to each in turn until one does not answer 404.",
+        "description": "Served by " + ", ".join(_engines_serving(RESPONSES)) + " backends.",
+        "parameters": parameters,
+        "responses": _relayed_answers(streams=operation_id == "responses_retrieve"),
+    }
+    if method == "POST":
+        operation["requestBody"] = {"required": False, "content": {JSON: {"schema": {}}}}
+    if secured:
+        operation["security"] = [{"apiKey": []}]
+    return operation
+
+
+def _relayed_answers(*, streams: bool) -> dict[str, Any]:
+    """The answers of a relayed call: the engine's, or the router's own errors."""
     answer_content: dict[str, Any] = {JSON: {"schema": {}}}
-    if "stream" in properties:
+    if streams:
         answer_content[SSE] = {"schema": {"type": "string"}}
     responses: dict[str, Any] = {
         "200": {
@@ -91,16 +131,7 @@ def _proxied_operation(endpoint: Endpoint, secured: bool) -> dict[str, Any]:
     }
     for status, description in _PROXY_ERRORS.items():
         responses[status] = _error(description, retry_after=status == "429")
-    operation: dict[str, Any] = {
-        "operationId": endpoint.name,
-        "summary": f"Proxied to a backend chosen by the routing policy ({endpoint.path}).",
-        "description": "Served by " + ", ".join(_engines_serving(endpoint)) + " backends.",
-        "requestBody": {"required": True, "content": {JSON: {"schema": schema}}},
-        "responses": responses,
-    }
-    if secured:
-        operation["security"] = [{"apiKey": []}]
-    return operation
+    return responses
 
 
 def _engines_serving(endpoint: Endpoint) -> list[str]:
@@ -228,6 +259,8 @@ def _admin_paths() -> dict[str, Any]:
 def openapi_spec(*, admin: bool, api_keys: bool) -> dict[str, Any]:
     """The OpenAPI document of a router with this configuration."""
     paths: dict[str, Any] = {endpoint.path: {"post": _proxied_operation(endpoint, api_keys)} for endpoint in ENDPOINTS}
+    for method, path, operation_id in STORED_RESPONSE_ROUTES:
+        paths.setdefault(path, {})[method.lower()] = _stored_response_operation(operation_id, method, api_keys)
     models: dict[str, Any] = {
         "operationId": "list_models",
         "summary": "The union of the healthy backends' models.",

@@ -57,7 +57,7 @@ import orjson
 
 from kvroute.router.config import Settings
 from kvroute.router.engines import endpoint_for
-from kvroute.router.engines.openai import RESPONSES
+from kvroute.router.engines.openai import RESPONSES, continued_response
 from kvroute.router.fleet.engine_stats import EngineStats
 from kvroute.router.routing import request_info, sliced_insert
 from kvroute.router.routing.cache_model import CacheModel
@@ -78,6 +78,7 @@ from kvroute.router.routing.policies import (
     TrafficSplit,
     make_policy,
 )
+from kvroute.router.routing.policies.simple import load_of
 from kvroute.router.routing.precise_index import PreciseHashes, PreciseIndex
 from kvroute.router.routing.sliced_insert import PendingInsert, insert_blocks
 from kvroute.router.routing.stored_responses import StoredResponses
@@ -95,6 +96,11 @@ POLICY_HEADER = "x-kvroute-policy"
 FALLBACK_REASON = "fallback"
 #: A Responses request continuing an answer, sent to the backend that stored it.
 STORED_RESPONSE_REASON = "stored_response"
+#: A stored response's own call (``GET /v1/responses/{id}``...) where this router does not
+#: know which backend stored it: the least loaded first, the others after its 404.
+SEARCH_REASON = "search"
+#: The policy label of a stored response's own calls: no policy chooses them.
+STORED_RESPONSE_POLICY = "stored_response"
 
 
 @dataclass(frozen=True, slots=True)
@@ -592,10 +598,27 @@ class RoutingEngine:
 
     def _stored_backend(self, endpoint: str, body: Mapping[str, Any], candidates: Sequence[BackendView]) -> str | None:
         """For a Responses request continuing an answer, the candidate that stored it."""
-        if endpoint != RESPONSES.path:
-            return None
-        stored = self._stored_responses.backend_of(body.get("previous_response_id"))
+        return self._stored_candidate(continued_response(endpoint, body), candidates)
+
+    def _stored_candidate(self, response_id: str | None, candidates: Sequence[BackendView]) -> str | None:
+        stored = self._stored_responses.backend_of(response_id)
         return stored if stored is not None and any(backend.url == stored for backend in candidates) else None
+
+    def route_stored(self, response_id: str, candidates: Sequence[BackendView]) -> RoutePlan:
+        """Pick a backend among ``candidates`` (non-empty) for a call on the stored response
+        ``response_id`` itself (read, cancel, delete): the one that stored it when known,
+        else the least loaded, to be searched from (:data:`SEARCH_REASON`)."""
+        stored = self._stored_candidate(response_id, candidates)
+        if stored is not None:
+            decision = Decision(stored, STORED_RESPONSE_REASON)
+        else:
+            decision = Decision(min(candidates, key=load_of).url, SEARCH_REASON)
+        request = RouteRequest(endpoint=RESPONSES.path)
+        return RoutePlan(decision=decision, policy=STORED_RESPONSE_POLICY, request=request)
+
+    def remember_response(self, response_id: str, backend: str) -> None:
+        """``backend`` answered a call on the stored response ``response_id``: it holds it."""
+        self._stored_responses.remember(response_id, backend)
 
     def forget_backend(self, url: str) -> None:
         """A backend left the pool: drop its index entries, ledger entries and policy state."""

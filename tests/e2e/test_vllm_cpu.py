@@ -273,6 +273,82 @@ def test_a_responses_continuation_reaches_the_replica_that_stored_it(
     assert all(tokens > 0 for tokens in cached)
 
 
+def test_a_stored_response_is_found_by_a_router_that_did_not_create_it(
+    vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]
+) -> None:
+    """Background responses are polled, resumed and cancelled by id, and continued, on the
+    replica that stored them. Created through one router, they are found through others
+    that never saw them (another router replica, or one restarted): each replica that
+    does not hold the id answers 404 before doing any work, and the search moves on."""
+    creator, reader, continuer = kvroute("round_robin"), kvroute("round_robin"), kvroute("cache_aware")
+
+    def client(router: RouterProcess) -> openai.OpenAI:
+        return openai.OpenAI(base_url=router.url + "/v1", api_key="e2e", max_retries=0, timeout=120)
+
+    homes: dict[str, str] = {}
+    for _ in range(2):  # round robin: one on each replica
+        created = client(creator).responses.with_raw_response.create(
+            model=MODEL, input="Say something about caches. " * 10, max_output_tokens=8, background=True
+        )
+        queued = created.parse()
+        assert queued.status in ("queued", "in_progress"), queued.status
+        homes[queued.id] = created.headers["x-kvroute-backend"]
+    assert len(set(homes.values())) == 2
+
+    reasons = []
+    for response_id, home in homes.items():
+        deadline = time.monotonic() + 60
+        while True:
+            polled = client(reader).responses.with_raw_response.retrieve(response_id)
+            assert polled.headers["x-kvroute-backend"] == home, (response_id, dict(polled.headers))
+            reasons.append(polled.headers["x-kvroute-reason"])
+            if polled.parse().status not in ("queued", "in_progress") or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert polled.parse().status in ("completed", "incomplete")  # incomplete: max_output_tokens
+    # Both lookups start at the same (least loaded) replica: one of them was answered 404
+    # there and searched on. Both are known now.
+    assert reasons[0] == "search", reasons
+    not_found = [
+        value
+        for name, value in reader.metrics().items()
+        if name.startswith("kvroute_requests_total{") and "endpoint=responses_stored" in name and "status=404" in name
+    ]
+    assert sum(not_found) >= 1, reader.metrics()
+    for response_id, home in homes.items():
+        polled = client(reader).responses.with_raw_response.retrieve(response_id)
+        assert (polled.headers["x-kvroute-backend"], polled.headers["x-kvroute-reason"]) == (home, "stored_response")
+
+    # A background stream the client left after its first event, resumed through another router.
+    with client(creator).responses.with_streaming_response.create(
+        model=MODEL, input="Count the replicas. " * 10, max_output_tokens=8, background=True, stream=True
+    ) as streamed:
+        first = next(iter(streamed.parse()))
+        home = streamed.headers["x-kvroute-backend"]
+    assert (first.type, first.sequence_number) == ("response.created", 0)
+    with client(reader).responses.with_streaming_response.retrieve(
+        first.response.id, stream=True, starting_after=0
+    ) as resumed:
+        events = list(resumed.parse())
+        assert resumed.headers["x-kvroute-backend"] == home
+    assert events[0].sequence_number == 1 and events[-1].type == "response.completed", [e.type for e in events]
+
+    # vLLM refuses to cancel a finished response (400): the answer of the replica holding it.
+    finished = next(iter(homes))
+    refused = httpx.post(f"{continuer.url}/v1/responses/{finished}/cancel", timeout=60)
+    assert refused.status_code == 400 and refused.headers["x-kvroute-backend"] == homes[finished], refused.text
+
+    # A continuation through a router that has not seen the id: found, and its history cached.
+    for response_id, home in homes.items():
+        continued = client(continuer).responses.with_raw_response.create(
+            model=MODEL, input="And then?", previous_response_id=response_id, max_output_tokens=4
+        )
+        assert continued.headers["x-kvroute-backend"] == home
+        usage = continued.parse().usage
+        assert usage is not None and usage.input_tokens_details.cached_tokens > 0
+    report(f"{'stored responses, found':<22} lookups {reasons}, resumed stream of {len(events)} events")
+
+
 #: A chat template reading keywords from the engine's defaults, the request and the
 #: reasoning effort (Qwen 3's thinking switch, reduced).
 KEYWORD_TEMPLATE = """{%- if greeting is defined %}<|im_start|>system

@@ -122,3 +122,18 @@ def test_a_responses_answer_says_its_id_beside_its_usage() -> None:
     assert usage_from_object(event) == Usage(9, 0, response_id="resp_1")
     chat = {"id": "chatcmpl-1", "object": "chat.completion", "usage": {"prompt_tokens": 9}}
     assert usage_from_object(chat) == Usage(9, None)
+
+
+def test_a_responses_answer_without_usage_still_says_its_id() -> None:
+    """A background answer (queued, ``usage: null``) and a stream's response.created event
+    name the stored response before any usage exists; a chunk without usage says nothing."""
+    queued = {"id": "resp_2", "object": "response", "status": "queued", "usage": None}
+    assert usage_from_body(orjson.dumps(queued)) == Usage(None, None, response_id="resp_2")
+    created = {"type": "response.created", "sequence_number": 0, "response": queued}
+    assert usage_from_object(created) == Usage(None, None, response_id="resp_2")
+    tap = StreamTap(strip_usage_chunk=False)
+    tap.feed(b"event: response.created\ndata: " + orjson.dumps(created) + b"\n\n")
+    tap.finish()  # the stream broke off here: the id was still read
+    assert tap.usage == Usage(None, None, response_id="resp_2")
+    assert usage_from_object({"object": "chat.completion.chunk", "usage": None}) is None
+    assert usage_from_object({"type": "response.output_text.delta", "delta": "usage"}) is None

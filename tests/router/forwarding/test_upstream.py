@@ -80,8 +80,8 @@ async def client() -> AsyncIterator[UpstreamClient]:
 
 
 async def post(client: UpstreamClient, url: str, body: bytes = b'{"x": 1}', timeout: float = 10.0) -> tuple[int, bytes]:
-    response = await client.post(
-        url, b"/v1/x?q=1", [(b"Content-Type", b"application/json")], body, first_byte_timeout=timeout
+    response = await client.send(
+        b"POST", url, b"/v1/x?q=1", [(b"Content-Type", b"application/json")], body, first_byte_timeout=timeout
     )
     data = await response.read()
     response.release()
@@ -150,7 +150,7 @@ async def test_streamed_chunks_arrive_as_sent(serve, client) -> None:
         await writer.drain()
 
     server, url = await serve(handler)
-    response = await client.post(url, b"/", [], b"{}", first_byte_timeout=10)
+    response = await client.send(b"POST", url, b"/", [], b"{}", first_byte_timeout=10)
     assert response.is_event_stream
     assert await response.read_available() == b"first\n"
     release.set()
@@ -221,7 +221,7 @@ async def test_idle_timeout_after_the_first_chunk(serve, client) -> None:
         await asyncio.sleep(30)
 
     server, url = await serve(handler)
-    response = await client.post(url, b"/", [], b"{}", first_byte_timeout=30)
+    response = await client.send(b"POST", url, b"/", [], b"{}", first_byte_timeout=30)
     assert await response.read_available() == b"abc"
     response.set_timeout(0.2)
     with pytest.raises(UpstreamTimeout):
@@ -236,7 +236,7 @@ async def test_connection_lost_mid_body(serve, client) -> None:
         await writer.drain()
 
     server, url = await serve(handler)
-    response = await client.post(url, b"/", [], b"{}", first_byte_timeout=10)
+    response = await client.send(b"POST", url, b"/", [], b"{}", first_byte_timeout=10)
     with pytest.raises(UpstreamProtocolError):
         await response.read()
     response.close()
@@ -263,7 +263,7 @@ async def test_large_body_with_a_slow_reader(serve, client) -> None:
         await writer.drain()
 
     server, url = await serve(handler)
-    response = await client.post(url, b"/", [], b"{}", first_byte_timeout=10)
+    response = await client.send(b"POST", url, b"/", [], b"{}", first_byte_timeout=10)
     received = bytearray()
     while True:
         await asyncio.sleep(0.01)  # slower than the peer: reading pauses and resumes
@@ -286,7 +286,7 @@ async def test_abandoning_a_response_closes_its_connection(serve, client) -> Non
         closed.set()
 
     server, url = await serve(handler)
-    response = await client.post(url, b"/", [], b"{}", first_byte_timeout=10)
+    response = await client.send(b"POST", url, b"/", [], b"{}", first_byte_timeout=10)
     assert await response.read_available() == b"a"
     response.close()
     await asyncio.wait_for(closed.wait(), 10)
@@ -373,7 +373,7 @@ async def test_interim_responses_are_skipped_and_the_connection_reused(serve, cl
 
     server, url = await serve(handler)
     for _ in range(2):
-        response = await client.post(url, b"/", [], b"{}", first_byte_timeout=10)
+        response = await client.send(b"POST", url, b"/", [], b"{}", first_byte_timeout=10)
         assert response.status == 200 and response.header(b"link") is None
         assert await response.read() == b"data: x\n\n"
         response.release()
@@ -405,7 +405,7 @@ async def test_trailers_are_not_headers_and_http10_is_not_reused(serve, client) 
             await writer.drain()
 
     server, url = await serve(handler)
-    response = await client.post(url, b"/", [], b"{}", first_byte_timeout=10)
+    response = await client.send(b"POST", url, b"/", [], b"{}", first_byte_timeout=10)
     assert await response.read() == b"data: x\n\n"
     assert response.header(b"x-trailer") is None
     response.release()
