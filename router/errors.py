@@ -1,7 +1,8 @@
 """Errors the router itself answers, always in OpenAI's JSON shape.
 
 Every error a client can see from kvroute is ``{"error": {"message", "type", "code"}}``
-(with ``"type": "error"`` beside it, which Anthropic's clients expect) with a fitting HTTP status, whether it comes from the proxy (bad body, unknown model, no
+(with ``"type": "error"`` beside it, which Anthropic's clients expect; on the Messages
+API's paths ``error.type`` is Anthropic's, :data:`ANTHROPIC_ERRORS`) with a fitting HTTP status, whether it comes from the proxy (bad body, unknown model, no
 backend, upstream timeout), from aiohttp's dispatcher (unknown path, wrong method, body too
 large) or from an unexpected exception (500, logged with its traceback, never shown).
 A stream that breaks after its headers were sent cannot change its status any more; it
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -26,8 +28,21 @@ log = logging.getLogger("kvroute.errors")
 
 JSON_CONTENT_TYPE = "application/json"
 
+
+@dataclass(frozen=True, slots=True)
+class ErrorTypes:
+    """One API's ``error.type`` for each HTTP status the router answers."""
+
+    by_status: Mapping[int, str]
+    #: The type of a status not listed.
+    otherwise: str
+
+    def of(self, status: int) -> str:
+        return self.by_status.get(status, self.otherwise)
+
+
 # OpenAI's ``error.type`` per status (https://platform.openai.com/docs/guides/error-codes).
-_TYPE_BY_STATUS: dict[int, str] = {
+_OPENAI_TYPE_BY_STATUS: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
@@ -44,6 +59,26 @@ _TYPE_BY_STATUS: dict[int, str] = {
     503: "server_error",
     504: "server_error",
 }
+#: OpenAI's error types: every path but Anthropic's.
+OPENAI_ERRORS = ErrorTypes(_OPENAI_TYPE_BY_STATUS, "server_error")
+#: Anthropic's (https://docs.claude.com/en/api/errors, and its SDK's ``timeout_error``):
+#: its clients read them on ``/v1/messages``. A backend the router cannot reach is its
+#: ``api_error``, no healthy backend its ``overloaded_error`` (Anthropic's 529).
+ANTHROPIC_ERRORS = ErrorTypes(
+    {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        408: "invalid_request_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+        503: "overloaded_error",
+        504: "timeout_error",
+    },
+    "api_error",
+)
 
 
 class RouterError(Exception):
@@ -66,9 +101,9 @@ class RouterError(Exception):
         #: Close the connection after answering (the rest of the request was not read).
         self.close = close
 
-    def body(self) -> bytes:
-        """The JSON error object's bytes."""
-        return status_error_body(self.status, self.message, self.code)
+    def body(self, types: ErrorTypes = OPENAI_ERRORS) -> bytes:
+        """The JSON error object's bytes, its ``type`` one of ``types``."""
+        return status_error_body(self.status, self.message, self.code, types)
 
     def answer_headers(self) -> list[tuple[bytes, bytes]]:
         """The answer's header fields as bytes (for a server other than aiohttp's)."""
@@ -91,9 +126,9 @@ def error_body(message: str, *, error_type: str, code: str | int | None) -> byte
     return orjson.dumps({"type": "error", "error": {"message": message, "type": error_type, "code": code}})
 
 
-def status_error_body(status: int, message: str, code: str | None) -> bytes:
+def status_error_body(status: int, message: str, code: str | None, types: ErrorTypes = OPENAI_ERRORS) -> bytes:
     """The JSON bytes of the error object answered with ``status`` (its ``type`` follows the status)."""
-    return error_body(message, error_type=_TYPE_BY_STATUS.get(status, "server_error"), code=code)
+    return error_body(message, error_type=types.of(status), code=code)
 
 
 def error_response(
@@ -108,14 +143,14 @@ def error_response(
     return web.Response(status=status, body=body, content_type=JSON_CONTENT_TYPE, headers=headers)
 
 
-def sse_error_event(message: str, *, code: str = "upstream_stream_error") -> bytes:
+def sse_error_event(message: str, *, code: str = "upstream_stream_error", types: ErrorTypes = OPENAI_ERRORS) -> bytes:
     """The end of a stream cut short: an SSE ``error`` event, then ``data: [DONE]``.
 
     The ``data`` line carries the usual error object, which the ``openai`` SDK raises as
     ``APIError`` (and, in its envelope, is Anthropic's ``error`` event); ``[DONE]`` lets any
     other SSE client stop reading instead of hanging.
     """
-    payload = error_body(message, error_type="server_error", code=code)
+    payload = error_body(message, error_type=types.of(502), code=code)
     return b"event: error\ndata: " + payload + b"\n\ndata: [DONE]\n\n"
 
 

@@ -21,6 +21,7 @@ from kvroute.router.engines.anthropic_input import anthropic_chat, system_first_
 from kvroute.router.engines.base import Endpoint
 from kvroute.router.engines.openai import converted_chat_prompt, template_keywords
 from kvroute.router.engines.usage import Usage, UsageFormat, is_count
+from kvroute.router.errors import ANTHROPIC_ERRORS
 from kvroute.tokenizer_index import RequestTokenizer
 
 _CONTENT: dict[str, Any] = {"type": ["string", "array"]}
@@ -121,6 +122,7 @@ MESSAGES = Endpoint(
             "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}},
         },
     },
+    errors=ANTHROPIC_ERRORS,
 )
 COUNT_TOKENS = Endpoint(
     "/v1/messages/count_tokens",
@@ -130,4 +132,5 @@ COUNT_TOKENS = Endpoint(
     False,
     None,
     {"required": ["model", "messages"], "properties": {"messages": {"type": "array", "items": _MESSAGE_SCHEMA}}},
+    errors=ANTHROPIC_ERRORS,
 )

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvroute.router.engines.usage import Usage, UsageFormat
+from kvroute.router.errors import OPENAI_ERRORS, ErrorTypes
 from kvroute.tokenizer_index import RequestTokenizer
 
 #: Token ids of a request's prompt as the engine will compute them (None: cannot tell).
@@ -43,6 +44,8 @@ class Endpoint:
     #: the rank from the body (SGLang's ``/generate``: ``routed_dp_rank``); None: the header
     #: the backend's calls carry is enough (vLLM's, and SGLang's OpenAI endpoints).
     rank_field: str | None = None
+    #: The ``error.type`` of the router's own errors on this path (its API's clients read them).
+    errors: ErrorTypes = OPENAI_ERRORS
 
     @property
     def reports_usage(self) -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvroute.router.errors import RouterError
+from kvroute.router.errors import OPENAI_ERRORS, ErrorTypes, RouterError
 
 RawHeaders = Sequence[tuple[bytes, bytes]]
 #: A response's header fields, as bytes: the engine's are relayed without decoding them.
@@ -118,12 +118,15 @@ class ResponseSink(Protocol):
         """The end of a streamed answer."""
 
 
-def send_error(sink: ResponseSink, error: RouterError, *, request_id: str | None = None) -> None:
-    """Answer ``error`` as OpenAI-style JSON (closing the connection if it says so)."""
+def send_error(
+    sink: ResponseSink, error: RouterError, *, request_id: str | None = None, types: ErrorTypes = OPENAI_ERRORS
+) -> None:
+    """Answer ``error`` as OpenAI-style JSON, its ``type`` one of ``types`` (closing the
+    connection if it says so)."""
     headers = error.answer_headers()
     if request_id is not None:
         headers.append((b"x-request-id", request_id.encode()))
-    sink.send(error.status, headers, error.body(), close=error.close)
+    sink.send(error.status, headers, error.body(types), close=error.close)
 
 
 def body_too_large(limit: int, length: int | None = None) -> RouterError:

@@ -326,7 +326,7 @@ class Proxy:
             )
             await self._route(call)
         except RouterError as exc:
-            send_error(sink, exc, request_id=request_id)
+            send_error(sink, exc, request_id=request_id, types=endpoint.errors)
 
     # --- choosing backends -----------------------------------------------------------
     async def _route(self, call: _Call) -> None:
@@ -547,7 +547,8 @@ class Proxy:
                     self._pool.request_failed(backend)
                     attempt.status = "502"
                     log.warning("stream from %s broke off: %s", backend.url, exc)
-                    await write(sse_error_event(f"the backend's stream broke off: {exc}"))
+                    message = f"the backend's stream broke off: {exc}"
+                    await write(sse_error_event(message, types=attempt.call.endpoint.errors))
                     break
                 if not chunk:
                     rest = tap.finish()

@@ -62,8 +62,12 @@ def test_unknown_model_is_404(router: RouterServer) -> None:
     assert raised.value.type == "invalid_request_error"
 
 
-def test_anthropics_client_reads_the_routers_own_errors(router: RouterServer) -> None:
-    """Claude Code's client (``anthropic``) gets the router's errors as errors it knows."""
+def test_anthropics_client_reads_the_routers_own_errors(sim_engines: Any, router_server: Any, server_loop: Any) -> None:
+    """Claude Code's client (``anthropic``) gets the router's errors on the Messages API's
+    paths as that API's own: its status and Anthropic's ``error.type``. The same error on
+    a chat path keeps OpenAI's type."""
+    (engine,) = sim_engines(1)
+    router = router_server([engine], unhealthy_after=1)
     client = anthropic.Anthropic(base_url=router.url, api_key="x", max_retries=0)
     with pytest.raises(anthropic.NotFoundError) as raised:
         client.messages.create(model="no-such-model", max_tokens=4, messages=MESSAGES)  # type: ignore[arg-type]
@@ -71,10 +75,19 @@ def test_anthropics_client_reads_the_routers_own_errors(router: RouterServer) ->
         "type": "error",
         "error": {
             "message": "The model `no-such-model` does not exist.",
-            "type": "invalid_request_error",
+            "type": "not_found_error",
             "code": "model_not_found",
         },
     }
+    chat = httpx.post(router.url + CHAT, json={"model": "no-such-model", "messages": MESSAGES}, timeout=30)
+    assert (chat.status_code, chat.json()["error"]["type"]) == (404, "invalid_request_error")
+    broken = httpx.post(router.url + "/v1/messages/count_tokens", content=b"{", timeout=30)
+    assert (broken.status_code, broken.json()["error"]["type"]) == (400, "invalid_request_error")
+    engine.stop()
+    server_loop.run(router.state.health.check_all())
+    with pytest.raises(anthropic.InternalServerError) as down:
+        client.messages.create(model="sim", max_tokens=4, messages=MESSAGES)  # type: ignore[arg-type]
+    assert (down.value.status_code, down.value.body["error"]["type"]) == (503, "overloaded_error")  # type: ignore[index]
 
 
 def test_body_over_the_limit_is_413(router: RouterServer) -> None:
