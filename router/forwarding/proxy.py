@@ -21,7 +21,9 @@ backend: connection refused/reset, timeouts, 500/502/503/504 answers, a non-stre
 answer broken off mid-body, a stream that breaks before its first chunk. (A stream's
 headers are sent to the client together with its first chunk, so the whole prefill is
 inside that window.) After that nothing is retried: a stream broken by its engine ends
-with an SSE error event and ``[DONE]``. Every attempt's outcome feeds the backend's
+with an SSE error event and ``[DONE]``. A call on a stored Responses answer that this
+process does not know the home of (``Proxy.forward``) goes on after each 404 as well, to
+every backend in turn. Every attempt's outcome feeds the backend's
 circuit breaker (``kvroute.router.fleet.breaker``). Every attempt holds the backend's in-flight
 counters (one request, and the attempt's ``RoutePlan.work_tokens``: the load every policy,
 the metrics and the admin API read) in a ``try/finally``, so a client hanging up (the
