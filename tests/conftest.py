@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import orjson
 import pytest
 from aiohttp import web
 
@@ -149,3 +150,49 @@ def recording_engine(server_loop: ServerLoop) -> Iterator[tuple[str, list[tuple[
     runner, url = server_loop.run(start_server(app))
     yield url, received
     server_loop.run(runner.cleanup())
+
+
+#: What a response store upstream was asked: (upstream name, method, path with query, Content-Length sent).
+StoreCall = tuple[str, str, str, bool]
+
+
+@pytest.fixture
+def response_stores(server_loop: ServerLoop) -> Iterator[tuple[list[str], list[StoreCall]]]:
+    """Three upstreams, ``a``, ``b`` and ``c``, with vLLM's rules for stored Responses
+    answers (``VLLM_ENABLE_RESPONSES_API_STORE=1``): each holds ``resp_<name>`` and the
+    answers it gives, answers the calls on those, and 404 for any other id, a continuation
+    of one included, before doing any work. Yields their URLs and the calls they received."""
+    asked: list[StoreCall] = []
+
+    def store(name: str) -> web.Application:
+        held = {f"resp_{name}"}
+
+        async def call(request: web.Request) -> web.Response:
+            asked.append((name, request.method, request.path_qs, "Content-Length" in request.headers))
+            body = await request.read()
+            response_id = request.match_info.get("response_id")
+            if response_id is None:  # POST /v1/responses
+                response_id = orjson.loads(body).get("previous_response_id")
+                if response_id is None or response_id in held:
+                    response_id = f"resp_{name}_{len(held)}"
+                    held.add(response_id)
+            if response_id not in held:
+                error = {"message": f"Response with id '{response_id}' not found.", "type": "invalid_request_error"}
+                return web.json_response({"error": {**error, "param": "response_id", "code": 404}}, status=404)
+            return web.json_response({"id": response_id, "object": "response", "status": "completed", "usage": None})
+
+        async def models(request: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [{"id": "m"}]})
+
+        app = web.Application()
+        app.router.add_get("/health", models)
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/responses", call)
+        app.router.add_route("*", "/v1/responses/{response_id}", call)
+        app.router.add_post("/v1/responses/{response_id}/cancel", call)
+        return app
+
+    started = [server_loop.run(start_server(store(name))) for name in "abc"]
+    yield [url for _, url in started], asked
+    for runner, _ in started:
+        server_loop.run(runner.cleanup())

@@ -407,9 +407,10 @@ class RouterMetrics:
         load_reports: Callable[[], Mapping[str, int]],
         handshakes: Callable[[], Mapping[str, int]],
         evidence: Callable[[], Mapping[str, int]] = dict,
+        stored_responses: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         """Export the exchange's counters (``--peer-bind`` / ``--peers``): placements, load
-        reports, handshakes, eviction evidence."""
+        reports, handshakes, eviction evidence, stored responses."""
         self.registry.register(
             _EventCounters(
                 "kvroute_peer_placements",
@@ -448,6 +449,15 @@ class RouterMetrics:
                 "model held, which weighs the capacity term) exchanged with peer routers, by event "
                 "(published, received, dropped_budget: over --peer-max-bytes-per-s, malformed).",
                 evidence,
+            )
+        )
+        self.registry.register(
+            _EventCounters(
+                "kvroute_peer_stored_responses",
+                "Messages of stored Responses answers (which backend holds which response id, so a "
+                "continuation reaching another router needs no search) exchanged with peer routers, "
+                "by event (published, received, dropped_budget: over --peer-max-bytes-per-s, malformed).",
+                stored_responses,
             )
         )
 

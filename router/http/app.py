@@ -158,6 +158,7 @@ def build_app(
             lambda: asdict(exchange.load_stats),
             exchange.handshake_counts,
             lambda: asdict(exchange.evidence_stats),
+            lambda: asdict(exchange.stored_stats),
         )
 
     app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
@@ -241,6 +242,10 @@ def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine
         if url in pool:
             routing.apply_answers(url, answers)
 
+    def apply_stored(response_id: str, url: str) -> None:
+        if url in pool:
+            routing.apply_stored_response(response_id, url)
+
     exchange = PeerExchange(
         bind=settings.peer_bind,
         peers=settings.peers,
@@ -249,11 +254,13 @@ def _peer_exchange(settings: Settings, pool: BackendPool, routing: RoutingEngine
         own_load=own_load,
         apply_load=apply_load,
         apply_evidence=apply_evidence,
+        apply_stored=apply_stored,
         key=settings.peer_key(),
         accepted_key=settings.peer_accepted_key(),
     )
     routing.on_placement(exchange.publish)
     routing.on_answer(exchange.answered)
+    routing.on_response_stored(exchange.stored)
     pool.on_load_changed(exchange.load_changed)
     return exchange
 

@@ -72,6 +72,12 @@ from kvroute.router.routing.peer_load import (
     encode_report,
     new_sender_id,
 )
+from kvroute.router.routing.peer_responses import (
+    RESPONSES_HEAD,
+    RESPONSES_TOPIC,
+    decode_responses,
+    encode_responses,
+)
 from kvroute.router.routing.unix_links import UnixPublisher, UnixSubscriber, frame, unix_path
 from kvroute.router.routing.zmq_handshakes import Handshakes, HandshakeStats, tcp_host
 from kvroute.router.routing.zmq_inbox import Inbox
@@ -129,6 +135,8 @@ class LoadReportStats(MessageStats):
 
 #: The eviction evidence's counters (``kvroute_peer_evidence_total{event}``).
 EvidenceStats = MessageStats
+#: The stored responses' counters (``kvroute_peer_stored_responses_total{event}``).
+StoredResponseStats = MessageStats
 
 
 def encode(placement: Placement) -> list[bytes]:
@@ -142,11 +150,14 @@ def encode(placement: Placement) -> list[bytes]:
 def zmq_frames(head: bytes, body: bytes) -> list[bytes]:
     """The ZMQ frames of one message as a Unix link carries it (``head``, ``body``): a load
     report under :data:`LOAD_TOPIC`, eviction evidence under
-    :data:`~kvroute.router.routing.peer_evidence.EVIDENCE_TOPIC`, a placement under :data:`TOPIC`."""
+    :data:`~kvroute.router.routing.peer_evidence.EVIDENCE_TOPIC`, stored responses under
+    :data:`~kvroute.router.routing.peer_responses.RESPONSES_TOPIC`, a placement under :data:`TOPIC`."""
     if head == LOAD_HEAD:
         return [LOAD_TOPIC, body]
     if head == EVIDENCE_HEAD:
         return [EVIDENCE_TOPIC, body]
+    if head == RESPONSES_HEAD:
+        return [RESPONSES_TOPIC, body]
     return [TOPIC, head, body]
 
 
@@ -274,6 +285,7 @@ class PeerExchange:
         own_load: Callable[[], Mapping[str, BackendLoad]] | None = None,
         apply_load: Callable[[str, BackendLoad], None] | None = None,
         apply_evidence: Callable[[str, Answers], None] | None = None,
+        apply_stored: Callable[[str, str], None] | None = None,
         key: PeerKey | None = None,
         accepted_key: PeerKey | None = None,
         context: zmq.asyncio.Context | None = None,
@@ -282,7 +294,9 @@ class PeerExchange:
         peers when :meth:`load_changed` says they changed; ``apply_load(url, load)``: the
         peers' sum for ``url`` changed to ``load``; ``apply_evidence(url, answers)``: a peer's
         answers about ``url`` (its model's eviction evidence; :meth:`answered` sends this
-        router's only where it is given); ``key``: the fleet's CURVE key pair
+        router's only where it is given); ``apply_stored(response_id, url)``: a peer learned
+        that ``url`` stores that Responses answer (:meth:`stored` sends this router's only
+        where it is given); ``key``: the fleet's CURVE key pair
         (``--peer-secret-file``) for every ZMQ socket (None: plain ZMQ); ``accepted_key``:
         a second pair accepted as well while the secret is rotated (``peer_auth``)."""
         self._bind = bind
@@ -307,6 +321,9 @@ class PeerExchange:
         self._apply_evidence = apply_evidence
         #: What this router's answers said since its last evidence message, per backend.
         self._answers: dict[str, Answers] = {}
+        self._apply_stored = apply_stored
+        #: The stored responses this router learned since its last message: id -> backend.
+        self._stored: dict[str, str] = {}
         self._peer_load = PeerLoad(new_sender_id())
         #: This router's counts changed since its last report.
         self._load_changed = False
@@ -319,6 +336,7 @@ class PeerExchange:
         self.stats = ExchangeStats()
         self.load_stats = LoadReportStats()
         self.evidence_stats = EvidenceStats()
+        self.stored_stats = StoredResponseStats()
 
     @property
     def endpoint(self) -> str | None:
@@ -408,6 +426,7 @@ class PeerExchange:
             sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
             sub.setsockopt(zmq.SUBSCRIBE, LOAD_TOPIC)
             sub.setsockopt(zmq.SUBSCRIBE, EVIDENCE_TOPIC)
+            sub.setsockopt(zmq.SUBSCRIBE, RESPONSES_TOPIC)
             self._sub = sub
             keys = [key for key in (self._key, self._accepted_key) if key is not None]
             self._handshakes = Handshakes(sub, keys)
@@ -457,6 +476,15 @@ class PeerExchange:
         self._answers.setdefault(backend, Answers()).add(evicted)
         self._schedule_flush()
 
+    def stored(self, response_id: str, backend: str) -> None:
+        """This router learned that ``backend`` stores the Responses answer ``response_id``
+        (it relayed it, or found it searching): sent to the peers at the next event-loop
+        turn with the others of this turn (:mod:`~kvroute.router.routing.peer_responses`)."""
+        if self._apply_stored is None or (self._pub is None and self._unix_pub is None):
+            return
+        self._stored[response_id] = backend
+        self._schedule_flush()
+
     def load_changed(self, finished: bool = False) -> None:
         """This router's requests in flight changed: report them to the peers at the next
         turn, or, within :data:`REPORT_INTERVAL_S` of the last report, when it has passed.
@@ -496,14 +524,20 @@ class PeerExchange:
         if pub is None and self._unix_pub is None:
             return  # stopped
         report = self._report() if self._load_changed and self._report_timer is None else None
-        evidence = self._evidence()
-        if self._unix_pub is not None and (outbox or report is not None or evidence is not None):
+        # The turn's other messages, each a (head, body) as a Unix link frames it.
+        messages = [
+            (head, body)
+            for head, body in (
+                (LOAD_HEAD, report),
+                (EVIDENCE_HEAD, self._evidence()),
+                (RESPONSES_HEAD, self._responses()),
+            )
+            if body is not None
+        ]
+        if self._unix_pub is not None and (outbox or messages):
             # One write per reader for the whole turn's messages.
             frames = [frame(parts[1], parts[2]) for parts in outbox]
-            if report is not None:
-                frames.append(frame(LOAD_HEAD, report))
-            if evidence is not None:
-                frames.append(frame(EVIDENCE_HEAD, evidence))
+            frames += [frame(head, body) for head, body in messages]
             behind = self._unix_pub.send(b"".join(frames))
             self.stats.dropped_slow += behind * len(outbox)
             self.stats.published += len(outbox)
@@ -511,10 +545,8 @@ class PeerExchange:
             for parts in outbox:
                 pub.send(parts)
                 self.stats.published += 1
-            if report is not None:
-                pub.send(zmq_frames(LOAD_HEAD, report))
-            if evidence is not None:
-                pub.send(zmq_frames(EVIDENCE_HEAD, evidence))
+            for head, body in messages:
+                pub.send(zmq_frames(head, body))
         if report is not None:
             self.load_stats.published += 1
 
@@ -525,10 +557,23 @@ class PeerExchange:
             return None
         body = encode_evidence(self._answers)
         self._answers = {}
-        if not self._budget.take(len(body)):
-            self.evidence_stats.dropped_budget += 1
+        return self._within_budget(body, self.evidence_stats)
+
+    def _responses(self) -> bytes | None:
+        """This turn's stored responses as one message, if any and the byte budget allows it
+        (else they are dropped: a peer then searches for them, one 404 per replica)."""
+        if not self._stored:
             return None
-        self.evidence_stats.published += 1
+        body = encode_responses(self._stored)
+        self._stored = {}
+        return self._within_budget(body, self.stored_stats)
+
+    def _within_budget(self, body: bytes, stats: MessageStats) -> bytes | None:
+        """``body`` counted published if the byte budget allows it now, else counted dropped."""
+        if not self._budget.take(len(body)):
+            stats.dropped_budget += 1
+            return None
+        stats.published += 1
         return body
 
     def _report(self) -> bytes | None:
@@ -575,6 +620,9 @@ class PeerExchange:
         if frames and frames[0] == EVIDENCE_TOPIC:
             self._take_evidence(frames[1] if len(frames) == 2 else b"")
             return
+        if frames and frames[0] == RESPONSES_TOPIC:
+            self._take_responses(frames[1] if len(frames) == 2 else b"")
+            return
         try:
             placement = decode(frames)
         except ValueError:
@@ -588,6 +636,9 @@ class PeerExchange:
             return
         if head == EVIDENCE_HEAD:
             self._take_evidence(body)
+            return
+        if head == RESPONSES_HEAD:
+            self._take_responses(body)
             return
         try:
             placement = decode_parts(head, body)
@@ -616,6 +667,12 @@ class PeerExchange:
         if evidence is not None and self._apply_evidence is not None:
             for url, answers in evidence.items():
                 self._apply_evidence(url, answers)
+
+    def _take_responses(self, data: bytes) -> None:
+        stored = _decoded(data, decode_responses, self.stored_stats)
+        if stored is not None and self._apply_stored is not None:
+            for response_id, url in stored.items():
+                self._apply_stored(response_id, url)
 
     def _push_load(self, changed: set[str]) -> None:
         if self._apply_load is None:

@@ -277,6 +277,7 @@ class RoutingEngine:
         self.cache_model = CacheModel()
         self._placement_listener: Callable[[Placement], None] | None = None
         self._answer_listener: Callable[[str, bool], None] | None = None
+        self._stored_listener: Callable[[str, str], None] | None = None
         # Blocks requests in flight (this router's, its peers') are still computing.
         self._computing = ComputingBlocks(clock)
         self._serials = itertools.count(1)
@@ -496,7 +497,7 @@ class RoutingEngine:
         API's id of the answer, which continuations are routed back by."""
         self._computing.settle(plan.serial)
         if answered and response_id is not None:
-            self._stored_responses.remember(response_id, plan.backend)
+            self.remember_response(response_id, plan.backend)
         prompt = plan.prompt
         pending: tuple[PendingInsert, ...] = ()
         if answered and prompt is not None and prompt.precise is not None and self._precise is not None:
@@ -617,7 +618,18 @@ class RoutingEngine:
         return RoutePlan(decision=decision, policy=STORED_RESPONSE_POLICY, request=request)
 
     def remember_response(self, response_id: str, backend: str) -> None:
-        """``backend`` answered a call on the stored response ``response_id``: it holds it."""
+        """``backend`` answered ``response_id`` (or a call on that stored response): it holds it."""
+        self._stored_responses.remember(response_id, backend)
+        if self._stored_listener is not None:
+            self._stored_listener(response_id, backend)
+
+    def on_response_stored(self, listener: Callable[[str, str], None] | None) -> None:
+        """Call ``listener(response_id, backend)`` with every stored response this router
+        learned where it is (the peer exchange sends them on)."""
+        self._stored_listener = listener
+
+    def apply_stored_response(self, response_id: str, backend: str) -> None:
+        """A peer router learned that ``backend`` stores ``response_id``."""
         self._stored_responses.remember(response_id, backend)
 
     def forget_backend(self, url: str) -> None:

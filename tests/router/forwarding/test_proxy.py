@@ -545,89 +545,46 @@ def test_decision_log_line_explains_each_request(
 
 
 # --- stored responses -------------------------------------------------------------------
-def _response_store(name: str, held: set[str], asked: list[tuple[str, str, str, bool]]) -> web.Application:
-    """An upstream with vLLM's rules for stored responses: it answers for the ids it holds
-    and 404 for others (a continuation of an unknown one included, before any work);
-    ``asked`` records (upstream, method, path with query, Content-Length sent)."""
-
-    async def call(request: web.Request) -> web.Response:
-        asked.append((name, request.method, request.path_qs, "Content-Length" in request.headers))
-        body = await request.read()
-        response_id = request.match_info.get("response_id")
-        if response_id is None:  # POST /v1/responses
-            response_id = orjson.loads(body).get("previous_response_id")
-            if response_id is None or response_id in held:
-                response_id = f"resp_{name}_{len(held)}"
-                held.add(response_id)
-        if response_id not in held:
-            error = {"message": f"Response with id '{response_id}' not found.", "type": "invalid_request_error"}
-            return web.json_response({"error": {**error, "param": "response_id", "code": 404}}, status=404)
-        return web.json_response({"id": response_id, "object": "response", "status": "completed", "usage": None})
-
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m"}]})
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", health)
-    app.router.add_post("/v1/responses", call)
-    app.router.add_route("*", "/v1/responses/{response_id}", call)
-    app.router.add_post("/v1/responses/{response_id}/cancel", call)
-    return app
-
-
-def test_a_stored_response_is_found_where_it_is_stored(server_loop: Any, router_server: Any) -> None:
+def test_a_stored_response_is_found_where_it_is_stored(response_stores: Any, router_server: Any) -> None:
     """Calls on a stored response (read, cancel, delete, continue) reach the replica that
     stored it. One this router did not see created (another router or worker did, or this
     one restarted) is searched for: each replica's 404 sends the call on, and where it was
     found is remembered. An id no replica holds gets the last replica's own 404."""
-    asked: list[tuple[str, str, str, bool]] = []
-    stores = {name: {f"resp_{name}"} for name in "abc"}
-    runners = []
-    for name, held in stores.items():
-        runner = web.AppRunner(_response_store(name, held, asked), access_log=None)
-        server_loop.run(runner.setup())
-        server_loop.run(web.TCPSite(runner, "127.0.0.1", 0).start())
-        runners.append(runner)
-    try:
-        urls = [f"http://127.0.0.1:{runner.addresses[0][1]}" for runner in runners]
-        router = router_server(urls, policy="round_robin")
+    urls, asked = response_stores
+    router = router_server(urls, policy="round_robin")
 
-        def send(method: str, path: str, **kwargs: Any) -> tuple[httpx.Response, list[str]]:
-            asked.clear()
-            response = httpx.request(method, router.url + path, timeout=30, **kwargs)
-            return response, [name for name, *_ in asked]
+    def send(method: str, path: str, **kwargs: Any) -> tuple[httpx.Response, list[str]]:
+        asked.clear()
+        response = httpx.request(method, router.url + path, timeout=30, **kwargs)
+        return response, [name for name, *_ in asked]
 
-        found, tried = send("GET", "/v1/responses/resp_c?stream=false&starting_after=3")
-        assert found.status_code == 200 and found.json()["id"] == "resp_c"
-        assert (found.headers["x-kvroute-backend"], found.headers["x-kvroute-reason"]) == (urls[2], "search")
-        assert tried[-1] == "c" and sorted(tried) == sorted(set(tried))  # each replica once at most
-        assert asked[-1][2:] == ("/v1/responses/resp_c?stream=false&starting_after=3", False)
-        # Known now: straight there, for every call on it.
-        for method, path in [("GET", "/v1/responses/resp_c"), ("DELETE", "/v1/responses/resp_c")]:
-            again, tried = send(method, path)
-            assert (again.status_code, again.headers["x-kvroute-reason"], tried) == (200, "stored_response", ["c"])
-            assert asked[-1][1] == method
-        cancel, tried = send("POST", "/v1/responses/resp_c/cancel", content=b"")
-        assert (cancel.status_code, tried, asked[-1][1:3]) == (200, ["c"], ("POST", "/v1/responses/resp_c/cancel"))
+    found, tried = send("GET", "/v1/responses/resp_c?stream=false&starting_after=3")
+    assert found.status_code == 200 and found.json()["id"] == "resp_c"
+    assert (found.headers["x-kvroute-backend"], found.headers["x-kvroute-reason"]) == (urls[2], "search")
+    assert tried[-1] == "c" and sorted(tried) == sorted(set(tried))  # each replica once at most
+    assert asked[-1][2:] == ("/v1/responses/resp_c?stream=false&starting_after=3", False)
+    # Known now: straight there, for every call on it.
+    for method, path in [("GET", "/v1/responses/resp_c"), ("DELETE", "/v1/responses/resp_c")]:
+        again, tried = send(method, path)
+        assert (again.status_code, again.headers["x-kvroute-reason"], tried) == (200, "stored_response", ["c"])
+        assert asked[-1][1] == method
+    cancel, tried = send("POST", "/v1/responses/resp_c/cancel", content=b"")
+    assert (cancel.status_code, tried, asked[-1][1:3]) == (200, ["c"], ("POST", "/v1/responses/resp_c/cancel"))
 
-        # A continuation of a response this router never saw: searched, then remembered,
-        # and so is the new response it stored.
-        body = {"model": "m", "input": "and?", "previous_response_id": "resp_b"}
-        continued, tried = send("POST", "/v1/responses", json=body)
-        assert continued.status_code == 200 and tried[-1] == "b"
-        assert continued.headers["x-kvroute-backend"] == urls[1]
-        new_id = continued.json()["id"]
-        for previous in ("resp_b", new_id):
-            again, tried = send("POST", "/v1/responses", json={**body, "previous_response_id": previous})
-            assert (again.headers["x-kvroute-reason"], tried) == ("stored_response", ["b"])
+    # A continuation of a response this router never saw: searched, then remembered,
+    # and so is the new response it stored.
+    body = {"model": "m", "input": "and?", "previous_response_id": "resp_b"}
+    continued, tried = send("POST", "/v1/responses", json=body)
+    assert continued.status_code == 200 and tried[-1] == "b"
+    assert continued.headers["x-kvroute-backend"] == urls[1]
+    new_id = continued.json()["id"]
+    for previous in ("resp_b", new_id):
+        again, tried = send("POST", "/v1/responses", json={**body, "previous_response_id": previous})
+        assert (again.headers["x-kvroute-reason"], tried) == ("stored_response", ["b"])
 
-        missing, tried = send("GET", "/v1/responses/resp_nowhere")
-        assert missing.status_code == 404 and sorted(tried) == ["a", "b", "c"]
-        assert missing.json()["error"]["param"] == "response_id"  # the engine's own answer
-        metrics = router.metrics()
-        assert metrics.value("kvroute_requests_total", endpoint="responses_stored", status="404") >= 3
-        assert all(backend.in_flight == 0 for backend in router.state.pool)
-    finally:
-        for runner in runners:
-            server_loop.run(runner.cleanup())
+    missing, tried = send("GET", "/v1/responses/resp_nowhere")
+    assert missing.status_code == 404 and sorted(tried) == ["a", "b", "c"]
+    assert missing.json()["error"]["param"] == "response_id"  # the engine's own answer
+    metrics = router.metrics()
+    assert metrics.value("kvroute_requests_total", endpoint="responses_stored", status="404") >= 3
+    assert all(backend.in_flight == 0 for backend in router.state.pool)

@@ -21,6 +21,7 @@ from kvroute.router.routing import computing, peer_exchange, peer_load
 from kvroute.router.routing.peer_evidence import EVIDENCE_TOPIC, Answers
 from kvroute.router.routing.peer_exchange import RECEIVE_BATCH, ByteBudget, PeerExchange, Placement, decode, encode
 from kvroute.router.routing.peer_load import LOAD_TOPIC, NO_LOAD, BackendLoad, LoadReport, encode_report
+from kvroute.router.routing.peer_responses import RESPONSES_TOPIC
 from kvroute.router.routing.routing_engine import RoutePlan
 from tests.servers import RouterServer, until
 
@@ -255,26 +256,46 @@ def test_one_router_follows_zmq_and_unix_peers_at_once(tmp_path: Path) -> None:
 
 
 @contextlib.asynccontextmanager
+async def _linked(
+    bind: str, publishing: dict[str, Any], hearing: dict[str, Any]
+) -> AsyncIterator[tuple[PeerExchange, PeerExchange]]:
+    """A router publishing on ``bind`` and one subscribed to it, with these further
+    PeerExchange arguments each (both stopped on leaving)."""
+    publisher = PeerExchange(bind=bind, peers=[], apply=lambda _: None, max_bytes_per_s=1e9, **publishing)
+    await publisher.start()
+    endpoint = publisher.endpoint
+    assert endpoint is not None
+    subscriber = PeerExchange(bind=None, peers=[endpoint], apply=lambda _: None, max_bytes_per_s=1e9, **hearing)
+    try:
+        assert await subscriber.start(wait_for=[endpoint])
+        await asyncio.sleep(0.2)  # ZMQ: the subscription reaches the publisher after the handshake
+        yield publisher, subscriber
+    finally:
+        await publisher.stop()
+        await subscriber.stop()
+
+
+@contextlib.asynccontextmanager
 async def _reporting(
     bind: str, own: dict[str, BackendLoad]
 ) -> AsyncIterator[tuple[PeerExchange, PeerExchange, dict[str, BackendLoad]]]:
     """A router reporting ``own`` as its requests in flight, and one subscribed to it, with
     the sums it heard (both stopped on leaving)."""
     heard: dict[str, BackendLoad] = {}
-    publisher = PeerExchange(bind=bind, peers=[], apply=lambda _: None, max_bytes_per_s=1e9, own_load=own.copy)
-    await publisher.start()
-    endpoint = publisher.endpoint
-    assert endpoint is not None
-    subscriber = PeerExchange(
-        bind=None, peers=[endpoint], apply=lambda _: None, max_bytes_per_s=1e9, apply_load=heard.__setitem__
-    )
-    try:
-        assert await subscriber.start(wait_for=[endpoint])
-        await asyncio.sleep(0.2)  # ZMQ: the subscription reaches the publisher after the handshake
+    async with _linked(bind, {"own_load": own.copy}, {"apply_load": heard.__setitem__}) as (publisher, subscriber):
         yield publisher, subscriber, heard
-    finally:
-        await publisher.stop()
-        await subscriber.stop()
+
+
+async def _rogue_sends(subscriber: PeerExchange, frames: list[bytes], taken: Callable[[], bool]) -> None:
+    """A plain ZMQ publisher the subscriber connects to sends it ``frames``; returns once
+    ``taken()`` says the subscriber dealt with them."""
+    rogue = zmq.asyncio.Context.instance().socket(zmq.PUB)
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+    subscriber.connect([f"tcp://127.0.0.1:{port}"])
+    await asyncio.sleep(0.2)
+    await rogue.send_multipart(frames)
+    await until(taken)
+    rogue.close(linger=0)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -338,26 +359,9 @@ def test_a_routers_eviction_evidence_reaches_its_peers(transport: str, tmp_path:
 
     async def scenario() -> None:
         heard: list[tuple[str, Answers]] = []
-        publisher = PeerExchange(
-            bind=_bind(transport, tmp_path),
-            peers=[],
-            apply=lambda _: None,
-            max_bytes_per_s=1e9,
-            apply_evidence=lambda url, answers: None,
-        )
-        await publisher.start()
-        endpoint = publisher.endpoint
-        assert endpoint is not None
-        subscriber = PeerExchange(
-            bind=None,
-            peers=[endpoint],
-            apply=lambda _: None,
-            max_bytes_per_s=1e9,
-            apply_evidence=lambda url, answers: heard.append((url, answers)),
-        )
-        try:
-            assert await subscriber.start(wait_for=[endpoint])
-            await asyncio.sleep(0.2)  # ZMQ: the subscription reaches the publisher after the handshake
+        publishing = {"apply_evidence": lambda url, answers: None}
+        hearing = {"apply_evidence": lambda url, answers: heard.append((url, answers))}
+        async with _linked(_bind(transport, tmp_path), publishing, hearing) as (publisher, subscriber):
             for evicted in (True, False, True):
                 publisher.answered("http://a", evicted)
             publisher.answered("http://b", False)
@@ -367,20 +371,61 @@ def test_a_routers_eviction_evidence_reaches_its_peers(transport: str, tmp_path:
             await until(lambda: len(heard) == 3)
             assert heard[-1] == ("http://a", Answers(1, 0))  # a delta: the next turn's answers only
             if transport == "tcp":
-                rogue = zmq.asyncio.Context.instance().socket(zmq.PUB)
-                port = rogue.bind_to_random_port("tcp://127.0.0.1")
-                subscriber.connect([f"tcp://127.0.0.1:{port}"])
-                await asyncio.sleep(0.2)
-                await rogue.send_multipart([EVIDENCE_TOPIC, b'{"http://a": [1, 5]}'])
-                await until(lambda: subscriber.evidence_stats.malformed == 1)
-                rogue.close(linger=0)
+                malformed = [EVIDENCE_TOPIC, b'{"http://a": [1, 5]}']
+                await _rogue_sends(subscriber, malformed, lambda: subscriber.evidence_stats.malformed == 1)
             assert len(heard) == 3 and subscriber.stats.received == 0
             assert (publisher.evidence_stats.published, subscriber.evidence_stats.received) == (2, 2)
-        finally:
-            await publisher.stop()
-            await subscriber.stop()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_where_responses_are_stored_reaches_the_peers(transport: str, tmp_path: Path) -> None:
+    """One event-loop turn's stored responses leave as one message; a malformed one is
+    counted and dropped."""
+
+    async def scenario() -> None:
+        heard: list[tuple[str, str]] = []
+        publishing = {"apply_stored": lambda response_id, url: None}
+        hearing = {"apply_stored": lambda response_id, url: heard.append((response_id, url))}
+        async with _linked(_bind(transport, tmp_path), publishing, hearing) as (publisher, subscriber):
+            publisher.stored("resp_1", "http://a")
+            publisher.stored("resp_2", "http://b")
+            await until(lambda: len(heard) == 2)
+            publisher.stored("resp_3", "http://a")
+            await until(lambda: len(heard) == 3)
+            assert heard == [("resp_1", "http://a"), ("resp_2", "http://b"), ("resp_3", "http://a")]
+            if transport == "tcp":
+                malformed = [RESPONSES_TOPIC, b'{"resp_4": 5}']
+                await _rogue_sends(subscriber, malformed, lambda: subscriber.stored_stats.malformed == 1)
+            assert len(heard) == 3 and subscriber.stats.received == 0
+            assert (publisher.stored_stats.published, subscriber.stored_stats.received) == (2, 2)
+
+    asyncio.run(scenario())
+
+
+def test_a_continuation_through_the_other_router_goes_home_without_a_search(
+    response_stores: Any, router_server: Any
+) -> None:
+    """A Responses answer relayed by one router, and one it found by searching, are known
+    to its peer: their continuations through the peer go straight to the replica storing
+    them."""
+    urls, asked = response_stores
+    first = router_server(urls, policy="round_robin", peer_bind="tcp://127.0.0.1:*")
+    second = router_server(urls, policy="round_robin", peers=[first.state.exchange.endpoint])
+    time.sleep(0.3)  # ZMQ subscriptions take a moment to reach the publisher
+    created = httpx.post(first.url + "/v1/responses", json={"model": "m", "input": "hi"}, timeout=30).json()["id"]
+    searched = httpx.get(first.url + "/v1/responses/resp_c", timeout=30)
+    assert searched.headers["x-kvroute-reason"] == "search"
+    _wait_for(lambda: second.state.exchange.stored_stats.received >= 2)
+    for response_id in (created, "resp_c"):
+        asked.clear()
+        body = {"model": "m", "input": "and?", "previous_response_id": response_id}
+        continued = httpx.post(second.url + "/v1/responses", json=body, timeout=30)
+        assert continued.headers["x-kvroute-reason"] == "stored_response", response_id
+        assert len(asked) == 1 and response_id.startswith(f"resp_{asked[0][0]}")
+    metrics = httpx.get(second.url + "/metrics").text
+    assert 'kvroute_peer_stored_responses_total{event="received"}' in metrics
 
 
 def test_peer_routers_weigh_each_others_eviction_evidence(sim_engines: Any, router_server: Any) -> None:

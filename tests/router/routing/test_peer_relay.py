@@ -1,5 +1,6 @@
 """The supervisor's relay: two workers' Unix publishers, one ZMQ endpoint; a router
-subscribed to it hears both workers' placements and load reports as from two routers."""
+subscribed to it hears both workers' placements, load reports and stored responses as
+from two routers."""
 
 from __future__ import annotations
 
@@ -26,7 +27,14 @@ def test_a_peer_hears_every_worker_through_the_relay(tmp_path: Path, key: PeerKe
         sources = [f"unix://{tmp_path / f'worker-{index}.placements'}" for index in (0, 1)]
         loads = [{"http://a": BackendLoad(1, 100)}, {"http://a": BackendLoad(2, 300)}]
         workers = [
-            PeerExchange(bind=source, peers=[], apply=lambda _: None, max_bytes_per_s=1e9, own_load=load.copy)
+            PeerExchange(
+                bind=source,
+                peers=[],
+                apply=lambda _: None,
+                max_bytes_per_s=1e9,
+                own_load=load.copy,
+                apply_stored=lambda response_id, url: None,
+            )
             for source, load in zip(sources, loads)
         ]
         for worker in workers:
@@ -37,12 +45,14 @@ def test_a_peer_hears_every_worker_through_the_relay(tmp_path: Path, key: PeerKe
         assert endpoint is not None and endpoint.startswith("tcp://127.0.0.1:")
         received: list[Placement] = []
         heard: dict[str, BackendLoad] = {}
+        stored: dict[str, str] = {}
         peer = PeerExchange(
             bind=None,
             peers=[endpoint],
             apply=received.append,
             max_bytes_per_s=1e9,
             apply_load=heard.__setitem__,
+            apply_stored=stored.__setitem__,
             key=key,
         )
         try:
@@ -51,10 +61,12 @@ def test_a_peer_hears_every_worker_through_the_relay(tmp_path: Path, key: PeerKe
             for number, worker in enumerate(workers):
                 worker.publish(Placement("http://a", 16, np.array([number], dtype=np.uint64), 16 * (number + 1)))
                 worker.load_changed()
+                worker.stored(f"resp_{number}", "http://a")
             await until(lambda: len(received) == 2 and heard.get("http://a") == BackendLoad(3, 400))
+            await until(lambda: stored == {"resp_0": "http://a", "resp_1": "http://a"})
             assert sorted(placement.prompt_tokens for placement in received) == [16, 32]
             assert peer.load_stats.received == 2 and peer.stats.malformed == 0
-            assert relay.stats.relayed == 4 and relay.stats.refused == 0
+            assert relay.stats.relayed == 6 and relay.stats.refused == 0
         finally:
             relay.stop()
             for exchange in (peer, *workers):
