@@ -7,10 +7,12 @@ from typing import Any
 import anthropic
 import httpx
 import openai
+import orjson
 import pytest
+from aiohttp import web
 
 from tests.helpers import assert_openai_error, still_serves
-from tests.servers import RouterServer
+from tests.servers import RouterServer, start_server, wait_until
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -159,3 +161,49 @@ def test_odd_values_in_other_fields_are_the_engines_to_judge(router: RouterServe
         assert response.status_code < 500, (body, response.text)
         assert response.headers.get("x-kvroute-backend"), (body, response.status_code, response.text[:300])
     still_serves(router)
+
+
+def test_anthropics_client_reads_a_stream_cut_short(server_loop: Any, router_server: Any) -> None:
+    """A Messages stream its engine breaks off after the first event ends with the router's
+    ``event: error`` in Anthropic's form, which the anthropic client raises with its type."""
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        start = {
+            "type": "message_start",
+            "message": {
+                "id": "msg_1",
+                "type": "message",
+                "role": "assistant",
+                "content": [],
+                "model": "m",
+                "usage": {"input_tokens": 3, "output_tokens": 0},
+            },
+        }
+        await response.write(b"event: message_start\ndata: " + orjson.dumps(start) + b"\n\n")
+        assert request.transport is not None
+        request.transport.close()  # the engine dies mid-stream
+        return response
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m"}]})
+
+    app = web.Application()
+    app.router.add_get("/health", models)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/messages", messages)
+    runner, url = server_loop.run(start_server(app))
+    try:
+        router = router_server([url])
+        client = anthropic.Anthropic(base_url=router.url, api_key="x", max_retries=0)
+        events = []
+        with pytest.raises(anthropic.APIStatusError) as raised:
+            for event in client.messages.create(model="m", max_tokens=4, messages=MESSAGES, stream=True):  # type: ignore[arg-type]
+                events.append(event.type)
+        assert events == ["message_start"]
+        assert raised.value.body["error"]["type"] == "api_error", raised.value.body  # type: ignore[index]
+        wait_until(lambda: all(backend.in_flight == 0 for backend in router.state.pool))
+    finally:
+        server_loop.run(runner.cleanup())
