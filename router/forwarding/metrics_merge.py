@@ -45,6 +45,7 @@ RULES: dict[str, Rule] = {
     "kvroute_peer_placements": "sum",
     "kvroute_peer_load_reports": "sum",
     "kvroute_peer_evidence": "sum",
+    "kvroute_peer_stored_responses": "sum",
     "kvroute_peer_handshakes": "sum",
     "kvroute_chat_renders": "sum",
     "kvroute_tokenizer_units": "sum",

@@ -557,14 +557,19 @@ class Proxy:
                     if rest:
                         await write(rest)
                     break
-            if usage_format is not None:  # not a stored response's stream read again
-                attempt.usage = tap.usage
             await sink.end()
         except ConnectionResetError:
             # The client hung up and a write noticed first: abort the engine's work now.
             attempt.status = "499"
             self._pool.request_abandoned(backend)
             upstream.close()
+        finally:
+            # However the stream ended (a client that hung up cancels the task mid-read), what
+            # the engine said so far: its usage, a background response's id. Not for a stored
+            # response's stream read again (RESPONSE_LOOKUP), whose usage was counted once.
+            if usage_format is not None:
+                tap.finish()  # a no-op after the clean end; else a held-back partial event is dropped
+                attempt.usage = tap.usage
 
     @staticmethod
     def _failed_before_first_byte(attempt: _Attempt, exc: UpstreamError) -> Exception:

@@ -494,9 +494,11 @@ class RoutingEngine:
         ``answered``: the engine answered (it computed the prompt), not an error. ``sliced``:
         of a long prompt's blocks, inserted again here, only the last slice goes in at once;
         the rest is returned, to insert with ``insert_next``. ``response_id``: the Responses
-        API's id of the answer, which continuations are routed back by."""
+        API's id the engine gave its answer, which continuations are routed back by (also
+        when the answer did not end well: a background response lives on when its client
+        leaves)."""
         self._computing.settle(plan.serial)
-        if answered and response_id is not None:
+        if response_id is not None:
             self.remember_response(response_id, plan.backend)
         prompt = plan.prompt
         pending: tuple[PendingInsert, ...] = ()

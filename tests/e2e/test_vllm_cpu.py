@@ -30,6 +30,7 @@ from tests.e2e.fleet import (
     RouterProcess,
     RunSummary,
     VllmFleet,
+    free_ports,
     launch_fleet,
     launch_router,
     report,
@@ -277,10 +278,15 @@ def test_a_stored_response_is_found_by_a_router_that_did_not_create_it(
     vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]
 ) -> None:
     """Background responses are polled, resumed and cancelled by id, and continued, on the
-    replica that stored them. Created through one router, they are found through others
-    that never saw them (another router replica, or one restarted): each replica that
-    does not hold the id answers 404 before doing any work, and the search moves on."""
-    creator, reader, continuer = kvroute("round_robin"), kvroute("round_robin"), kvroute("cache_aware")
+    replica that stored them. Created through one router, they are found through another
+    that never saw them and exchanges nothing (one restarted, say): each replica that does
+    not hold the id answers 404 before doing any work, and the search moves on. A peer
+    router (``--peers``) was told where they are and needs no search."""
+    (port,) = free_ports(1)
+    creator = kvroute("round_robin", peer_bind=f"tcp://127.0.0.1:{port}")
+    continuer = kvroute("cache_aware", peers=[f"tcp://127.0.0.1:{port}"])
+    reader = kvroute("round_robin")
+    time.sleep(1.0)  # the ZMQ subscription reaches the creator
 
     def client(router: RouterProcess) -> openai.OpenAI:
         return openai.OpenAI(base_url=router.url + "/v1", api_key="e2e", max_retries=0, timeout=120)
@@ -332,18 +338,37 @@ def test_a_stored_response_is_found_by_a_router_that_did_not_create_it(
         events = list(resumed.parse())
         assert resumed.headers["x-kvroute-backend"] == home
     assert events[0].sequence_number == 1 and events[-1].type == "response.completed", [e.type for e in events]
+    homes[first.response.id] = home  # the creator read its id from the first event
 
+    # The peer heard of all three (one message each: they were learned in turns apart).
+    def heard() -> float:
+        return sum(
+            value
+            for name, value in continuer.metrics().items()
+            if name.startswith("kvroute_peer_stored_responses_total{") and "event=received" in name
+        )
+
+    deadline = time.monotonic() + 30
+    while heard() < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert heard() >= 3, continuer.metrics()
     # vLLM refuses to cancel a finished response (400): the answer of the replica holding it.
     finished = next(iter(homes))
     refused = httpx.post(f"{continuer.url}/v1/responses/{finished}/cancel", timeout=60)
-    assert refused.status_code == 400 and refused.headers["x-kvroute-backend"] == homes[finished], refused.text
-
-    # A continuation through a router that has not seen the id: found, and its history cached.
+    assert refused.status_code == 400, refused.text
+    assert (refused.headers["x-kvroute-backend"], refused.headers["x-kvroute-reason"]) == (
+        homes[finished],
+        "stored_response",
+    )
+    # Continued through the peer: straight home, and the history is cached there.
     for response_id, home in homes.items():
         continued = client(continuer).responses.with_raw_response.create(
             model=MODEL, input="And then?", previous_response_id=response_id, max_output_tokens=4
         )
-        assert continued.headers["x-kvroute-backend"] == home
+        assert (continued.headers["x-kvroute-backend"], continued.headers["x-kvroute-reason"]) == (
+            home,
+            "stored_response",
+        ), response_id
         usage = continued.parse().usage
         assert usage is not None and usage.input_tokens_details.cached_tokens > 0
     report(f"{'stored responses, found':<22} lookups {reasons}, resumed stream of {len(events)} events")

@@ -40,17 +40,16 @@ def test_a_continuation_goes_to_the_backend_that_answered(policy: str) -> None:
     for _ in range(4):
         plan = engine.route(RESPONSES, continuation, {}, backends)
         assert (plan.backend, plan.reason) == (first.backend, "stored_response")
-    # Not when that backend is no candidate (down, draining), nor for an unknown id, nor
-    # after an error answer (nothing was stored).
+    # Not when that backend is no candidate (down, draining), nor for an unknown id.
     others = [backend for backend in backends if backend.url != first.backend]
     assert engine.route(RESPONSES, continuation, {}, others).reason != "stored_response"
     unknown = {**continuation, "previous_response_id": "resp_9"}
     assert engine.route(RESPONSES, unknown, {}, backends).reason != "stored_response"
-    failed = engine.route(RESPONSES, {"model": "m", "input": "x"}, {}, backends)
-    engine.observe(failed, None, answered=False, response_id="resp_2")
-    assert engine.route(RESPONSES, {**continuation, "previous_response_id": "resp_2"}, {}, backends).reason != (
-        "stored_response"
-    )
+    # An answer whose client left (a background response runs on) still named its id.
+    left = engine.route(RESPONSES, {"model": "m", "input": "x"}, {}, backends)
+    engine.observe(left, None, answered=False, response_id="resp_2")
+    resumed = engine.route(RESPONSES, {**continuation, "previous_response_id": "resp_2"}, {}, backends)
+    assert (resumed.backend, resumed.reason) == (left.backend, "stored_response")
     # A backend that leaves takes its answers with it.
     engine.forget_backend(first.backend)
     assert engine.route(RESPONSES, continuation, {}, backends).reason != "stored_response"
