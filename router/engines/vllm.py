@@ -1,7 +1,11 @@
 """vLLM's API as the router uses it.
 
 * Endpoints: the OpenAI ones, Anthropic's Messages API (:mod:`kvroute.router.engines.anthropic`),
-  plus ``/tokenize`` and ``/detokenize`` (no usage).
+  ``/tokenize`` and ``/detokenize`` (no usage), and the token-in generation of vLLM's
+  scale-out deployments (``/inference/v1/generate``: ``vllm serve --enable-scale-out`` or
+  ``--tokens-only`` behind ``vllm launch render``), whose prompt is its ``token_ids``, and
+  those deployments' render paths (``/v1/chat/completions/render``...: the request turned
+  into token ids, nothing generated), routed by load.
 * Cached tokens: ``usage.prompt_tokens_details.cached_tokens``, always reported; in a
   stream only in the ``stream_options.include_usage`` chunk, which the router asks for.
 * Load: ``vllm:num_requests_running`` / ``vllm:num_requests_waiting``; KV usage
@@ -19,6 +23,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
 from kvroute.router.engines.anthropic import COUNT_TOKENS, MESSAGES
 from kvroute.router.engines.base import (
     CacheInfoMetric,
@@ -34,6 +43,8 @@ from kvroute.router.engines.openai import (
     MESSAGE_SCHEMA,
     RESPONSES,
 )
+from kvroute.router.engines.usage import OPENAI_USAGE
+from kvroute.tokenizer_index import RequestTokenizer
 
 TOKENIZE = Endpoint(
     "/tokenize",
@@ -54,6 +65,44 @@ DETOKENIZE = Endpoint(
     {"required": ["tokens"], "properties": {"tokens": {"type": "array", "items": {"type": "integer"}}}},
 )
 
+
+def token_ids_prompt(tokenizer: RequestTokenizer, body: Mapping[str, Any]) -> np.ndarray | None:
+    """A token-in request's ``token_ids``, rendered and tokenized already (by vLLM's render
+    servers or the client). Not with multimodal ``features`` or ``content_parts``: the
+    engine expands those into placeholder tokens the ids do not show."""
+    if body.get("features") is not None or body.get("content_parts") is not None:
+        return None
+    token_ids = body.get("token_ids")
+    return tokenizer.encode_prompt_array(token_ids) if isinstance(token_ids, list) and token_ids else None
+
+
+GENERATE_TOKENS = Endpoint(
+    "/inference/v1/generate",
+    "generate_tokens",
+    False,
+    OPENAI_USAGE,
+    True,
+    token_ids_prompt,
+    {
+        "required": ["token_ids", "sampling_params"],
+        "properties": {
+            "token_ids": {"type": "array", "items": {"type": "integer"}},
+            "sampling_params": {"type": "object"},
+            "stream": {"type": ["boolean", "null"]},
+            "cache_salt": {"type": "string"},
+        },
+    },
+)
+
+
+def _render(of: Endpoint) -> Endpoint:
+    """The scale-out render path of ``of``: its request rendered into a token-in request
+    (:data:`GENERATE_TOKENS`'s body), nothing generated, nothing cached."""
+    return Endpoint(of.path + "/render", of.name + "_render", True, None, False, None, of.schema, errors=of.errors)
+
+
+RENDER_ENDPOINTS = tuple(_render(of) for of in (CHAT, COMPLETIONS, RESPONSES, MESSAGES))
+
 SERIES: dict[str, str] = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
@@ -67,7 +116,18 @@ SERIES: dict[str, str] = {
 
 VLLM = EngineAPI(
     name="vllm",
-    endpoints=(CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, MESSAGES, COUNT_TOKENS, TOKENIZE, DETOKENIZE),
+    endpoints=(
+        CHAT,
+        COMPLETIONS,
+        EMBEDDINGS,
+        RESPONSES,
+        MESSAGES,
+        COUNT_TOKENS,
+        TOKENIZE,
+        DETOKENIZE,
+        GENERATE_TOKENS,
+        *RENDER_ENDPOINTS,
+    ),
     series=SERIES,
     cache_info=CacheInfoMetric("vllm:cache_config_info", "block_size", "num_gpu_blocks", "kv_cache_size_tokens"),
     reset_cache=("POST", "/reset_prefix_cache"),

@@ -85,6 +85,11 @@ def expected_output_tokens_of(body: Mapping[str, Any]) -> int:
         value = body.get("max_tokens")
     if value is None:
         value = body.get("max_output_tokens")  # /v1/responses
+    if value is None:
+        # Token-in generation (vLLM's /inference/v1/generate, SGLang's /generate).
+        sampling = body.get("sampling_params")
+        if isinstance(sampling, Mapping):
+            value = sampling.get("max_tokens", sampling.get("max_new_tokens"))
     # bool is an int subclass; neither it nor a negative number is a length.
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return min(value, MAX_EXPECTED_OUTPUT_TOKENS)

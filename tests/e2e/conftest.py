@@ -36,7 +36,8 @@ def pytest_runtest_makereport(
 @pytest.fixture(scope="session")
 def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     try:
-        with launch_fleet(tmp_path_factory.mktemp("vllm-fleet")) as fleet:
+        # --enable-scale-out: the token-in generation and render paths of vLLM's scale-out deployments.
+        with launch_fleet(tmp_path_factory.mktemp("vllm-fleet"), vllm_args=["--enable-scale-out"]) as fleet:
             yield fleet
     except LaunchError as exc:
         pytest.fail(str(exc), pytrace=False)

@@ -374,6 +374,55 @@ def test_a_stored_response_is_found_by_a_router_that_did_not_create_it(
     report(f"{'stored responses, found':<22} lookups {reasons}, resumed stream of {len(events)} events")
 
 
+def test_token_in_requests_are_routed_by_their_token_ids(
+    vllm_fleet: VllmFleet, kvroute: Callable[..., RouterProcess]
+) -> None:
+    """vLLM's scale-out deployments render prompts on one tier and send the engines token
+    ids (``/inference/v1/generate``). kvroute routes those by the ids themselves: its
+    prompt length and prediction equal vLLM's prompt and cached tokens, streamed or not.
+    The render calls go through kvroute too (routed by load)."""
+    router = kvroute("cache_aware")
+    conversation = [
+        {"role": "system", "content": "You answer questions about caches, briefly. " * 30},
+        {"role": "user", "content": "What is a prefix cache?"},
+    ]
+    seen = []
+    for turn in range(4):
+        rendered = httpx.post(
+            router.url + "/v1/chat/completions/render",
+            json={"model": MODEL, "messages": conversation, "max_tokens": 4},
+            timeout=60,
+        )
+        assert rendered.status_code == 200, rendered.text
+        request = rendered.json()
+        assert request["token_ids"], request
+        if turn % 2:
+            request |= {"stream": True, "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", router.url + "/inference/v1/generate", json=request, timeout=120) as answer:
+                assert answer.status_code == 200, answer.read()
+                events = [line[6:] for line in answer.iter_lines() if line.startswith("data: {")]
+                headers = answer.headers
+            usage = json.loads(events[-1])["usage"]
+        else:
+            answer = httpx.post(router.url + "/inference/v1/generate", json=request, timeout=120)
+            assert answer.status_code == 200, answer.text
+            headers, usage = answer.headers, answer.json()["usage"]
+        engine = (usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
+        router_side = (int(headers["x-kvroute-prompt-tokens"]), int(headers["x-kvroute-matched-tokens"]))
+        seen.append((router_side, engine, headers["x-kvroute-reason"]))
+        assert engine[0] == len(request["token_ids"])
+        conversation += [
+            {"role": "assistant", "content": f"A prefix cache keeps computed prompts, part {turn}."},
+            {"role": "user", "content": f"And question {turn}?"},
+        ]
+    report(
+        f"{'token-in requests':<22} router (prompt, predicted) == vLLM (prompt, cached) on "
+        f"{sum(router == engine for router, engine, _ in seen)} of {len(seen)}: {seen}"
+    )
+    assert all(router == engine for router, engine, _ in seen), seen
+    assert all(engine[1] > 0 for _, engine, _ in seen[1:]), seen
+
+
 #: A chat template reading keywords from the engine's defaults, the request and the
 #: reasoning effort (Qwen 3's thinking switch, reduced).
 KEYWORD_TEMPLATE = """{%- if greeting is defined %}<|im_start|>system

@@ -9,9 +9,10 @@ from kvroute.router.engines import ENDPOINTS, ENGINES, EngineFacts, endpoint_for
 from kvroute.router.engines.generic import GENERIC
 from kvroute.router.engines.sglang import GENERATE, META_INFO, SGLANG, facts_from_server_info
 from kvroute.router.engines.usage import OPENAI_USAGE, StreamTap, Usage, usage_from_body
-from kvroute.router.engines.vllm import VLLM
+from kvroute.router.engines.vllm import GENERATE_TOKENS, VLLM
 from kvroute.router.fleet.engine_stats import parse_metrics
 from kvroute.router.http.openapi import openapi_spec
+from kvroute.router.routing.request_info import expected_output_tokens_of
 from kvroute.tokenizer_index import RequestTokenizer
 
 
@@ -42,6 +43,24 @@ def test_generate_prompts_are_text_or_token_ids_and_a_batch_routes_by_its_first(
     assert read(tokenizer, {"input_ids": [[5, 6], [8, 9, 10]]}).tolist() == [5, 6]
     assert read(tokenizer, {"text": ["The quick brown fox", "other"]}).tolist() == text.tolist()
     assert read(tokenizer, {"sampling_params": {}}) is None
+
+
+def test_a_token_in_request_is_routed_by_its_token_ids() -> None:
+    """vLLM's scale-out generation: ids rendered elsewhere; the output budget in its
+    sampling parameters. With multimodal features the engine adds placeholder tokens the
+    ids do not show: no prompt to match."""
+    tokenizer = RequestTokenizer.default()
+    read = GENERATE_TOKENS.prompt
+    assert read is not None
+    body = {"token_ids": [9, 8, 7, 6], "sampling_params": {"max_tokens": 12}}
+    assert read(tokenizer, body).tolist() == [9, 8, 7, 6]
+    assert expected_output_tokens_of(body) == 12
+    assert expected_output_tokens_of({"sampling_params": {"max_new_tokens": 5}}) == 5  # SGLang's /generate
+    assert read(tokenizer, {**body, "features": {"mm_hashes": {"image": ["h"]}}}) is None
+    assert read(tokenizer, {**body, "token_ids": []}) is None
+    with pytest.raises(ValueError):
+        read(tokenizer, {**body, "token_ids": [1, "2"]})
+    assert VLLM.serves(GENERATE_TOKENS.path) and not SGLANG.serves(GENERATE_TOKENS.path)
 
 
 def test_meta_info_usage_in_bodies_batches_and_cumulative_streams() -> None:
