@@ -5,7 +5,8 @@
   scale-out deployments (``/inference/v1/generate``: ``vllm serve --enable-scale-out`` or
   ``--tokens-only`` behind ``vllm launch render``), whose prompt is its ``token_ids``, and
   those deployments' render paths (``/v1/chat/completions/render``...: the request turned
-  into token ids, nothing generated), routed by load.
+  into token ids, nothing generated), routed by load; so are the pooling models' paths
+  (rerank, score, classify, pooling, Cohere's embed: :data:`POOLING_ENDPOINTS`).
 * Cached tokens: ``usage.prompt_tokens_details.cached_tokens``, always reported; in a
   stream only in the ``stream_options.include_usage`` chunk, which the router asks for.
 * Load: ``vllm:num_requests_running`` / ``vllm:num_requests_waiting``; KV usage
@@ -103,6 +104,28 @@ def _render(of: Endpoint) -> Endpoint:
 
 RENDER_ENDPOINTS = tuple(_render(of) for of in (CHAT, COMPLETIONS, RESPONSES, MESSAGES))
 
+
+def _pooling(path: str, name: str) -> Endpoint:
+    """A pooling model's path (``model`` optional, as vLLM takes it); routed by load."""
+    return Endpoint(path, name, False, OPENAI_USAGE, False, None, {"properties": {"model": {"type": "string"}}})
+
+
+#: What vLLM serves for pooling models (rerankers, cross-encoders, classifiers, embedders)
+#: besides ``/v1/embeddings``: load-balanced, no prefix to match.
+POOLING_ENDPOINTS = tuple(
+    _pooling(path, name)
+    for path, name in (
+        ("/v1/rerank", "rerank"),
+        ("/rerank", "rerank_unversioned"),
+        ("/v2/rerank", "rerank_v2"),
+        ("/v1/score", "score"),
+        ("/score", "score_unversioned"),
+        ("/classify", "classify"),
+        ("/pooling", "pooling"),
+        ("/v2/embed", "embed_v2"),
+    )
+)
+
 SERIES: dict[str, str] = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
@@ -127,6 +150,7 @@ VLLM = EngineAPI(
         DETOKENIZE,
         GENERATE_TOKENS,
         *RENDER_ENDPOINTS,
+        *POOLING_ENDPOINTS,
     ),
     series=SERIES,
     cache_info=CacheInfoMetric("vllm:cache_config_info", "block_size", "num_gpu_blocks", "kv_cache_size_tokens"),

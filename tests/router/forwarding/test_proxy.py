@@ -12,6 +12,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from kvroute.router.engines.vllm import GENERATE_TOKENS, POOLING_ENDPOINTS, RENDER_ENDPOINTS
 from tests.engine_apis import APIS, series, sim_options
 from tests.servers import RouterServer, SimServer, wait_until
 
@@ -131,6 +132,12 @@ def test_other_endpoints_pass_through(sim_engines: Any, router_server: Any, api:
     assert tokens.status_code == 200 and tokens.json()["count"] > 0
     text = httpx.post(router.url + "/detokenize", json={"tokens": tokens.json()["tokens"]}, timeout=30)
     assert text.status_code == 200 and "hello" in text.json()["prompt"]
+    # vLLM's other paths reach a backend too (the sim answers them 404 itself: the router's
+    # own 404 for a path it does not proxy would name no backend).
+    paths = [endpoint.path for endpoint in (GENERATE_TOKENS, *RENDER_ENDPOINTS, *POOLING_ENDPOINTS)]
+    for path in paths:
+        answer = httpx.post(router.url + path, json={"model": "sim", "token_ids": [1, 2]}, timeout=30)
+        assert "x-kvroute-backend" in answer.headers, (path, answer.status_code, answer.text)
 
 
 def test_async_client_concurrent_streams(sim_engines: Any, router_server: Any) -> None:
