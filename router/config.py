@@ -349,6 +349,13 @@ class Settings(BaseSettings):
         gt=0,
         description="precise mode: a backend's stream silent this long while it gets traffic falls back to approximate",
     )
+    stored_responses: int = Field(
+        default=65_536,
+        ge=0,
+        description="Responses API: how many answer ids the router remembers with the backend storing each "
+        "(vLLM's store, VLLM_ENABLE_RESPONSES_API_STORE=1); a continuation of one it forgot searches the "
+        "backends, one 404 each; ~180 bytes an id",
+    )
     speculative_ttl_s: float = Field(
         default=2.0,
         gt=0,

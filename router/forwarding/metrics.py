@@ -387,6 +387,11 @@ class RouterMetrics:
         self.index_bytes = Gauge(
             "kvroute_index_bytes", "Memory of the router's prefix index in bytes.", registry=self.registry
         )
+        self.stored_responses = Gauge(
+            "kvroute_stored_responses",
+            "Responses API answer ids remembered with the backend storing each (--stored-responses at most).",
+            registry=self.registry,
+        )
         self.kv_events_state = Gauge(
             "kvroute_kv_events_state",
             "KV event subscription per backend "

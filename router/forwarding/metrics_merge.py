@@ -66,6 +66,7 @@ RULES: dict[str, Rule] = {
     "kvroute_process_cpu_seconds": "sum",
     "kvroute_process_open_fds": "sum",
     # the same state seen by every worker
+    "kvroute_stored_responses": "max",  # each worker learns its siblings' ids too
     "kvroute_backend_healthy": "max",
     "kvroute_backend_breaker_state": "max",
     "kvroute_backend_engine": "max",

@@ -372,6 +372,7 @@ def _local_exposition(state: RouterState) -> bytes:
     for url, blocks in index.blocks.items():
         state.metrics.index_blocks.labels(url).set(blocks)
     state.metrics.index_bytes.set(index.bytes)
+    state.metrics.stored_responses.set(state.routing.stored_responses_count)
     return state.metrics.render()
 
 

@@ -259,7 +259,7 @@ class RoutingEngine:
         self._default_label = self._split.labels[0] if self._split else settings.policy
         self._policies: dict[str, Policy] = {}
         self._fallback = LeastLoad()
-        self._stored_responses = StoredResponses()
+        self._stored_responses = StoredResponses(settings.stored_responses)
         # By (tokenizer source, chat template, default template keywords as JSON).
         self._tokenizers: dict[tuple[str | None, str | None, str | None], RequestTokenizer] = {}
         self._model_tokenizers: dict[str | None, RequestTokenizer] = {}  # see _tokenizer_for
@@ -624,6 +624,11 @@ class RoutingEngine:
         self._stored_responses.remember(response_id, backend)
         if self._stored_listener is not None:
             self._stored_listener(response_id, backend)
+
+    @property
+    def stored_responses_count(self) -> int:
+        """How many Responses answer ids are remembered with the backend storing each."""
+        return len(self._stored_responses)
 
     def on_response_stored(self, listener: Callable[[str, str], None] | None) -> None:
         """Call ``listener(response_id, backend)`` with every stored response this router

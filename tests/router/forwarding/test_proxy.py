@@ -594,4 +594,17 @@ def test_a_stored_response_is_found_where_it_is_stored(response_stores: Any, rou
     assert missing.json()["error"]["param"] == "response_id"  # the engine's own answer
     metrics = router.metrics()
     assert metrics.value("kvroute_requests_total", endpoint="responses_stored", status="404") >= 3
+    # The two found by searching, and the three answers the continuations stored.
+    assert metrics.value("kvroute_stored_responses") == 5
     assert all(backend.in_flight == 0 for backend in router.state.pool)
+
+
+def test_a_router_remembering_no_stored_responses_searches_every_time(response_stores: Any, router_server: Any) -> None:
+    urls, asked = response_stores
+    router = router_server(urls, policy="round_robin", stored_responses=0)
+    for _ in range(2):
+        asked.clear()
+        found = httpx.get(router.url + "/v1/responses/resp_c", timeout=30)
+        assert (found.status_code, found.headers["x-kvroute-reason"]) == (200, "search")
+        assert asked[-1][0] == "c"
+    assert router.metrics().value("kvroute_stored_responses") == 0
