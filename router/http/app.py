@@ -49,7 +49,7 @@ from kvroute.router.forwarding.proxy import Proxy, insert_in_loop_turns
 from kvroute.router.forwarding.upstream import KEEPALIVE_S, UpstreamClient
 from kvroute.router.http.admin import AdminAPI
 from kvroute.router.http.aiohttp_exchange import AiohttpSink, client_request
-from kvroute.router.http.lean_server import LeanLimits, LeanRoute, LeanServer
+from kvroute.router.http.lean_server import LeanLimits, LeanRoute, LeanServer, LeanStoredRoute, StoredCalls
 from kvroute.router.http.openapi import openapi_document
 from kvroute.router.http.security import ClientGate, SecretRedactor
 from kvroute.router.http.workers import Siblings, WorkerGroup
@@ -100,6 +100,8 @@ STATE = web.AppKey("kvroute_state", RouterState)
 DIRECT_ROUTES = web.AppKey("kvroute_direct_routes", dict[str, Handler])
 #: The same endpoints' handlers for the lean server (``--http-server lean``), by raw path.
 LEAN_ROUTES = web.AppKey("kvroute_lean_routes", dict[bytes, LeanRoute])
+#: The same for the calls on a stored response (``STORED_RESPONSE_ROUTES``).
+LEAN_STORED_CALLS = web.AppKey("kvroute_lean_stored_calls", StoredCalls)
 #: With workers: the internal application this worker serves its siblings on a Unix socket.
 INTERNAL_APP = web.AppKey("kvroute_internal_app", web.Application)
 
@@ -174,6 +176,9 @@ def build_app(
         app.router.add_route(method, path, stored_response_call)
     app[DIRECT_ROUTES] = direct_routes
     app[LEAN_ROUTES] = lean_routes
+    app[LEAN_STORED_CALLS] = StoredCalls.of(
+        ((method, path) for method, path, _ in STORED_RESPONSE_ROUTES), _lean_stored_call(state)
+    )
     app.router.add_get("/v1/models", _models_handler(state))
     app.router.add_get("/health", _health_handler(state))
     app.router.add_get("/livez", _livez)
@@ -337,6 +342,15 @@ def _lean_handler(state: RouterState, endpoint: Endpoint) -> LeanRoute:
     def handle(request: ClientRequest, sink: ResponseSink) -> Awaitable[None]:
         # The proxy's coroutine itself, not one wrapping it: a coroutine less per request.
         return _started(state.proxy).forward(request, endpoint, sink)
+
+    return handle
+
+
+def _lean_stored_call(state: RouterState) -> LeanStoredRoute:
+    """A call on a stored response under the lean server."""
+
+    def handle(request: ClientRequest, sink: ResponseSink, stored_id: str) -> Awaitable[None]:
+        return _started(state.proxy).forward(request, RESPONSE_LOOKUP, sink, stored_id)
 
     return handle
 
@@ -537,7 +551,13 @@ class _RouterRunner(web.AppRunner):
         lean_routes = self.app.get(LEAN_ROUTES)
         if self._lean is not None and lean_routes and _direct_routes_allowed(self.app):
             # The lean server takes exactly what the direct route would (and is off when it is).
-            return LeanServer(serving, routes=lean_routes, limits=self._lean, **self._connection_options)
+            return LeanServer(
+                serving,
+                routes=lean_routes,
+                limits=self._lean,
+                stored_calls=self.app.get(LEAN_STORED_CALLS),
+                **self._connection_options,
+            )
         return JsonErrorServer(serving, **self._connection_options)
 
 

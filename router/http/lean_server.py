@@ -11,6 +11,9 @@ only what a proxied POST needs; everything else stays with aiohttp, byte for byt
   would serve (``kvroute.router.http.app._dispatch_with_direct_routes``): ``POST``, HTTP/1.0
   or 1.1, a route's path as sent (no percent-encoding, no dot segments: those go to aiohttp,
   whose matching decides), a ``Content-Length`` body or none, and none of what aiohttp
+  treats specially. Calls on a stored Responses answer (:class:`StoredCalls`: its ``GET``,
+  ``DELETE``, ``/cancel``...) are taken too where their id is a plain segment, so a client
+  polling one does not move its connection to aiohttp; the rest as for the POSTs, none of what aiohttp
   treats specially (``Expect``, ``Transfer-Encoding``, ``Upgrade``, ``Content-Encoding``,
   a missing ``Host`` on 1.1, duplicate singleton fields, over 128 fields, a head over
   ``max_header_bytes``, anything llhttp rejects).
@@ -40,9 +43,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
@@ -68,6 +72,10 @@ log = logging.getLogger("kvroute.lean_server")
 
 #: What the lean server calls for a request to a proxied endpoint.
 LeanRoute = Callable[[ClientRequest, ResponseSink], Awaitable[None]]
+#: What it calls for a call on a stored response, with the id from its path.
+LeanStoredRoute = Callable[[ClientRequest, ResponseSink, str], Awaitable[None]]
+#: A path segment aiohttp's router matches as it is sent (no escapes, no dot segments).
+_PLAIN_SEGMENT = re.compile(rb"[A-Za-z0-9_\-]+")
 #: Bytes of later (pipelined) requests buffered while one is served; reading pauses above.
 PIPELINE_BUFFER_BYTES = 256 * 1024
 #: How long a connection closing after an answer reads the rest of an unread body (aiohttp's
@@ -135,6 +143,45 @@ class _DateField:
 
 
 _DATE = _DateField()
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCalls:
+    """The calls on a stored response the lean server takes: each ``(method, suffix)`` of
+    a ``PREFIX{id}SUFFIX`` route, and their handler."""
+
+    prefix: bytes
+    routes: frozenset[tuple[bytes, bytes]]
+    handler: LeanStoredRoute
+
+    @classmethod
+    def of(
+        cls, routes: Iterable[tuple[str, str]], handler: LeanStoredRoute, name: str = "{response_id}"
+    ) -> StoredCalls:
+        """From aiohttp's ``(method, path pattern)`` routes, each holding ``name`` once after
+        one shared prefix."""
+        prefixes: set[bytes] = set()
+        taken: set[tuple[bytes, bytes]] = set()
+        for method, pattern in routes:
+            head, _, suffix = pattern.partition(name)
+            prefixes.add(head.encode())
+            taken.add((method.encode(), suffix.encode()))
+        (prefix,) = prefixes
+        return cls(prefix, frozenset(taken), handler)
+
+    def route(self, method: bytes, path: bytes) -> LeanRoute | None:
+        """The handler of ``method`` on ``path`` with the id bound, or None (aiohttp's)."""
+        if not path.startswith(self.prefix):
+            return None
+        response_id, slash, rest = path[len(self.prefix) :].partition(b"/")
+        if (method, slash + rest) not in self.routes or not _PLAIN_SEGMENT.fullmatch(response_id):
+            return None
+        handler, stored_id = self.handler, response_id.decode()
+
+        def call(request: ClientRequest, sink: ResponseSink) -> Awaitable[None]:
+            return handler(request, sink, stored_id)
+
+        return call
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +337,7 @@ class LeanConnection(asyncio.Protocol):
         self._loop = server.loop
         self._limits = server.limits
         self._routes = server.routes
+        self._stored_calls = server.stored_calls
         self._transport: asyncio.Transport | None = None
         self._remote: str | None = None
         self._buffer: bytes | bytearray = b""
@@ -447,11 +495,12 @@ class LeanConnection(asyncio.Protocol):
             return
         self._head_fed = 0
         head = self._head
-        if not head.headers_complete or parser.get_method() != b"POST":
+        if not head.headers_complete:
             self._hand_over()
             return
+        method = parser.get_method()
         http_version = parser.get_http_version()
-        route = self._route(head, http_version)
+        route = self._route(head, http_version, method)
         if route is None:
             self._hand_over()
             return
@@ -467,7 +516,7 @@ class LeanConnection(asyncio.Protocol):
         elif len(buffer) >= current.end:
             self._body_arrived(current)
         request = ClientRequest(
-            method="POST",
+            method="POST" if method == b"POST" else method.decode(),
             raw_path=head.url.decode("utf-8", "surrogateescape"),
             headers=Headers.from_lowered(by_name),
             raw_headers=head.fields,
@@ -476,15 +525,18 @@ class LeanConnection(asyncio.Protocol):
         )
         current.task = self._loop.create_task(self._run(handler, request, current))
 
-    def _route(self, head: _Head, http_version: str) -> tuple[LeanRoute, int, dict[bytes, bytes]] | None:
+    def _route(self, head: _Head, http_version: str, method: bytes) -> tuple[LeanRoute, int, dict[bytes, bytes]] | None:
         """The handler, body length and fields by lower-case name (the first of each) of a
         request this server takes, or None for aiohttp's."""
         if http_version != "1.1" and http_version != "1.0":
             return None
         path, _, _ = head.url.partition(b"?")
-        handler = self._routes.get(path)
+        handler = self._routes.get(path) if method == b"POST" else None
         if handler is None:
-            return None
+            stored_calls = self._stored_calls
+            handler = stored_calls.route(method, path) if stored_calls is not None else None
+            if handler is None:
+                return None
         fields = head.fields
         if len(fields) > MAX_HEADER_FIELDS:
             return None
@@ -657,11 +709,13 @@ class LeanServer(JsonErrorServer):
         *,
         routes: Mapping[bytes, LeanRoute],
         limits: LeanLimits,
+        stored_calls: StoredCalls | None = None,
         **connection_options: Any,
     ) -> None:
         super().__init__(serving, **connection_options)
         self.loop = asyncio.get_running_loop()
         self.routes = routes
+        self.stored_calls = stored_calls
         self.limits = limits
         self.draining = False
         self._lean: set[LeanConnection] = set()

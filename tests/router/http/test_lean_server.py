@@ -184,6 +184,17 @@ CASES: list[tuple[str, bytes, int]] = [
     ("garbage", b"\x16\x03\x01 not http\r\n\r\n", 1),
     ("bare LF", b"POST /v1/chat/completions HTTP/1.1\nHost: r\nContent-Length: 2\n\n{}", 1),
     ("http/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 1),
+    ("stored response", get("/v1/responses/resp_1?stream=true&starting_after=2"), 1),
+    ("stored response delete", b"DELETE /v1/responses/resp_1 HTTP/1.1\r\nHost: r\r\n\r\n", 1),
+    ("stored response cancel", post("/v1/responses/resp-1/cancel", b""), 1),
+    ("stored response items", get("/v1/responses/resp_1/input_items"), 1),
+    ("stored response, escaped id", get("/v1/responses/resp%5F1"), 1),
+    ("stored response, dot segment", get("/v1/responses/./resp_1"), 1),
+    ("stored response, trailing slash", get("/v1/responses/resp_1/"), 1),
+    ("stored response, no id", get("/v1/responses/"), 1),
+    ("stored response, wrong method", b"PUT /v1/responses/resp_1 HTTP/1.1\r\nHost: r\r\nContent-Length: 0\r\n\r\n", 1),
+    ("stored response, get cancel", get("/v1/responses/resp_1/cancel"), 1),
+    ("stored response then chat", get("/v1/responses/resp_1") + post("/v1/chat/completions", CHAT), 2),
     ("metrics after lean", post("/v1/chat/completions", CHAT) + get("/metrics"), 2),
     ("openapi after lean", post("/v1/chat/completions", CHAT) + get("/openapi.json"), 2),
     (
@@ -286,6 +297,12 @@ def test_keep_alive_connection_stays_lean_until_a_request_is_not(routers: tuple[
             response.begin()
             response.read()
             assert response.status == 200
+        assert lean.loop.call(lambda: server.lean_connections) == 1
+        sock.sendall(get("/v1/responses/resp_1"))  # a stored response's call is a lean one too
+        response = http.client.HTTPResponse(reader, method="GET")  # type: ignore[arg-type]
+        response.begin()
+        response.read()
+        assert response.status == 404 and response.getheader("x-kvroute-reason") == "search"
         assert lean.loop.call(lambda: server.lean_connections) == 1
         sock.sendall(get("/health"))
         response = http.client.HTTPResponse(reader, method="GET")  # type: ignore[arg-type]
