@@ -41,7 +41,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from tests.servers import RouterServer, ServerLoop, SimServer, start_server
+from tests.servers import RouterServer, ServerLoop, SimServer, engine_stand_in, start_server
 from tests.summary import summary_lines
 
 # The servers are imported inside the fixtures, so that a half-written module of one
@@ -181,16 +181,13 @@ def response_stores(server_loop: ServerLoop) -> Iterator[tuple[list[str], list[S
                 return web.json_response({"error": {**error, "param": "response_id", "code": 404}}, status=404)
             return web.json_response({"id": response_id, "object": "response", "status": "completed", "usage": None})
 
-        async def models(request: web.Request) -> web.Response:
-            return web.json_response({"object": "list", "data": [{"id": "m"}]})
-
-        app = web.Application()
-        app.router.add_get("/health", models)
-        app.router.add_get("/v1/models", models)
-        app.router.add_post("/v1/responses", call)
-        app.router.add_route("*", "/v1/responses/{response_id}", call)
-        app.router.add_post("/v1/responses/{response_id}/cancel", call)
-        return app
+        return engine_stand_in(
+            [
+                ("POST", "/v1/responses", call),
+                ("*", "/v1/responses/{response_id}", call),
+                ("POST", "/v1/responses/{response_id}/cancel", call),
+            ]
+        )
 
     started = [server_loop.run(start_server(store(name))) for name in "abc"]
     yield [url for _, url in started], asked

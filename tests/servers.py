@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kvroute.router.http.app import RouterState
 
 T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Generous: a 2-core machine shared with other test runs can be slow.
 START_TIMEOUT_S = 60.0
@@ -159,6 +160,21 @@ class RouterServer(_Server):
     def async_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
         """An async ``openai`` client of this router (no SDK retries)."""
         return openai.AsyncOpenAI(base_url=self.v1, api_key=kwargs.pop("api_key", "test"), max_retries=0, **kwargs)
+
+
+def engine_stand_in(routes: Iterable[tuple[str, str, Handler]], model: str = "m") -> web.Application:
+    """An upstream answering ``routes`` (method, path, handler) as a test needs a backend to,
+    healthy and serving ``model`` for the router's checks."""
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": model}]})
+
+    app = web.Application()
+    app.router.add_get("/health", models)
+    app.router.add_get("/v1/models", models)
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+    return app
 
 
 async def start_server(

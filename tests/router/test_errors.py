@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from tests.helpers import assert_openai_error, still_serves
-from tests.servers import RouterServer, start_server, wait_until
+from tests.servers import RouterServer, engine_stand_in, start_server, wait_until
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -187,14 +187,7 @@ def test_anthropics_client_reads_a_stream_cut_short(server_loop: Any, router_ser
         request.transport.close()  # the engine dies mid-stream
         return response
 
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m"}]})
-
-    app = web.Application()
-    app.router.add_get("/health", models)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/messages", messages)
-    runner, url = server_loop.run(start_server(app))
+    runner, url = server_loop.run(start_server(engine_stand_in([("POST", "/v1/messages", messages)])))
     try:
         router = router_server([url])
         client = anthropic.Anthropic(base_url=router.url, api_key="x", max_retries=0)
