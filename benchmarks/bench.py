@@ -582,7 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=WIRES,
         default="chat",
         help="external engines: send the chat workloads over this API: OpenAI's chat completions, its "
-        "Responses API (/v1/responses) or Anthropic's Messages API (/v1/messages, Claude Code's), "
+        "Responses API (/v1/responses), Anthropic's Messages API (/v1/messages, Claude Code's), or "
+        "vLLM's scale-out token-in generation (tokens: each chat rendered by the engine, "
+        "/v1/chat/completions/render, then /inference/v1/generate; needs --enable-scale-out), "
         "carrying the same conversations",
     )
     who = parser.add_argument_group("targets")

@@ -29,7 +29,7 @@ from typing import TextIO
 import aiohttp
 import orjson
 
-from kvroute.benchmarks.wire import stream_of, streaming_body
+from kvroute.benchmarks.wire import RENDERED_BY, stream_of, streaming_body
 from kvroute.benchmarks.workloads import WorkloadRequest
 
 
@@ -136,10 +136,21 @@ async def send_one(
     counts as it would for a user.
     """
     stream = stream_of(request)
-    body = streaming_body(request)
     sent = due
     record.sent_s = due - started
     try:
+        rendered = None
+        render_path = RENDERED_BY.get(request.endpoint)
+        if render_path is not None:  # the engine's renderer first, as a scale-out client does
+            async with session.post(
+                url + render_path, data=orjson.dumps(request.body), headers=_headers(request)
+            ) as render:
+                if render.status != 200:
+                    record.status = render.status
+                    record.error = f"render: HTTP {render.status}: {(await render.text())[:200]}"
+                    return
+                rendered = orjson.loads(await render.read())
+        body = streaming_body(request, rendered)
         async with session.post(
             url + request.endpoint,
             data=orjson.dumps(body),

@@ -3,9 +3,13 @@
 ``kvroute bench --wire responses`` sends every chat request as OpenAI's Responses API
 (``/v1/responses``: ``instructions``, input items, function calls and their outputs, flat
 function tools) and ``--wire messages`` as Anthropic's Messages API (``/v1/messages``, what
-Claude Code speaks: a ``system`` field, ``tool_use`` and ``tool_result`` blocks). Each
-carries the same conversation, so vLLM renders the same prompt for it as for the chat: the
-offline bounds, computed from the chat bodies, still hold.
+Claude Code speaks: a ``system`` field, ``tool_use`` and ``tool_result`` blocks), and
+``--wire tokens`` as vLLM's scale-out deployments do: the chat rendered into token ids by
+the engine's own renderer (``/v1/chat/completions/render``, through the router), then
+generated from them (``/inference/v1/generate``, which the router routes by those ids;
+TTFT counts from before the render). Each carries the same conversation, so vLLM renders
+the same prompt for it as for the chat: the offline bounds, computed from the chat bodies,
+still hold.
 
 :data:`STREAMS` says, per endpoint, which streamed event carries generated text (TTFT) and
 where the usage is; the usage readers are the router's own.
@@ -22,11 +26,15 @@ from kvroute.benchmarks.workloads import CHAT_ENDPOINT, WorkloadRequest
 from kvroute.router.engines.anthropic import MESSAGES, anthropic_usage
 from kvroute.router.engines.openai import RESPONSES
 from kvroute.router.engines.usage import Usage, usage_from_object
+from kvroute.router.engines.vllm import GENERATE_TOKENS
 
 RESPONSES_ENDPOINT = RESPONSES.path
 MESSAGES_ENDPOINT = MESSAGES.path
+TOKENS_ENDPOINT = GENERATE_TOKENS.path
+#: Where a request to an endpoint is rendered first; its body is the chat to render.
+RENDERED_BY = {TOKENS_ENDPOINT: CHAT_ENDPOINT + "/render"}
 #: The APIs a chat request can be sent over (``--wire``).
-WIRES = ("chat", "responses", "messages")
+WIRES = ("chat", "responses", "messages", "tokens")
 
 
 def on_wire(request: WorkloadRequest, wire: str) -> WorkloadRequest:
@@ -37,6 +45,8 @@ def on_wire(request: WorkloadRequest, wire: str) -> WorkloadRequest:
         return replace(request, endpoint=RESPONSES_ENDPOINT, body=responses_body(request.body))
     if wire == "messages":
         return replace(request, endpoint=MESSAGES_ENDPOINT, body=messages_body(request.body))
+    if wire == "tokens":
+        return replace(request, endpoint=TOKENS_ENDPOINT)  # the chat, rendered at send time
     raise ValueError(f"unknown wire {wire!r}: one of {', '.join(WIRES)}")
 
 
@@ -142,11 +152,17 @@ def _messages_has_text(event: dict[str, Any]) -> bool:
     return event.get("type") == "content_block_delta" and isinstance(delta, dict) and bool(delta.get("text"))
 
 
+def _tokens_have_text(chunk: dict[str, Any]) -> bool:
+    """A token-in generation's chunk with generated ids (or text)."""
+    return any(choice.get("token_ids") or choice.get("text") for choice in chunk.get("choices") or ())
+
+
 CHAT_STREAM = StreamFormat(_chat_has_text, usage_from_object, stream_options=True)
 #: Per endpoint; any other is read as a chat's.
 STREAMS: dict[str, StreamFormat] = {
     RESPONSES_ENDPOINT: StreamFormat(_responses_has_text, usage_from_object),
     MESSAGES_ENDPOINT: StreamFormat(_messages_has_text, anthropic_usage),
+    TOKENS_ENDPOINT: StreamFormat(_tokens_have_text, usage_from_object, stream_options=True),
 }
 
 
@@ -155,9 +171,10 @@ def stream_of(request: WorkloadRequest) -> StreamFormat:
     return STREAMS.get(request.endpoint, CHAT_STREAM)
 
 
-def streaming_body(request: WorkloadRequest) -> dict[str, Any]:
-    """``request``'s body asking for a stream, and for its usage where the API needs asking."""
-    body = {**request.body, "stream": True}
+def streaming_body(request: WorkloadRequest, rendered: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``request``'s body (or, for an endpoint in :data:`RENDERED_BY`, what rendering it
+    gave) asking for a stream, and for its usage where the API needs asking."""
+    body = {**(request.body if rendered is None else rendered), "stream": True}
     if stream_of(request).stream_options:
         body["stream_options"] = {"include_usage": True}
     return body

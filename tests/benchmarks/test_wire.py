@@ -1,4 +1,5 @@
-"""wire: a workload's chats over the Responses and Messages APIs carry the same conversation.
+"""wire: a workload's chats over the Responses and Messages APIs, and as vLLM's scale-out
+clients send them (rendered, then token ids), carry the same conversation.
 
 The property that matters: vLLM renders the same prompt for the converted request as for
 the chat, so the offline bounds (computed from the chats) hold. vLLM's conversions are the
@@ -9,7 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.benchmarks.wire import MESSAGES_ENDPOINT, RESPONSES_ENDPOINT, STREAMS, on_wire, streaming_body
+from kvroute.benchmarks.wire import (
+    MESSAGES_ENDPOINT,
+    RENDERED_BY,
+    RESPONSES_ENDPOINT,
+    STREAMS,
+    TOKENS_ENDPOINT,
+    on_wire,
+    streaming_body,
+)
 from kvroute.benchmarks.workloads import agent_sessions, multi_turn
 from kvroute.router.engines import endpoint_for
 from kvroute.router.engines.usage import Usage
@@ -51,3 +60,20 @@ def test_each_streams_text_and_usage_are_read() -> None:
     for wire in ("responses", "messages"):
         sent = streaming_body(on_wire(chat_request, wire))
         assert sent["stream"] is True and "stream_options" not in sent
+
+
+def test_the_token_wire_sends_what_the_engine_rendered() -> None:
+    """``--wire tokens``: the chat goes to the engine's renderer, and what came back is sent
+    to the token-in generation, asking for a stream and its usage chunk."""
+    chat_request = next(iter(multi_turn(conversations=1, turns=1)))
+    sent = on_wire(chat_request, "tokens")
+    assert (sent.endpoint, sent.body) == (TOKENS_ENDPOINT, chat_request.body)
+    assert RENDERED_BY[TOKENS_ENDPOINT] == "/v1/chat/completions/render"
+    rendered = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4}, "model": "m"}
+    body = streaming_body(sent, rendered)
+    assert body == {**rendered, "stream": True, "stream_options": {"include_usage": True}}
+    tokens = STREAMS[TOKENS_ENDPOINT]
+    assert tokens.has_text({"choices": [{"index": 0, "token_ids": [42]}]})
+    assert not tokens.has_text({"choices": []})
+    final = {"choices": [], "usage": {"prompt_tokens": 90, "prompt_tokens_details": {"cached_tokens": 64}}}
+    assert tokens.usage(final) == Usage(90, 64)

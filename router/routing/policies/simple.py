@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from kvroute.router.routing.policies.base import BackendView, Decision, Policy, RouteRequest
 
 
 class RoundRobin(Policy):
-    """Each request to the next backend in turn."""
+    """Each request to the next backend in turn, each path in a turn of its own."""
 
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        # Per path: one shared turn sends every call of a client that alternates two paths
+        # (vLLM's scale-out render, then generate) to the same backend.
+        self._counters: dict[str, Iterator[int]] = {}
 
     def choose(self, request: RouteRequest, candidates: Sequence[BackendView]) -> Decision:
-        backend = candidates[next(self._counter) % len(candidates)]
+        counter = self._counters.get(request.endpoint)
+        if counter is None:
+            counter = self._counters[request.endpoint] = itertools.count()
+        backend = candidates[next(counter) % len(candidates)]
         return Decision(backend.url, "round_robin", request.matched_tokens.get(backend.url, 0))
 
 

@@ -88,6 +88,18 @@ def test_round_robin_cycles() -> None:
     assert [policy.choose(ask(), fleet).backend for _ in range(6)] == [b.url for b in fleet] * 2
 
 
+def test_round_robin_turns_each_path_apart() -> None:
+    """A client alternating two paths (vLLM's scale-out render, then generate): each path's
+    calls go round the backends, not every generation to the same one."""
+    fleet = backends(2)
+    policy = RoundRobin()
+    chosen: dict[str, list[str]] = {"/v1/chat/completions/render": [], "/inference/v1/generate": []}
+    for _ in range(4):
+        for path, backends_chosen in chosen.items():
+            backends_chosen.append(policy.choose(RouteRequest(endpoint=path), fleet).backend)
+    assert all(Counter(urls) == {b.url: 2 for b in fleet} for urls in chosen.values()), chosen
+
+
 def test_least_load_picks_the_idlest_and_rotates_ties() -> None:
     fleet = backends(3)
     policy = LeastLoad()
