@@ -50,7 +50,7 @@ from typing import Any
 import orjson
 
 from kvroute.router.config import Settings
-from kvroute.router.engines.openai import RESPONSE_LOOKUP, continued_response
+from kvroute.router.engines.openai import RESPONSE_LOOKUP
 from kvroute.router.engines.usage import OPENAI_USAGE, StreamTap, Usage, usage_from_body
 from kvroute.router.errors import RouterError, sse_error_event
 from kvroute.router.fleet.backends import Backend, BackendPool
@@ -310,7 +310,7 @@ class Proxy:
                 parsed = parse_request(raw, endpoint, request.headers, self._session_header)
                 prepared = await self._prepare(endpoint, parsed, len(raw))
                 body, usage_injected = _outgoing_body(endpoint, parsed, raw)
-                stored_id = continued_response(endpoint.path, parsed.body)
+                stored_id = parsed.continues
                 method = b"POST"
             call = _Call(
                 request,

@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from kvroute.router.engines import ENDPOINTS, Endpoint
+from kvroute.router.engines.openai import continued_response
 from kvroute.router.errors import RouterError
 
 # The proxied endpoints are the engine modules' (kvroute.router.engines); re-exported here, where
@@ -38,6 +39,8 @@ class ParsedRequest:
     include_usage: bool
     expected_output_tokens: int
     session_key: str | None
+    #: The stored Responses answer it continues (``previous_response_id``), if any.
+    continues: str | None = None
 
 
 def parse_request(raw: bytes, endpoint: Endpoint, headers: Mapping[str, str], session_header: str) -> ParsedRequest:
@@ -71,6 +74,7 @@ def parse_request(raw: bytes, endpoint: Endpoint, headers: Mapping[str, str], se
         include_usage=_asked_for_usage(body),
         expected_output_tokens=expected_output_tokens_of(body),
         session_key=session_key_of(body, headers, session_header),
+        continues=continued_response(endpoint.path, body),
     )
 
 

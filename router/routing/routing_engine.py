@@ -412,11 +412,13 @@ class RoutingEngine:
             model = parsed.model
             session_key = parsed.session_key
             expected_output_tokens = parsed.expected_output_tokens
+            continues = parsed.continues
         else:
             named = body.get("model")
             model = named if isinstance(named, str) else None
             session_key = request_info.session_key_of(body, headers, self._settings.session_header)
             expected_output_tokens = request_info.expected_output_tokens_of(body)
+            continues = continued_response(endpoint, body)
         request = RouteRequest(
             endpoint=endpoint,
             model=model,
@@ -451,7 +453,7 @@ class RoutingEngine:
 
         label = self._label(headers, session_key, request.conversation, body)
         policy = self._policy(label)
-        stored = self._stored_backend(endpoint, body, candidates)
+        stored = self._stored_candidate(continues, candidates) if continues is not None else None
         if stored is not None:
             decision = Decision(stored, STORED_RESPONSE_REASON)
         elif policy.needs_prefix_match and prepared is None:
@@ -599,11 +601,8 @@ class RoutingEngine:
         for evicted in answers.in_order():
             self.cache_model.peer_answered(backend, evicted)
 
-    def _stored_backend(self, endpoint: str, body: Mapping[str, Any], candidates: Sequence[BackendView]) -> str | None:
-        """For a Responses request continuing an answer, the candidate that stored it."""
-        return self._stored_candidate(continued_response(endpoint, body), candidates)
-
     def _stored_candidate(self, response_id: str | None, candidates: Sequence[BackendView]) -> str | None:
+        """The candidate that stored ``response_id``, if remembered."""
         stored = self._stored_responses.backend_of(response_id)
         return stored if stored is not None and any(backend.url == stored for backend in candidates) else None
 
@@ -620,9 +619,10 @@ class RoutingEngine:
         return RoutePlan(decision=decision, policy=STORED_RESPONSE_POLICY, request=request)
 
     def remember_response(self, response_id: str, backend: str) -> None:
-        """``backend`` answered ``response_id`` (or a call on that stored response): it holds it."""
-        self._stored_responses.remember(response_id, backend)
-        if self._stored_listener is not None:
+        """``backend`` answered ``response_id`` (or a call on that stored response): it holds
+        it. Peers hear of it once (a client polling a response would repeat it every poll)."""
+        learned = self._stored_responses.remember(response_id, backend)
+        if learned and self._stored_listener is not None:
             self._stored_listener(response_id, backend)
 
     @property

@@ -3,39 +3,41 @@
 A vLLM started with ``VLLM_ENABLE_RESPONSES_API_STORE=1`` keeps each ``/v1/responses``
 answer in its own memory; a request continuing it (``previous_response_id``) finds the
 history only on that replica and is answered 404 elsewhere. The router remembers the
-backend of every answer's id (the engine's ``usage`` reader finds it beside the usage) and
-routes a continuation there whatever the policy, when that backend is still a candidate.
+backend of every answer's id (the engine's ``usage`` reader finds it beside the usage, or
+in its first stream event) and routes a continuation, and the stored response's own
+calls, there whatever the policy, when that backend is still a candidate.
 
-Bounded: the most recent :data:`REMEMBERED` ids (an id is ~30 bytes, a backend URL shared).
-Per router process: with ``--workers`` or several routers a continuation that reaches
-another process is routed by its policy.
+Bounded: the most recent ``--stored-responses`` ids (~180 bytes each, a backend URL
+shared). Peer routers and workers tell each other what they learned
+(:mod:`~kvroute.router.routing.peer_responses`); an id a process does not know is
+searched for by the proxy, one 404 per replica that lacks it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-#: Answers remembered; the oldest is forgotten beyond (about 10 MB at most).
-REMEMBERED = 65_536
-
 
 class StoredResponses:
-    """Response id -> the backend that answered it, the most recent :data:`REMEMBERED`."""
+    """Response id -> the backend that answered it, the most recent ``capacity``."""
 
-    def __init__(self, capacity: int = REMEMBERED) -> None:
+    def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._backends: OrderedDict[str, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._backends)
 
-    def remember(self, response_id: str, backend: str) -> None:
-        """``backend`` answered (and may have stored) ``response_id``."""
+    def remember(self, response_id: str, backend: str) -> bool:
+        """``backend`` answered (and may have stored) ``response_id``; whether that is news
+        (an id not remembered, or remembered elsewhere)."""
         backends = self._backends
+        news = backends.get(response_id) != backend
         backends[response_id] = backend
         backends.move_to_end(response_id)
         if len(backends) > self._capacity:
             backends.popitem(last=False)
+        return news
 
     def backend_of(self, response_id: object) -> str | None:
         """The backend that answered ``response_id``, if remembered."""

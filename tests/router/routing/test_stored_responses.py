@@ -14,9 +14,9 @@ RESPONSES = "/v1/responses"
 
 def test_the_most_recent_answers_are_remembered() -> None:
     stored = StoredResponses(capacity=2)
-    stored.remember("resp_1", "http://b0")
+    assert stored.remember("resp_1", "http://b0")
     stored.remember("resp_2", "http://b1")
-    stored.remember("resp_1", "http://b0")  # seen again: now the most recent
+    assert not stored.remember("resp_1", "http://b0")  # seen again: now the most recent, no news
     stored.remember("resp_3", "http://b1")
     assert (stored.backend_of("resp_1"), stored.backend_of("resp_2"), stored.backend_of("resp_3")) == (
         "http://b0",
