@@ -76,6 +76,7 @@ from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateErro
 from kvroute.tokenizer_index.piece_cache import PieceCache, PieceCacheStats, frozen_ids, join_ids
 from kvroute.tokenizer_index.prompt_memo import PromptMemo, PromptMemoStats, RememberedPrompt, conversation_keys
 from kvroute.tokenizer_index.render_memo import RenderMemo, RenderSettings, incremental_render_agrees
+from kvroute.tokenizer_index.render_skeleton import SkeletonRenders, SkeletonStats
 from kvroute.tokenizer_index.template_prefix import PrefixShape, prefix_shape
 from kvroute.tokenizer_index.word_split import (
     NEW_WORD_SOURCES,
@@ -382,6 +383,7 @@ class RequestTokenizer:
         self._incremental_shapes: dict[str, PrefixShape | None] = {}
         self._render_refusals: dict[str, str] = {}
         self._render_memo = RenderMemo(render_memo_bytes)
+        self._skeletons = SkeletonRenders()
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         # One shared int object per token id: cached list forms then cost a pointer per token.
         vocab = tokenizer.get_vocab(with_added_tokens=True)
@@ -725,6 +727,10 @@ class RequestTokenizer:
         """Size and counters of the remembered rendered conversations."""
         return self._render_memo.stats()
 
+    def skeleton_stats(self) -> SkeletonStats:
+        """Counters of the short chats rendered by filling a skeleton."""
+        return self._skeletons.stats()
+
     def clear_cache(self) -> None:
         """Forget every memoised piece, word, remembered prompt and rendered conversation."""
         self._cache.clear()
@@ -732,6 +738,7 @@ class RequestTokenizer:
             self._words.clear()
         self._memo.clear()
         self._render_memo.clear()
+        self._skeletons.clear()
         self._leads.clear()
 
     # --- chat ------------------------------------------------------------------------------
@@ -832,6 +839,23 @@ class RequestTokenizer:
         # A template the request brought renders whole: probing each one's shape (and keeping
         # the verdicts) would let clients grow that table.
         own = chat_template is None or self._names_template(chat_template)
+        if (
+            own
+            and type(messages) is list
+            and len(messages) < self._render_memo.min_messages
+            and tools is None
+            and documents is None
+            and not continue_final_message
+            and not (chat_template_kwargs or self._default_kwargs)
+        ):
+
+            def render_whole(plain: Sequence[Any]) -> str:
+                conversation = conversation_from_request(plain, template.content_format)
+                return template.render(conversation, add_generation_prompt=add_generation_prompt, variables=variables)
+
+            text = self._skeletons.render(messages, template, add_generation_prompt, render_whole)
+            if text is not None:
+                return text
         shape = None if continue_final_message or not own else self._incremental_shape(template)
         if shape is not None:
             settings = RenderSettings(

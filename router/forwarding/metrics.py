@@ -467,15 +467,19 @@ class RouterMetrics:
         )
 
     def watch_chat_renders(self, counts: Callable[[], Mapping[str, int]]) -> None:
-        """Export the render memo's counters: how many long chats rendered only their new
-        messages, and whether any such render ever differed from the whole render."""
+        """Export the render fast paths' counters: how many long chats rendered only their
+        new messages, how many short ones filled a skeleton, and whether any such render
+        ever differed from the whole render."""
         self.registry.register(
             _EventCounters(
                 "kvroute_chat_renders",
-                "Chats of 16 messages or more rendered through the render memo, by event "
-                "(lookups; reused: only the new messages rendered after a remembered turn; "
-                "mismatches: such a render that differed from the whole render when checked, "
-                "every 128th: its chat template then renders whole, and the log says so).",
+                "Chats rendered through a fast path, by event. Chats of 16 messages or more, "
+                "through the render memo: lookups; reused: only the new messages rendered after "
+                "a remembered turn; mismatches: such a render that differed from the whole "
+                "render when checked, every 128th: its chat template then renders whole, and "
+                "the log says so. Shorter chats of plain text messages: skeleton: filled into "
+                "their shape's skeleton, without the template engine; skeleton_mismatches: as "
+                "mismatches.",
                 counts,
             )
         )

@@ -331,15 +331,20 @@ class RoutingEngine:
         return states
 
     def chat_render_counts(self) -> dict[str, int]:
-        """Long chats rendered through the render memo, over every tokenizer: ``lookups``,
-        ``reused`` (rendered from a remembered turn), ``mismatches`` (such a render that
-        differed from the whole render when checked: its template then renders whole)."""
-        counts = {"lookups": 0, "reused": 0, "mismatches": 0}
+        """Chats rendered through a fast path, over every tokenizer. Long ones, through the
+        render memo: ``lookups``, ``reused`` (rendered from a remembered turn),
+        ``mismatches`` (such a render that differed from the whole render when checked: its
+        template then renders whole). Short plain ones: ``skeleton`` (filled into their
+        shape's skeleton), ``skeleton_mismatches`` (as ``mismatches``)."""
+        counts = dict.fromkeys(("lookups", "reused", "mismatches", "skeleton", "skeleton_mismatches"), 0)
         for tokenizer in list(self._tokenizers.values()):
             stats = tokenizer.render_memo_stats()
             counts["lookups"] += stats.lookups
             counts["reused"] += stats.reused
             counts["mismatches"] += stats.mismatches
+            skeletons = tokenizer.skeleton_stats()
+            counts["skeleton"] += skeletons.filled
+            counts["skeleton_mismatches"] += skeletons.mismatches
         return counts
 
     def tokenizer_unit_counts(self) -> dict[str, int]:

@@ -401,9 +401,10 @@ def test_metrics_endpoint_counts_requests(sim_engines: Any, router_server: Any) 
     assert orjson.loads(httpx.get(router.url + "/health", timeout=30).content)["healthy_backends"] == 2
 
 
-def test_metrics_count_long_chats_rendered_from_a_remembered_turn(sim_engines: Any, router_server: Any) -> None:
+def test_metrics_count_chats_rendered_through_a_fast_path(sim_engines: Any, router_server: Any) -> None:
     """A conversation of 16 messages or more is remembered rendered; its next turn renders
-    only its new messages, which ``kvroute_chat_renders_total`` counts (and no mismatch)."""
+    only its new messages, which ``kvroute_chat_renders_total`` counts (and no mismatch); a
+    short chat of plain texts fills its shape's skeleton."""
     router = router_server(sim_engines(1), policy="cache_aware")
     messages: list[dict[str, str]] = [{"role": "system", "content": "You answer briefly."}]
     for turn in range(10):
@@ -425,6 +426,10 @@ def test_metrics_count_long_chats_rendered_from_a_remembered_turn(sim_engines: A
     assert metrics.value("kvroute_chat_renders_total", event="lookups") == 2
     assert metrics.value("kvroute_chat_renders_total", event="reused") == 1
     assert metrics.value("kvroute_chat_renders_total", event="mismatches") == 0
+    assert metrics.value("kvroute_chat_renders_total", event="skeleton_mismatches") == 0
+    filled = metrics.value("kvroute_chat_renders_total", event="skeleton")
+    chat(router, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}])
+    assert router.metrics().value("kvroute_chat_renders_total", event="skeleton") == filled + 1
 
 
 def test_metrics_say_which_fast_path_tokenized_the_prompt(sim_engines: Any, router_server: Any) -> None:

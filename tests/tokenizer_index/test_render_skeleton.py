@@ -1,0 +1,215 @@
+"""Short chats filled into skeletons: byte-identical to the whole render under every template, or whole.
+
+Each test compares a skeleton's text with the template rendered as it always was (the
+messages converted, then Jinja), under every template the render memo's tests use and a
+few written to trip the syntax check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvroute.tokenizer_index import RequestTokenizer
+from kvroute.tokenizer_index.chat_messages import conversation_from_request
+from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError
+from kvroute.tokenizer_index.render_skeleton import Skeleton, SkeletonRenders, marked, verbatim_refusal
+from tests.tokenizer_index.test_render_memo import ALL_TEMPLATES
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>"}
+
+#: Templates the syntax check lets fill skeletons (the rest must be refused).
+FILLED = {"prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "mistral"}
+
+# Templates that print texts only as they are, trimmed, or chosen by their truth.
+VERBATIM = {
+    "trimmed": (
+        "{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    ),
+    "set_and_joined": (
+        "{% set first = messages[0]['content'] if messages[0]['content'] is string else '' %}"
+        "{{ first ~ '|' }}{% for m in messages %}{% set text = m['content'] or '(nothing)' %}"
+        "{% if text and not loop.first %}<{{ m['role'] }}>{{ text + '</' + m['role'] + '>' }}{% endif %}"
+        "{% endfor %}"
+    ),
+    "generation_tag": (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% else %}{{ m.role + ': ' + m.content }}{% endif %}\n{% endfor %}"
+    ),
+    "roles_checked": (
+        "{% for m in messages %}{% if m.role == 'developer' %}{{ raise_exception('no developer here') }}{% endif %}"
+        "{{ m.role }}={{ m.content }};{% endfor %}"
+    ),
+}
+
+# Templates that read texts some other way: refused, whatever a probe would show.
+REFUSED = {
+    "length": "{% for m in messages %}{{ m.content | length }}{% endfor %}",
+    "method": "{% for m in messages %}{{ m.content.upper() }}{% endfor %}",
+    "compared": "{% for m in messages %}{% if m.content == 'hi' %}hello{% endif %}{% endfor %}",
+    "contains": "{% for m in messages %}{% if '<think>' in m.content %}T{% endif %}{{ m.content }}{% endfor %}",
+    "sliced": "{% for m in messages %}{{ m.content[:3] }}{% endfor %}",
+    "as_json": "{% for m in messages %}{{ m | tojson }}{% endfor %}",
+    "list_as_json": "{{ messages | tojson }}",
+    "get_method": "{% for m in messages %}{{ m.get('content') }}{% endfor %}",
+    "computed_key": "{% set key = 'con' + 'tent' %}{% for m in messages %}{{ m[key] }}{% endfor %}",
+    "captured": "{% for m in messages %}{% set x %}{{ m.content }}{% endset %}{{ x | length }}{% endfor %}",
+    "macro": "{% macro show(t) %}{{ t }}{% endmacro %}{% for m in messages %}{{ show(m.content) }}{% endfor %}",
+    "trimmed_whole": "{% for m in messages %}{{ (m.content + '  x') | trim }}{% endfor %}",
+    "namespace": (
+        "{% set ns = namespace(last='') %}{% for m in messages %}{% set ns.last = m.content %}{% endfor %}{{ ns.last }}"
+    ),
+    "neighbour_item": "{% for m in messages %}{{ loop.previtem }}{% endfor %}",
+    "clock": "{{ strftime_now('%Y') }}{% for m in messages %}{{ m.content }}{% endfor %}",
+    "renamed": "{% set messages = [] %}{% for m in messages %}{{ m.content }}{% endfor %}",
+    "filtered_list": "{% for m in messages | selectattr('role') %}{{ m.content }}{% endfor %}",
+}
+
+PLAIN_ROLES = ["system", "developer", "user", "assistant"]
+FRAGMENTS = ["the router", " ", "\n", "\t", "中文", "😀", "<|im_end|>", "{{ x }}", "\ue000", "\u2003", "e\u0301"]
+texts = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=5), max_size=6).map("".join)
+conversations = st.lists(st.tuples(st.sampled_from(PLAIN_ROLES), texts), min_size=1, max_size=8)
+
+
+def render_whole(template: ChatTemplate, add_generation_prompt: bool = True) -> Callable[[Sequence[Any]], str]:
+    def render(messages: Sequence[Any]) -> str:
+        conversation = conversation_from_request(messages, template.content_format)
+        return template.render(conversation, add_generation_prompt=add_generation_prompt, variables=SPECIAL_TOKENS)
+
+    return render
+
+
+def as_messages(turns: list[tuple[str, str]]) -> list[dict[str, str]]:
+    return [{"role": role, "content": text} for role, text in turns]
+
+
+@pytest.mark.parametrize("name", sorted(ALL_TEMPLATES))
+def test_the_known_templates_are_checked_as_expected(name: str) -> None:
+    refusal = verbatim_refusal(ChatTemplate.from_source(ALL_TEMPLATES[name]).syntax_tree)
+    assert (refusal is None) == (name in FILLED), refusal
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_templates_reading_texts_otherwise_are_refused(name: str) -> None:
+    template = ChatTemplate.from_source(REFUSED[name])
+    assert verbatim_refusal(template.syntax_tree) is not None
+    renders = SkeletonRenders()
+    assert renders.render([{"role": "user", "content": "hi"}], template, True, render_whole(template)) is None
+
+
+@pytest.mark.parametrize("name", sorted(FILLED | VERBATIM.keys()))
+@SETTINGS
+@given(turns=conversations, add_generation_prompt=st.booleans())
+def test_a_filled_skeleton_is_the_whole_render(
+    name: str, turns: list[tuple[str, str]], add_generation_prompt: bool
+) -> None:
+    template = ChatTemplate.from_source(ALL_TEMPLATES.get(name) or VERBATIM[name])
+    assert verbatim_refusal(template.syntax_tree) is None
+    whole = render_whole(template, add_generation_prompt)
+    renders = SkeletonRenders(verify_every=1_000_000)
+    messages = as_messages(turns)
+    try:
+        expected: str | None = whole(messages)
+    except ChatTemplateError:
+        expected = None  # the template refuses the shape: no skeleton, and a whole render raises
+    for _ in range(2):  # built, then found
+        text = renders.render(messages, template, add_generation_prompt, whole)
+        whitespace_only = any(text.isspace() for _, text in turns)
+        if expected is None or whitespace_only:
+            assert text is None
+        else:
+            assert text == expected
+
+
+def test_a_shape_is_built_once_and_filled_with_other_texts() -> None:
+    template = ChatTemplate.from_source(ALL_TEMPLATES["qwen25"])
+    whole = render_whole(template)
+    renders = SkeletonRenders(verify_every=1_000_000)
+    rendered: list[int] = []
+
+    def counted(messages: Sequence[Any]) -> str:
+        rendered.append(len(messages))
+        return whole(messages)
+
+    first = as_messages([("system", "Be brief."), ("user", "Hello?")])
+    second = as_messages([("system", "Be long."), ("user", "Bye. " * 50)])
+    assert renders.render(first, template, True, counted) == whole(first)
+    assert rendered == [2, 2]  # the marked render and the check
+    assert renders.render(second, template, True, counted) == whole(second)
+    assert rendered == [2, 2] and renders.stats().filled == 2
+    # An empty text is another shape (templates test a text's truth).
+    empty = as_messages([("system", ""), ("user", "Hello?")])
+    assert renders.render(empty, template, True, counted) == whole(empty)
+    assert len(rendered) == 4
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "hi", "name": "ann"}],
+        [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        [{"role": "user", "content": None}],
+        [{"role": "tool", "content": "42"}],
+        [{"role": ["user"], "content": "hi"}],
+        [{"role": "user", "content": "  \n"}],
+        ({"role": "user", "content": "hi"},),
+    ],
+)
+def test_messages_that_are_not_plain_render_whole(messages: Any) -> None:
+    template = ChatTemplate.from_source(ALL_TEMPLATES["default"])
+    assert SkeletonRenders().render(messages, template, True, render_whole(template)) is None
+
+
+def test_a_skeleton_that_differs_from_the_whole_render_distrusts_its_template() -> None:
+    template = ChatTemplate.from_source(ALL_TEMPLATES["default"])
+    whole = render_whole(template)
+    renders = SkeletonRenders(verify_every=2)
+    messages = as_messages([("user", "hi")])
+    assert renders.render(messages, template, True, whole) == whole(messages)
+    key = next(iter(renders._skeletons))
+    renders._skeletons[key] = Skeleton("not the template's text", ())
+    assert renders.render(messages, template, True, whole) is None  # the second render is checked
+    assert renders.stats().mismatches == 1 and renders.refusal(template) is not None
+    assert renders.render(messages, template, True, whole) is None  # whole from now on
+
+
+def test_a_mark_cut_by_the_template_makes_no_skeleton() -> None:
+    filled = [True, False]
+    assert Skeleton.cut("a" + marked(0) + "b", filled) == Skeleton("a", ((0, False, "b"),))
+    assert Skeleton.cut("a" + marked(0).strip() + "b", filled) == Skeleton("a", ((0, True, "b"),))
+    assert Skeleton.cut("a" + marked(0)[:-1] + "b", filled) is None  # one side trimmed
+    assert Skeleton.cut("a" + marked(1), filled) is None  # an empty message's
+    assert Skeleton.cut("a" + marked(0)[:3] + "b", filled) is None  # cut into
+
+
+def test_the_tokenizer_fills_short_plain_chats_and_renders_the_rest_whole() -> None:
+    tokenizer = RequestTokenizer.default()
+    whole = RequestTokenizer.default()
+    whole._skeletons.render = lambda *args: None  # type: ignore[method-assign]  # (as before skeletons)
+    chat = as_messages([("system", "You route."), ("user", "Which replica?")])
+    before = tokenizer.skeleton_stats().filled  # (the tokenizer's own checks at start render a chat)
+    assert tokenizer.render_chat(chat) == whole.render_chat(chat)
+    assert tokenizer.skeleton_stats().filled == before + 1
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    requests: list[dict[str, Any]] = [
+        {"tools": tools},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"documents": [{"title": "t", "text": "x"}]},
+    ]
+    for extra in requests:
+        assert tokenizer.render_chat(chat, **extra) == whole.render_chat(chat, **extra)
+    assert tokenizer.skeleton_stats().filled == before + 1
+    long_chat = as_messages([("user", f"turn {number}") for number in range(20)])
+    assert tokenizer.render_chat(long_chat) == whole.render_chat(long_chat)  # the render memo's
+    assert tokenizer.skeleton_stats().filled == before + 1
+    assert tokenizer.render_chat(chat, add_generation_prompt=False) == whole.render_chat(
+        chat, add_generation_prompt=False
+    )
+    assert tokenizer.skeleton_stats().filled == before + 2

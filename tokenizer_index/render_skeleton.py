@@ -1,0 +1,390 @@
+"""Short chats rendered without the template engine: one skeleton per conversation shape.
+
+A chat of a few plain messages (a role and a text each) costs ~10 us per request to
+convert and render through the model's Jinja template in its sandbox. Under a template that
+prints a message's text only as it is (or trimmed), and reads nothing else of it but its
+type and whether it is empty (:func:`verbatim_refusal`), that render is fixed by the roles,
+which texts are empty and the generation flag: the texts only fill slots. So each such
+*shape* is rendered once with marked texts and cut at the marks into literal segments and
+slots (:class:`Skeleton`); a request of that shape is the segments joined with its texts.
+
+Exact by three checks: the syntax check; at build, a second render with other marks
+(other lengths, other whitespace around them) must equal the skeleton filled with them;
+and every :data:`VERIFY_EVERY`-th filled render is compared with the whole render, a
+template that differed then renders whole from then on (and the log says so). Texts that
+are only whitespace render whole (a trimmed one would be empty, which the shape does not
+record); so do messages with any other field, conversations of
+:data:`~kvroute.tokenizer_index.render_memo.MIN_MESSAGES` or more (the render memo's), and
+requests with tools, documents, template keywords or ``continue_final_message`` (the
+tokenizer's caller decides).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import nodes
+
+from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError
+
+log = logging.getLogger(__name__)
+
+#: Every this many filled renders, one is compared with the whole render.
+VERIFY_EVERY = 128
+#: Shapes remembered per renderer (a shape's skeleton is the template's own text, ~1 KB).
+MAX_SHAPES = 1024
+#: Roles a plain message may have: a client's invented roles would only churn the shapes.
+PLAIN_ROLES = frozenset({"system", "developer", "user", "assistant"})
+
+# Tests that read only a value's type: a text's are the same for every text.
+_TYPE_TESTS = frozenset({"string", "defined", "undefined", "none", "mapping", "sequence", "iterable"})
+# A dict's own attributes: ``message.get("content")`` reads the text past the check.
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+# Globals and filters whose output changes between renders of the same input.
+_UNSTABLE_NAMES = frozenset({"strftime_now", "lipsum"})
+_UNSTABLE_FILTERS = frozenset({"random"})
+# Marks: private-use characters no template writes, and around them a space str.strip()
+# (and Jinja's trim) removes, so a trimmed slot shows as the bare mark.
+_PAD = "\u2003"
+_MARK = re.compile("(\u2003?)\ue000([0-9]+)\ue001(\u2003?)")
+_MARK_CHARACTERS = re.compile("[\ue000-\ue003]")
+
+
+class _Refusal(Exception):
+    """The template reads a message's text some way other than printing it."""
+
+
+def verbatim_refusal(tree: nodes.Template) -> str | None:
+    """Why ``tree`` may not render from skeletons; None when it may.
+
+    Where it may, every read of a message's text (``message.content``, ``message['content']``,
+    ``messages[i].content``, and names set from them) is printed as it is or trimmed,
+    joined with ``+`` or ``~``, chosen by ``if``/``or``/``and``, or only tested for its
+    type or truth; messages themselves are only indexed by a constant key, tested for a
+    key (``'x' in message``) or their type, counted (``messages | length``) or looped over
+    (``for message in messages``); nothing printed from a text is captured
+    (``{% set %}`` blocks, macros, filter and call blocks); and nothing reads the clock or
+    chance (``strftime_now``, ``lipsum``, ``random``).
+    """
+    try:
+        _VerbatimCheck(tree).run()
+    except _Refusal as refusal:
+        return str(refusal)
+    return None
+
+
+class _VerbatimCheck:
+    def __init__(self, tree: nodes.Template) -> None:
+        self._tree = tree
+        self._parents: dict[int, nodes.Node] = {}
+        for node in _walk(tree):
+            for child in node.iter_child_nodes():
+                self._parents[id(child)] = node
+        self._message_names = {"messages"}
+        self._loop_targets: set[int] = set()
+        for loop in tree.find_all(nodes.For):
+            if _is_load(loop.iter, "messages"):
+                if not isinstance(loop.target, nodes.Name):
+                    raise _Refusal("a loop over the messages unpacks them")
+                self._message_names.add(loop.target.name)
+                self._loop_targets.add(id(loop.target))
+        self._content_names: set[str] = set()
+
+    def run(self) -> None:
+        while True:  # until no new name is found to hold a text
+            known = len(self._content_names)
+            for node in _walk(self._tree):
+                self._check(node)
+            if len(self._content_names) == known:
+                return
+
+    def _check(self, node: nodes.Node) -> None:
+        if isinstance(node, nodes.Filter) and node.name in _UNSTABLE_FILTERS:
+            raise _Refusal(f"the template uses the {node.name} filter")
+        if not isinstance(node, nodes.Name):
+            return
+        if node.ctx == "store":
+            if node.name in self._message_names and id(node) not in self._loop_targets:
+                raise _Refusal(f"the template sets {node.name}")
+            return
+        if node.ctx != "load":
+            return
+        if node.name in _UNSTABLE_NAMES:
+            raise _Refusal(f"the template calls {node.name}")
+        if node.name == "messages":
+            self._message_list_use(node)
+        elif node.name in self._message_names:
+            self._message_use(node)
+        elif node.name in self._content_names:
+            self._text_use(node)
+        elif node.name == "loop":
+            parent = self._parent(node)
+            if isinstance(parent, nodes.Getattr) and parent.attr in ("previtem", "nextitem"):
+                raise _Refusal(f"the template reads loop.{parent.attr}")
+
+    def _message_list_use(self, node: nodes.Node) -> None:
+        parent = self._parent(node)
+        if isinstance(parent, nodes.For) and parent.iter is node:
+            return
+        if isinstance(parent, nodes.Getitem) and parent.node is node and not isinstance(parent.arg, nodes.Slice):
+            self._message_use(parent)
+            return
+        if isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "length":
+            return
+        if isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
+            return
+        raise _Refusal(f"the messages are read as {type(parent).__name__}")
+
+    def _message_use(self, node: nodes.Node) -> None:
+        parent = self._parent(node)
+        key: object = None
+        if isinstance(parent, nodes.Getattr) and parent.node is node:
+            key = parent.attr
+        elif isinstance(parent, nodes.Getitem) and parent.node is node:
+            if not isinstance(parent.arg, nodes.Const) or not isinstance(parent.arg.value, str):
+                raise _Refusal("a message is read by a computed key")
+            key = parent.arg.value
+        elif isinstance(parent, nodes.Operand) and parent.op in ("in", "notin") and parent.expr is node:
+            return  # 'key' in message
+        elif isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
+            return
+        else:
+            raise _Refusal(f"a message is read as {type(parent).__name__}")
+        if key == "content":
+            self._text_use(parent, access=True)
+        elif key in _DICT_ATTRIBUTES:
+            raise _Refusal(f"a message's {key} is called")
+
+    def _text_use(self, node: nodes.Node, *, access: bool = False) -> None:
+        """``node``'s value is made of texts: how its parent uses it."""
+        parent = self._parent(node)
+        if isinstance(parent, nodes.Output):
+            self._check_not_captured(parent)
+        elif isinstance(parent, nodes.Add | nodes.Concat | nodes.Or | nodes.And):
+            self._text_use(parent)
+        elif isinstance(parent, nodes.CondExpr):
+            if parent.test is not node:
+                self._text_use(parent)
+        elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "trim":
+            if not access or parent.args or parent.kwargs or parent.dyn_args or parent.dyn_kwargs:
+                raise _Refusal("a text is trimmed with other text or characters")
+            self._text_use(parent)
+        elif isinstance(parent, nodes.Test) and parent.node is node:
+            if parent.name not in _TYPE_TESTS:
+                raise _Refusal(f"a text is tested with {parent.name}")
+        elif isinstance(parent, nodes.Not) or (isinstance(parent, nodes.If | nodes.For) and parent.test is node):
+            return
+        elif isinstance(parent, nodes.Assign) and parent.node is node and isinstance(parent.target, nodes.Name):
+            self._content_names.add(parent.target.name)
+        else:
+            raise _Refusal(f"a text is read as {type(parent).__name__}")
+
+    def _check_not_captured(self, output: nodes.Output) -> None:
+        node: nodes.Node | None = output
+        while node is not None:
+            if isinstance(node, nodes.Macro | nodes.AssignBlock | nodes.FilterBlock):
+                raise _Refusal(f"a text is printed inside a {type(node).__name__}")
+            if isinstance(node, nodes.CallBlock) and not _is_generation_block(node):
+                raise _Refusal("a text is printed inside a call block")
+            node = self._parents.get(id(node))
+
+    def _parent(self, node: nodes.Node) -> nodes.Node:
+        return self._parents[id(node)]
+
+
+def _walk(node: nodes.Node) -> Iterator[nodes.Node]:
+    yield node
+    for child in node.iter_child_nodes():
+        yield from _walk(child)
+
+
+def _is_load(node: nodes.Node, name: str) -> bool:
+    return isinstance(node, nodes.Name) and node.name == name and node.ctx == "load"
+
+
+def _is_generation_block(node: nodes.CallBlock) -> bool:
+    """``{% generation %}`` (:class:`~kvroute.tokenizer_index.chat_template._GenerationTag`),
+    which renders its body unchanged."""
+    call = node.call
+    return (
+        isinstance(call, nodes.Call)
+        and isinstance(call.node, nodes.ExtensionAttribute)
+        and call.node.name == "_render_body"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Skeleton:
+    """A shape's render cut at its texts: ``head``, then per slot a message's text (trimmed
+    or as it is) and the literal text after it."""
+
+    head: str
+    #: (message index, trimmed, the text after it)
+    slots: tuple[tuple[int, bool, str], ...]
+
+    @classmethod
+    def cut(cls, rendered: str, filled: Sequence[bool]) -> Skeleton | None:
+        """The skeleton of ``rendered``, a render of :func:`marked` texts; None where a mark
+        is not whole (the template cut into it) or names an empty message."""
+        slots: list[tuple[int, bool, str]] = []
+        head = ""
+        start = 0
+        pending: tuple[int, bool] | None = None
+        for match in _MARK.finditer(rendered):
+            before, number, after = match.groups()
+            index = int(number)
+            if bool(before) != bool(after) or index >= len(filled) or not filled[index]:
+                return None
+            literal = rendered[start : match.start()]
+            if pending is None:
+                head = literal
+            else:
+                slots.append((*pending, literal))
+            pending = (index, not before)
+            start = match.end()
+        tail = rendered[start:]
+        if pending is None:
+            head = tail
+        else:
+            slots.append((*pending, tail))
+        if _MARK_CHARACTERS.search(head) or any(_MARK_CHARACTERS.search(text) for _, _, text in slots):
+            return None
+        return cls(head, tuple(slots))
+
+    def fill(self, texts: Sequence[str]) -> str:
+        parts = [self.head]
+        for index, trimmed, literal in self.slots:
+            text = texts[index]
+            parts.append(text.strip() if trimmed else text)
+            parts.append(literal)
+        return "".join(parts)
+
+
+def marked(index: int) -> str:
+    """The text that stands for message ``index``'s in a skeleton's build render."""
+    return f"{_PAD}\ue000{index}\ue001{_PAD}"
+
+
+def _checking(index: int) -> str:
+    """Another stand-in, of another length and padding, for the build's second render."""
+    return f" \t\ue002{'x' * (index % 3 + 1)}{index}\ue003\n "
+
+
+@dataclass(frozen=True, slots=True)
+class SkeletonStats:
+    #: Chats rendered by filling a skeleton.
+    filled: int
+    #: Filled renders that differed from the whole render when checked.
+    mismatches: int
+
+
+class SkeletonRenders:
+    """Skeletons of short plain chats per template, flag and shape, at most ``max_shapes``."""
+
+    def __init__(self, *, max_shapes: int = MAX_SHAPES, verify_every: int = VERIFY_EVERY) -> None:
+        self._max_shapes = max_shapes
+        self._verify_every = verify_every
+        self._since_verified = 0
+        # Per template source: why it renders whole (None: it may use skeletons).
+        self._refusals: dict[str, str | None] = {}
+        self._skeletons: OrderedDict[tuple[str, bool, tuple[str, ...]], Skeleton | None] = OrderedDict()
+        self._filled = 0
+        self._mismatches = 0
+
+    def refusal(self, template: ChatTemplate) -> str | None:
+        """Why ``template`` renders whole (checked at its first use); None if it need not."""
+        source = template.source
+        if source not in self._refusals:
+            reason = verbatim_refusal(template.syntax_tree)
+            if reason is None and _MARK_CHARACTERS.search(source):
+                reason = "the template writes the skeletons' mark characters"
+            self._refusals[source] = reason
+            if reason is not None:
+                log.debug("chat template renders short chats whole: %s", reason)
+        return self._refusals[source]
+
+    def render(
+        self,
+        messages: Sequence[Any],
+        template: ChatTemplate,
+        add_generation_prompt: bool,
+        render_whole: Callable[[Sequence[Any]], str],
+    ) -> str | None:
+        """``messages`` rendered from their shape's skeleton; None where they are not plain
+        (or the template, or this shape, cannot be): then the caller renders whole.
+        ``render_whole`` renders OpenAI messages with the same settings."""
+        if type(messages) is not list:
+            return None
+        shape: list[str] = []
+        texts: list[str] = []
+        for message in messages:
+            if type(message) is not dict or len(message) != 2:
+                return None
+            role = message.get("role")
+            text = message.get("content")
+            if type(role) is not str or role not in PLAIN_ROLES or type(text) is not str:
+                return None
+            if text and text.isspace():
+                return None
+            shape.append(role if text else role + ":empty")
+            texts.append(text)
+        if self.refusal(template) is not None:
+            return None
+        key = (template.source, add_generation_prompt, tuple(shape))
+        skeletons = self._skeletons
+        if key in skeletons:
+            skeleton = skeletons[key]
+            skeletons.move_to_end(key)
+        else:
+            skeleton = skeletons[key] = self._build(messages, render_whole)
+            if len(skeletons) > self._max_shapes:
+                skeletons.popitem(last=False)
+        if skeleton is None:
+            return None
+        text = skeleton.fill(texts)
+        self._filled += 1
+        self._since_verified += 1  # (a race between threads only moves which one is checked)
+        if self._since_verified >= self._verify_every:
+            self._since_verified = 0
+            if render_whole(messages) != text:
+                self._distrust(template)
+                return None
+        return text
+
+    def stats(self) -> SkeletonStats:
+        return SkeletonStats(self._filled, self._mismatches)
+
+    def clear(self) -> None:
+        self._skeletons.clear()
+
+    def _build(self, messages: Sequence[Any], render_whole: Callable[[Sequence[Any]], str]) -> Skeleton | None:
+        filled = [bool(message["content"]) for message in messages]
+
+        def standing_in(text: Callable[[int], str]) -> list[dict[str, str]]:
+            return [
+                {"role": message["role"], "content": text(index) if filled[index] else ""}
+                for index, message in enumerate(messages)
+            ]
+
+        try:
+            skeleton = Skeleton.cut(render_whole(standing_in(marked)), filled)
+            checking = standing_in(_checking)
+            if skeleton is not None and skeleton.fill([item["content"] for item in checking]) != render_whole(checking):
+                return None
+        except ChatTemplateError:  # the template refuses this shape: so it will the request
+            return None
+        return skeleton
+
+    def _distrust(self, template: ChatTemplate) -> None:
+        self._mismatches += 1
+        self._refusals[template.source] = "a chat filled into a skeleton differed from its whole render"
+        self._skeletons.clear()
+        log.error(
+            "chat template: a short chat filled into its skeleton differed from its whole render; "
+            "rendering every short chat whole under this template from now on"
+        )
