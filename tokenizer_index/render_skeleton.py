@@ -3,7 +3,7 @@
 A chat of a few plain messages (a role and a text each) costs ~10 us per request to
 convert and render through the model's Jinja template in its sandbox. Under a template that
 prints a message's text only as it is (or trimmed), and reads nothing else of it but its
-type and whether it is empty (:func:`verbatim_refusal`), that render is fixed by the roles,
+type and whether it is empty (:func:`verbatim_check`), that render is fixed by the roles,
 which texts are empty and the generation flag: the texts only fill slots. So each such
 *shape* is rendered once with marked texts and cut at the marks into literal segments and
 slots (:class:`Skeleton`); a request of that shape is the segments joined with its texts.
@@ -30,7 +30,7 @@ from typing import Any
 
 from jinja2 import nodes
 
-from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError
+from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError, strftime_now
 
 log = logging.getLogger(__name__)
 
@@ -59,23 +59,36 @@ class _Refusal(Exception):
     """The template reads a message's text some way other than printing it."""
 
 
-def verbatim_refusal(tree: nodes.Template) -> str | None:
-    """Why ``tree`` may not render from skeletons; None when it may.
+@dataclass(frozen=True, slots=True)
+class Verbatim:
+    """What a template's syntax says of skeletons (:func:`verbatim_check`)."""
 
-    Where it may, every read of a message's text (``message.content``, ``message['content']``,
+    #: Why the template may not render from skeletons; None when it may.
+    refusal: str | None
+    #: The formats of the ``strftime_now`` calls (constant): their texts join a shape's key.
+    clock_formats: tuple[str, ...] = ()
+
+
+def verbatim_check(tree: nodes.Template) -> Verbatim:
+    """Whether ``tree`` may render short plain chats from skeletons.
+
+    It may where every read of a message's text (``message.content``, ``message['content']``,
     ``messages[i].content``, and names set from them) is printed as it is or trimmed,
     joined with ``+`` or ``~``, chosen by ``if``/``or``/``and``, or only tested for its
     type or truth; messages themselves are only indexed by a constant key, tested for a
-    key (``'x' in message``) or their type, counted (``messages | length``) or looped over
-    (``for message in messages``); nothing printed from a text is captured
-    (``{% set %}`` blocks, macros, filter and call blocks); and nothing reads the clock or
-    chance (``strftime_now``, ``lipsum``, ``random``).
+    key (``'x' in message``) or their type, counted (``messages | length``), sliced into a
+    name (``{% set messages = messages[1:] %}``) or looped over; nothing printed from a text
+    is captured (``{% set %}`` blocks, macros, filter and call blocks); nothing reads
+    chance (``lipsum``, ``random``), and the clock only through ``strftime_now`` with a
+    constant format. Branches a plain message never takes (``message.role == 'tool'``,
+    ``'tool_calls' in message``) are not read.
     """
+    check = _VerbatimCheck(tree)
     try:
-        _VerbatimCheck(tree).run()
+        check.run()
     except _Refusal as refusal:
-        return str(refusal)
-    return None
+        return Verbatim(str(refusal))
+    return Verbatim(None, tuple(sorted(check.clock_formats)))
 
 
 class _VerbatimCheck:
@@ -85,20 +98,44 @@ class _VerbatimCheck:
         for node in _walk(tree):
             for child in node.iter_child_nodes():
                 self._parents[id(child)] = node
-        self._message_names = {"messages"}
-        self._loop_targets: set[int] = set()
+        # Names of message lists (``messages`` and copies or slices of it) and of messages
+        # (loop variables over those); the stores that make them, the only ones allowed.
+        self._list_names = {"messages"}
+        self._allowed_stores: set[int] = set()
+        self._list_copies: set[int] = set()
+        self._find_list_names()
+        self._message_names: set[str] = set()
         for loop in tree.find_all(nodes.For):
-            if _is_load(loop.iter, "messages"):
+            if isinstance(loop.iter, nodes.Name) and loop.iter.name in self._list_names:
                 if not isinstance(loop.target, nodes.Name):
                     raise _Refusal("a loop over the messages unpacks them")
                 self._message_names.add(loop.target.name)
-                self._loop_targets.add(id(loop.target))
+                self._allowed_stores.add(id(loop.target))
         self._content_names: set[str] = set()
+        self.clock_formats: set[str] = set()
+
+    def _find_list_names(self) -> None:
+        assigns = list(self._tree.find_all(nodes.Assign))
+        while True:
+            known = len(self._list_names)
+            for assign in assigns:
+                value = assign.node
+                copied = (
+                    value.node if isinstance(value, nodes.Getitem) and isinstance(value.arg, nodes.Slice) else value
+                )
+                if isinstance(copied, nodes.Name) and copied.name in self._list_names:
+                    if not isinstance(assign.target, nodes.Name):
+                        raise _Refusal("the messages are unpacked")
+                    self._list_names.add(assign.target.name)
+                    self._allowed_stores.add(id(assign.target))
+                    self._list_copies.add(id(copied))
+            if len(self._list_names) == known:
+                return
 
     def run(self) -> None:
         while True:  # until no new name is found to hold a text
             known = len(self._content_names)
-            for node in _walk(self._tree):
+            for node in _live(self._tree, self._plain_truth):
                 self._check(node)
             if len(self._content_names) == known:
                 return
@@ -109,14 +146,17 @@ class _VerbatimCheck:
         if not isinstance(node, nodes.Name):
             return
         if node.ctx == "store":
-            if node.name in self._message_names and id(node) not in self._loop_targets:
+            names = self._list_names | self._message_names
+            if node.name in names and id(node) not in self._allowed_stores:
                 raise _Refusal(f"the template sets {node.name}")
             return
         if node.ctx != "load":
             return
-        if node.name in _UNSTABLE_NAMES:
+        if node.name == "strftime_now":
+            self._clock_use(node)
+        elif node.name in _UNSTABLE_NAMES:
             raise _Refusal(f"the template calls {node.name}")
-        if node.name == "messages":
+        elif node.name in self._list_names:
             self._message_list_use(node)
         elif node.name in self._message_names:
             self._message_use(node)
@@ -127,8 +167,26 @@ class _VerbatimCheck:
             if isinstance(parent, nodes.Getattr) and parent.attr in ("previtem", "nextitem"):
                 raise _Refusal(f"the template reads loop.{parent.attr}")
 
+    def _clock_use(self, node: nodes.Name) -> None:
+        parent = self._parent(node)
+        if isinstance(parent, nodes.Test) and parent.node is node and parent.name in ("defined", "undefined"):
+            return
+        if (
+            isinstance(parent, nodes.Call)
+            and parent.node is node
+            and len(parent.args) == 1
+            and isinstance(parent.args[0], nodes.Const)
+            and isinstance(parent.args[0].value, str)
+            and not (parent.kwargs or parent.dyn_args or parent.dyn_kwargs)
+        ):
+            self.clock_formats.add(parent.args[0].value)
+            return
+        raise _Refusal("the template calls strftime_now with a format that varies")
+
     def _message_list_use(self, node: nodes.Node) -> None:
         parent = self._parent(node)
+        if id(node) in self._list_copies:
+            return  # {% set messages = messages[1:] %}: a list name, checked where it is read
         if isinstance(parent, nodes.For) and parent.iter is node:
             return
         if isinstance(parent, nodes.Getitem) and parent.node is node and not isinstance(parent.arg, nodes.Slice):
@@ -156,11 +214,11 @@ class _VerbatimCheck:
         else:
             raise _Refusal(f"a message is read as {type(parent).__name__}")
         if key == "content":
-            self._text_use(parent, access=True)
+            self._text_use(parent)
         elif key in _DICT_ATTRIBUTES:
             raise _Refusal(f"a message's {key} is called")
 
-    def _text_use(self, node: nodes.Node, *, access: bool = False) -> None:
+    def _text_use(self, node: nodes.Node) -> None:
         """``node``'s value is made of texts: how its parent uses it."""
         parent = self._parent(node)
         if isinstance(parent, nodes.Output):
@@ -171,7 +229,7 @@ class _VerbatimCheck:
             if parent.test is not node:
                 self._text_use(parent)
         elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "trim":
-            if not access or parent.args or parent.kwargs or parent.dyn_args or parent.dyn_kwargs:
+            if not self._one_text(node) or parent.args or parent.kwargs or parent.dyn_args or parent.dyn_kwargs:
                 raise _Refusal("a text is trimmed with other text or characters")
             self._text_use(parent)
         elif isinstance(parent, nodes.Test) and parent.node is node:
@@ -184,6 +242,60 @@ class _VerbatimCheck:
         else:
             raise _Refusal(f"a text is read as {type(parent).__name__}")
 
+    def _one_text(self, node: nodes.Node) -> bool:
+        """Whether ``node`` is one message's text or a constant (so trimming it trims that
+        text alone): the text itself, ``text or 'x'``, ``text if test else 'x'``."""
+        if isinstance(node, nodes.Const):
+            return isinstance(node.value, str)
+        if isinstance(node, nodes.Getattr | nodes.Getitem):
+            return self._is_message(node.node) and _key_of(node) == "content"
+        if isinstance(node, nodes.Or):
+            return self._one_text(node.left) and isinstance(node.right, nodes.Const)
+        if isinstance(node, nodes.CondExpr):
+            return node.expr2 is not None and self._one_text(node.expr1) and self._one_text(node.expr2)
+        return False
+
+    def _is_message(self, node: nodes.Node) -> bool:
+        if isinstance(node, nodes.Name):
+            return node.name in self._message_names
+        return (
+            isinstance(node, nodes.Getitem)
+            and isinstance(node.node, nodes.Name)
+            and node.node.name in self._list_names
+            and not isinstance(node.arg, nodes.Slice)
+        )
+
+    def _plain_truth(self, test: nodes.Node) -> bool | None:
+        """``test``'s value for every plain message, where it is the same for all (a role
+        no plain message has, a field none has); None where it may differ."""
+        if isinstance(test, nodes.Not):
+            inner = self._plain_truth(test.node)
+            return None if inner is None else not inner
+        if isinstance(test, nodes.And | nodes.Or):
+            left, right = self._plain_truth(test.left), self._plain_truth(test.right)
+            deciding = isinstance(test, nodes.Or)  # True decides an or, False an and
+            if deciding in (left, right):
+                return deciding
+            return None if None in (left, right) else not deciding
+        if not isinstance(test, nodes.Compare) or len(test.ops) != 1:
+            return None
+        (operand,) = test.ops
+        first, second = test.expr, operand.expr
+        if operand.op in ("in", "notin") and isinstance(first, nodes.Const) and self._is_loop_message(second):
+            present = first.value in ("role", "content")
+            return present if operand.op == "in" else not present
+        if operand.op in ("eq", "ne"):
+            for read, other in ((first, second), (second, first)):
+                is_role = isinstance(read, nodes.Getattr | nodes.Getitem) and _key_of(read) == "role"
+                if is_role and self._is_loop_message(read.node) and isinstance(other, nodes.Const):  # type: ignore[attr-defined]
+                    if other.value in PLAIN_ROLES:
+                        return None
+                    return operand.op == "ne"
+        return None
+
+    def _is_loop_message(self, node: nodes.Node) -> bool:
+        return isinstance(node, nodes.Name) and node.name in self._message_names
+
     def _check_not_captured(self, output: nodes.Output) -> None:
         node: nodes.Node | None = output
         while node is not None:
@@ -195,6 +307,35 @@ class _VerbatimCheck:
 
     def _parent(self, node: nodes.Node) -> nodes.Node:
         return self._parents[id(node)]
+
+
+def _key_of(node: nodes.Node) -> str | None:
+    """The constant key ``node`` reads (``x.key``, ``x['key']``), if it is such a read."""
+    if isinstance(node, nodes.Getattr):
+        return node.attr
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str):
+        return node.arg.value
+    return None
+
+
+def _live(node: nodes.Node, truth: Callable[[nodes.Node], bool | None]) -> Iterator[nodes.Node]:
+    """``node`` and the nodes under it, less the branches of ``if`` statements whose tests
+    ``truth`` says are the same for every plain message (the others are never rendered)."""
+    yield node
+    if not isinstance(node, nodes.If):
+        for child in node.iter_child_nodes():
+            yield from _live(child, truth)
+        return
+    for branch in (node, *node.elif_):
+        yield from _live(branch.test, truth)
+        taken = truth(branch.test)
+        if taken is not False:
+            for child in branch.body:
+                yield from _live(child, truth)
+        if taken is True:
+            return
+    for child in node.else_:
+        yield from _live(child, truth)
 
 
 def _walk(node: nodes.Node) -> Iterator[nodes.Node]:
@@ -265,6 +406,10 @@ class Skeleton:
         return "".join(parts)
 
 
+def _clock_texts(formats: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(strftime_now(format) for format in formats)
+
+
 def marked(index: int) -> str:
     """The text that stands for message ``index``'s in a skeleton's build render."""
     return f"{_PAD}\ue000{index}\ue001{_PAD}"
@@ -290,23 +435,27 @@ class SkeletonRenders:
         self._max_shapes = max_shapes
         self._verify_every = verify_every
         self._since_verified = 0
-        # Per template source: why it renders whole (None: it may use skeletons).
-        self._refusals: dict[str, str | None] = {}
-        self._skeletons: OrderedDict[tuple[str, bool, tuple[str, ...]], Skeleton | None] = OrderedDict()
+        # Per template source: what its syntax allows.
+        self._verdicts: dict[str, Verbatim] = {}
+        self._skeletons: OrderedDict[tuple[object, ...], Skeleton | None] = OrderedDict()
         self._filled = 0
         self._mismatches = 0
 
     def refusal(self, template: ChatTemplate) -> str | None:
         """Why ``template`` renders whole (checked at its first use); None if it need not."""
+        return self._verdict(template).refusal
+
+    def _verdict(self, template: ChatTemplate) -> Verbatim:
         source = template.source
-        if source not in self._refusals:
-            reason = verbatim_refusal(template.syntax_tree)
-            if reason is None and _MARK_CHARACTERS.search(source):
-                reason = "the template writes the skeletons' mark characters"
-            self._refusals[source] = reason
-            if reason is not None:
-                log.debug("chat template renders short chats whole: %s", reason)
-        return self._refusals[source]
+        verdict = self._verdicts.get(source)
+        if verdict is None:
+            verdict = verbatim_check(template.syntax_tree)
+            if verdict.refusal is None and _MARK_CHARACTERS.search(source):
+                verdict = Verbatim("the template writes the skeletons' mark characters")
+            if verdict.refusal is not None:
+                log.debug("chat template renders short chats whole: %s", verdict.refusal)
+            self._verdicts[source] = verdict
+        return verdict
 
     def render(
         self,
@@ -333,15 +482,20 @@ class SkeletonRenders:
                 return None
             shape.append(role if text else role + ":empty")
             texts.append(text)
-        if self.refusal(template) is not None:
+        verdict = self._verdict(template)
+        if verdict.refusal is not None:
             return None
-        key = (template.source, add_generation_prompt, tuple(shape))
+        clock = _clock_texts(verdict.clock_formats)
+        key = (template.source, add_generation_prompt, tuple(shape), clock)
         skeletons = self._skeletons
         if key in skeletons:
             skeleton = skeletons[key]
             skeletons.move_to_end(key)
         else:
-            skeleton = skeletons[key] = self._build(messages, render_whole)
+            skeleton = self._build(messages, render_whole)
+            if _clock_texts(verdict.clock_formats) != clock:
+                return None  # the day changed during the build: the next request builds again
+            skeletons[key] = skeleton
             if len(skeletons) > self._max_shapes:
                 skeletons.popitem(last=False)
         if skeleton is None:
@@ -382,7 +536,7 @@ class SkeletonRenders:
 
     def _distrust(self, template: ChatTemplate) -> None:
         self._mismatches += 1
-        self._refusals[template.source] = "a chat filled into a skeleton differed from its whole render"
+        self._verdicts[template.source] = Verbatim("a chat filled into a skeleton differed from its whole render")
         self._skeletons.clear()
         log.error(
             "chat template: a short chat filled into its skeleton differed from its whole render; "

@@ -17,14 +17,17 @@ from hypothesis import strategies as st
 from kvroute.tokenizer_index import RequestTokenizer
 from kvroute.tokenizer_index.chat_messages import conversation_from_request
 from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError
-from kvroute.tokenizer_index.render_skeleton import Skeleton, SkeletonRenders, marked, verbatim_refusal
+from kvroute.tokenizer_index.render_skeleton import Skeleton, SkeletonRenders, marked, verbatim_check
 from tests.tokenizer_index.test_render_memo import ALL_TEMPLATES
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>"}
 
 #: Templates the syntax check lets fill skeletons (the rest must be refused).
-FILLED = {"prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "mistral"}
+FILLED = {
+    *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25"),
+    *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last"),
+}
 
 # Templates that print texts only as they are, trimmed, or chosen by their truth.
 VERBATIM = {
@@ -41,6 +44,16 @@ VERBATIM = {
     "generation_tag": (
         "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
         "{% else %}{{ m.role + ': ' + m.content }}{% endif %}\n{% endfor %}"
+    ),
+    # Today's date, whose text joins the shape's key.
+    "clock": "{{ strftime_now('%d %b %Y') }}{% for m in messages %}{{ m.content }}{% endfor %}",
+    # A branch no plain message takes reads its text otherwise (Llama 3.1's tool results).
+    "tool_branch": (
+        "{% if messages[0].role == 'system' %}{% set loop_messages = messages[1:] %}"
+        "{% else %}{% set loop_messages = messages %}{% endif %}"
+        "{% for m in loop_messages %}{% if not (m.role == 'tool' or 'tool_calls' in m) %}{{ m.role }}: "
+        "{{ (m.content or '') | trim }}\n{% elif m.role == 'ipython' %}{{ m.content | tojson }}"
+        "{% else %}{{ m.content | length }}{% endif %}{% endfor %}"
     ),
     "roles_checked": (
         "{% for m in messages %}{% if m.role == 'developer' %}{{ raise_exception('no developer here') }}{% endif %}"
@@ -66,7 +79,13 @@ REFUSED = {
         "{% set ns = namespace(last='') %}{% for m in messages %}{% set ns.last = m.content %}{% endfor %}{{ ns.last }}"
     ),
     "neighbour_item": "{% for m in messages %}{{ loop.previtem }}{% endfor %}",
-    "clock": "{{ strftime_now('%Y') }}{% for m in messages %}{{ m.content }}{% endfor %}",
+    "clock_format_varies": (
+        "{% set format = '%Y' %}{{ strftime_now(format) }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    ),
+    "tool_branch_joined": (
+        "{% for m in messages %}{% if m.role == 'tool' or m.role == 'user' %}{{ m.content | length }}"
+        "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    ),
     "renamed": "{% set messages = [] %}{% for m in messages %}{{ m.content }}{% endfor %}",
     "filtered_list": "{% for m in messages | selectattr('role') %}{{ m.content }}{% endfor %}",
 }
@@ -91,14 +110,14 @@ def as_messages(turns: list[tuple[str, str]]) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("name", sorted(ALL_TEMPLATES))
 def test_the_known_templates_are_checked_as_expected(name: str) -> None:
-    refusal = verbatim_refusal(ChatTemplate.from_source(ALL_TEMPLATES[name]).syntax_tree)
+    refusal = verbatim_check(ChatTemplate.from_source(ALL_TEMPLATES[name]).syntax_tree).refusal
     assert (refusal is None) == (name in FILLED), refusal
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_templates_reading_texts_otherwise_are_refused(name: str) -> None:
     template = ChatTemplate.from_source(REFUSED[name])
-    assert verbatim_refusal(template.syntax_tree) is not None
+    assert verbatim_check(template.syntax_tree).refusal is not None
     renders = SkeletonRenders()
     assert renders.render([{"role": "user", "content": "hi"}], template, True, render_whole(template)) is None
 
@@ -110,7 +129,7 @@ def test_a_filled_skeleton_is_the_whole_render(
     name: str, turns: list[tuple[str, str]], add_generation_prompt: bool
 ) -> None:
     template = ChatTemplate.from_source(ALL_TEMPLATES.get(name) or VERBATIM[name])
-    assert verbatim_refusal(template.syntax_tree) is None
+    assert verbatim_check(template.syntax_tree).refusal is None
     whole = render_whole(template, add_generation_prompt)
     renders = SkeletonRenders(verify_every=1_000_000)
     messages = as_messages(turns)
