@@ -61,7 +61,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
@@ -308,6 +308,9 @@ class FastPaths:
     #: Per chat template: None where long conversations render only their new messages,
     #: else why they render whole.
     templates: dict[str, str | None]
+    #: Per chat template: None where short plain chats are filled into skeletons, else why
+    #: they go through the template engine.
+    skeletons: dict[str, str | None] = field(default_factory=dict)
 
     def summary(self) -> str:
         """One line for the log."""
@@ -316,12 +319,17 @@ class FastPaths:
             pieces = "off (whole texts)"
         templates = ", ".join(
             f"{name}: {'incremental' if reason is None else 'whole (' + reason + ')'}"
+            + (f", short chats {_skeleton_verdict(self.skeletons[name])}" if name in self.skeletons else "")
             for name, reason in self.templates.items()
         )
         return (
             f"pieces {pieces}; chunks {'on' if self.chunks else 'off'}; words {self.words}; "
             f"chat templates: {templates or 'none'}"
         )
+
+
+def _skeleton_verdict(reason: str | None) -> str:
+    return "from skeletons" if reason is None else f"rendered ({reason})"
 
 
 class RequestTokenizer:
@@ -798,6 +806,7 @@ class RequestTokenizer:
     def fast_paths(self) -> FastPaths:
         """Which shortcuts this tokenizer takes (checks every chat template now, if not yet)."""
         templates: dict[str, str | None] = {}
+        skeletons: dict[str, str | None] = {}
         for name, source in self._template_sources.items():
             try:  # (a template that does not compile fails its requests, as before, not this)
                 template = self._compiled_template(name)
@@ -805,6 +814,7 @@ class RequestTokenizer:
                 templates[name] = str(error)
                 continue
             templates[name] = None if self.renders_incrementally(template) else self._render_refusals.get(source)
+            skeletons[name] = self._skeletons.refusal(template)
         words = self._words
         return FastPaths(
             pieces=self._incremental,
@@ -812,6 +822,7 @@ class RequestTokenizer:
             chunks=self._chunks_long_pieces,
             words="off" if words is None else ("ascii+unicode" if words.unicode else "ascii") + _compiled_words(words),
             templates=templates,
+            skeletons=skeletons,
         )
 
     def render_chat(

@@ -594,13 +594,19 @@ def test_fast_paths_say_which_shortcuts_a_tokenizer_takes() -> None:
         True,
         "ascii+unicode (compiled, new words by BPE)",
     )
-    assert default.templates == {"default": None}
+    assert default.templates == {"default": None} and default.skeletons == {"default": None}
+    assert "default: incremental, short chats from skeletons" in default.summary()
     whole = RequestTokenizer(
         RequestTokenizer.default().backend, incremental=False, chat_templates={"default": "{{ messages | length }}"}
     ).fast_paths()
     assert (whole.pieces, whole.chunks, whole.words) == (False, False, "off")
     assert whole.templates["default"] is not None and "messages" in whole.templates["default"]
     assert "pieces off (whole texts)" in whole.summary() and "default: whole (" in whole.summary()
+    assert whole.skeletons == {"default": None}  # it reads no text: every shape is one skeleton
+    measured = RequestTokenizer(
+        RequestTokenizer.default().backend, chat_templates={"default": "{{ messages[0]['content'] | length }}"}
+    ).fast_paths()
+    assert measured.skeletons["default"] is not None and "short chats rendered (" in measured.summary()
     first = RequestTokenizer(train_tokenizer("metaspace_first", ["<s>", "</s>"])).fast_paths()
     assert first.pieces and first.context_token is not None and first.words == "off"
     # A template that does not compile is reported, not raised (its requests fail as before).
