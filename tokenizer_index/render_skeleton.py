@@ -4,7 +4,8 @@ A chat of a few plain messages (a role and a text each) costs ~10 us per request
 convert and render through the model's Jinja template in its sandbox. Under a template that
 prints a message's text only as it is (or trimmed), and reads nothing else of it but its
 type and whether it is empty (:func:`verbatim_check`), that render is fixed by the roles,
-which texts are empty and the generation flag: the texts only fill slots. So each such
+which texts are empty, the generation flag and (where the template writes it) today's
+date: the texts only fill slots. So each such
 *shape* is rendered once with marked texts and cut at the marks into literal segments and
 slots (:class:`Skeleton`); a request of that shape is the segments joined with its texts.
 
@@ -25,6 +26,7 @@ import logging
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,14 +47,19 @@ PLAIN_ROLES = frozenset({"system", "developer", "user", "assistant"})
 _TYPE_TESTS = frozenset({"string", "defined", "undefined", "none", "mapping", "sequence", "iterable"})
 # A dict's own attributes: ``message.get("content")`` reads the text past the check.
 _DICT_ATTRIBUTES = frozenset(dir(dict))
-# Globals and filters whose output changes between renders of the same input.
-_UNSTABLE_NAMES = frozenset({"strftime_now", "lipsum"})
+# Globals and filters whose output changes between renders of the same input (the clock,
+# ``strftime_now``, is allowed with a constant format: its text joins the shape).
+_UNSTABLE_NAMES = frozenset({"lipsum"})
 _UNSTABLE_FILTERS = frozenset({"random"})
 # Marks: private-use characters no template writes, and around them a space str.strip()
 # (and Jinja's trim) removes, so a trimmed slot shows as the bare mark.
 _PAD = "\u2003"
 _MARK = re.compile("(\u2003?)\ue000([0-9]+)\ue001(\u2003?)")
 _MARK_CHARACTERS = re.compile("[\ue000-\ue003]")
+
+
+#: A shape not built yet (None: built, and no skeleton).
+_UNBUILT: Any = object()
 
 
 class _Refusal(Exception):
@@ -488,16 +495,18 @@ class SkeletonRenders:
         clock = _clock_texts(verdict.clock_formats)
         key = (template.source, add_generation_prompt, tuple(shape), clock)
         skeletons = self._skeletons
-        if key in skeletons:
-            skeleton = skeletons[key]
-            skeletons.move_to_end(key)
-        else:
+        skeleton = skeletons.get(key, _UNBUILT)
+        if skeleton is _UNBUILT:
             skeleton = self._build(messages, render_whole)
             if _clock_texts(verdict.clock_formats) != clock:
                 return None  # the day changed during the build: the next request builds again
             skeletons[key] = skeleton
             if len(skeletons) > self._max_shapes:
-                skeletons.popitem(last=False)
+                with suppress(KeyError):  # (another thread, a prepare in a worker, emptied it)
+                    skeletons.popitem(last=False)
+        else:
+            with suppress(KeyError):  # (another thread dropped it meanwhile)
+                skeletons.move_to_end(key)
         if skeleton is None:
             return None
         text = skeleton.fill(texts)

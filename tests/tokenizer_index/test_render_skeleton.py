@@ -7,6 +7,7 @@ few written to trip the syntax check.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -232,3 +233,29 @@ def test_the_tokenizer_fills_short_plain_chats_and_renders_the_rest_whole() -> N
         chat, add_generation_prompt=False
     )
     assert tokenizer.skeleton_stats().filled == before + 2
+
+
+def test_threads_filling_and_evicting_shapes_at_once_get_whole_renders_right() -> None:
+    """Huge prompts are prepared in worker threads: skeletons may be built, found and
+    evicted by several at once (two shapes' room for eight shapes)."""
+    template = ChatTemplate.from_source(ALL_TEMPLATES["qwen25"])
+    whole = render_whole(template)
+    renders = SkeletonRenders(max_shapes=2, verify_every=1_000_000)
+    chats = [as_messages([("user", f"question {n}")] * (1 + n % 8)) for n in range(64)]
+    failures: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(20):
+                for messages in chats:
+                    text = renders.render(messages, template, True, whole)
+                    assert text is None or text == whole(messages)
+        except BaseException as failure:
+            failures.append(failure)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
