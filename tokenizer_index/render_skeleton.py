@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +58,8 @@ _MARK = re.compile("(\u2003?)\ue000([0-9]+)\ue001(\u2003?)")
 _MARK_CHARACTERS = re.compile("[\ue000-\ue003]")
 
 
+#: Rounds of finding the names set from texts and the branches left live, at most.
+_SETTLE_ROUNDS = 8
 #: A shape not built yet (None: built, and no skeleton).
 _UNBUILT: Any = object()
 
@@ -74,6 +76,28 @@ class Verbatim:
     refusal: str | None
     #: The formats of the ``strftime_now`` calls (constant): their texts join a shape's key.
     clock_formats: tuple[str, ...] = ()
+    #: What the template asks of a text (``startswith``, ``endswith``, ``in``; with the
+    #: constant asked): a skeleton is for texts where every answer is no.
+    tests: tuple[tuple[str, str], ...] = ()
+    #: Whether it strips a text of given characters (``content.lstrip('\n')``): a skeleton
+    #: is then for texts with no whitespace at either end, which stripping leaves alone.
+    strips: bool = False
+
+    def admits(self, text: str) -> bool:
+        """Whether a message's ``text`` may fill a skeleton under this template."""
+        if text and (text.isspace() or (self.strips and (text[0].isspace() or text[-1].isspace()))):
+            return False
+        return not self.answers_yes(text)
+
+    def answers_yes(self, text: str) -> bool:
+        """Whether one of the template's tests of a text says yes for ``text``."""
+        for kind, constant in self.tests:
+            if kind == "startswith":
+                if text.startswith(constant):
+                    return True
+            elif text.endswith(constant) if kind == "endswith" else constant in text:
+                return True
+        return False
 
 
 def verbatim_check(tree: nodes.Template) -> Verbatim:
@@ -81,21 +105,23 @@ def verbatim_check(tree: nodes.Template) -> Verbatim:
 
     It may where every read of a message's text (``message.content``, ``message['content']``,
     ``messages[i].content``, and names set from them) is printed as it is or trimmed,
-    joined with ``+`` or ``~``, chosen by ``if``/``or``/``and``, or only tested for its
-    type or truth; messages themselves are only indexed by a constant key, tested for a
-    key (``'x' in message``) or their type, counted (``messages | length``), sliced into a
-    name (``{% set messages = messages[1:] %}``) or looped over; nothing printed from a text
-    is captured (``{% set %}`` blocks, macros, filter and call blocks); nothing reads
-    chance (``lipsum``, ``random``), and the clock only through ``strftime_now`` with a
-    constant format. Branches a plain message never takes (``message.role == 'tool'``,
-    ``'tool_calls' in message``) are not read.
+    joined with ``+`` or ``~``, chosen by ``if``/``or``/``and``, stripped of whitespace,
+    or only tested for its type, its truth, or whether it starts with, ends with or holds a
+    constant; messages themselves are only indexed by a constant key, tested for a key
+    (``'x' in message``) or their type, counted (``messages | length``), copied or sliced
+    into a name (``{% set messages = messages[1:] %}``) or looped over; nothing printed
+    from a text is captured (``{% set %}`` blocks, macros, filter and call blocks); nothing
+    reads chance (``lipsum``, ``random``), and the clock only through ``strftime_now`` with
+    a constant format. Branches a plain message never takes (``message.role == 'tool'``,
+    ``'tool_calls' in message``, ``'</think>' in content``: a skeleton is only for texts
+    where such tests say no) are not read.
     """
-    check = _VerbatimCheck(tree)
     try:
+        check = _VerbatimCheck(tree)
         check.run()
     except _Refusal as refusal:
         return Verbatim(str(refusal))
-    return Verbatim(None, tuple(sorted(check.clock_formats)))
+    return Verbatim(None, tuple(sorted(check.clock_formats)), tuple(sorted(check.tests)), check.strips)
 
 
 class _VerbatimCheck:
@@ -113,13 +139,25 @@ class _VerbatimCheck:
         self._find_list_names()
         self._message_names: set[str] = set()
         for loop in tree.find_all(nodes.For):
-            if isinstance(loop.iter, nodes.Name) and loop.iter.name in self._list_names:
+            if self._is_list(loop.iter):
                 if not isinstance(loop.target, nodes.Name):
                     raise _Refusal("a loop over the messages unpacks them")
                 self._message_names.add(loop.target.name)
                 self._allowed_stores.add(id(loop.target))
+        # Names set from a text (their every read is checked as the text's), and those of
+        # them that may hold something besides one text or '' (never tested): found by
+        # :meth:`_settle_names`, over the branches a plain message takes.
         self._content_names: set[str] = set()
+        self._mixed_names: set[str] = set()
         self.clock_formats: set[str] = set()
+        self.tests: set[tuple[str, str]] = set()
+        self.strips = False
+
+    def _is_list(self, node: nodes.Node) -> bool:
+        """A message list: a list name, or a slice of one (``messages[::-1]``)."""
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+            node = node.node
+        return isinstance(node, nodes.Name) and node.name in self._list_names
 
     def _find_list_names(self) -> None:
         assigns = list(self._tree.find_all(nodes.Assign))
@@ -139,13 +177,89 @@ class _VerbatimCheck:
             if len(self._list_names) == known:
                 return
 
-    def run(self) -> None:
-        while True:  # until no new name is found to hold a text
-            known = len(self._content_names)
-            for node in _live(self._tree, self._plain_truth):
-                self._check(node)
-            if len(self._content_names) == known:
+    def _settle_names(self) -> None:
+        """The content and mixed names, to a fixed point with the branches they leave live.
+
+        Optimistic: no name is mixed at first, so a test of a text may prune a branch whose
+        sets would make it mixed; then the names are found again over what is left, until
+        nothing changes. Sound by induction over a render: while only live branches have
+        run, every name holds what a live ``set`` gave it, so every test pruning a branch
+        tests one text (or ''), which a skeleton's texts answer no to.
+        """
+        every_branch = _walk(self._tree)
+        self._content_names = self._names_set_from_texts(every_branch)  # (none mixed yet)
+        for _ in range(_SETTLE_ROUNDS):
+            known = (self._content_names, self._mixed_names)
+            assigns = [
+                node
+                for node in _live(self._tree, self._plain_truth)
+                if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name)
+            ]
+            content = self._content_names = self._names_set_from_texts(assigns)
+            self._mixed_names = {
+                assign.target.name  # type: ignore[attr-defined]
+                for assign in assigns
+                if assign.target.name in content and not self._one_text_or_empty(assign.node)  # type: ignore[attr-defined]
+            }
+            if (self._content_names, self._mixed_names) == known:
                 return
+        raise _Refusal("the names set from texts do not settle")
+
+    def _names_set_from_texts(self, nodes_seen: Iterable[nodes.Node]) -> set[str]:
+        """The names that the ``set`` statements among ``nodes_seen`` give a value read
+        from a text (or from such a name)."""
+        assigns = [
+            node for node in nodes_seen if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name)
+        ]
+        found: set[str] = set()
+        self._content_names, outer = found, self._content_names
+        try:
+            while True:
+                before = len(found)
+                for assign in assigns:
+                    if any(self._reads_text(node) for node in _walk(assign.node)):
+                        found.add(assign.target.name)  # type: ignore[attr-defined]
+                if len(found) == before:
+                    return found
+        finally:
+            self._content_names = outer
+
+    def _reads_text(self, node: nodes.Node) -> bool:
+        if isinstance(node, nodes.Name):
+            return node.ctx == "load" and node.name in self._content_names
+        return isinstance(node, nodes.Getattr | nodes.Getitem) and self._is_text_access(node)
+
+    def _is_text_access(self, node: nodes.Getattr | nodes.Getitem) -> bool:
+        return _key_of(node) == "content" and self._is_message(node.node)
+
+    def _one_text_or_empty(self, node: nodes.Node) -> bool:
+        """Whether ``node`` is always one message's text or '' (what a test on a text may
+        take as a text, whose answer is then no for '' and for the texts a skeleton fills)."""
+        if isinstance(node, nodes.Const):
+            return node.value == ""
+        if isinstance(node, nodes.Name):
+            return node.name in self._content_names and node.name not in self._mixed_names
+        if isinstance(node, nodes.Getattr | nodes.Getitem):
+            return self._is_text_access(node)
+        if isinstance(node, nodes.Or):
+            return self._one_text_or_empty(node.left) and self._one_text_or_empty(node.right)
+        if isinstance(node, nodes.CondExpr):
+            return (
+                node.expr2 is not None and self._one_text_or_empty(node.expr1) and self._one_text_or_empty(node.expr2)
+            )
+        return False
+
+    def run(self) -> None:
+        self._settle_names()
+        self.tests.clear()  # (those the settling rounds asked are asked again below)
+        refusal: _Refusal | None = None
+        for node in _live(self._tree, self._plain_truth):
+            try:
+                self._check(node)
+            except _Refusal as found:
+                refusal = refusal or found
+        if refusal is not None:
+            raise refusal
 
     def _check(self, node: nodes.Node) -> None:
         if isinstance(node, nodes.Filter) and node.name in _UNSTABLE_FILTERS:
@@ -178,17 +292,10 @@ class _VerbatimCheck:
         parent = self._parent(node)
         if isinstance(parent, nodes.Test) and parent.node is node and parent.name in ("defined", "undefined"):
             return
-        if (
-            isinstance(parent, nodes.Call)
-            and parent.node is node
-            and len(parent.args) == 1
-            and isinstance(parent.args[0], nodes.Const)
-            and isinstance(parent.args[0].value, str)
-            and not (parent.kwargs or parent.dyn_args or parent.dyn_kwargs)
-        ):
-            self.clock_formats.add(parent.args[0].value)
-            return
-        raise _Refusal("the template calls strftime_now with a format that varies")
+        constant = _constant_argument(parent, node)
+        if constant is None:
+            raise _Refusal("the template calls strftime_now with a format that varies")
+        self.clock_formats.add(constant)
 
     def _message_list_use(self, node: nodes.Node) -> None:
         parent = self._parent(node)
@@ -196,9 +303,13 @@ class _VerbatimCheck:
             return  # {% set messages = messages[1:] %}: a list name, checked where it is read
         if isinstance(parent, nodes.For) and parent.iter is node:
             return
-        if isinstance(parent, nodes.Getitem) and parent.node is node and not isinstance(parent.arg, nodes.Slice):
-            self._message_use(parent)
-            return
+        if isinstance(parent, nodes.Getitem) and parent.node is node:
+            if not isinstance(parent.arg, nodes.Slice):
+                self._message_use(parent)
+                return
+            grandparent = self._parent(parent)
+            if isinstance(grandparent, nodes.For) and grandparent.iter is parent:
+                return  # for message in messages[::-1]
         if isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "length":
             return
         if isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
@@ -239,23 +350,69 @@ class _VerbatimCheck:
             if not self._one_text(node) or parent.args or parent.kwargs or parent.dyn_args or parent.dyn_kwargs:
                 raise _Refusal("a text is trimmed with other text or characters")
             self._text_use(parent)
+        elif isinstance(parent, nodes.Getattr) and parent.node is node:
+            self._text_method_use(node, parent)
+        elif isinstance(parent, nodes.Operand) and parent.expr is node:
+            comparison = self._parent(parent)
+            if self._text_test(comparison) is None:
+                raise _Refusal("a text is compared")
         elif isinstance(parent, nodes.Test) and parent.node is node:
             if parent.name not in _TYPE_TESTS:
                 raise _Refusal(f"a text is tested with {parent.name}")
         elif isinstance(parent, nodes.Not) or (isinstance(parent, nodes.If | nodes.For) and parent.test is node):
             return
         elif isinstance(parent, nodes.Assign) and parent.node is node and isinstance(parent.target, nodes.Name):
-            self._content_names.add(parent.target.name)
+            return  # the name is a content name (_find_content_names): its reads are checked
         else:
             raise _Refusal(f"a text is read as {type(parent).__name__}")
+
+    def _text_method_use(self, node: nodes.Node, method: nodes.Getattr) -> None:
+        """``text.startswith('x')``, ``text.endswith('x')`` (tests), ``text.strip()``,
+        ``text.lstrip('\n')``... (stripping whitespace); nothing else of a text is called."""
+        call = self._parent(method)
+        if not isinstance(call, nodes.Call) or call.node is not method:
+            raise _Refusal(f"a text's {method.attr} is read")
+        if method.attr in ("startswith", "endswith"):
+            if self._text_test(call) is None:
+                raise _Refusal(f"a text's {method.attr} is asked of something not a constant")
+            return
+        if method.attr in ("strip", "lstrip", "rstrip"):
+            characters = _constant_argument(call, method) if call.args else ""
+            if characters is None or (characters and not characters.isspace()):
+                raise _Refusal(f"a text is stripped of {characters!r}")
+            self.strips = True
+            self._text_use(call)
+            return
+        raise _Refusal(f"a text's {method.attr} is called")
+
+    def _text_test(self, node: nodes.Node) -> tuple[str, str] | None:
+        """``(kind, constant)`` where ``node`` asks whether one text (or '') starts with,
+        ends with or holds a non-empty constant (recorded: a skeleton is for texts where
+        the answer is no); None where it is no such test."""
+        found: tuple[str, str] | None = None
+        if isinstance(node, nodes.Call) and isinstance(node.node, nodes.Getattr):
+            method = node.node
+            constant = _constant_argument(node, method)
+            if method.attr in ("startswith", "endswith") and constant and self._one_text_or_empty(method.node):
+                found = (method.attr, constant)
+        elif isinstance(node, nodes.Compare) and len(node.ops) == 1 and node.ops[0].op in ("in", "notin"):
+            left, right = node.expr, node.ops[0].expr
+            if isinstance(left, nodes.Const) and isinstance(left.value, str) and left.value:
+                if self._one_text_or_empty(right):
+                    found = ("in", left.value)
+        if found is not None:
+            self.tests.add(found)
+        return found
 
     def _one_text(self, node: nodes.Node) -> bool:
         """Whether ``node`` is one message's text or a constant (so trimming it trims that
         text alone): the text itself, ``text or 'x'``, ``text if test else 'x'``."""
+        if isinstance(node, nodes.Name):
+            return self._one_text_or_empty(node)
         if isinstance(node, nodes.Const):
             return isinstance(node.value, str)
         if isinstance(node, nodes.Getattr | nodes.Getitem):
-            return self._is_message(node.node) and _key_of(node) == "content"
+            return self._is_text_access(node)
         if isinstance(node, nodes.Or):
             return self._one_text(node.left) and isinstance(node.right, nodes.Const)
         if isinstance(node, nodes.CondExpr):
@@ -274,7 +431,8 @@ class _VerbatimCheck:
 
     def _plain_truth(self, test: nodes.Node) -> bool | None:
         """``test``'s value for every plain message, where it is the same for all (a role
-        no plain message has, a field none has); None where it may differ."""
+        no plain message has, a field none has, a text test a skeleton's texts answer no
+        to, a text's type); None where it may differ."""
         if isinstance(test, nodes.Not):
             inner = self._plain_truth(test.node)
             return None if inner is None else not inner
@@ -284,8 +442,14 @@ class _VerbatimCheck:
             if deciding in (left, right):
                 return deciding
             return None if None in (left, right) else not deciding
+        if isinstance(test, nodes.Test) and test.name == "string" and self._one_text_or_empty(test.node):
+            return True
+        if isinstance(test, nodes.Call) and self._text_test(test) is not None:
+            return False
         if not isinstance(test, nodes.Compare) or len(test.ops) != 1:
             return None
+        if self._text_test(test) is not None:
+            return test.ops[0].op == "notin"
         (operand,) = test.ops
         first, second = test.expr, operand.expr
         if operand.op in ("in", "notin") and isinstance(first, nodes.Const) and self._is_loop_message(second):
@@ -314,6 +478,20 @@ class _VerbatimCheck:
 
     def _parent(self, node: nodes.Node) -> nodes.Node:
         return self._parents[id(node)]
+
+
+def _constant_argument(call: nodes.Node, callee: nodes.Node) -> str | None:
+    """The one constant string ``call`` passes ``callee``, if it is such a call."""
+    if (
+        isinstance(call, nodes.Call)
+        and call.node is callee
+        and len(call.args) == 1
+        and isinstance(call.args[0], nodes.Const)
+        and isinstance(call.args[0].value, str)
+        and not (call.kwargs or call.dyn_args or call.dyn_kwargs)
+    ):
+        return call.args[0].value
+    return None
 
 
 def _key_of(node: nodes.Node) -> str | None:
@@ -423,8 +601,9 @@ def marked(index: int) -> str:
 
 
 def _checking(index: int) -> str:
-    """Another stand-in, of another length and padding, for the build's second render."""
-    return f" \t\ue002{'x' * (index % 3 + 1)}{index}\ue003\n "
+    """Another stand-in, of another length, for the build's second render (no whitespace
+    at its ends: a template that strips texts fills skeletons only with such)."""
+    return f"\ue002{'x' * (index % 3 + 1)} {index}\ue003"
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,6 +636,8 @@ class SkeletonRenders:
         verdict = self._verdicts.get(source)
         if verdict is None:
             verdict = verbatim_check(template.syntax_tree)
+            if verdict.refusal is None and template.content_format != "string":
+                verdict = Verbatim("the template reads a message's content as a list of parts")
             if verdict.refusal is None and _MARK_CHARACTERS.search(source):
                 verdict = Verbatim("the template writes the skeletons' mark characters")
             if verdict.refusal is not None:
@@ -476,6 +657,9 @@ class SkeletonRenders:
         ``render_whole`` renders OpenAI messages with the same settings."""
         if type(messages) is not list:
             return None
+        verdict = self._verdict(template)
+        if verdict.refusal is not None:
+            return None
         shape: list[str] = []
         texts: list[str] = []
         for message in messages:
@@ -483,21 +667,16 @@ class SkeletonRenders:
                 return None
             role = message.get("role")
             text = message.get("content")
-            if type(role) is not str or role not in PLAIN_ROLES or type(text) is not str:
-                return None
-            if text and text.isspace():
+            if type(role) is not str or role not in PLAIN_ROLES or type(text) is not str or not verdict.admits(text):
                 return None
             shape.append(role if text else role + ":empty")
             texts.append(text)
-        verdict = self._verdict(template)
-        if verdict.refusal is not None:
-            return None
         clock = _clock_texts(verdict.clock_formats)
         key = (template.source, add_generation_prompt, tuple(shape), clock)
         skeletons = self._skeletons
         skeleton = skeletons.get(key, _UNBUILT)
         if skeleton is _UNBUILT:
-            skeleton = self._build(messages, render_whole)
+            skeleton = self._build(messages, render_whole, verdict)
             if _clock_texts(verdict.clock_formats) != clock:
                 return None  # the day changed during the build: the next request builds again
             skeletons[key] = skeleton
@@ -525,8 +704,14 @@ class SkeletonRenders:
     def clear(self) -> None:
         self._skeletons.clear()
 
-    def _build(self, messages: Sequence[Any], render_whole: Callable[[Sequence[Any]], str]) -> Skeleton | None:
+    def _build(
+        self, messages: Sequence[Any], render_whole: Callable[[Sequence[Any]], str], verdict: Verbatim
+    ) -> Skeleton | None:
         filled = [bool(message["content"]) for message in messages]
+        if any(
+            verdict.answers_yes(stand_in(index)) for index in range(len(messages)) for stand_in in (marked, _checking)
+        ):
+            return None  # a test the texts must answer no to says yes to a stand-in
 
         def standing_in(text: Callable[[int], str]) -> list[dict[str, str]]:
             return [

@@ -26,7 +26,7 @@ SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>"}
 
 #: Templates the syntax check lets fill skeletons (the rest must be refused).
 FILLED = {
-    *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25"),
+    *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "qwen3"),
     *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last"),
 }
 
@@ -45,6 +45,11 @@ VERBATIM = {
     "generation_tag": (
         "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
         "{% else %}{{ m.role + ': ' + m.content }}{% endif %}\n{% endfor %}"
+    ),
+    # Texts tested for what they hold: a skeleton is for texts that answer no (others render whole).
+    "tested": (
+        "{% for m in messages %}{% if '<think>' in m.content or m.content.startswith('#') %}{{ m.content | length }}"
+        "{% else %}{{ m.role }}: {{ m.content.lstrip('\\n') }}\n{% endif %}{% endfor %}"
     ),
     # Today's date, whose text joins the shape's key.
     "clock": "{{ strftime_now('%d %b %Y') }}{% for m in messages %}{{ m.content }}{% endfor %}",
@@ -67,7 +72,10 @@ REFUSED = {
     "length": "{% for m in messages %}{{ m.content | length }}{% endfor %}",
     "method": "{% for m in messages %}{{ m.content.upper() }}{% endfor %}",
     "compared": "{% for m in messages %}{% if m.content == 'hi' %}hello{% endif %}{% endfor %}",
-    "contains": "{% for m in messages %}{% if '<think>' in m.content %}T{% endif %}{{ m.content }}{% endfor %}",
+    "tested_joined": "{% for m in messages %}{% if '<think>' in m.content + 'x' %}T{% endif %}{% endfor %}",
+    "tested_by_a_name": "{% set p = 'x' %}{% for m in messages %}{% if m.content.startswith(p) %}T{% endif %}{% endfor %}",
+    "stripped_of_letters": "{% for m in messages %}{{ m.content.strip('ab') }}{% endfor %}",
+    "split": "{% for m in messages %}{{ m.content.split('</think>')[-1] }}{% endfor %}",
     "sliced": "{% for m in messages %}{{ m.content[:3] }}{% endfor %}",
     "as_json": "{% for m in messages %}{{ m | tojson }}{% endfor %}",
     "list_as_json": "{{ messages | tojson }}",
@@ -92,7 +100,10 @@ REFUSED = {
 }
 
 PLAIN_ROLES = ["system", "developer", "user", "assistant"]
-FRAGMENTS = ["the router", " ", "\n", "\t", "中文", "😀", "<|im_end|>", "{{ x }}", "\ue000", "\u2003", "e\u0301"]
+FRAGMENTS = [
+    *("the router", " ", "\n", "\t", "中文", "😀", "<|im_end|>", "{{ x }}", "\ue000", "\u2003", "e\u0301"),
+    *("<think>", "</think>", "<tool_response>", "</tool_response>", "#"),
+]
 texts = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=5), max_size=6).map("".join)
 conversations = st.lists(st.tuples(st.sampled_from(PLAIN_ROLES), texts), min_size=1, max_size=8)
 
@@ -111,8 +122,25 @@ def as_messages(turns: list[tuple[str, str]]) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("name", sorted(ALL_TEMPLATES))
 def test_the_known_templates_are_checked_as_expected(name: str) -> None:
-    refusal = verbatim_check(ChatTemplate.from_source(ALL_TEMPLATES[name]).syntax_tree).refusal
+    refusal = SkeletonRenders().refusal(ChatTemplate.from_source(ALL_TEMPLATES[name]))
     assert (refusal is None) == (name in FILLED), refusal
+
+
+def test_what_qwen3_asks_of_a_text_is_what_a_skeleton_needs_answered_no() -> None:
+    """Qwen 3's template finds the last real query by testing texts for tool-response
+    tags, splits an answer at </think> and strips newlines off it."""
+    verdict = verbatim_check(ChatTemplate.from_source(ALL_TEMPLATES["qwen3"]).syntax_tree)
+    assert set(verdict.tests) == {
+        ("startswith", "<tool_response>"),
+        ("endswith", "</tool_response>"),
+        ("in", "</think>"),
+    }
+    assert verdict.strips
+    assert verdict.admits("Which replica?") and verdict.admits("")
+    assert not verdict.admits("<tool_response>42") and not verdict.admits("a</think>b")
+    assert not verdict.admits("\nWhich replica?") and not verdict.admits("Which replica? ")
+    # A content format of parts: its texts are lists, which no skeleton fills.
+    assert SkeletonRenders().refusal(ChatTemplate.from_source(ALL_TEMPLATES["openai_parts"])) is not None
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -130,7 +158,8 @@ def test_a_filled_skeleton_is_the_whole_render(
     name: str, turns: list[tuple[str, str]], add_generation_prompt: bool
 ) -> None:
     template = ChatTemplate.from_source(ALL_TEMPLATES.get(name) or VERBATIM[name])
-    assert verbatim_check(template.syntax_tree).refusal is None
+    verdict = verbatim_check(template.syntax_tree)
+    assert verdict.refusal is None
     whole = render_whole(template, add_generation_prompt)
     renders = SkeletonRenders(verify_every=1_000_000)
     messages = as_messages(turns)
@@ -138,10 +167,10 @@ def test_a_filled_skeleton_is_the_whole_render(
         expected: str | None = whole(messages)
     except ChatTemplateError:
         expected = None  # the template refuses the shape: no skeleton, and a whole render raises
+    admitted = all(verdict.admits(text) for _, text in turns)
     for _ in range(2):  # built, then found
         text = renders.render(messages, template, add_generation_prompt, whole)
-        whitespace_only = any(text.isspace() for _, text in turns)
-        if expected is None or whitespace_only:
+        if expected is None or not admitted:
             assert text is None
         else:
             assert text == expected
