@@ -109,7 +109,8 @@ def test_each_tokenizer_says_once_which_shortcuts_it_takes(caplog: pytest.LogCap
         if "shortcut" in record.getMessage() or "pieces" in record.getMessage()
     ]
     assert lines == [
-        "tokenizer kvroute's default: pieces on; chunks on; words ascii+unicode (compiled, new words by BPE); chat templates: default: incremental"
+        "tokenizer kvroute's default: pieces on; chunks on; words ascii+unicode (compiled, new words by BPE); "
+        "chat templates: default: incremental, short chats from skeletons"
     ]
 
 
