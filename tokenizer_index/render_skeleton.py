@@ -1,23 +1,26 @@
 """Short chats rendered without the template engine: one skeleton per conversation shape.
 
-A chat of a few plain messages (a role and a text each) costs ~10 us per request to
-convert and render through the model's Jinja template in its sandbox. Under a template that
-prints a message's text only as it is (or trimmed), and reads nothing else of it but its
-type and whether it is empty (:func:`verbatim_check`), that render is fixed by the roles,
-which texts are empty, the generation flag and (where the template writes it) today's
-date: the texts only fill slots. So each such
-*shape* is rendered once with marked texts and cut at the marks into literal segments and
-slots (:class:`Skeleton`); a request of that shape is the segments joined with its texts.
+A chat of a few plain messages (a role and a text each) costs ~10-30 us per request to
+convert and render through the model's Jinja template in its sandbox. Under a template
+whose output depends on a text only by printing it (as it is, trimmed or stripped) and
+otherwise only on its type, its truth and tests the texts answer no to
+(:func:`~kvroute.tokenizer_index.template_verbatim.verbatim_check`), that render is fixed
+by the roles, which texts are empty, the generation flag and (where the template writes
+it) today's date: the texts only fill slots. So each such *shape* is rendered once with
+marked texts and cut at the marks into literal segments and slots (:class:`Skeleton`); a
+request of that shape is the segments joined with its texts.
 
-Exact by three checks: the syntax check; at build, a second render with other marks
-(other lengths, other whitespace around them) must equal the skeleton filled with them;
-and every :data:`VERIFY_EVERY`-th filled render is compared with the whole render, a
-template that differed then renders whole from then on (and the log says so). Texts that
-are only whitespace render whole (a trimmed one would be empty, which the shape does not
-record); so do messages with any other field, conversations of
-:data:`~kvroute.tokenizer_index.render_memo.MIN_MESSAGES` or more (the render memo's), and
-requests with tools, documents, template keywords or ``continue_final_message`` (the
-tokenizer's caller decides).
+Exact by three checks: the syntax check; at build, a second render with other marks (of
+other lengths) must equal the skeleton filled with them; and every
+:data:`VERIFY_EVERY`-th filled render is compared with the whole render, a template that
+differed then renders whole from then on (and the log says so). Texts the template's
+verdict does not admit render whole (only whitespace, whose trimmed text would be empty,
+which the shape does not record; one that answers yes to a test; one with whitespace at
+an end under a template that strips); so do messages with any other field,
+conversations of :data:`~kvroute.tokenizer_index.render_memo.MIN_MESSAGES` or more (the
+render memo's), templates whose content format is a list of parts, and requests with
+tools, documents, template keywords or ``continue_final_message`` (the tokenizer's caller
+decides).
 """
 
 from __future__ import annotations
@@ -25,14 +28,13 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2 import nodes
-
 from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError, strftime_now
+from kvroute.tokenizer_index.template_verbatim import PLAIN_ROLES, Verbatim, verbatim_check
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +42,6 @@ log = logging.getLogger(__name__)
 VERIFY_EVERY = 128
 #: Shapes remembered per renderer (a shape's skeleton is the template's own text, ~1 KB).
 MAX_SHAPES = 1024
-#: Roles a plain message may have: a client's invented roles would only churn the shapes.
-PLAIN_ROLES = frozenset({"system", "developer", "user", "assistant"})
-
-# Tests that read only a value's type: a text's are the same for every text.
-_TYPE_TESTS = frozenset({"string", "defined", "undefined", "none", "mapping", "sequence", "iterable"})
-# A dict's own attributes: ``message.get("content")`` reads the text past the check.
-_DICT_ATTRIBUTES = frozenset(dir(dict))
-# Globals and filters whose output changes between renders of the same input (the clock,
-# ``strftime_now``, is allowed with a constant format: its text joins the shape).
-_UNSTABLE_NAMES = frozenset({"lipsum"})
-_UNSTABLE_FILTERS = frozenset({"random"})
 # Marks: private-use characters no template writes, and around them a space str.strip()
 # (and Jinja's trim) removes, so a trimmed slot shows as the bare mark.
 _PAD = "\u2003"
@@ -58,490 +49,8 @@ _MARK = re.compile("(\u2003?)\ue000([0-9]+)\ue001(\u2003?)")
 _MARK_CHARACTERS = re.compile("[\ue000-\ue003]")
 
 
-#: Rounds of finding the names set from texts and the branches left live, at most.
-_SETTLE_ROUNDS = 8
 #: A shape not built yet (None: built, and no skeleton).
 _UNBUILT: Any = object()
-
-
-class _Refusal(Exception):
-    """The template reads a message's text some way other than printing it."""
-
-
-@dataclass(frozen=True, slots=True)
-class Verbatim:
-    """What a template's syntax says of skeletons (:func:`verbatim_check`)."""
-
-    #: Why the template may not render from skeletons; None when it may.
-    refusal: str | None
-    #: The formats of the ``strftime_now`` calls (constant): their texts join a shape's key.
-    clock_formats: tuple[str, ...] = ()
-    #: What the template asks of a text (``startswith``, ``endswith``, ``in``; with the
-    #: constant asked): a skeleton is for texts where every answer is no.
-    tests: tuple[tuple[str, str], ...] = ()
-    #: Whether it strips a text of given characters (``content.lstrip('\n')``): a skeleton
-    #: is then for texts with no whitespace at either end, which stripping leaves alone.
-    strips: bool = False
-
-    def admits(self, text: str) -> bool:
-        """Whether a message's ``text`` may fill a skeleton under this template."""
-        if text and (text.isspace() or (self.strips and (text[0].isspace() or text[-1].isspace()))):
-            return False
-        return not self.answers_yes(text)
-
-    def answers_yes(self, text: str) -> bool:
-        """Whether one of the template's tests of a text says yes for ``text``."""
-        for kind, constant in self.tests:
-            if kind == "startswith":
-                if text.startswith(constant):
-                    return True
-            elif text.endswith(constant) if kind == "endswith" else constant in text:
-                return True
-        return False
-
-
-def verbatim_check(tree: nodes.Template) -> Verbatim:
-    """Whether ``tree`` may render short plain chats from skeletons.
-
-    It may where every read of a message's text (``message.content``, ``message['content']``,
-    ``messages[i].content``, and names set from them) is printed as it is or trimmed,
-    joined with ``+`` or ``~``, chosen by ``if``/``or``/``and``, stripped of whitespace,
-    or only tested for its type, its truth, or whether it starts with, ends with or holds a
-    constant; messages themselves are only indexed by a constant key, tested for a key
-    (``'x' in message``) or their type, counted (``messages | length``), copied or sliced
-    into a name (``{% set messages = messages[1:] %}``) or looped over; nothing printed
-    from a text is captured (``{% set %}`` blocks, macros, filter and call blocks); nothing
-    reads chance (``lipsum``, ``random``), and the clock only through ``strftime_now`` with
-    a constant format. Branches a plain message never takes (``message.role == 'tool'``,
-    ``'tool_calls' in message``, ``'</think>' in content``: a skeleton is only for texts
-    where such tests say no) are not read.
-    """
-    try:
-        check = _VerbatimCheck(tree)
-        check.run()
-    except _Refusal as refusal:
-        return Verbatim(str(refusal))
-    return Verbatim(None, tuple(sorted(check.clock_formats)), tuple(sorted(check.tests)), check.strips)
-
-
-class _VerbatimCheck:
-    def __init__(self, tree: nodes.Template) -> None:
-        self._tree = tree
-        self._parents: dict[int, nodes.Node] = {}
-        for node in _walk(tree):
-            for child in node.iter_child_nodes():
-                self._parents[id(child)] = node
-        # Names of message lists (``messages`` and copies or slices of it) and of messages
-        # (loop variables over those); the stores that make them, the only ones allowed.
-        self._list_names = {"messages"}
-        self._allowed_stores: set[int] = set()
-        self._list_copies: set[int] = set()
-        self._find_list_names()
-        self._message_names: set[str] = set()
-        for loop in tree.find_all(nodes.For):
-            if self._is_list(loop.iter):
-                if not isinstance(loop.target, nodes.Name):
-                    raise _Refusal("a loop over the messages unpacks them")
-                self._message_names.add(loop.target.name)
-                self._allowed_stores.add(id(loop.target))
-        # Names set from a text (their every read is checked as the text's), and those of
-        # them that may hold something besides one text or '' (never tested): found by
-        # :meth:`_settle_names`, over the branches a plain message takes.
-        self._content_names: set[str] = set()
-        self._mixed_names: set[str] = set()
-        self.clock_formats: set[str] = set()
-        self.tests: set[tuple[str, str]] = set()
-        self.strips = False
-
-    def _is_list(self, node: nodes.Node) -> bool:
-        """A message list: a list name, or a slice of one (``messages[::-1]``)."""
-        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
-            node = node.node
-        return isinstance(node, nodes.Name) and node.name in self._list_names
-
-    def _find_list_names(self) -> None:
-        assigns = list(self._tree.find_all(nodes.Assign))
-        while True:
-            known = len(self._list_names)
-            for assign in assigns:
-                value = assign.node
-                copied = (
-                    value.node if isinstance(value, nodes.Getitem) and isinstance(value.arg, nodes.Slice) else value
-                )
-                if isinstance(copied, nodes.Name) and copied.name in self._list_names:
-                    if not isinstance(assign.target, nodes.Name):
-                        raise _Refusal("the messages are unpacked")
-                    self._list_names.add(assign.target.name)
-                    self._allowed_stores.add(id(assign.target))
-                    self._list_copies.add(id(copied))
-            if len(self._list_names) == known:
-                return
-
-    def _settle_names(self) -> None:
-        """The content and mixed names, to a fixed point with the branches they leave live.
-
-        Optimistic: no name is mixed at first, so a test of a text may prune a branch whose
-        sets would make it mixed; then the names are found again over what is left, until
-        nothing changes. Sound by induction over a render: while only live branches have
-        run, every name holds what a live ``set`` gave it, so every test pruning a branch
-        tests one text (or ''), which a skeleton's texts answer no to.
-        """
-        every_branch = _walk(self._tree)
-        self._content_names = self._names_set_from_texts(every_branch)  # (none mixed yet)
-        for _ in range(_SETTLE_ROUNDS):
-            known = (self._content_names, self._mixed_names)
-            assigns = [
-                node
-                for node in _live(self._tree, self._plain_truth)
-                if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name)
-            ]
-            content = self._content_names = self._names_set_from_texts(assigns)
-            self._mixed_names = {
-                assign.target.name  # type: ignore[attr-defined]
-                for assign in assigns
-                if assign.target.name in content and not self._one_text_or_empty(assign.node)  # type: ignore[attr-defined]
-            }
-            if (self._content_names, self._mixed_names) == known:
-                return
-        raise _Refusal("the names set from texts do not settle")
-
-    def _names_set_from_texts(self, nodes_seen: Iterable[nodes.Node]) -> set[str]:
-        """The names that the ``set`` statements among ``nodes_seen`` give a value read
-        from a text (or from such a name)."""
-        assigns = [
-            node for node in nodes_seen if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name)
-        ]
-        found: set[str] = set()
-        self._content_names, outer = found, self._content_names
-        try:
-            while True:
-                before = len(found)
-                for assign in assigns:
-                    if any(self._reads_text(node) for node in _walk(assign.node)):
-                        found.add(assign.target.name)  # type: ignore[attr-defined]
-                if len(found) == before:
-                    return found
-        finally:
-            self._content_names = outer
-
-    def _reads_text(self, node: nodes.Node) -> bool:
-        if isinstance(node, nodes.Name):
-            return node.ctx == "load" and node.name in self._content_names
-        return isinstance(node, nodes.Getattr | nodes.Getitem) and self._is_text_access(node)
-
-    def _is_text_access(self, node: nodes.Getattr | nodes.Getitem) -> bool:
-        return _key_of(node) == "content" and self._is_message(node.node)
-
-    def _one_text_or_empty(self, node: nodes.Node) -> bool:
-        """Whether ``node`` is always one message's text or '' (what a test on a text may
-        take as a text, whose answer is then no for '' and for the texts a skeleton fills)."""
-        if isinstance(node, nodes.Const):
-            return node.value == ""
-        if isinstance(node, nodes.Name):
-            return node.name in self._content_names and node.name not in self._mixed_names
-        if isinstance(node, nodes.Getattr | nodes.Getitem):
-            return self._is_text_access(node)
-        if isinstance(node, nodes.Or):
-            return self._one_text_or_empty(node.left) and self._one_text_or_empty(node.right)
-        if isinstance(node, nodes.CondExpr):
-            return (
-                node.expr2 is not None and self._one_text_or_empty(node.expr1) and self._one_text_or_empty(node.expr2)
-            )
-        return False
-
-    def run(self) -> None:
-        self._settle_names()
-        self.tests.clear()  # (those the settling rounds asked are asked again below)
-        refusal: _Refusal | None = None
-        for node in _live(self._tree, self._plain_truth):
-            try:
-                self._check(node)
-            except _Refusal as found:
-                refusal = refusal or found
-        if refusal is not None:
-            raise refusal
-
-    def _check(self, node: nodes.Node) -> None:
-        if isinstance(node, nodes.Filter) and node.name in _UNSTABLE_FILTERS:
-            raise _Refusal(f"the template uses the {node.name} filter")
-        if not isinstance(node, nodes.Name):
-            return
-        if node.ctx == "store":
-            names = self._list_names | self._message_names
-            if node.name in names and id(node) not in self._allowed_stores:
-                raise _Refusal(f"the template sets {node.name}")
-            return
-        if node.ctx != "load":
-            return
-        if node.name == "strftime_now":
-            self._clock_use(node)
-        elif node.name in _UNSTABLE_NAMES:
-            raise _Refusal(f"the template calls {node.name}")
-        elif node.name in self._list_names:
-            self._message_list_use(node)
-        elif node.name in self._message_names:
-            self._message_use(node)
-        elif node.name in self._content_names:
-            self._text_use(node)
-        elif node.name == "loop":
-            parent = self._parent(node)
-            if isinstance(parent, nodes.Getattr) and parent.attr in ("previtem", "nextitem"):
-                raise _Refusal(f"the template reads loop.{parent.attr}")
-
-    def _clock_use(self, node: nodes.Name) -> None:
-        parent = self._parent(node)
-        if isinstance(parent, nodes.Test) and parent.node is node and parent.name in ("defined", "undefined"):
-            return
-        constant = _constant_argument(parent, node)
-        if constant is None:
-            raise _Refusal("the template calls strftime_now with a format that varies")
-        self.clock_formats.add(constant)
-
-    def _message_list_use(self, node: nodes.Node) -> None:
-        parent = self._parent(node)
-        if id(node) in self._list_copies:
-            return  # {% set messages = messages[1:] %}: a list name, checked where it is read
-        if isinstance(parent, nodes.For) and parent.iter is node:
-            return
-        if isinstance(parent, nodes.Getitem) and parent.node is node:
-            if not isinstance(parent.arg, nodes.Slice):
-                self._message_use(parent)
-                return
-            grandparent = self._parent(parent)
-            if isinstance(grandparent, nodes.For) and grandparent.iter is parent:
-                return  # for message in messages[::-1]
-        if isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "length":
-            return
-        if isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
-            return
-        raise _Refusal(f"the messages are read as {type(parent).__name__}")
-
-    def _message_use(self, node: nodes.Node) -> None:
-        parent = self._parent(node)
-        key: object = None
-        if isinstance(parent, nodes.Getattr) and parent.node is node:
-            key = parent.attr
-        elif isinstance(parent, nodes.Getitem) and parent.node is node:
-            if not isinstance(parent.arg, nodes.Const) or not isinstance(parent.arg.value, str):
-                raise _Refusal("a message is read by a computed key")
-            key = parent.arg.value
-        elif isinstance(parent, nodes.Operand) and parent.op in ("in", "notin") and parent.expr is node:
-            return  # 'key' in message
-        elif isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
-            return
-        else:
-            raise _Refusal(f"a message is read as {type(parent).__name__}")
-        if key == "content":
-            self._text_use(parent)
-        elif key in _DICT_ATTRIBUTES:
-            raise _Refusal(f"a message's {key} is called")
-
-    def _text_use(self, node: nodes.Node) -> None:
-        """``node``'s value is made of texts: how its parent uses it."""
-        parent = self._parent(node)
-        if isinstance(parent, nodes.Output):
-            self._check_not_captured(parent)
-        elif isinstance(parent, nodes.Add | nodes.Concat | nodes.Or | nodes.And):
-            self._text_use(parent)
-        elif isinstance(parent, nodes.CondExpr):
-            if parent.test is not node:
-                self._text_use(parent)
-        elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "trim":
-            if not self._one_text(node) or parent.args or parent.kwargs or parent.dyn_args or parent.dyn_kwargs:
-                raise _Refusal("a text is trimmed with other text or characters")
-            self._text_use(parent)
-        elif isinstance(parent, nodes.Getattr) and parent.node is node:
-            self._text_method_use(node, parent)
-        elif isinstance(parent, nodes.Operand) and parent.expr is node:
-            comparison = self._parent(parent)
-            if self._text_test(comparison) is None:
-                raise _Refusal("a text is compared")
-        elif isinstance(parent, nodes.Test) and parent.node is node:
-            if parent.name not in _TYPE_TESTS:
-                raise _Refusal(f"a text is tested with {parent.name}")
-        elif isinstance(parent, nodes.Not) or (isinstance(parent, nodes.If | nodes.For) and parent.test is node):
-            return
-        elif isinstance(parent, nodes.Assign) and parent.node is node and isinstance(parent.target, nodes.Name):
-            return  # the name is a content name (_find_content_names): its reads are checked
-        else:
-            raise _Refusal(f"a text is read as {type(parent).__name__}")
-
-    def _text_method_use(self, node: nodes.Node, method: nodes.Getattr) -> None:
-        """``text.startswith('x')``, ``text.endswith('x')`` (tests), ``text.strip()``,
-        ``text.lstrip('\n')``... (stripping whitespace); nothing else of a text is called."""
-        call = self._parent(method)
-        if not isinstance(call, nodes.Call) or call.node is not method:
-            raise _Refusal(f"a text's {method.attr} is read")
-        if method.attr in ("startswith", "endswith"):
-            if self._text_test(call) is None:
-                raise _Refusal(f"a text's {method.attr} is asked of something not a constant")
-            return
-        if method.attr in ("strip", "lstrip", "rstrip"):
-            characters = _constant_argument(call, method) if call.args else ""
-            if characters is None or (characters and not characters.isspace()):
-                raise _Refusal(f"a text is stripped of {characters!r}")
-            self.strips = True
-            self._text_use(call)
-            return
-        raise _Refusal(f"a text's {method.attr} is called")
-
-    def _text_test(self, node: nodes.Node) -> tuple[str, str] | None:
-        """``(kind, constant)`` where ``node`` asks whether one text (or '') starts with,
-        ends with or holds a non-empty constant (recorded: a skeleton is for texts where
-        the answer is no); None where it is no such test."""
-        found: tuple[str, str] | None = None
-        if isinstance(node, nodes.Call) and isinstance(node.node, nodes.Getattr):
-            method = node.node
-            constant = _constant_argument(node, method)
-            if method.attr in ("startswith", "endswith") and constant and self._one_text_or_empty(method.node):
-                found = (method.attr, constant)
-        elif isinstance(node, nodes.Compare) and len(node.ops) == 1 and node.ops[0].op in ("in", "notin"):
-            left, right = node.expr, node.ops[0].expr
-            if isinstance(left, nodes.Const) and isinstance(left.value, str) and left.value:
-                if self._one_text_or_empty(right):
-                    found = ("in", left.value)
-        if found is not None:
-            self.tests.add(found)
-        return found
-
-    def _one_text(self, node: nodes.Node) -> bool:
-        """Whether ``node`` is one message's text or a constant (so trimming it trims that
-        text alone): the text itself, ``text or 'x'``, ``text if test else 'x'``."""
-        if isinstance(node, nodes.Name):
-            return self._one_text_or_empty(node)
-        if isinstance(node, nodes.Const):
-            return isinstance(node.value, str)
-        if isinstance(node, nodes.Getattr | nodes.Getitem):
-            return self._is_text_access(node)
-        if isinstance(node, nodes.Or):
-            return self._one_text(node.left) and isinstance(node.right, nodes.Const)
-        if isinstance(node, nodes.CondExpr):
-            return node.expr2 is not None and self._one_text(node.expr1) and self._one_text(node.expr2)
-        return False
-
-    def _is_message(self, node: nodes.Node) -> bool:
-        if isinstance(node, nodes.Name):
-            return node.name in self._message_names
-        return (
-            isinstance(node, nodes.Getitem)
-            and isinstance(node.node, nodes.Name)
-            and node.node.name in self._list_names
-            and not isinstance(node.arg, nodes.Slice)
-        )
-
-    def _plain_truth(self, test: nodes.Node) -> bool | None:
-        """``test``'s value for every plain message, where it is the same for all (a role
-        no plain message has, a field none has, a text test a skeleton's texts answer no
-        to, a text's type); None where it may differ."""
-        if isinstance(test, nodes.Not):
-            inner = self._plain_truth(test.node)
-            return None if inner is None else not inner
-        if isinstance(test, nodes.And | nodes.Or):
-            left, right = self._plain_truth(test.left), self._plain_truth(test.right)
-            deciding = isinstance(test, nodes.Or)  # True decides an or, False an and
-            if deciding in (left, right):
-                return deciding
-            return None if None in (left, right) else not deciding
-        if isinstance(test, nodes.Test) and test.name == "string" and self._one_text_or_empty(test.node):
-            return True
-        if isinstance(test, nodes.Call) and self._text_test(test) is not None:
-            return False
-        if not isinstance(test, nodes.Compare) or len(test.ops) != 1:
-            return None
-        if self._text_test(test) is not None:
-            return test.ops[0].op == "notin"
-        (operand,) = test.ops
-        first, second = test.expr, operand.expr
-        if operand.op in ("in", "notin") and isinstance(first, nodes.Const) and self._is_loop_message(second):
-            present = first.value in ("role", "content")
-            return present if operand.op == "in" else not present
-        if operand.op in ("eq", "ne"):
-            for read, other in ((first, second), (second, first)):
-                is_role = isinstance(read, nodes.Getattr | nodes.Getitem) and _key_of(read) == "role"
-                if is_role and self._is_loop_message(read.node) and isinstance(other, nodes.Const):  # type: ignore[attr-defined]
-                    if other.value in PLAIN_ROLES:
-                        return None
-                    return operand.op == "ne"
-        return None
-
-    def _is_loop_message(self, node: nodes.Node) -> bool:
-        return isinstance(node, nodes.Name) and node.name in self._message_names
-
-    def _check_not_captured(self, output: nodes.Output) -> None:
-        node: nodes.Node | None = output
-        while node is not None:
-            if isinstance(node, nodes.Macro | nodes.AssignBlock | nodes.FilterBlock):
-                raise _Refusal(f"a text is printed inside a {type(node).__name__}")
-            if isinstance(node, nodes.CallBlock) and not _is_generation_block(node):
-                raise _Refusal("a text is printed inside a call block")
-            node = self._parents.get(id(node))
-
-    def _parent(self, node: nodes.Node) -> nodes.Node:
-        return self._parents[id(node)]
-
-
-def _constant_argument(call: nodes.Node, callee: nodes.Node) -> str | None:
-    """The one constant string ``call`` passes ``callee``, if it is such a call."""
-    if (
-        isinstance(call, nodes.Call)
-        and call.node is callee
-        and len(call.args) == 1
-        and isinstance(call.args[0], nodes.Const)
-        and isinstance(call.args[0].value, str)
-        and not (call.kwargs or call.dyn_args or call.dyn_kwargs)
-    ):
-        return call.args[0].value
-    return None
-
-
-def _key_of(node: nodes.Node) -> str | None:
-    """The constant key ``node`` reads (``x.key``, ``x['key']``), if it is such a read."""
-    if isinstance(node, nodes.Getattr):
-        return node.attr
-    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str):
-        return node.arg.value
-    return None
-
-
-def _live(node: nodes.Node, truth: Callable[[nodes.Node], bool | None]) -> Iterator[nodes.Node]:
-    """``node`` and the nodes under it, less the branches of ``if`` statements whose tests
-    ``truth`` says are the same for every plain message (the others are never rendered)."""
-    yield node
-    if not isinstance(node, nodes.If):
-        for child in node.iter_child_nodes():
-            yield from _live(child, truth)
-        return
-    for branch in (node, *node.elif_):
-        yield from _live(branch.test, truth)
-        taken = truth(branch.test)
-        if taken is not False:
-            for child in branch.body:
-                yield from _live(child, truth)
-        if taken is True:
-            return
-    for child in node.else_:
-        yield from _live(child, truth)
-
-
-def _walk(node: nodes.Node) -> Iterator[nodes.Node]:
-    yield node
-    for child in node.iter_child_nodes():
-        yield from _walk(child)
-
-
-def _is_load(node: nodes.Node, name: str) -> bool:
-    return isinstance(node, nodes.Name) and node.name == name and node.ctx == "load"
-
-
-def _is_generation_block(node: nodes.CallBlock) -> bool:
-    """``{% generation %}`` (:class:`~kvroute.tokenizer_index.chat_template._GenerationTag`),
-    which renders its body unchanged."""
-    call = node.call
-    return (
-        isinstance(call, nodes.Call)
-        and isinstance(call.node, nodes.ExtensionAttribute)
-        and call.node.name == "_render_body"
-    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,120 @@
+"""The syntax check behind skeletons: which templates print a message's text verbatim.
+
+Each template is checked as parsed; what the check accepts, the hypothesis tests of
+``test_render_skeleton.py`` then fill and compare with whole renders.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute.tokenizer_index.chat_template import ChatTemplate
+from kvroute.tokenizer_index.render_skeleton import SkeletonRenders
+from kvroute.tokenizer_index.template_verbatim import verbatim_check
+from tests.tokenizer_index.test_render_memo import ALL_TEMPLATES
+
+#: Templates the syntax check lets fill skeletons (the rest must be refused).
+FILLED = {
+    *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "qwen3"),
+    *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last"),
+}
+
+# Templates that print texts only as they are, trimmed, or chosen by their truth.
+VERBATIM = {
+    "trimmed": (
+        "{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    ),
+    "set_and_joined": (
+        "{% set first = messages[0]['content'] if messages[0]['content'] is string else '' %}"
+        "{{ first ~ '|' }}{% for m in messages %}{% set text = m['content'] or '(nothing)' %}"
+        "{% if text and not loop.first %}<{{ m['role'] }}>{{ text + '</' + m['role'] + '>' }}{% endif %}"
+        "{% endfor %}"
+    ),
+    "generation_tag": (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% else %}{{ m.role + ': ' + m.content }}{% endif %}\n{% endfor %}"
+    ),
+    # Texts tested for what they hold: a skeleton is for texts that answer no (others render whole).
+    "tested": (
+        "{% for m in messages %}{% if '<think>' in m.content or m.content.startswith('#') %}{{ m.content | length }}"
+        "{% else %}{{ m.role }}: {{ m.content.lstrip('\\n') }}\n{% endif %}{% endfor %}"
+    ),
+    # Today's date, whose text joins the shape's key.
+    "clock": "{{ strftime_now('%d %b %Y') }}{% for m in messages %}{{ m.content }}{% endfor %}",
+    # A branch no plain message takes reads its text otherwise (Llama 3.1's tool results).
+    "tool_branch": (
+        "{% if messages[0].role == 'system' %}{% set loop_messages = messages[1:] %}"
+        "{% else %}{% set loop_messages = messages %}{% endif %}"
+        "{% for m in loop_messages %}{% if not (m.role == 'tool' or 'tool_calls' in m) %}{{ m.role }}: "
+        "{{ (m.content or '') | trim }}\n{% elif m.role == 'ipython' %}{{ m.content | tojson }}"
+        "{% else %}{{ m.content | length }}{% endif %}{% endfor %}"
+    ),
+    "roles_checked": (
+        "{% for m in messages %}{% if m.role == 'developer' %}{{ raise_exception('no developer here') }}{% endif %}"
+        "{{ m.role }}={{ m.content }};{% endfor %}"
+    ),
+}
+
+# Templates that read texts some other way: refused, whatever a probe would show.
+REFUSED = {
+    "length": "{% for m in messages %}{{ m.content | length }}{% endfor %}",
+    "method": "{% for m in messages %}{{ m.content.upper() }}{% endfor %}",
+    "compared": "{% for m in messages %}{% if m.content == 'hi' %}hello{% endif %}{% endfor %}",
+    "tested_joined": "{% for m in messages %}{% if '<think>' in m.content + 'x' %}T{% endif %}{% endfor %}",
+    "tested_by_a_name": "{% set p = 'x' %}{% for m in messages %}{% if m.content.startswith(p) %}T{% endif %}{% endfor %}",
+    "stripped_of_letters": "{% for m in messages %}{{ m.content.strip('ab') }}{% endfor %}",
+    "split": "{% for m in messages %}{{ m.content.split('</think>')[-1] }}{% endfor %}",
+    "sliced": "{% for m in messages %}{{ m.content[:3] }}{% endfor %}",
+    "as_json": "{% for m in messages %}{{ m | tojson }}{% endfor %}",
+    "list_as_json": "{{ messages | tojson }}",
+    "get_method": "{% for m in messages %}{{ m.get('content') }}{% endfor %}",
+    "computed_key": "{% set key = 'con' + 'tent' %}{% for m in messages %}{{ m[key] }}{% endfor %}",
+    "captured": "{% for m in messages %}{% set x %}{{ m.content }}{% endset %}{{ x | length }}{% endfor %}",
+    "macro": "{% macro show(t) %}{{ t }}{% endmacro %}{% for m in messages %}{{ show(m.content) }}{% endfor %}",
+    "trimmed_whole": "{% for m in messages %}{{ (m.content + '  x') | trim }}{% endfor %}",
+    "namespace": (
+        "{% set ns = namespace(last='') %}{% for m in messages %}{% set ns.last = m.content %}{% endfor %}{{ ns.last }}"
+    ),
+    "neighbour_item": "{% for m in messages %}{{ loop.previtem }}{% endfor %}",
+    "clock_format_varies": (
+        "{% set format = '%Y' %}{{ strftime_now(format) }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    ),
+    "tool_branch_joined": (
+        "{% for m in messages %}{% if m.role == 'tool' or m.role == 'user' %}{{ m.content | length }}"
+        "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    ),
+    "renamed": "{% set messages = [] %}{% for m in messages %}{{ m.content }}{% endfor %}",
+    "filtered_list": "{% for m in messages | selectattr('role') %}{{ m.content }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_TEMPLATES))
+def test_the_known_templates_are_checked_as_expected(name: str) -> None:
+    refusal = SkeletonRenders().refusal(ChatTemplate.from_source(ALL_TEMPLATES[name]))
+    assert (refusal is None) == (name in FILLED), refusal
+
+
+def test_what_qwen3_asks_of_a_text_is_what_a_skeleton_needs_answered_no() -> None:
+    """Qwen 3's template finds the last real query by testing texts for tool-response
+    tags, splits an answer at </think> and strips newlines off it."""
+    verdict = verbatim_check(ChatTemplate.from_source(ALL_TEMPLATES["qwen3"]).syntax_tree)
+    assert set(verdict.tests) == {
+        ("startswith", "<tool_response>"),
+        ("endswith", "</tool_response>"),
+        ("in", "</think>"),
+    }
+    assert verdict.strips
+    assert verdict.admits("Which replica?") and verdict.admits("")
+    assert not verdict.admits("<tool_response>42") and not verdict.admits("a</think>b")
+    assert not verdict.admits("\nWhich replica?") and not verdict.admits("Which replica? ")
+    # A content format of parts: its texts are lists, which no skeleton fills.
+    assert SkeletonRenders().refusal(ChatTemplate.from_source(ALL_TEMPLATES["openai_parts"])) is not None
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_templates_reading_texts_otherwise_are_refused(name: str) -> None:
+    template = ChatTemplate.from_source(REFUSED[name])
+    assert verbatim_check(template.syntax_tree).refusal is not None
+    renders = SkeletonRenders()
+    assert renders.render([{"role": "user", "content": "hi"}], template, True, lambda messages: "") is None
