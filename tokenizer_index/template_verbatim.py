@@ -409,8 +409,15 @@ class _VerbatimCheck:
             if deciding in (left, right):
                 return deciding
             return None if None in (left, right) else not deciding
-        if isinstance(test, nodes.Test) and test.name == "string" and self._one_text_or_empty(test.node):
-            return True
+        # A text is a string; a name set from one may not be set yet (undefined) where it is
+        # tested, so only a text read straight off its message counts.
+        if (
+            isinstance(test, nodes.Test)
+            and test.name == "string"
+            and isinstance(test.node, nodes.Getattr | nodes.Getitem)
+        ):
+            if self._is_text_access(test.node):
+                return True
         if isinstance(test, nodes.Call) and self._text_test(test) is not None:
             return False
         if not isinstance(test, nodes.Compare) or len(test.ops) != 1:

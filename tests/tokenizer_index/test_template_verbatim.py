@@ -118,3 +118,15 @@ def test_templates_reading_texts_otherwise_are_refused(name: str) -> None:
     assert verbatim_check(template.syntax_tree).refusal is not None
     renders = SkeletonRenders()
     assert renders.render([{"role": "user", "content": "hi"}], template, True, lambda messages: "") is None
+
+
+def test_a_name_tested_before_it_is_set_keeps_both_branches() -> None:
+    """Inside a loop a name set from a text is undefined until its set runs, so ``is
+    string`` of it proves nothing: the other branch, which measures a text, is read."""
+    source = (
+        "{% for m in messages %}{% if text is string %}{{ text }}{% else %}{{ m.content | length }}{% endif %}"
+        "{% set text = m.content %}{% endfor %}"
+    )
+    assert verbatim_check(ChatTemplate.from_source(source).syntax_tree).refusal is not None
+    straight = source.replace("text is string", "m.content is string")
+    assert verbatim_check(ChatTemplate.from_source(straight).syntax_tree).refusal is None
