@@ -329,7 +329,7 @@ class _VerbatimCheck:
         elif isinstance(parent, nodes.Not) or (isinstance(parent, nodes.If | nodes.For) and parent.test is node):
             return
         elif isinstance(parent, nodes.Assign) and parent.node is node and isinstance(parent.target, nodes.Name):
-            return  # the name is a content name (_find_content_names): its reads are checked
+            return  # the name is a content name (_settle_names): its reads are checked
         else:
             raise _Refusal(f"a text is read as {type(parent).__name__}")
 
