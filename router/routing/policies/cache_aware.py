@@ -150,7 +150,8 @@ class CacheAware(Policy):
         self._turn += 1
         pricing = self.pricing(request, candidates)
         # In rotated order, so equal costs and fills go to a rotating start, never index 0.
-        costs = [self.cost_of(candidates[(start + offset) % count], pricing) for offset in range(count)]
+        cost_of = self.cost_of
+        costs = [cost_of(backend, pricing) for backend in (*candidates[start:], *candidates[:start])]
         eligible = roomiest(costs, pricing) if pricing.best_match == 0 and not pricing.starts_session else costs
         chosen, reason = reason_for(eligible, pricing.best_match)
         self._mean_work += _WORK_EWMA_WEIGHT * (request.work_tokens(chosen.matched_tokens) - self._mean_work)
@@ -175,8 +176,16 @@ class CacheAware(Policy):
                     relief = int(relief * thrash_weight(request.eviction_rates, home))
                     break
         count = len(candidates)
-        total_in_flight = sum(backend.in_flight for backend in candidates)
-        best_match = max((matched.get(backend.url, 0) for backend in candidates), default=0)
+        total_in_flight = best_match = 0
+        least_in_flight = candidates[0].in_flight if candidates else 0
+        for backend in candidates:  # (one pass: this runs for every request)
+            in_flight = backend.in_flight
+            total_in_flight += in_flight
+            if in_flight < least_in_flight:
+                least_in_flight = in_flight
+            held = matched.get(backend.url, 0)
+            if held > best_match:
+                best_match = held
         # Its own history: what the backend it last went to holds of this prompt.
         anchor = conversation.backend if conversation is not None and conversation.turns >= 1 else None
         anchor_match = matched.get(anchor, 0) if anchor is not None else None
@@ -209,7 +218,7 @@ class CacheAware(Policy):
             starts_session=starts_session,
             candidates=count,
             total_in_flight=total_in_flight,
-            least_in_flight=min(backend.in_flight for backend in candidates),
+            least_in_flight=least_in_flight,
             least_match=least_match,
             hosted=hosted,
             total_hosted=sum(hosted.values()),
@@ -315,8 +324,11 @@ def reason_for(costs: Sequence[BackendCost], best_match: int) -> tuple[BackendCo
         chosen = cheapest if within is costs else _cheapest(within)
         if chosen is not cheapest:
             return chosen, "overload"
-        if any(cost.cost != cost.plain for cost in within) and chosen is not _cheapest(within, plain=True):
-            return chosen, "capacity"
+        for cost in within:
+            if cost.cost != cost.plain:
+                if chosen is not _cheapest(within, plain=True):
+                    return chosen, "capacity"
+                break
     else:
         chosen = cheapest
     if best_match == 0:
@@ -326,8 +338,13 @@ def reason_for(costs: Sequence[BackendCost], best_match: int) -> tuple[BackendCo
 
 def _cheapest(costs: Sequence[BackendCost], *, plain: bool = False) -> BackendCost:
     """The lowest cost (or plain cost), then the emptiest cache, then the first in order."""
-    position = min(range(len(costs)), key=lambda i: (costs[i].plain if plain else costs[i].cost, costs[i].fill, i))
-    return costs[position]
+    best = costs[0]
+    best_price = best.plain if plain else best.cost
+    for cost in costs[1:]:
+        price = cost.plain if plain else cost.cost
+        if price < best_price or (price == best_price and cost.fill < best.fill):
+            best, best_price = cost, price
+    return best
 
 
 def _explained(cost: BackendCost, pricing: Pricing) -> CandidateCost:
