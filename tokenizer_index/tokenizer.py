@@ -52,6 +52,11 @@ text, under templates whose syntax guarantees that this
 equals the whole render (:mod:`kvroute.tokenizer_index.template_prefix`) and whose probe
 conversations agree at first use (:meth:`RequestTokenizer.renders_incrementally`); every other
 template renders every message every time.
+
+Rendered from skeletons: a shorter chat of plain messages (a role and a text each, with no
+tools, documents or template keywords) is its shape's skeleton filled with its texts
+(:mod:`kvroute.tokenizer_index.render_skeleton`), under templates whose syntax shows that
+they print texts verbatim (:mod:`kvroute.tokenizer_index.template_verbatim`).
 """
 
 from __future__ import annotations
