@@ -16,7 +16,7 @@ other lengths) must equal the skeleton filled with them; and every
 differed then renders whole from then on (and the log says so). Texts the template's
 verdict does not admit render whole (only whitespace, whose trimmed text would be empty,
 which the shape does not record; one that answers yes to a test; one with whitespace at
-an end under a template that strips); so do messages with any other field,
+an end under a template that strips); so do messages with any other field not null,
 conversations of :data:`~kvroute.tokenizer_index.render_memo.MIN_MESSAGES` or more (the
 render memo's), templates whose content format is a list of parts, and requests with
 tools, documents, template keywords or ``continue_final_message`` (the tokenizer's caller
@@ -100,6 +100,15 @@ class Skeleton:
         return "".join(parts)
 
 
+def _null_fields(message: dict[str, Any]) -> tuple[str, ...] | None:
+    """The fields of ``message`` besides its role and text, where every one is null (None
+    otherwise): such a message fills the skeleton of the same fields, set to null."""
+    fields = [key for key in message if key != "role" and key != "content"]
+    if any(type(key) is not str or message[key] is not None for key in fields):
+        return None
+    return tuple(sorted(fields))
+
+
 def _clock_texts(formats: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(strftime_now(format) for format in formats)
 
@@ -169,16 +178,22 @@ class SkeletonRenders:
         verdict = self._verdict(template)
         if verdict.refusal is not None:
             return None
-        shape: list[str] = []
+        shape: list[object] = []
         texts: list[str] = []
         for message in messages:
-            if type(message) is not dict or len(message) != 2:
+            if type(message) is not dict:
                 return None
             role = message.get("role")
             text = message.get("content")
             if type(role) is not str or role not in PLAIN_ROLES or type(text) is not str or not verdict.admits(text):
                 return None
-            shape.append(role if text else role + ":empty")
+            kind: object = role if text else role + ":empty"
+            if len(message) != 2:  # fields set to null, as clients dump SDK messages: in the shape
+                nulls = _null_fields(message)
+                if nulls is None:
+                    return None
+                kind = (kind, nulls)
+            shape.append(kind)
             texts.append(text)
         clock = _clock_texts(verdict.clock_formats)
         key = (template.source, add_generation_prompt, tuple(shape), clock)
@@ -222,10 +237,9 @@ class SkeletonRenders:
         ):
             return None  # a test the texts must answer no to says yes to a stand-in
 
-        def standing_in(text: Callable[[int], str]) -> list[dict[str, str]]:
+        def standing_in(text: Callable[[int], str]) -> list[dict[str, Any]]:
             return [
-                {"role": message["role"], "content": text(index) if filled[index] else ""}
-                for index, message in enumerate(messages)
+                {**message, "content": text(index) if filled[index] else ""} for index, message in enumerate(messages)
             ]
 
         try:

@@ -94,10 +94,28 @@ def test_a_shape_is_built_once_and_filled_with_other_texts() -> None:
     assert len(rendered) == 4
 
 
+def test_fields_set_to_null_are_part_of_the_shape() -> None:
+    """Clients that dump SDK messages send ``"refusal": null``, ``"tool_calls": null``...:
+    such a message fills the skeleton built with the same null fields."""
+    template = ChatTemplate.from_source(ALL_TEMPLATES["default"])
+    whole = render_whole(template)
+    renders = SkeletonRenders(verify_every=1_000_000)
+    dumped = {"role": "assistant", "content": "Replica 1.", "refusal": None, "tool_calls": None, "audio": None}
+    chat = [{"role": "user", "content": "Which replica?"}, dumped, {"role": "user", "content": "Why?"}]
+    assert renders.render(chat, template, True, whole) == whole(chat)
+    assert renders.render(chat, template, True, whole) == whole(chat)
+    assert renders.stats().filled == 2 and len(renders._skeletons) == 1
+    plain = [chat[0], {"role": "assistant", "content": "Replica 1."}, chat[2]]
+    assert renders.render(plain, template, True, whole) == whole(plain)
+    assert len(renders._skeletons) == 2  # another shape
+    assert renders.render([{"role": "user", "content": "hi", "name": None, 3: None}], template, True, whole) is None
+
+
 @pytest.mark.parametrize(
     "messages",
     [
         [{"role": "user", "content": "hi", "name": "ann"}],
+        [{"role": "assistant", "content": "hi", "tool_calls": []}],
         [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
         [{"role": "user", "content": None}],
         [{"role": "tool", "content": "42"}],
