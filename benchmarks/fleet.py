@@ -52,6 +52,12 @@ class FleetError(RuntimeError):
     """A process of the fleet did not start or did not become ready."""
 
 
+#: Starts of a sim fleet with freshly picked ports when one was taken meanwhile.
+PORT_ATTEMPTS = 3
+#: What a replica's log says when its port was taken (asyncio's and ZMQ's words, lowercased).
+PORT_TAKEN = "address already in use"
+
+
 def free_port() -> int:
     """An ephemeral TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as probe:
@@ -293,9 +299,13 @@ class SimFleet(SpecFleet):
 
     def __init__(self, spec: SimSpec) -> None:
         self.spec = spec
-        self.ports = [free_port() for _ in range(spec.replicas)]
         self.processes: list[ManagedProcess] = []
-        self._kv_event_ports = {url: (free_port(), free_port()) for url in (self.urls if spec.kv_events else [])}
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        """Free ports for the replicas' HTTP servers and KV-event sockets."""
+        self.ports = [free_port() for _ in range(self.spec.replicas)]
+        self._kv_event_ports = {url: (free_port(), free_port()) for url in (self.urls if self.spec.kv_events else [])}
         #: Where routers read each replica's KV events, by URL (empty unless ``spec.kv_events``).
         self.kv_events = {
             url: KVEventEndpoints(f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}")
@@ -315,11 +325,22 @@ class SimFleet(SpecFleet):
         # Compile the index kernels once here, so that the replicas (and the routers after
         # them) load numba's cache instead of all compiling them at once on a fresh machine.
         importlib.import_module("kvroute.tokenizer_index.kernels")
-        self.processes = [
-            ManagedProcess(f"sim-{number}", self.spec.argv(port, self._kv_event_ports.get(url)), url)
-            for number, (port, url) in enumerate(zip(self.ports, self.urls))
-        ]
-        await asyncio.gather(*(process.wait_ready() for process in self.processes))
+        for attempt in range(PORT_ATTEMPTS):
+            self.processes = [
+                ManagedProcess(f"sim-{number}", self.spec.argv(port, self._kv_event_ports.get(url)), url)
+                for number, (port, url) in enumerate(zip(self.ports, self.urls))
+            ]
+            waited = await asyncio.gather(*(process.wait_ready() for process in self.processes), return_exceptions=True)
+            failures = [result for result in waited if isinstance(result, BaseException)]
+            if not failures:
+                return
+            self.stop()
+            # A port free when picked may be taken before a replica binds it (an outgoing
+            # connection's ephemeral port, another test's server): pick others and start
+            # again. Routers read urls and kv_events after this returns.
+            if attempt + 1 == PORT_ATTEMPTS or not any(PORT_TAKEN in str(failure).lower() for failure in failures):
+                raise failures[0]
+            self._pick_ports()
 
     def stop(self) -> None:
         stop_all(self.processes)
