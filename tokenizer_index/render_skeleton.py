@@ -110,7 +110,7 @@ def _null_fields(message: dict[str, Any]) -> tuple[str, ...] | None:
 
 
 def _clock_texts(formats: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(strftime_now(format) for format in formats)
+    return tuple(strftime_now(format) for format in formats) if formats else ()
 
 
 def marked(index: int) -> str:

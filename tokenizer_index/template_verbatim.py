@@ -179,21 +179,17 @@ class _VerbatimCheck:
             node for node in nodes_seen if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name)
         ]
         found: set[str] = set()
-        self._content_names, outer = found, self._content_names
-        try:
-            while True:
-                before = len(found)
-                for assign in assigns:
-                    if any(self._reads_text(node) for node in _walk(assign.node)):
-                        found.add(assign.target.name)  # type: ignore[attr-defined]
-                if len(found) == before:
-                    return found
-        finally:
-            self._content_names = outer
+        while True:
+            before = len(found)
+            for assign in assigns:
+                if any(self._reads_text(node, found) for node in _walk(assign.node)):
+                    found.add(assign.target.name)  # type: ignore[attr-defined]
+            if len(found) == before:
+                return found
 
-    def _reads_text(self, node: nodes.Node) -> bool:
+    def _reads_text(self, node: nodes.Node, content_names: set[str]) -> bool:
         if isinstance(node, nodes.Name):
-            return node.ctx == "load" and node.name in self._content_names
+            return node.ctx == "load" and node.name in content_names
         return isinstance(node, nodes.Getattr | nodes.Getitem) and self._is_text_access(node)
 
     def _is_text_access(self, node: nodes.Getattr | nodes.Getitem) -> bool:
@@ -202,17 +198,25 @@ class _VerbatimCheck:
     def _one_text_or_empty(self, node: nodes.Node) -> bool:
         """Whether ``node`` is always one message's text or '' (what a test on a text may
         take as a text, whose answer is then no for '' and for the texts a skeleton fills)."""
+        return self._one_text(node, constants="")
+
+    def _one_text(self, node: nodes.Node, *, constants: str | None = None) -> bool:
+        """Whether ``node`` is always one message's text or a constant (``constants``: only
+        that one; None: any string), so trimming or testing it acts on that text alone:
+        the text, a name set only so, ``text or 'x'``, ``text if test else 'x'``."""
         if isinstance(node, nodes.Const):
-            return node.value == ""
+            return isinstance(node.value, str) and (constants is None or node.value == constants)
         if isinstance(node, nodes.Name):
             return node.name in self._content_names and node.name not in self._mixed_names
         if isinstance(node, nodes.Getattr | nodes.Getitem):
             return self._is_text_access(node)
         if isinstance(node, nodes.Or):
-            return self._one_text_or_empty(node.left) and self._one_text_or_empty(node.right)
+            return self._one_text(node.left, constants=constants) and self._one_text(node.right, constants=constants)
         if isinstance(node, nodes.CondExpr):
             return (
-                node.expr2 is not None and self._one_text_or_empty(node.expr1) and self._one_text_or_empty(node.expr2)
+                node.expr2 is not None
+                and self._one_text(node.expr1, constants=constants)
+                and self._one_text(node.expr2, constants=constants)
             )
         return False
 
@@ -370,21 +374,6 @@ class _VerbatimCheck:
         if found is not None:
             self.tests.add(found)
         return found
-
-    def _one_text(self, node: nodes.Node) -> bool:
-        """Whether ``node`` is one message's text or a constant (so trimming it trims that
-        text alone): the text itself, ``text or 'x'``, ``text if test else 'x'``."""
-        if isinstance(node, nodes.Name):
-            return self._one_text_or_empty(node)
-        if isinstance(node, nodes.Const):
-            return isinstance(node.value, str)
-        if isinstance(node, nodes.Getattr | nodes.Getitem):
-            return self._is_text_access(node)
-        if isinstance(node, nodes.Or):
-            return self._one_text(node.left) and isinstance(node.right, nodes.Const)
-        if isinstance(node, nodes.CondExpr):
-            return node.expr2 is not None and self._one_text(node.expr1) and self._one_text(node.expr2)
-        return False
 
     def _is_message(self, node: nodes.Node) -> bool:
         if isinstance(node, nodes.Name):

@@ -844,7 +844,8 @@ class RequestTokenizer:
         """The prompt text vLLM renders for this chat request (see :meth:`encode_chat`)."""
         template = self.chat_template(tools=tools is not None, requested=chat_template)
         variables: dict[str, Any] = {**self.special_tokens}
-        if chat_template_kwargs or self._default_kwargs:
+        keywords = bool(chat_template_kwargs or self._default_kwargs)
+        if keywords:
             request_kwargs = {**self._default_kwargs, **(chat_template_kwargs or {})}
             _check_template_kwargs(request_kwargs)
             # Keywords of apply_chat_template itself steer the rendering instead of the template.
@@ -862,12 +863,11 @@ class RequestTokenizer:
             and tools is None
             and documents is None
             and not continue_final_message
-            and not (chat_template_kwargs or self._default_kwargs)
+            and not keywords
         ):
 
-            def render_whole(plain: Sequence[Any]) -> str:
-                conversation = conversation_from_request(plain, template.content_format)
-                return template.render(conversation, add_generation_prompt=add_generation_prompt, variables=variables)
+            def render_whole(plain: Sequence[Any]) -> str:  # (only to build or check a skeleton)
+                return RenderSettings(template, None, None, variables, add_generation_prompt).render_whole(plain)
 
             text = self._skeletons.render(messages, template, add_generation_prompt, render_whole)
             if text is not None:
