@@ -1,6 +1,7 @@
 """The routing engine's CPU per request, stage by stage, in one process (no HTTP, no profiler).
 
-    python3 -m kvroute.benchmarks.profile_routing [--passes 7] [--per-prompt 16] [--evict-mb 16] [--neighbour] [--json FILE]
+    python3 -m kvroute.benchmarks.profile_routing [--passes 7] [--per-prompt 16] [--evict-mb 16] [--neighbour]
+                                                  [--new-words 20] [--json FILE]
 
 The ~2 KB chat bodies of ``kvroute bench --overhead`` (64 system prompts) go through the
 stages ``kvroute serve --policy cache_aware`` runs for each request, each stage timed on
@@ -8,10 +9,16 @@ its own over all bodies with the thread's CPU clock (``time.thread_time_ns``), s
 other processes on a shared machine nor a profiler's own cost count: parse (the JSON
 body), render (the chat template), tokenize (the rendered text, pieces memoised), hash
 (chained block hashes), route (index match, the policy's choice, inserting the blocks,
-the in-flight ledger) and observe (the feedback after the answer). ``prepare`` is render +
+the in-flight ledger; :data:`IN_FLIGHT` requests at a time) and observe (the feedback
+after the answer). ``prepare`` is render +
 tokenize + hash as the engine runs them together (its sum check). Every body is sent
 through once before timing (the steady state of a repeated set, as the overhead
 benchmark measures); each figure is the median over ``--passes``, with its spread.
+
+``--new-words N`` adds N vocabulary words and a number no request had before to every
+user turn, as ``kvroute bench --overhead --new-words N`` sends them: each stage of each
+pass gets bodies of its own, so the tokenizer meets new text in every request, as it
+does in real traffic (a new question or tool result), not a cached piece.
 
 Run stage after stage over every body, each stage's code and data stay in the CPU's
 caches, which a loaded server's requests never find: between two requests' routing the
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -49,7 +57,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from kvroute.benchmarks.overhead import chat_bodies
+from kvroute.benchmarks.overhead import NewWords, chat_bodies
 from kvroute.router.config import Settings
 from kvroute.router.fleet.backends import Backend
 from kvroute.router.routing.request_info import ENDPOINTS, parse_request
@@ -59,6 +67,10 @@ from kvroute.tokenizer_index.hashing import block_hashes, request_salt
 
 CHAT = next(endpoint for endpoint in ENDPOINTS if endpoint.path == "/v1/chat/completions")
 BLOCK_SIZE = 16
+#: Requests routed before their answers are observed, as ``kvroute bench --overhead
+#: --concurrency 32`` keeps at most in flight: the blocks they compute are what later
+#: requests' routes look through (all 1,024 bodies in flight made each route ~30 us dearer).
+IN_FLIGHT = 32
 #: The ``--neighbour`` process: an interpreter allocating and dropping small objects, as
 #: the load generator, the engines and other routers on the same machine do.
 NEIGHBOUR_CODE = """
@@ -127,25 +139,57 @@ def busy_neighbour() -> Iterator[int]:
         os.sched_setaffinity(0, allowed)
 
 
-def profile_stages(passes: int = 7, per_prompt: int = 16, evict_mb: int = 0) -> list[StageTime]:
-    raws = chat_bodies(per_prompt=per_prompt)
+class _StageInputs:
+    """What each stage reads, from one list of bodies: each computed on first use, so a
+    stage's texts are new to the tokenizer unless an earlier stage read them."""
+
+    def __init__(self, raws: list[bytes], engine: RoutingEngine, tokenizer: RequestTokenizer) -> None:
+        self.raws = raws
+        self._engine = engine
+        self._tokenizer = tokenizer
+
+    @functools.cached_property
+    def parsed(self) -> list[Any]:
+        return [parse(raw) for raw in self.raws]
+
+    @functools.cached_property
+    def messages(self) -> list[Any]:
+        return [orjson.loads(raw)["messages"] for raw in self.raws]
+
+    @functools.cached_property
+    def texts(self) -> list[str]:
+        return [self._tokenizer.render_chat(turns) for turns in self.messages]
+
+    @functools.cached_property
+    def tokens(self) -> list[np.ndarray]:
+        return [self._tokenizer.encode_text_array(text) for text in self.texts]
+
+    @functools.cached_property
+    def pairs(self) -> list[tuple[Any, Any]]:
+        return [(request, self._engine.prepare(CHAT.path, request.body)) for request in self.parsed]
+
+
+def parse(raw: bytes) -> Any:
+    return parse_request(raw, CHAT, {}, "x-session-id")
+
+
+def profile_stages(passes: int = 7, per_prompt: int = 16, evict_mb: int = 0, new_words: int = 0) -> list[StageTime]:
+    bodies = chat_bodies(per_prompt=per_prompt)
     engine = RoutingEngine(Settings(policy="cache_aware", block_size=BLOCK_SIZE))
     candidates = [Backend("http://b0"), Backend("http://b1")]
     tokenizer = RequestTokenizer.default()
-
-    def parse(raw: bytes) -> Any:
-        return parse_request(raw, CHAT, {}, "x-session-id")
-
-    parsed = [parse(raw) for raw in raws]
-    messages = [orjson.loads(raw)["messages"] for raw in raws]
-    texts = [tokenizer.render_chat(turns) for turns in messages]
-    tokens = [tokenizer.encode_text_array(text) for text in texts]
     salt = request_salt("overhead")
+    repeated = _StageInputs(bodies, engine, tokenizer)
+    with_new_words = NewWords(bodies, new_words) if new_words else None
+
+    def inputs() -> _StageInputs:
+        """The repeated bodies, or (``--new-words``) bodies no stage has seen."""
+        if with_new_words is None:
+            return repeated
+        return _StageInputs([with_new_words() for _ in bodies], engine, tokenizer)
 
     def prepare(request: Any) -> Any:
         return engine.prepare(CHAT.path, request.body)
-
-    prepared = [prepare(request) for request in parsed]
 
     def route(pair: tuple[Any, Any]) -> Any:
         request, prompt = pair
@@ -159,22 +203,31 @@ def profile_stages(passes: int = 7, per_prompt: int = 16, evict_mb: int = 0) -> 
     def observe(plan: Any) -> None:
         engine.observe(plan, None)
 
-    pairs = list(zip(parsed, prepared, strict=True))
-    for pair in pairs:  # the index and the ledgers in their steady state
+    def route_and_observe(pairs: Sequence[tuple[Any, Any]]) -> tuple[float, float]:
+        """Thread CPU microseconds per request of routing and of observing, up to
+        :data:`IN_FLIGHT` requests at a time: routed, then their answers observed."""
+        routing = observing = 0.0
+        for start in range(0, len(pairs), IN_FLIGHT):
+            chunk = pairs[start : start + IN_FLIGHT]
+            routing += _timed(chunk, route_and_keep, evict) * len(chunk)
+            observing += _timed(plans, observe, evict) * len(plans)
+            plans.clear()
+        return routing / len(pairs), observing / len(pairs)
+
+    for pair in repeated.pairs:  # the index, the ledgers and the caches in their steady state
         observe(route(pair))
+    repeated.tokens  # noqa: B018 (every stage's repeated input read once before timing)
     stages: dict[str, list[float]] = {}
     evict = _evictor(evict_mb)
     for _ in range(passes):
-        plans.clear()
         measured = {
-            "parse": _timed(raws, parse, evict),
-            "render": _timed(messages, tokenizer.render_chat, evict),
-            "tokenize": _timed(texts, tokenizer.encode_text_array, evict),
-            "hash": _timed(tokens, lambda ids: block_hashes(ids, BLOCK_SIZE, salt), evict),
-            "prepare (render+tokenize+hash)": _timed(parsed, prepare, evict),
-            "route": _timed(pairs, route_and_keep, evict),
-            "observe": _timed(plans, observe, evict),
+            "parse": _timed(inputs().raws, parse, evict),
+            "render": _timed(inputs().messages, tokenizer.render_chat, evict),
+            "tokenize": _timed(inputs().texts, tokenizer.encode_text_array, evict),
+            "hash": _timed(inputs().tokens, lambda ids: block_hashes(ids, BLOCK_SIZE, salt), evict),
+            "prepare (render+tokenize+hash)": _timed(inputs().parsed, prepare, evict),
         }
+        measured["route"], measured["observe"] = route_and_observe(inputs().pairs)
         for stage, value in measured.items():
             stages.setdefault(stage, []).append(value)
     rows = [StageTime(stage, statistics.median(values), min(values), max(values)) for stage, values in stages.items()]
@@ -204,10 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--neighbour", action="store_true", help="a dict-churning Python process on another CPU while timing"
     )
+    parser.add_argument(
+        "--new-words", type=int, default=0, help="new words in every request's user turn (new text each pass)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     with busy_neighbour() if args.neighbour else contextlib.nullcontext():
-        rows = profile_stages(args.passes, args.per_prompt, args.evict_mb)
+        rows = profile_stages(args.passes, args.per_prompt, args.evict_mb, args.new_words)
     print(format_stages(rows))
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(row) for row in rows], indent=2) + "\n")

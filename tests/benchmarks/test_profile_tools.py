@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.benchmarks.profile_request import stage_of, summarize
-from kvroute.benchmarks.profile_routing import busy_neighbour
+from kvroute.benchmarks.profile_routing import busy_neighbour, profile_stages
 from kvroute.benchmarks.stage_timers import STAGES, _timed, reset, snapshot
 from tests.paths import REPO
 
@@ -156,3 +156,21 @@ def test_call_profiles_count_calls_per_request(tmp_path: Path) -> None:
     assert rows["<built-in method builtins.len>"].calls_per_request == pytest.approx(1.0)
     assert profile.groups["builtins"] >= 1.0 and profile.calls_per_request >= 2.0
     assert "Python-level calls per request" in format_calls(profile, "test")
+
+
+@pytest.mark.parametrize("new_words", [0, 3])
+def test_the_routing_profile_times_every_stage(new_words: int) -> None:
+    """``profile_routing`` end to end on one body per system prompt, repeated or with new
+    words in every stage's bodies."""
+    rows = profile_stages(passes=1, per_prompt=1, new_words=new_words)
+    assert [row.stage for row in rows] == [
+        "parse",
+        "render",
+        "tokenize",
+        "hash",
+        "prepare (render+tokenize+hash)",
+        "route",
+        "observe",
+        "parse+prepare+route+observe",
+    ]
+    assert all(0 < row.min_us <= row.median_us <= row.max_us for row in rows)
