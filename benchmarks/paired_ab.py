@@ -1,7 +1,7 @@
 """A change's CPU per request against a baseline tree's, both loaded at the same time.
 
     python3 -m kvroute.benchmarks.paired_ab --baseline DIR --policy round_robin \\
-        --rate 400 --rounds 12 --seconds 3 [--out FILE]
+        --rate 400 --rounds 12 --seconds 3 [--new-words 20] [--out FILE]
 
 ``kvroute bench --overhead --baseline DIR`` measures the two trees one after the other;
 on a shared machine whose load drifts within seconds, their CPU per request then spreads
@@ -15,7 +15,9 @@ router serves more requests per event-loop turn, which lowers its CPU per reques
 and amplifies noise into the ratio. The two start in alternate order each round.
 
 Reports the median ratio with its quartiles and range over the rounds, and in how many
-rounds this tree was the cheaper one; ``--out`` writes every round as JSON.
+rounds this tree was the cheaper one; ``--out`` writes every round as JSON. With
+``--new-words N`` every request brings N new words, as ``kvroute bench --overhead
+--new-words N`` sends them (the same sequence of bodies to both routers).
 """
 
 from __future__ import annotations
@@ -30,7 +32,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvroute.benchmarks import fleet as fleets
-from kvroute.benchmarks.overhead import LoadRun, baseline_env, chat_bodies, closed_loop, fixed_rate, start_upstream
+from kvroute.benchmarks.overhead import (
+    BodySource,
+    LoadRun,
+    NewWords,
+    baseline_env,
+    chat_bodies,
+    closed_loop,
+    fixed_rate,
+    start_upstream,
+)
 
 #: This checkout's source tree (the folder holding ``router/`` and ``benchmarks/``).
 THIS_TREE = Path(__file__).resolve().parent.parent
@@ -64,9 +75,11 @@ class PairedSummary:
     ratio_range: tuple[float, float]
     rounds_cheaper: int
     errors: int
+    #: New words in every request's user turn (0: the repeated bodies).
+    new_words: int = 0
 
 
-def summarize(policy: str, rate: float, seconds: float, rounds: list[PairedRound]) -> PairedSummary:
+def summarize(policy: str, rate: float, seconds: float, rounds: list[PairedRound], new_words: int = 0) -> PairedSummary:
     """Medians over the rounds; the ratio's over the rounds where both sides read CPU."""
     ratios = [ratio for ratio in (item.ratio for item in rounds) if math.isfinite(ratio) and ratio > 0]
     if not ratios:
@@ -84,6 +97,7 @@ def summarize(policy: str, rate: float, seconds: float, rounds: list[PairedRound
         ratio_range=(min(ratios), max(ratios)),
         rounds_cheaper=sum(ratio < 1.0 for ratio in ratios),
         errors=sum(item.errors for item in rounds),
+        new_words=new_words,
     )
 
 
@@ -94,7 +108,13 @@ def _cpu_us(run: LoadRun) -> float:
 
 
 async def paired_rounds(
-    policy: str, baseline: Path, rate: float, seconds: float, rounds: int, extra_args: list[str]
+    policy: str,
+    baseline: Path,
+    rate: float,
+    seconds: float,
+    rounds: int,
+    extra_args: list[str],
+    new_words: int = 0,
 ) -> list[PairedRound]:
     upstreams = [start_upstream() for _ in range(2)]
     routers: list[fleets.ManagedProcess] = []
@@ -118,10 +138,14 @@ async def paired_rounds(
         bodies = chat_bodies()
         for router in routers:  # every body once: both measured in their steady state
             await closed_loop(router.url, bodies, 32, 0.0, None, requests=len(bodies))
+        # With new words, each router its own source of the same bodies: both see the same text.
+        sent: dict[int, BodySource] = {
+            router.pid: NewWords(bodies, new_words) if new_words else bodies for router in routers
+        }
         results = []
         for number in range(rounds):
             order = routers if number % 2 == 0 else routers[::-1]
-            runs = await asyncio.gather(*(fixed_rate(r.url, bodies, rate, seconds, r.pid, 64) for r in order))
+            runs = await asyncio.gather(*(fixed_rate(r.url, sent[r.pid], rate, seconds, r.pid, 64) for r in order))
             ours, theirs = runs if number % 2 == 0 else runs[::-1]
             result = PairedRound(
                 cpu_us=_cpu_us(ours),
@@ -151,13 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=400.0, help="requests/s offered to each router")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--seconds", type=float, default=3.0, help="per round")
+    parser.add_argument(
+        "--new-words", type=int, default=0, help="new words in every request's user turn (as bench --overhead)"
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("router_args", nargs="*", help="extra kvroute serve flags for both (after --)")
     args = parser.parse_args(argv)
 
     async def run() -> int:
-        rounds = await paired_rounds(args.policy, args.baseline, args.rate, args.seconds, args.rounds, args.router_args)
-        summary = summarize(args.policy, args.rate, args.seconds, rounds)
+        rounds = await paired_rounds(
+            args.policy, args.baseline, args.rate, args.seconds, args.rounds, args.router_args, args.new_words
+        )
+        summary = summarize(args.policy, args.rate, args.seconds, rounds, args.new_words)
         low, high = summary.ratio_quartiles
         print(
             f"{summary.policy} at {summary.rate_per_s:.0f}/s each: {summary.cpu_us_median:.0f} us/request against"
