@@ -711,10 +711,21 @@ def _emit_word(text, start, end, slots, word_bytes, ids, out_ids, written, missi
     there``. Returns the new ``(written, missed)``."""
     slot = _find_word(text, start, end, slots, word_bytes)
     if slot < 0:
-        missing[missed, 0] = start
-        missing[missed, 1] = end
-        out_ids[written] = -1 - missed
-        return written + 1, missed + 1
+        return _note_missing(start, end, out_ids, written, missing, missed)
+    return _emit_slot(slot, slots, ids, out_ids, written), missed
+
+
+@njit(inline="always")
+def _note_missing(start, end, out_ids, written, missing, missed):  # type: ignore[no-untyped-def]
+    missing[missed, 0] = start
+    missing[missed, 1] = end
+    out_ids[written] = -1 - missed
+    return written + 1, missed + 1
+
+
+@njit(inline="always")
+def _emit_slot(slot, slots, ids, out_ids, written):  # type: ignore[no-untyped-def]
+    """Write the ids of the word in ``slot`` at ``out_ids[written:]``; returns the new ``written``."""
     count = np.int64(slots[slot, SLOT_SIZES] >> _SHIFT32)
     stored = slots[slot, SLOT_IDS]
     if count <= INLINE_IDS:
@@ -725,7 +736,7 @@ def _emit_word(text, start, end, slots, word_bytes, ids, out_ids, written, missi
         offset = np.int64(stored)
         for index in range(count):
             out_ids[written + index] = ids[offset + index]
-    return written + count, missed
+    return written + count
 
 
 @njit(inline="always")
@@ -742,111 +753,6 @@ def _piece_end(text, at, stop, classes, items, ends, starts, suffixes, cmap, cou
         ):
             end += _column(text, end, cmap)[1]
     return end
-
-
-_PROGRAM = (_CLASSES, _ITEMS, _I64, _ITEMS, _ITEMS, _CMAP)
-
-
-@compiled(
-    types.int64(
-        _TEXT, _I64, types.boolean, *_PROGRAM, types.boolean, *_PROGRAM, _WORD_SLOTS, _U8, _I64, _I64, _I64, _ITEMS
-    )
-)
-def word_ids(
-    text,
-    text_ends,
-    wide,
-    split_classes,
-    split_items,
-    split_ends,
-    split_starts,
-    split_suffixes,
-    split_cmap,
-    split,
-    classes,
-    items,
-    ends,
-    starts,
-    suffixes,
-    cmap,
-    slots,
-    word_bytes,
-    ids,
-    out_ids,
-    out_ends,
-    missing,
-):  # type: ignore[no-untyped-def]
-    """Cut each text (``text`` holds them one after the other as UTF-8, the ``i``-th ending
-    at byte ``text_ends[i]``; ``wide``: some are not ASCII) into the program's words, as
-    ``word_split._cut`` does (with ``split``, each of the pieces the split program cuts it
-    into first, as a pre-tokenizer's isolating ``Split`` does), and write their ids one text
-    after the other into ``out_ids`` (the ``i``-th text's end at ``out_ends[i]``). Words not
-    in the table go to ``missing`` as (start, end) in bytes; returns how many (when any,
-    ``out_ids`` holds placeholders in their place: :func:`_emit_word`), or -1, having done
-    nothing, when a character is one the programs do not know."""
-    if wide and not (_all_known(text, cmap) and (not split or _all_known(text, split_cmap))):
-        return -1
-    counts = np.empty(items.shape[0], dtype=np.int64)
-    positions = np.empty(items.shape[0], dtype=np.int64)
-    stops = np.empty(items.shape[0], dtype=np.int64)
-    split_counts = np.empty(split_items.shape[0], dtype=np.int64)
-    split_positions = np.empty(split_items.shape[0], dtype=np.int64)
-    split_stops = np.empty(split_items.shape[0], dtype=np.int64)
-    written = 0
-    missed = 0
-    start = 0
-    for number in range(text_ends.shape[0]):
-        stop = text_ends[number]
-        piece = start
-        while piece < stop:
-            piece_stop = stop
-            if split:
-                piece_stop = _piece_end(
-                    text, piece, stop, split_classes, split_items, split_ends, split_starts, split_suffixes,
-                    split_cmap, split_counts, split_positions, split_stops,
-                )  # fmt: skip
-            at = piece
-            while at < piece_stop:  # _piece_end written out: through it this loop ran 40 % slower
-                end = _word_end(
-                    text, at, piece_stop, classes, items, ends, starts, suffixes, cmap, counts, positions, stops
-                )
-                if end < 0:  # characters no alternative matches at: one word, up to where one does
-                    end = at + _column(text, at, cmap)[1]
-                    while end < piece_stop:
-                        found = _word_end(
-                            text, end, piece_stop, classes, items, ends, starts, suffixes, cmap, counts, positions,
-                            stops,
-                        )  # fmt: skip
-                        if found >= 0:
-                            break
-                        end += _column(text, end, cmap)[1]
-                written, missed = _emit_word(text, at, end, slots, word_bytes, ids, out_ids, written, missing, missed)
-                at = end
-            piece = piece_stop
-        out_ends[number] = written
-        start = stop
-    return missed
-
-
-@compiled(types.void(_TEXT, _I64, _I64, _ITEMS, _WORD_SLOTS, _U8, _I64, _I64, _I64))
-def fill_missing(text, out_ids, out_ends, missing, slots, word_bytes, ids, filled, filled_ends):  # type: ignore[no-untyped-def]
-    """:func:`word_ids`' output with each placeholder replaced by its word's ids, now in
-    the table, into ``filled`` (each text's end at ``filled_ends``)."""
-    written = 0
-    start = 0
-    for number in range(out_ends.shape[0]):
-        for position in range(start, out_ends[number]):
-            value = out_ids[position]
-            if value >= 0:
-                filled[written] = value
-                written += 1
-            else:
-                word = -1 - value
-                written, _ = _emit_word(
-                    text, missing[word, 0], missing[word, 1], slots, word_bytes, ids, filled, written, missing, 0
-                )
-        filled_ends[number] = written
-        start = out_ends[number]
 
 
 @njit(inline="always")
@@ -1016,3 +922,192 @@ def learn_words(  # type: ignore[no-untyped-def]
         added += 1
         added_bytes += end - start
     return added, added_bytes, long_words
+
+
+# --- words to ids: the entry points (after the BPE, which word_ids runs on new words) ------
+
+_PROGRAM = (_CLASSES, _ITEMS, _I64, _ITEMS, _ITEMS, _CMAP)
+
+
+@njit  # (not inlined, and called after word_ids' loop: a call inside it made every lookup slower)
+def _learn_and_fill(  # type: ignore[no-untyped-def]
+    text, out_ids, out_ends, missing, missed, slots, word_bytes, ids, used, room,
+    byte_ids, keys, ranks, ids_of_merges, whole_slots, whole_bytes,
+):  # fmt: skip
+    """Add the ``missed`` words of ``missing`` (the same one may come twice) with their BPE
+    ids and write those ids in place of their placeholders in ``out_ids``, moving what
+    follows (each text's end in ``out_ends``): when every one has at most
+    ``BPE_MAX_BYTES`` bytes and ``room`` (words, bytes, ids the table may still take;
+    counted down) holds them all. Returns whether it did (else nothing changed)."""
+    total = 0
+    for word in range(missed):
+        length = missing[word, 1] - missing[word, 0]
+        if length > BPE_MAX_BYTES:
+            return False
+        total += length
+    if room[0] < missed or room[1] < total or room[2] < total:
+        return False
+    symbols = np.empty(BPE_MAX_BYTES, dtype=np.int64)
+    for word in range(missed):
+        start, end = missing[word, 0], missing[word, 1]
+        if _find_word(text, start, end, slots, word_bytes) >= 0:  # (met earlier in the call)
+            continue
+        count = _bpe(text, start, end, byte_ids, keys, ranks, ids_of_merges, whole_slots, whole_bytes, symbols)
+        _add_word(text, start, end, symbols, 0, count, slots, word_bytes, ids, used)
+        room[0] -= 1
+        room[1] -= end - start
+        room[2] -= count
+    # Each placeholder's word's slot (over its span) and the texts' new ends.
+    grown = 0
+    start = 0
+    for number in range(out_ends.shape[0]):
+        stop = out_ends[number]
+        for position in range(start, stop):
+            value = out_ids[position]
+            if value < 0:
+                word = -1 - value
+                slot = _find_word(text, missing[word, 0], missing[word, 1], slots, word_bytes)
+                missing[word, 0] = slot
+                grown += np.int64(slots[slot, SLOT_SIZES] >> _SHIFT32) - 1
+        out_ends[number] = stop + grown
+        start = stop
+    # Back to front, so nothing is overwritten before it moved (every word keeps >= 1 id).
+    written = start + grown
+    for position in range(start - 1, -1, -1):
+        value = out_ids[position]
+        if value >= 0:
+            written -= 1
+            out_ids[written] = value
+        else:
+            slot = missing[-1 - value, 0]
+            written -= np.int64(slots[slot, SLOT_SIZES] >> _SHIFT32)
+            _emit_slot(slot, slots, ids, out_ids, written)
+    return True
+
+
+@compiled(
+    types.int64(
+        _TEXT, _I64, types.boolean, *_PROGRAM, types.boolean, *_PROGRAM, _WORD_SLOTS, _U8, _I64,
+        types.boolean, *_BPE, _I64, _I64, _I64, _I64, _ITEMS,
+    )
+)  # fmt: skip
+def word_ids(
+    text,
+    text_ends,
+    wide,
+    split_classes,
+    split_items,
+    split_ends,
+    split_starts,
+    split_suffixes,
+    split_cmap,
+    split,
+    classes,
+    items,
+    ends,
+    starts,
+    suffixes,
+    cmap,
+    slots,
+    word_bytes,
+    ids,
+    learn,
+    byte_ids,
+    keys,
+    ranks,
+    ids_of_merges,
+    whole_slots,
+    whole_bytes,
+    used,
+    room,
+    out_ids,
+    out_ends,
+    missing,
+):  # type: ignore[no-untyped-def]
+    """Cut each text (``text`` holds them one after the other as UTF-8, the ``i``-th ending
+    at byte ``text_ends[i]``; ``wide``: some are not ASCII) into the program's words, as
+    ``word_split._cut`` does (with ``split``, each of the pieces the split program cuts it
+    into first, as a pre-tokenizer's isolating ``Split`` does), and write their ids one text
+    after the other into ``out_ids`` (the ``i``-th text's end at ``out_ends[i]``).
+
+    Words not in the table go to ``missing`` as (start, end) in bytes; returns how many
+    (when any, ``out_ids`` holds placeholders in their place: :func:`_emit_word`), or -1,
+    having done nothing, when a character is one the programs do not know. With ``learn``,
+    the words missing are first tokenized by the BPE (``byte_ids`` to ``whole_bytes``:
+    ``learn_words``' arrays), added (``used``: the arenas' used lengths) and written in
+    place (:func:`_learn_and_fill`) where ``room`` allows: a request's text and its few new
+    words in one call; 0 missing then."""
+    if wide and not (_all_known(text, cmap) and (not split or _all_known(text, split_cmap))):
+        return -1
+    counts = np.empty(items.shape[0], dtype=np.int64)
+    positions = np.empty(items.shape[0], dtype=np.int64)
+    stops = np.empty(items.shape[0], dtype=np.int64)
+    split_counts = np.empty(split_items.shape[0], dtype=np.int64)
+    split_positions = np.empty(split_items.shape[0], dtype=np.int64)
+    split_stops = np.empty(split_items.shape[0], dtype=np.int64)
+    written = 0
+    missed = 0
+    start = 0
+    for number in range(text_ends.shape[0]):
+        stop = text_ends[number]
+        piece = start
+        while piece < stop:
+            piece_stop = stop
+            if split:
+                piece_stop = _piece_end(
+                    text, piece, stop, split_classes, split_items, split_ends, split_starts, split_suffixes,
+                    split_cmap, split_counts, split_positions, split_stops,
+                )  # fmt: skip
+            at = piece
+            while at < piece_stop:  # _piece_end written out: through it this loop ran 40 % slower
+                end = _word_end(
+                    text, at, piece_stop, classes, items, ends, starts, suffixes, cmap, counts, positions, stops
+                )
+                if end < 0:  # characters no alternative matches at: one word, up to where one does
+                    end = at + _column(text, at, cmap)[1]
+                    while end < piece_stop:
+                        found = _word_end(
+                            text, end, piece_stop, classes, items, ends, starts, suffixes, cmap, counts, positions,
+                            stops,
+                        )  # fmt: skip
+                        if found >= 0:
+                            break
+                        end += _column(text, end, cmap)[1]
+                slot = _find_word(text, at, end, slots, word_bytes)
+                if slot >= 0:
+                    written = _emit_slot(slot, slots, ids, out_ids, written)
+                else:
+                    written, missed = _note_missing(at, end, out_ids, written, missing, missed)
+                at = end
+            piece = piece_stop
+        out_ends[number] = written
+        start = stop
+    if missed and learn:
+        learned = _learn_and_fill(
+            text, out_ids, out_ends, missing, missed, slots, word_bytes, ids, used, room,
+            byte_ids, keys, ranks, ids_of_merges, whole_slots, whole_bytes,
+        )  # fmt: skip
+        if learned:
+            return 0
+    return missed
+
+
+@compiled(types.void(_TEXT, _I64, _I64, _ITEMS, _WORD_SLOTS, _U8, _I64, _I64, _I64))
+def fill_missing(text, out_ids, out_ends, missing, slots, word_bytes, ids, filled, filled_ends):  # type: ignore[no-untyped-def]
+    """:func:`word_ids`' output with each placeholder replaced by its word's ids, now in
+    the table, into ``filled`` (each text's end at ``filled_ends``)."""
+    written = 0
+    start = 0
+    for number in range(out_ends.shape[0]):
+        for position in range(start, out_ends[number]):
+            value = out_ids[position]
+            if value >= 0:
+                filled[written] = value
+                written += 1
+            else:
+                word = -1 - value
+                written, _ = _emit_word(
+                    text, missing[word, 0], missing[word, 1], slots, word_bytes, ids, filled, written, missing, 0
+                )
+        filled_ends[number] = written
+        start = out_ends[number]

@@ -1222,9 +1222,15 @@ class RequestTokenizer:
         Converted unit by unit: converting a 1M-token text's ids in one call holds the GIL
         for ~70 ms; a few thousand short calls let other threads in between.
         """
-        if final is not None:
-            ids = [*ids, final] if isinstance(ids, list) else np.append(ids, final)
-        array = frozen_ids(ids)
+        if final is None:
+            array = frozen_ids(ids)
+        elif isinstance(ids, list):
+            array = frozen_ids([*ids, final])
+        else:  # (one copy: np.append and then a frozen copy were two)
+            array = np.empty(len(ids) + 1, dtype=np.int64)
+            array[:-1] = ids
+            array[-1] = final
+            array.flags.writeable = False
         return array, self._canonical_list(array) if as_list else None
 
     def _canonical_list(self, ids: np.ndarray) -> list[int]:

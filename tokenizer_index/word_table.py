@@ -6,8 +6,10 @@ the layout is described in :mod:`kvroute.tokenizer_index.kernels`), so
 :func:`kvroute.tokenizer_index.kernels.word_ids` cuts texts with a
 :class:`~kvroute.tokenizer_index.word_program.WordProgram` and writes their ids without
 creating a Python object per word (``word_split.WordSplitter``'s dict costs ~75 ns per
-word looked up, ``re`` ~100 ns more to cut it). Words it has not seen it tokenizes with
-the library (one batch per call) and keeps.
+word looked up, ``re`` ~100 ns more to cut it). Words it has not seen it tokenizes and
+keeps: with a byte-level BPE inside that same call while the table has room for them
+(a request's few new words cost no second call), else after it, growing the table, by the
+BPE or the library (one batch per call).
 
 Not thread-safe: the caller holds a lock around :meth:`WordTable.ids`.
 """
@@ -28,6 +30,15 @@ from kvroute.tokenizer_index.word_program import WordProgram
 _LOAD = 0.5
 _FIRST_SLOTS = 2048
 _SLOT_COLUMNS = 4
+#: word_ids' BPE arrays where there is no BPE (it learns nothing then).
+_NO_BPE = (
+    np.zeros(0, dtype=np.int64),
+    np.zeros(1, dtype=np.uint64),
+    np.zeros(1, dtype=np.int32),
+    np.zeros(1, dtype=np.int32),
+    np.zeros((1, _SLOT_COLUMNS), dtype=np.uint64),
+    np.zeros(0, dtype=np.uint8),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +77,9 @@ class WordTable:
         self._program = (*(split or program).arrays(), split is not None, *program.arrays())
         self._encode_words = encode_words
         self._bpe = bpe
+        self._bpe_arrays = bpe.arrays() if bpe is not None else _NO_BPE
+        #: What word_ids may still add: words, bytes, ids (set before each call, counted down).
+        self._room = np.zeros(3, dtype=np.int64)
         self._max_words = max_words
         self._max_chars = max_chars
         #: The most bytes one call may bring: its new words always fit a fresh table.
@@ -86,8 +100,9 @@ class WordTable:
         bytes in all), word by word; None, having done nothing, if one holds a character the
         programs do not know (any beyond ASCII, unless they were given a marked pattern) or
         texts beyond ASCII pass that bound. Words not in the table are tokenized (by the BPE
-        given, else by ``encode_words``) and added."""
-        found = self._look_up(texts)
+        given, else by ``encode_words``) and added: by the BPE in the lookup's own call while
+        the table has room for them without growing."""
+        found = self._look_up(texts, learn=self._bpe is not None)
         if found is None:
             return None
         out_ids, out_ends = found.ids, found.ends
@@ -101,9 +116,10 @@ class WordTable:
         ends = out_ends.tolist()
         return [out_ids[start:end] for start, end in zip([0, *ends], ends)]
 
-    def _look_up(self, texts: Sequence[str]) -> _Lookup | None:
+    def _look_up(self, texts: Sequence[str], *, learn: bool) -> _Lookup | None:
         """One :func:`kernels.word_ids` call over ``texts``: their ids, placeholders where
-        the table lacks a word; None where a character is one the programs do not know."""
+        the table lacks a word (with ``learn``: one the BPE did not add); None where a
+        character is one the programs do not know."""
         wide = not all(text.isascii() for text in texts)  # (isascii reads a flag: O(1))
         lengths: Iterable[int]
         if wide:  # (each text encoded on its own, for where its bytes end)
@@ -122,9 +138,22 @@ class WordTable:
         out_ids = np.empty(len(joined), dtype=np.int64)
         out_ends = np.empty(len(texts), dtype=np.int64)
         missing = np.empty((len(joined), 2), dtype=np.int64)
+        room = self._room
+        if learn:
+            used_bytes, used_ids = self._used.tolist()
+            words = min(self._max_words, int(_LOAD * len(self._slots))) - self._words
+            chars = min(self._max_chars - self._chars, len(self._word_bytes) - used_bytes)
+            room[0], room[1], room[2] = words, chars, len(self._ids) - used_ids
         missed = kernels.word_ids(
-            text, text_ends, wide, *self._program, self._slots, self._word_bytes, self._ids, out_ids, out_ends, missing
-        )
+            text, text_ends, wide, *self._program, self._slots, self._word_bytes, self._ids,
+            learn, *self._bpe_arrays, self._used, room, out_ids, out_ends, missing,
+        )  # fmt: skip
+        if learn:
+            words_left, chars_left, _ = room.tolist()
+            if words_left < words:
+                self._words += words - words_left
+                self._chars += chars - chars_left
+                self.bpe_words += words - words_left
         if missed < 0:
             return None
         return _Lookup(joined, text, out_ids, out_ends, missing[:missed] if missed else None)
@@ -188,7 +217,7 @@ class WordTable:
     def find(self, word: str) -> list[int] | None:
         """The ids of ``word`` (its words, if the program cuts it), if the table has them
         all; nothing is added (for checks and tests)."""
-        found = self._look_up([word])
+        found = self._look_up([word], learn=False)
         if found is None or found.missing is not None or not word:
             return None
         return found.ids[: found.ends[0]].tolist()  # type: ignore[no-any-return]

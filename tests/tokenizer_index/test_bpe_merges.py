@@ -20,6 +20,7 @@ from kvroute.tokenizer_index.tokenizer import RequestTokenizer
 from kvroute.tokenizer_index.word_program import word_program
 from kvroute.tokenizer_index.word_split import _GPT2_PATTERN, WordPatterns, WordSplitter, ascii_pattern
 from kvroute.tokenizer_index.word_table import WordTable
+from tests.tokenizer_index.test_word_split import ASCII_TEXT
 from tests.tokenizer_index.tokenizers_fixtures import (
     LLAMA3_PATTERN,
     O200K_PATTERN,
@@ -208,6 +209,74 @@ def test_a_word_table_learns_new_words_without_the_library() -> None:
     assert table.find(" more") is not None
 
 
+def _bpe_table(tokenizer: Tokenizer, max_words: int = 1 << 16) -> tuple[WordTable, list[int]]:
+    """A word table over GPT-2's pattern with ``tokenizer``'s BPE, whose library must not be
+    called; and a list that grows by the number of words each lookup left to Python."""
+    merges = bpe_merges(_model(tokenizer))
+    program = word_program(re.compile(ascii_pattern(_GPT2_PATTERN) or ""))
+    assert merges is not None and program is not None
+
+    def library(words: list[str]) -> list[list[int]]:
+        raise AssertionError(f"the library was called for {words}")
+
+    table = WordTable(program, library, max_words, 1 << 20, bpe=merges)
+    left_to_python: list[int] = []
+    learn_missing = table._learn_missing
+
+    def counted(found: Any) -> None:
+        left_to_python.append(len(found.missing))
+        learn_missing(found)
+
+    table._learn_missing = counted  # type: ignore[method-assign]
+    return table, left_to_python
+
+
+def test_new_words_are_learned_and_written_in_the_lookups_own_call() -> None:
+    """A request's few new words: tokenized, added and written in place of their
+    placeholders inside the lookup's compiled call, in every text of a call, one met twice."""
+    tokenizer = TOKENIZERS["default"]
+    table, left_to_python = _bpe_table(tokenizer)
+    seen: set[str] = set()
+    for number in range(30):
+        new = f"zq{number}x"  # several ids each: what follows moves along
+        texts = [f"ask {new} and {new} again, then", f" more {number * 7919} about q{new}y", "done"]
+        expected = [tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+        assert [ids.tolist() for ids in table.ids(texts)] == expected
+        seen.update(word for text in texts for word in re.findall(ascii_pattern(_GPT2_PATTERN) or "", text))
+    assert left_to_python == []
+    assert len(table) == table.bpe_words == len(seen)
+    assert table._chars == sum(len(word) for word in seen)
+
+
+@SETTINGS
+@given(calls=st.lists(st.lists(ASCII_TEXT, min_size=1, max_size=4), min_size=1, max_size=3))
+def test_a_bpe_word_table_is_the_library_call_after_call(calls: list[list[str]]) -> None:
+    """Texts of new words, several per call, some met again in a later call: the ids the
+    library gives, whether learned in the lookup's call or after it."""
+    tokenizer = TOKENIZERS["default"]
+    table, _ = _bpe_table(tokenizer, max_words=400)
+    for texts in calls:
+        if sum(map(len, texts)) > 400:  # (one call's bytes are bounded by the table's words)
+            continue
+        expected = [tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+        assert [ids.tolist() for ids in table.ids(texts)] == expected
+
+
+def test_new_words_past_the_tables_room_are_learned_after_it_grows() -> None:
+    """When the new words do not all fit the table as it is (or one is past
+    ``BPE_MAX_BYTES``), the call leaves them all to the path that grows it: still exact."""
+    tokenizer = TOKENIZERS["default"]
+    table, left_to_python = _bpe_table(tokenizer)
+    many = " ".join(f"w{number}q" for number in range(1500))  # more new words than the first slots take
+    assert table.ids([many])[0].tolist() == tokenizer.encode(many, add_special_tokens=False).ids
+    assert left_to_python and left_to_python[0] >= 1500
+    long_word = "k" * (kernels.BPE_MAX_BYTES + 1)
+    text = f"short zqv and {long_word} end"
+    with pytest.raises(AssertionError, match="the library was called"):  # the long word is the library's
+        table.ids([text])
+    assert left_to_python[-1] == 5  # all its words, " zqv" too
+
+
 def test_the_default_tokenizer_learns_words_in_compiled_code() -> None:
     tokenizer = RequestTokenizer.from_pretrained(RequestTokenizer.default_path())
     assert tokenizer.fast_paths().words.endswith(", new words by BPE)")
@@ -240,17 +309,11 @@ def test_the_default_tokenizer_learns_words_in_compiled_code() -> None:
 
 def test_a_table_that_fills_with_compiled_words_starts_afresh() -> None:
     tokenizer = TOKENIZERS["default"]
-    merges = bpe_merges(_model(tokenizer))
-    program = word_program(re.compile(ascii_pattern(_GPT2_PATTERN) or ""))
-    assert merges is not None and program is not None
-
-    def library(words: list[str]) -> list[list[int]]:
-        raise AssertionError(f"the library was called for {words}")
 
     def letters(number: int) -> str:  # a word no other number gives
         return "".join(chr(ord("a") + int(digit)) for digit in str(number))
 
-    table = WordTable(program, library, 300, 1 << 20, bpe=merges)
+    table, _ = _bpe_table(tokenizer, max_words=300)
     sizes = []
     for round_ in range(30):
         text = " ".join(f"q{letters(round_ * 100 + number)}" for number in range(40))
