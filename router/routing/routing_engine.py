@@ -99,7 +99,8 @@ STORED_RESPONSE_REASON = "stored_response"
 #: A stored response's own call (``GET /v1/responses/{id}``...) where this router does not
 #: know which backend stored it: the least loaded first, the others after its 404.
 SEARCH_REASON = "search"
-#: The policy label of a stored response's own calls: no policy chooses them.
+#: The policy label of a stored response's own calls, and of continuations sent to the
+#: backend that stored the response: no policy chooses them.
 STORED_RESPONSE_POLICY = "stored_response"
 
 
@@ -456,16 +457,20 @@ class RoutingEngine:
             chain = prepared.hash_list if session_key is None else ()
             request.conversation = self._working_sets.find(session_key, chain, shared)
 
-        label = self._label(headers, session_key, request.conversation, body)
-        policy = self._policy(label)
         stored = self._stored_candidate(continues, candidates) if continues is not None else None
         if stored is not None:
+            # No policy chose it: counted apart, so no policy's predicted hit rate or A/B
+            # arm reads the continuations it did not place (no prediction: 0 matched).
+            label = STORED_RESPONSE_POLICY
             decision = Decision(stored, STORED_RESPONSE_REASON)
-        elif policy.needs_prefix_match and prepared is None:
-            chosen = self._fallback.choose(request, candidates)
-            decision = Decision(chosen.backend, FALLBACK_REASON, chosen.matched_tokens)
         else:
-            decision = policy.choose(request, candidates)
+            label = self._label(headers, session_key, request.conversation, body)
+            policy = self._policy(label)
+            if policy.needs_prefix_match and prepared is None:
+                chosen = self._fallback.choose(request, candidates)
+                decision = Decision(chosen.backend, FALLBACK_REASON, chosen.matched_tokens)
+            else:
+                decision = policy.choose(request, candidates)
         plan = RoutePlan(decision=decision, policy=label, request=request, prompt=prepared, serial=serial)
         if prepared is not None and index is not None:
             matched = raw_matches.get(decision.backend, 0)

@@ -40,6 +40,10 @@ def test_a_continuation_goes_to_the_backend_that_answered(policy: str) -> None:
     for _ in range(4):
         plan = engine.route(RESPONSES, continuation, {}, backends)
         assert (plan.backend, plan.reason) == (first.backend, "stored_response")
+        # No policy chose it: its series are not the policy's, whose predicted hit rate
+        # would read its unpredicted (0) cached tokens as the policy's miss.
+        assert plan.policy == "stored_response" and plan.predicted_cached_tokens == 0
+    assert first.policy == policy
     # Not when that backend is no candidate (down, draining), nor for an unknown id.
     others = [backend for backend in backends if backend.url != first.backend]
     assert engine.route(RESPONSES, continuation, {}, others).reason != "stored_response"
