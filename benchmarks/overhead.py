@@ -139,8 +139,15 @@ _MODELS = orjson.dumps(
         "data": [{"id": MODEL, "object": "model", "owned_by": "kvroute-overhead", "max_model_len": 32768}],
     }
 )
+#: The KV cache the trivial upstream reports (as SGLang does): routers bound their index to it.
+UPSTREAM_CAPACITY_TOKENS = 32768
 _SERVER_INFO = orjson.dumps(
-    {"model_path": MODEL, "served_model_name": MODEL, "max_total_num_tokens": 32768, "is_generation": True}
+    {
+        "model_path": MODEL,
+        "served_model_name": MODEL,
+        "max_total_num_tokens": UPSTREAM_CAPACITY_TOKENS,
+        "is_generation": True,
+    }
 )
 
 

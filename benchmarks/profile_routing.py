@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from kvroute.benchmarks.overhead import NewWords, chat_bodies
+from kvroute.benchmarks.overhead import UPSTREAM_CAPACITY_TOKENS, NewWords, chat_bodies
 from kvroute.router.config import Settings
 from kvroute.router.fleet.backends import Backend
 from kvroute.router.routing.request_info import ENDPOINTS, parse_request
@@ -176,7 +176,9 @@ def parse(raw: bytes) -> Any:
 def profile_stages(passes: int = 7, per_prompt: int = 16, evict_mb: int = 0, new_words: int = 0) -> list[StageTime]:
     bodies = chat_bodies(per_prompt=per_prompt)
     engine = RoutingEngine(Settings(policy="cache_aware", block_size=BLOCK_SIZE))
-    candidates = [Backend("http://b0"), Backend("http://b1")]
+    # Bounded as kvroute serve bounds the overhead bench's upstreams: the bodies' blocks
+    # exceed the caches, so routes evict as a loaded router's do.
+    candidates = [Backend(url, capacity_tokens=UPSTREAM_CAPACITY_TOKENS) for url in ("http://b0", "http://b1")]
     tokenizer = RequestTokenizer.default()
     salt = request_salt("overhead")
     repeated = _StageInputs(bodies, engine, tokenizer)
