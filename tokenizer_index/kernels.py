@@ -304,23 +304,78 @@ def walk(flat, spills, owners, hashes, salt, multiplier, slots, run_blocks):  # 
     return count
 
 
+@njit(inline="always")
+def _take_oldest(log, ticks, head, end, taken, limit):  # type: ignore[no-untyped-def]
+    """:func:`oldest`, taking at most ``limit``."""
+    count = 0
+    tick = head
+    while tick < end and count < limit:
+        slot = log[tick]
+        if ticks[slot] == tick:
+            taken[count] = slot
+            count += 1
+        tick += 1
+    return count, tick
+
+
+@njit(inline="always")
+def _release_slots(  # type: ignore[no-untyped-def]
+    holder_flat, holder_spills, ticks, block_flat, block_spills, owners, slots, count, word, bit, salt, multiplier,
+    hashes,
+):  # fmt: skip
+    """:func:`release` of the first ``count`` of ``slots``."""
+    words = owners.shape[1]
+    owner_words = owners.reshape(-1)
+    keep = ~bit
+    emptied = 0
+    for i in range(count):
+        if i + AHEAD < count:  # the holder's entry two steps ahead of its block's
+            prefetch(holder_flat, slots[i + AHEAD])
+            prefetch(ticks, slots[i + AHEAD])
+        if i + AHEAD // 2 < count:
+            block_ahead = np.int64(holder_flat[slots[i + AHEAD // 2]]) - 1
+            prefetch(block_flat, block_ahead)
+            prefetch(owner_words, block_ahead * words)
+        slot = slots[i]
+        block_slot = np.int64(holder_flat[slot]) - 1
+        key = block_flat[block_slot]
+        hashes[i] = key
+        placement = placement_of(key, salt, multiplier)
+        remove_one(holder_flat, holder_spills, slot, placement)
+        ticks[slot] = _NO_TICK
+        owners[block_slot, word] &= keep
+        held = False
+        for other in range(words):
+            if owners[block_slot, other]:
+                held = True
+                break
+        if not held:
+            remove_one(block_flat, block_spills, block_slot, placement)
+            emptied += 1
+    return emptied
+
+
 @compiled(
-    types.UniTuple(types.int64, 2)(
-        _U64, _U32, _OWNERS, _U32, _U32, _U32, _U32, types.int64,
-        _U64, _I64, types.int64, types.uint64, types.uint64, types.uint64,
+    types.UniTuple(types.int64, 5)(
+        _U64, _U32, _OWNERS, _U32, _U32, _U32, _U32, types.int64, types.int64,
+        _U64, _I64, types.int64, types.uint64, types.uint64, types.uint64, types.int64, _U64,
     )
 )  # fmt: skip
 def insert_run(  # type: ignore[no-untyped-def]
-    block_flat, block_spills, owners, holder_flat, holder_spills, ticks, log, tail,
-    hashes, known, word, bit, salt, multiplier,
+    block_flat, block_spills, owners, holder_flat, holder_spills, ticks, log, head, tail,
+    hashes, known, word, bit, salt, multiplier, room, evicted,
 ):  # fmt: skip
     """One backend now holds this sequence of blocks (the prefix index's insert in one
     call, for tables with room for every block and a log with room for every tick; the
     caller checks). Per block in order: its block slot (``known`` for the leading ones a
     match just looked up, else found or added), the holder's bit on it, and the holder's
     table slot of it (found, or added without a lookup where the block itself was new);
-    then the ticks from ``tail``, the sequence's tail first (:func:`stamp`). Returns
-    (blocks added to the block table, entries added to the holder's table)."""
+    then the ticks from ``tail``, the sequence's tail first (:func:`stamp`). Then, where
+    more entries were added than ``room`` (the holder's capacity less its entries), the
+    excess is evicted as :meth:`oldest` and :func:`release` would, from ``head``: their
+    hashes into ``evicted`` (as long as ``hashes``). Returns (blocks added to the block
+    table, entries added to the holder's table, entries evicted, blocks emptied by that,
+    the log's new head)."""
     count = hashes.shape[0]
     block_buckets = block_spills.shape[0]
     holder_buckets = holder_spills.shape[0]
@@ -359,7 +414,15 @@ def insert_run(  # type: ignore[no-untyped-def]
         slot = holder_slots[count - 1 - k]
         ticks[slot] = tail + k
         log[tail + k] = slot
-    return added_blocks, added_entries
+    over = min(added_entries - room, count)  # (a holder past its capacity before: the caller evicts the rest)
+    if over <= 0:
+        return added_blocks, added_entries, 0, 0, head
+    taken, head = _take_oldest(log, ticks, head, tail + count, holder_slots, over)
+    emptied = _release_slots(
+        holder_flat, holder_spills, ticks, block_flat, block_spills, owners, holder_slots, taken, word, bit,
+        salt, multiplier, evicted,
+    )  # fmt: skip
+    return added_blocks, added_entries, taken, emptied, head
 
 
 @compiled(types.void(_U32, _U32, types.int64, _I64))
@@ -379,16 +442,7 @@ def stamp(ticks, log, tail, slots):  # type: ignore[no-untyped-def]
 def oldest(log, ticks, head, end, taken):  # type: ignore[no-untyped-def]
     """Read the log from ``head`` towards ``end`` and take its live entries (the least
     recently used first) until ``taken`` is full; returns (how many, the new head)."""
-    count = 0
-    limit = taken.shape[0]
-    tick = head
-    while tick < end and count < limit:
-        slot = log[tick]
-        if ticks[slot] == tick:
-            taken[count] = slot
-            count += 1
-        tick += 1
-    return count, tick
+    return _take_oldest(log, ticks, head, end, taken, taken.shape[0])
 
 
 @compiled(types.void(_OWNERS, _I64, types.int64, types.uint64))
@@ -448,36 +502,10 @@ def release(
     """Drop a holder's table ``slots`` (their hashes into ``hashes``): out of its table and
     ticks, its bit off their blocks, and the blocks left with no holder out of the block
     table. Returns how many blocks were emptied."""
-    words = owners.shape[1]
-    owner_words = owners.reshape(-1)
-    keep = ~bit
-    emptied = 0
-    count = slots.shape[0]
-    for i in range(count):
-        if i + AHEAD < count:  # the holder's entry two steps ahead of its block's
-            prefetch(holder_flat, slots[i + AHEAD])
-            prefetch(ticks, slots[i + AHEAD])
-        if i + AHEAD // 2 < count:
-            block_ahead = np.int64(holder_flat[slots[i + AHEAD // 2]]) - 1
-            prefetch(block_flat, block_ahead)
-            prefetch(owner_words, block_ahead * words)
-        slot = slots[i]
-        block_slot = np.int64(holder_flat[slot]) - 1
-        key = block_flat[block_slot]
-        hashes[i] = key
-        placement = placement_of(key, salt, multiplier)
-        remove_one(holder_flat, holder_spills, slot, placement)
-        ticks[slot] = _NO_TICK
-        owners[block_slot, word] &= keep
-        held = False
-        for other in range(words):
-            if owners[block_slot, other]:
-                held = True
-                break
-        if not held:
-            remove_one(block_flat, block_spills, block_slot, placement)
-            emptied += 1
-    return emptied
+    return _release_slots(
+        holder_flat, holder_spills, ticks, block_flat, block_spills, owners, slots, slots.shape[0], word, bit,
+        salt, multiplier, hashes,
+    )  # fmt: skip
 
 
 # --- words: text cut by a tokenizer's pre-tokenizer regex, each word's ids looked up ---------

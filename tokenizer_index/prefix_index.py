@@ -39,8 +39,9 @@ the table itself never shrinks).
 
 Per call, the work is compiled loops over the request's blocks
 (:mod:`kvroute.tokenizer_index.kernels`), mostly random reads of the tables: a match is one
-walk, and an insert one call of ``insert_run`` whenever the tables and the log have room
-for it (else the step-by-step path that grows them). In a loaded router every call starts
+walk, and an insert one call of ``insert_run``, the eviction down to the backend's capacity
+included, whenever the tables and the log have room for it (else the step-by-step path
+that grows them). In a loaded router every call starts
 with cold caches, so the number of calls counts more than the loops. The router hashes
 once and calls :meth:`PrefixIndex.match_hashes` and :meth:`PrefixIndex.insert_hashes` with
 the same array, and the insert reuses the match's lookups.
@@ -521,24 +522,29 @@ class PrefixIndex:
         return walked.slots if hashes[:count].tobytes() == walked.hashes else None
 
     def _insert_in_one_call(self, holder: _Holder, hashes: np.ndarray, known: np.ndarray | None) -> bool:
-        """The usual insert, one compiled call (:func:`kernels.insert_run`): when neither
-        table needs to grow for it nor the holder's log to be compacted or grown. False
-        (nothing done) otherwise."""
+        """The usual insert, one compiled call (:func:`kernels.insert_run`), evicting down to
+        the holder's capacity in it: when neither table needs to grow for it nor the
+        holder's log to be compacted or grown. False (nothing done) otherwise."""
         count = len(hashes)
         blocks, table = self._blocks, holder.table
         if count > blocks.table.room() or count > table.room() or holder.tail + count > len(holder.log):
             return False
-        added_blocks, added_entries = kernels.insert_run(
+        capacity = holder.capacity
+        room = max(0, capacity - holder.count) if capacity is not None else count
+        evicted = np.empty(count, dtype=np.uint64)
+        added_blocks, added_entries, released, emptied, holder.head = kernels.insert_run(
             blocks.table.flat, blocks.table.spills, blocks.owners, table.flat, table.spills, holder.ticks, holder.log,
-            holder.tail, hashes, _NONE_KNOWN if known is None else known, holder.word, holder.bit,
-            PLACEMENT_SALT, PLACEMENT_MULTIPLIER,
+            holder.head, holder.tail, hashes, _NONE_KNOWN if known is None else known, holder.word, holder.bit,
+            PLACEMENT_SALT, PLACEMENT_MULTIPLIER, room, evicted,
         )  # fmt: skip
-        if added_blocks:
-            blocks.table.count += added_blocks
-            blocks.version += 1
-        table.count += added_entries
-        holder.count += added_entries
+        if added_blocks or emptied:
+            blocks.table.count += added_blocks - emptied
+            blocks.version += (added_blocks > 0) + (emptied > 0)  # (as an insert, then a release)
+        table.count += added_entries - released
+        holder.count += added_entries - released
         holder.tail += count
+        if released and self.on_evict is not None:
+            self.on_evict(holder.name, evicted[:released])
         return True
 
     def _insert_growing(self, holder: _Holder, hashes: np.ndarray, known: np.ndarray | None) -> None:

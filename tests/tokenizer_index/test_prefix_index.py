@@ -415,9 +415,15 @@ def _state(index: PrefixIndex) -> list[object]:
 def test_insert_in_one_call_leaves_what_the_step_by_step_insert_leaves(seed: int) -> None:
     """The fused insert kernel against the insert it replaces where the tables have room:
     the same random matches and inserts (repeated blocks, hash 0, shared prefixes, blocks
-    other backends hold) leave every array of both indexes equal."""
-    fused = PrefixIndex(block_size=1, capacity_blocks=400)
-    stepwise = PrefixIndex(block_size=1, capacity_blocks=400)
+    other backends hold) leave every array of both indexes equal, and evict the same
+    blocks in the same order (the fused kernel evicts down to the capacity itself)."""
+    evicted: dict[str, list[tuple[str, list[int]]]] = {"fused": [], "stepwise": []}
+    fused = PrefixIndex(
+        block_size=1, capacity_blocks=100, on_evict=lambda b, h: evicted["fused"].append((b, h.tolist()))
+    )
+    stepwise = PrefixIndex(
+        block_size=1, capacity_blocks=100, on_evict=lambda b, h: evicted["stepwise"].append((b, h.tolist()))
+    )
     stepwise._insert_in_one_call = lambda *args: False  # type: ignore[method-assign]
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(0, 2**64, size=40, dtype=np.uint64) for _ in range(6)]
@@ -434,4 +440,6 @@ def test_insert_in_one_call_leaves_what_the_step_by_step_insert_leaves(seed: int
         stepwise.insert_hashes(backend, hashes)
         fused_calls += len(hashes) <= room
         assert _state(fused) == _state(stepwise), f"step {step}"
+        assert evicted["fused"] == evicted["stepwise"], f"step {step}"
     assert fused_calls > 300
+    assert sum(len(hashes) for _, hashes in evicted["fused"]) > 1000
