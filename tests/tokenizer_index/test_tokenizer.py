@@ -577,6 +577,37 @@ def test_pieces_match_the_tokenizers_own_cuts(tricky_tok: RequestTokenizer, text
     assert tricky_tok.encode_text(text) == expected  # again, from the cache
 
 
+@pytest.fixture(scope="module")
+def overlapping_tok() -> RequestTokenizer:
+    """Added tokens that all cut, some overlapping or inside others (the pieces and the
+    units that end in one, ``_text_and_final_token``)."""
+    added = [
+        AddedToken("<|a|>", normalized=False),
+        AddedToken("<|a|><|b|>", normalized=False),
+        AddedToken("<|b|>", normalized=False),
+        AddedToken("|><", normalized=False),
+    ]
+    tok = RequestTokenizer(train_tokenizer("byte_level", ["<s>", "</s>"], added), cache_bytes=1 << 16)
+    assert tok.incremental and tok._words is not None and not tok._non_boundaries
+    return tok
+
+
+@SETTINGS
+@given(
+    text=st.lists(
+        st.sampled_from(
+            ["<|a|>", "<|b|>", "|><", "<|a|><|b|>", "<s>", "a", " word", " hello there", "\n", "<", "|", ">"]
+        )
+        | st.text(max_size=4),
+        max_size=14,
+    ).map("".join)
+)
+def test_units_ending_in_overlapping_tokens(overlapping_tok: RequestTokenizer, text: str) -> None:
+    expected = overlapping_tok.backend.encode(text, add_special_tokens=False).ids
+    assert overlapping_tok.encode_text(text) == expected
+    assert overlapping_tok.encode_text(text) == expected
+
+
 def test_no_context_token_that_a_longer_added_token_starts_with() -> None:
     """Tokenized after "<unk>", a unit starting "x" would read "<unk>x" as one added token."""
     tokenizer = train_tokenizer("metaspace_first", ["<s>", "</s>", "<unk>x"])
