@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvroute.benchmarks.profile_render import conversation, profile_renders
 from kvroute.benchmarks.profile_request import stage_of, summarize
 from kvroute.benchmarks.profile_routing import busy_neighbour, profile_stages
 from kvroute.benchmarks.stage_timers import STAGES, _timed, reset, snapshot
@@ -174,3 +175,14 @@ def test_the_routing_profile_times_every_stage(new_words: int) -> None:
         "parse+prepare+route+observe",
     ]
     assert all(0 < row.min_us <= row.median_us <= row.max_us for row in rows)
+
+
+def test_the_render_profile_renders_each_shape_both_ways_alike() -> None:
+    """``profile_render`` on a few chats: the tokenizer's text equals the whole render (it
+    raises otherwise) for plain and agent chats below and above the render memo's threshold."""
+    rows = profile_renders(chats=3, repeats=2, lengths=(4, 18))
+    assert [(row.shape, row.messages) for row in rows] == [("plain", 4), ("plain", 18), ("agent", 4), ("agent", 18)]
+    assert all(row.whole_us > 0 and row.tokenizer_us > 0 for row in rows)
+    agent = conversation("agent", 7, 6)
+    assert [message["role"] for message in agent] == ["system", "user", "assistant", "tool", "assistant", "tool"]
+    assert agent[3]["tool_call_id"] == agent[2]["tool_calls"][0]["id"] != conversation("agent", 8, 6)[3]["tool_call_id"]
