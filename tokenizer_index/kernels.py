@@ -1101,11 +1101,7 @@ def word_ids(
                         if found >= 0:
                             break
                         end += _column(text, end, cmap)[1]
-                slot = _find_word(text, at, end, slots, word_bytes)
-                if slot >= 0:
-                    written = _emit_slot(slot, slots, ids, out_ids, written)
-                else:
-                    written, missed = _note_missing(at, end, out_ids, written, missing, missed)
+                written, missed = _emit_word(text, at, end, slots, word_bytes, ids, out_ids, written, missing, missed)
                 at = end
             piece = piece_stop
         out_ends[number] = written
