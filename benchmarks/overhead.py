@@ -72,6 +72,55 @@ def chat_body(size_bytes: int = 2048, system: str = "You are a helpful assistant
     return encoded
 
 
+def agent_messages(number: int, messages: int, system: str) -> list[dict[str, Any]]:
+    """Agent conversation ``number`` with ``messages`` messages (even, >= 2): ``system``, a
+    task, then per turn an assistant tool call and its tool result (what coding agents
+    send), with ids, paths and texts of its own."""
+    chat: list[dict[str, Any]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"Task {number}: find why the tests of module {number} fail, and fix it."},
+    ]
+    for turn in range((messages - 2) // 2):
+        call_id = f"call_{number}_{turn}"
+        arguments = orjson.dumps({"path": f"src/module_{number}/part_{turn}.py"}).decode()
+        call = {"id": call_id, "type": "function", "function": {"name": "read_file", "arguments": arguments}}
+        chat += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {
+                "role": "tool",
+                "tool_call_id": call_id,
+                "content": f"# part {turn} of module {number}\n" + "def step(value):\n    return value + 1\n" * 8,
+            },
+        ]
+    return chat
+
+
+#: Messages per agent body, in turn: a conversation's second to seventh tool call.
+AGENT_MESSAGES = (4, 6, 8, 10, 12, 14)
+
+
+def agent_bodies(system_prompts: int = 64, per_prompt: int = 16) -> list[bytes]:
+    """``system_prompts`` x ``per_prompt`` distinct agent requests (:func:`agent_messages`,
+    4 to 14 messages, ~1.5-4 KB): the traffic kvroute is built for, where every turn's
+    history carries tool calls and results. Each ends with its tool result's text, as
+    :class:`NewWords` needs."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    systems = [f"Agent {number}. " + words(rng, 200) for number in range(system_prompts)]
+    bodies = []
+    for number, system in enumerate(systems):
+        for turn in range(per_prompt):
+            conversation = number * per_prompt + turn
+            chat = agent_messages(conversation, AGENT_MESSAGES[conversation % len(AGENT_MESSAGES)], system)
+            bodies.append(orjson.dumps({"model": MODEL, "max_tokens": 8, "messages": chat}))
+    return bodies
+
+
+#: What ``--bodies`` names: the request bodies the overhead bench sends.
+BODY_KINDS = ("chat", "agent")
+
+
 def chat_bodies(size_bytes: int = 2048, system_prompts: int = 64, per_prompt: int = 16) -> list[bytes]:
     """``system_prompts`` x ``per_prompt`` distinct requests of about ``size_bytes`` bytes.
 
@@ -662,13 +711,16 @@ async def run_overhead(
     baseline: Path | None = None,
     peer_policies: Sequence[str] = ("cache_aware",),
     new_words: int = 0,
+    body_kind: str = "chat",
 ) -> list[OverheadRow]:
     """Start the upstreams and every router, then measure them round by round.
 
     ``baseline``: another kvroute source tree (e.g. the commit before a change); each
     policy is also served from it (target ``POLICY@baseline``), measured in the same rounds.
+    ``body_kind``: ``chat`` (:func:`chat_bodies` of ``body_bytes``) or ``agent``
+    (:func:`agent_bodies`).
     """
-    bodies = chat_bodies(body_bytes)
+    bodies = agent_bodies() if body_kind == "agent" else chat_bodies(body_bytes)
     upstreams = [start_upstream() for _ in range(backends)]
     fronts: dict[str, ManagedProcess | fleets.PeerRouter] = {}
     urls = [upstream.url for upstream in upstreams]
@@ -747,7 +799,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", default="32,128")
     parser.add_argument("--seconds", type=float, default=3.0, help="per run")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--body-bytes", type=int, default=2048)
+    parser.add_argument("--body-bytes", type=int, default=2048, help="chat bodies' size")
+    parser.add_argument(
+        "--bodies",
+        choices=BODY_KINDS,
+        default="chat",
+        help="chat: ~2 KB chats over 64 system prompts; agent: conversations of 4-14 messages "
+        "with tool calls and tool results over 64 system prompts",
+    )
     parser.add_argument(
         "--new-words",
         type=int,
@@ -804,6 +863,7 @@ def main(argv: list[str]) -> int:
             baseline=args.baseline,
             peer_policies=_csv(args.peer_policies),
             new_words=args.new_words,
+            body_kind=args.bodies,
         )
         print(format_rows(rows))
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvroute.benchmarks.overhead import agent_messages
 from kvroute.tokenizer_index import RequestTokenizer
 from kvroute.tokenizer_index.render_memo import RenderSettings
 
@@ -51,33 +52,17 @@ class RenderTime:
 
 def conversation(shape: str, number: int, messages: int) -> list[dict[str, Any]]:
     """Conversation ``number`` of ``shape`` with ``messages`` messages (an even count >= 2)."""
+    if shape == "agent":
+        return agent_messages(number, messages, SYSTEM)
     chat: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"Task {number}: find why the tests of module {number} fail, and fix it."},
     ]
     for turn in range((messages - 2) // 2):
-        if shape == "plain":
-            chat += [
-                {"role": "assistant", "content": f"Step {turn}: I read module {number} and found line {turn * 7}."},
-                {"role": "user", "content": f"Good. Now check what calls it ({number}.{turn})."},
-            ]
-        else:
-            call_id = f"call_{number}_{turn}"
-            arguments = json.dumps({"path": f"src/module_{number}/part_{turn}.py"})
-            chat += [
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {"id": call_id, "type": "function", "function": {"name": "read_file", "arguments": arguments}}
-                    ],
-                },
-                {
-                    "role": "tool",
-                    "tool_call_id": call_id,
-                    "content": f"# part {turn} of module {number}\n" + "def step(value):\n    return value + 1\n" * 8,
-                },
-            ]
+        chat += [
+            {"role": "assistant", "content": f"Step {turn}: I read module {number} and found line {turn * 7}."},
+            {"role": "user", "content": f"Good. Now check what calls it ({number}.{turn})."},
+        ]
     return chat
 
 

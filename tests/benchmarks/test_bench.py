@@ -195,6 +195,31 @@ def test_overhead_sends_new_words_to_a_cache_aware_router(tmp_path: Path) -> Non
     assert all(row["errors"] == 0 and row["requests_per_s"] > 0 for row in measured)
 
 
+def test_agent_bodies_are_distinct_tool_call_conversations_new_words_extend() -> None:
+    from kvroute.benchmarks.overhead import AGENT_MESSAGES, NewWords, agent_bodies
+
+    bodies = agent_bodies(system_prompts=2, per_prompt=6)
+    chats = [json.loads(body)["messages"] for body in bodies]
+    assert len(set(bodies)) == 12 and sorted({len(chat) for chat in chats}) == list(AGENT_MESSAGES)
+    for chat in chats:
+        calls = [message for message in chat if message["role"] == "assistant"]
+        results = [message for message in chat if message["role"] == "tool"]
+        assert [call["tool_calls"][0]["id"] for call in calls] == [result["tool_call_id"] for result in results]
+        assert all(json.loads(call["tool_calls"][0]["function"]["arguments"])["path"] for call in calls)
+    extended = json.loads(NewWords(bodies, 3)())["messages"]
+    assert extended[:-1] == chats[0][:-1] and extended[-1]["content"].endswith(" #0")
+
+
+def test_overhead_sends_agent_bodies_to_a_cache_aware_router(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    argv = ["--overhead", "--policies", "cache_aware", "--peers", "none", "--rounds", "1", "--seconds", "0.5"]
+    argv += ["--concurrency", "4", "--bodies", "agent", "--out", str(out)]
+    assert bench.main(argv) == 0
+    measured = json.loads(out.read_text())
+    assert {row["target"] for row in measured} == {"direct", "cache_aware"}
+    assert all(row["errors"] == 0 and row["requests_per_s"] > 0 for row in measured)
+
+
 def test_overhead_pairs_each_target_with_its_baseline_round_by_round() -> None:
     from kvroute.benchmarks.overhead import OverheadRow, baseline_pairs, format_rows
 
