@@ -81,6 +81,8 @@ _INITIAL_HOLDER_BUCKETS = 16
 _INITIAL_LOG = 1024
 #: ``known`` for an insert that no match looked up before.
 _NONE_KNOWN = np.empty(0, dtype=np.int64)
+#: ``insert_run``'s evicted hashes where it cannot evict (the holder has room for every block).
+_NONE_EVICTED = np.empty(0, dtype=np.uint64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,7 +533,8 @@ class PrefixIndex:
             return False
         capacity = holder.capacity
         room = max(0, capacity - holder.count) if capacity is not None else count
-        evicted = np.empty(count, dtype=np.uint64)
+        # (Evicting takes more entries added than room: none below a holder's capacity.)
+        evicted = np.empty(count, dtype=np.uint64) if room < count else _NONE_EVICTED
         added_blocks, added_entries, released, emptied, holder.head = kernels.insert_run(
             blocks.table.flat, blocks.table.spills, blocks.owners, table.flat, table.spills, holder.ticks, holder.log,
             holder.head, holder.tail, hashes, _NONE_KNOWN if known is None else known, holder.word, holder.bit,
