@@ -54,10 +54,7 @@ def conversation(shape: str, number: int, messages: int) -> list[dict[str, Any]]
     """Conversation ``number`` of ``shape`` with ``messages`` messages (an even count >= 2)."""
     if shape == "agent":
         return agent_messages(number, messages, SYSTEM)
-    chat: list[dict[str, Any]] = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"Task {number}: find why the tests of module {number} fail, and fix it."},
-    ]
+    chat = agent_messages(number, 2, SYSTEM)  # (the same system prompt and task)
     for turn in range((messages - 2) // 2):
         chat += [
             {"role": "assistant", "content": f"Step {turn}: I read module {number} and found line {turn * 7}."},

@@ -185,10 +185,11 @@ def test_new_words_make_every_body_new_and_keep_it_a_chat() -> None:
         assert request["messages"][0] == base["messages"][0] and request["model"] == base["model"]
 
 
-def test_overhead_sends_new_words_to_a_cache_aware_router(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bodies", [["--new-words", "12"], ["--bodies", "agent"]], ids=["new-words", "agent"])
+def test_overhead_sends_its_bodies_to_a_cache_aware_router(tmp_path: Path, bodies: list[str]) -> None:
     out = tmp_path / "overhead.json"
     argv = ["--overhead", "--policies", "cache_aware", "--peers", "none", "--rounds", "1", "--seconds", "0.5"]
-    argv += ["--concurrency", "4", "--new-words", "12", "--out", str(out)]
+    argv += ["--concurrency", "4", *bodies, "--out", str(out)]
     assert bench.main(argv) == 0
     measured = json.loads(out.read_text())
     assert {row["target"] for row in measured} == {"direct", "cache_aware"}
@@ -208,16 +209,6 @@ def test_agent_bodies_are_distinct_tool_call_conversations_new_words_extend() ->
         assert all(json.loads(call["tool_calls"][0]["function"]["arguments"])["path"] for call in calls)
     extended = json.loads(NewWords(bodies, 3)())["messages"]
     assert extended[:-1] == chats[0][:-1] and extended[-1]["content"].endswith(" #0")
-
-
-def test_overhead_sends_agent_bodies_to_a_cache_aware_router(tmp_path: Path) -> None:
-    out = tmp_path / "overhead.json"
-    argv = ["--overhead", "--policies", "cache_aware", "--peers", "none", "--rounds", "1", "--seconds", "0.5"]
-    argv += ["--concurrency", "4", "--bodies", "agent", "--out", str(out)]
-    assert bench.main(argv) == 0
-    measured = json.loads(out.read_text())
-    assert {row["target"] for row in measured} == {"direct", "cache_aware"}
-    assert all(row["errors"] == 0 and row["requests_per_s"] > 0 for row in measured)
 
 
 def test_overhead_pairs_each_target_with_its_baseline_round_by_round() -> None:
