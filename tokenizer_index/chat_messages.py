@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +45,6 @@ _MEDIA_MODALITY = {  # part type -> modality
     "audio_embeds": "audio",
     "video_url": "video",
 }
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def media_placeholder(modality: str, payload: Any) -> str:
@@ -140,19 +140,40 @@ def _parse_content(content: Any, content_format: ContentFormat) -> str | list[di
     return text_prompt
 
 
+#: A run of digits as long as the shortest integer beyond 64 bits: orjson reads such an
+#: integer as a float where ``json`` keeps it whole.
+_LONG_DIGITS = re.compile("[0-9]{19}")
+
+
+def parse_arguments(text: str) -> Any:
+    """``json.loads(text)``, as vLLM parses a tool call's arguments (``JSONDecodeError``
+    where it fails), by orjson where that gives the same value (~7x faster): not for
+    integers past 64 bits, nor NaN, infinities or lone surrogates, which orjson refuses."""
+    if _LONG_DIGITS.search(text) is None:
+        try:
+            return orjson.loads(text)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(text)
+
+
 def _tool_calls(calls: Any) -> list[dict[str, Any]]:
     """Copies of the tool calls with JSON-string arguments parsed (invalid JSON -> {})."""
     if not isinstance(calls, list):
         raise ValueError("tool_calls must be a list")
     parsed: list[dict[str, Any]] = []
     for call in calls:
-        if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        # (``type() is dict`` first: an ABC's instance check costs ~0.4 us.)
+        if not (type(call) is dict or isinstance(call, Mapping)):
             raise ValueError("each tool call needs a 'function' object")
-        function = dict(call["function"])
+        function = call.get("function")
+        if not (type(function) is dict or isinstance(function, Mapping)):
+            raise ValueError("each tool call needs a 'function' object")
+        function = dict(function)
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
-                function["arguments"] = json.loads(arguments)
+                function["arguments"] = parse_arguments(arguments)
             except json.JSONDecodeError:
                 function["arguments"] = {}
         elif not isinstance(arguments, dict | list):
@@ -162,15 +183,20 @@ def _tool_calls(calls: Any) -> list[dict[str, Any]]:
 
 
 def _conversation_message(message: Any, content_format: ContentFormat) -> dict[str, Any]:
-    if not isinstance(message, Mapping):
+    if not (type(message) is dict or isinstance(message, Mapping)):
         raise ValueError(f"each message must be an object, not {type(message).__name__}")
     role = message.get("role")
     if not isinstance(role, str):
         raise ValueError("each message needs a string 'role'")
-    content = _parse_content(message.get("content"), content_format)
-    if role == "tool" and isinstance(content, list) and all(part.get("type") == "text" for part in content):
-        content = "\n".join(part["text"] for part in content)  # most templates read tool output as text
+    content = message.get("content")
+    if type(content) is not str or content_format != "string":
+        content = _parse_content(content, content_format)
+        if role == "tool" and isinstance(content, list) and all(part.get("type") == "text" for part in content):
+            content = "\n".join(part["text"] for part in content)  # most templates read tool output as text
     result: dict[str, Any] = {"role": role, "content": content}
+    # transformers drops keys whose value is None (none is added) and exposes the
+    # reasoning under every name templates read.
+    reasoning = None
     if role == "assistant":
         calls = message.get("tool_calls")
         if calls is not None:
@@ -181,21 +207,20 @@ def _conversation_message(message: Any, content_format: ContentFormat) -> dict[s
         if reasoning is not None:
             result["reasoning"] = reasoning
             result["reasoning_content"] = reasoning
-    elif role == "tool" and "tool_call_id" in message:
-        result["tool_call_id"] = message["tool_call_id"]
-    if isinstance(message.get("name"), str):
-        result["name"] = message["name"]
-    if isinstance(message.get("task"), str):
-        result["task"] = message["task"]
-    if role == "developer":
-        result["tools"] = message.get("tools")
-    # transformers: drop None values, then expose the reasoning under every name templates read.
-    if len(result) > 2:
-        result = {key: value for key, value in result.items() if value is not None}
-        for key in _REASONING_FIELDS:
-            reasoning_text = result.get(key)
-            if reasoning_text is not None:
-                return {"thinking": reasoning_text, **result, "reasoning_content": reasoning_text}
+    elif role == "tool":
+        call_id = message.get("tool_call_id")
+        if call_id is not None:
+            result["tool_call_id"] = call_id
+    name = message.get("name")
+    if isinstance(name, str):
+        result["name"] = name
+    task = message.get("task")
+    if isinstance(task, str):
+        result["task"] = task
+    if role == "developer" and message.get("tools") is not None:
+        result["tools"] = message["tools"]
+    if reasoning is not None:
+        return {"thinking": reasoning, **result, "reasoning_content": reasoning}
     return result
 
 
