@@ -121,6 +121,14 @@ def agent_bodies(system_prompts: int = 64, per_prompt: int = 16) -> list[bytes]:
 BODY_KINDS = ("chat", "agent")
 
 
+def bodies_of(kind: str, body_bytes: int = 2048, per_prompt: int = 16) -> list[bytes]:
+    """The bodies ``--bodies kind`` sends: :func:`chat_bodies` of ``body_bytes`` or
+    :func:`agent_bodies`, ``per_prompt`` per system prompt."""
+    if kind not in BODY_KINDS:
+        raise ValueError(f"bodies must be one of {', '.join(BODY_KINDS)}, not {kind!r}")
+    return agent_bodies(per_prompt=per_prompt) if kind == "agent" else chat_bodies(body_bytes, per_prompt=per_prompt)
+
+
 def chat_bodies(size_bytes: int = 2048, system_prompts: int = 64, per_prompt: int = 16) -> list[bytes]:
     """``system_prompts`` x ``per_prompt`` distinct requests of about ``size_bytes`` bytes.
 
@@ -720,7 +728,7 @@ async def run_overhead(
     ``body_kind``: ``chat`` (:func:`chat_bodies` of ``body_bytes``) or ``agent``
     (:func:`agent_bodies`).
     """
-    bodies = agent_bodies() if body_kind == "agent" else chat_bodies(body_bytes)
+    bodies = bodies_of(body_kind, body_bytes)
     upstreams = [start_upstream() for _ in range(backends)]
     fronts: dict[str, ManagedProcess | fleets.PeerRouter] = {}
     urls = [upstream.url for upstream in upstreams]

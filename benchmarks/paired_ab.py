@@ -1,7 +1,7 @@
 """A change's CPU per request against a baseline tree's, both loaded at the same time.
 
     python3 -m kvroute.benchmarks.paired_ab --baseline DIR --policy round_robin \\
-        --rate 400 --rounds 12 --seconds 3 [--new-words 20] [--out FILE]
+        --rate 400 --rounds 12 --seconds 3 [--new-words 20] [--bodies agent] [--out FILE]
 
 ``kvroute bench --overhead --baseline DIR`` measures the two trees one after the other;
 on a shared machine whose load drifts within seconds, their CPU per request then spreads
@@ -17,7 +17,8 @@ and amplifies noise into the ratio. The two start in alternate order each round.
 Reports the median ratio with its quartiles and range over the rounds, and in how many
 rounds this tree was the cheaper one; ``--out`` writes every round as JSON. With
 ``--new-words N`` every request brings N new words, as ``kvroute bench --overhead
---new-words N`` sends them (the same sequence of bodies to both routers).
+--new-words N`` sends them (the same sequence of bodies to both routers); ``--bodies
+agent`` sends its agent conversations instead of plain chats.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from pathlib import Path
 
 from kvroute.benchmarks import fleet as fleets
 from kvroute.benchmarks.overhead import (
+    BODY_KINDS,
     BodySource,
     LoadRun,
     NewWords,
     baseline_env,
-    chat_bodies,
+    bodies_of,
     closed_loop,
     fixed_rate,
     start_upstream,
@@ -75,11 +77,15 @@ class PairedSummary:
     ratio_range: tuple[float, float]
     rounds_cheaper: int
     errors: int
-    #: New words in every request's user turn (0: the repeated bodies).
+    #: New words in every request's last turn (0: the repeated bodies).
     new_words: int = 0
+    #: The bodies sent (``overhead.BODY_KINDS``).
+    bodies: str = "chat"
 
 
-def summarize(policy: str, rate: float, seconds: float, rounds: list[PairedRound], new_words: int = 0) -> PairedSummary:
+def summarize(
+    policy: str, rate: float, seconds: float, rounds: list[PairedRound], new_words: int = 0, bodies: str = "chat"
+) -> PairedSummary:
     """Medians over the rounds; the ratio's over the rounds where both sides read CPU."""
     ratios = [ratio for ratio in (item.ratio for item in rounds) if math.isfinite(ratio) and ratio > 0]
     if not ratios:
@@ -98,6 +104,7 @@ def summarize(policy: str, rate: float, seconds: float, rounds: list[PairedRound
         rounds_cheaper=sum(ratio < 1.0 for ratio in ratios),
         errors=sum(item.errors for item in rounds),
         new_words=new_words,
+        bodies=bodies,
     )
 
 
@@ -115,6 +122,7 @@ async def paired_rounds(
     rounds: int,
     extra_args: list[str],
     new_words: int = 0,
+    body_kind: str = "chat",
 ) -> list[PairedRound]:
     upstreams = [start_upstream() for _ in range(2)]
     routers: list[fleets.ManagedProcess] = []
@@ -135,7 +143,7 @@ async def paired_rounds(
         for failure in started:
             if isinstance(failure, BaseException):
                 raise failure
-        bodies = chat_bodies()
+        bodies = bodies_of(body_kind)
         for router in routers:  # every body once: both measured in their steady state
             await closed_loop(router.url, bodies, 32, 0.0, None, requests=len(bodies))
         # With new words, each router its own source of the same bodies: both see the same text.
@@ -176,17 +184,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--seconds", type=float, default=3.0, help="per round")
     parser.add_argument(
-        "--new-words", type=int, default=0, help="new words in every request's user turn (as bench --overhead)"
+        "--new-words", type=int, default=0, help="new words in every request's last turn (as bench --overhead)"
     )
+    parser.add_argument("--bodies", choices=BODY_KINDS, default="chat", help="as kvroute bench --overhead sends")
     parser.add_argument("--out", type=Path)
     parser.add_argument("router_args", nargs="*", help="extra kvroute serve flags for both (after --)")
     args = parser.parse_args(argv)
 
     async def run() -> int:
         rounds = await paired_rounds(
-            args.policy, args.baseline, args.rate, args.seconds, args.rounds, args.router_args, args.new_words
+            args.policy,
+            args.baseline,
+            args.rate,
+            args.seconds,
+            args.rounds,
+            args.router_args,
+            args.new_words,
+            args.bodies,
         )
-        summary = summarize(args.policy, args.rate, args.seconds, rounds, args.new_words)
+        summary = summarize(args.policy, args.rate, args.seconds, rounds, args.new_words, args.bodies)
         low, high = summary.ratio_quartiles
         print(
             f"{summary.policy} at {summary.rate_per_s:.0f}/s each: {summary.cpu_us_median:.0f} us/request against"

@@ -1,9 +1,10 @@
 """The routing engine's CPU per request, stage by stage, in one process (no HTTP, no profiler).
 
     python3 -m kvroute.benchmarks.profile_routing [--passes 7] [--per-prompt 16] [--evict-mb 16] [--neighbour]
-                                                  [--new-words 20] [--json FILE]
+                                                  [--new-words 20] [--bodies agent] [--json FILE]
 
-The ~2 KB chat bodies of ``kvroute bench --overhead`` (64 system prompts) go through the
+The ~2 KB chat bodies of ``kvroute bench --overhead`` (64 system prompts; ``--bodies
+agent``: its agent conversations, 4 to 14 messages with tool calls) go through the
 stages ``kvroute serve --policy cache_aware`` runs for each request, each stage timed on
 its own over all bodies with the thread's CPU clock (``time.thread_time_ns``), so neither
 other processes on a shared machine nor a profiler's own cost count: parse (the JSON
@@ -57,7 +58,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from kvroute.benchmarks.overhead import UPSTREAM_CAPACITY_TOKENS, NewWords, chat_bodies
+from kvroute.benchmarks.overhead import BODY_KINDS, UPSTREAM_CAPACITY_TOKENS, NewWords, bodies_of
 from kvroute.router.config import Settings
 from kvroute.router.fleet.backends import Backend
 from kvroute.router.routing.request_info import ENDPOINTS, parse_request
@@ -173,8 +174,10 @@ def parse(raw: bytes) -> Any:
     return parse_request(raw, CHAT, {}, "x-session-id")
 
 
-def profile_stages(passes: int = 7, per_prompt: int = 16, evict_mb: int = 0, new_words: int = 0) -> list[StageTime]:
-    bodies = chat_bodies(per_prompt=per_prompt)
+def profile_stages(
+    passes: int = 7, per_prompt: int = 16, evict_mb: int = 0, new_words: int = 0, body_kind: str = "chat"
+) -> list[StageTime]:
+    bodies = bodies_of(body_kind, per_prompt=per_prompt)
     engine = RoutingEngine(Settings(policy="cache_aware", block_size=BLOCK_SIZE))
     # Bounded as kvroute serve bounds the overhead bench's upstreams: the bodies' blocks
     # exceed the caches, so routes evict as a loaded router's do.
@@ -260,12 +263,13 @@ def main(argv: list[str] | None = None) -> int:
         "--neighbour", action="store_true", help="a dict-churning Python process on another CPU while timing"
     )
     parser.add_argument(
-        "--new-words", type=int, default=0, help="new words in every request's user turn (new text each pass)"
+        "--new-words", type=int, default=0, help="new words in every request's last turn (new text each pass)"
     )
+    parser.add_argument("--bodies", choices=BODY_KINDS, default="chat", help="as kvroute bench --overhead sends")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     with busy_neighbour() if args.neighbour else contextlib.nullcontext():
-        rows = profile_stages(args.passes, args.per_prompt, args.evict_mb, args.new_words)
+        rows = profile_stages(args.passes, args.per_prompt, args.evict_mb, args.new_words, args.bodies)
     print(format_stages(rows))
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(row) for row in rows], indent=2) + "\n")
