@@ -68,15 +68,25 @@ def _raise_exception(message: str) -> None:
 _PLAIN_ENCODER = json.JSONEncoder(ensure_ascii=False)
 
 
-def _tojson(
+class DumpedAs:
+    """A value the ``tojson`` filter prints as its ``json_text``: a skeleton's stand-in for a
+    tool call's arguments (:mod:`kvroute.tokenizer_index.render_skeleton`)."""
+
+    json_text: str = ""
+
+
+def tojson(
     value: Any,
     ensure_ascii: bool = False,
     indent: int | None = None,
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
+    """The templates' ``tojson`` filter."""
     # Same signature and defaults as transformers' filter: Jinja's built-in one escapes HTML.
     if not ensure_ascii and indent is None and separators is None and not sort_keys:
+        if isinstance(value, DumpedAs):
+            return value.json_text
         return _PLAIN_ENCODER.encode(value)
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -135,7 +145,7 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
 
 def _environment() -> ImmutableSandboxedEnvironment:
     env = _ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = strftime_now
     return env

@@ -1,14 +1,21 @@
 """Short chats rendered without the template engine: one skeleton per conversation shape.
 
 A chat of a few plain messages (a role and a text each) costs ~10-30 us per request to
-convert and render through the model's Jinja template in its sandbox. Under a template
-whose output depends on a text only by printing it (as it is, trimmed or stripped) and
-otherwise only on its type, its truth and tests the texts answer no to
+convert and render through the model's Jinja template in its sandbox; an agent's, whose
+turns are tool calls and tool results, ~20-70 us. Under a template whose output depends
+on a text only by printing it (as it is, trimmed or stripped, or as ``tojson`` writes it)
+and otherwise only on its type, its truth and tests the texts answer no to, and on a tool
+call's arguments only by printing them through ``tojson``
 (:func:`~kvroute.tokenizer_index.template_verbatim.verbatim_check`), that render is fixed
-by the roles, which texts are empty, the generation flag and (where the template writes
-it) today's date: the texts only fill slots. So each such *shape* is rendered once with
-marked texts and cut at the marks into literal segments and slots (:class:`Skeleton`); a
-request of that shape is the segments joined with its texts.
+by the roles, the fields present, the tool calls' keys and arguments' types, which slots
+are empty, the generation flag and (where the template writes it) today's date: the
+values only fill slots. So each such *shape* is rendered once with marked values and cut
+at the marks into literal segments and slots (:class:`Skeleton`); a request of that shape
+is the segments joined with its values: its texts (a message's, a tool result's call id,
+a call's id, type and function name), each as the template wrote its mark (as it is,
+trimmed, through ``tojson``), and its calls' arguments as ``tojson`` writes them once
+parsed as vLLM parses them (an agent re-sends every earlier call: parsed and written once,
+:data:`_REMEMBERED_ARGUMENTS_CHARS`).
 
 Exact by three checks: the syntax check; at build, a second render with other marks (of
 other lengths) must equal the skeleton filled with them; and every
@@ -16,7 +23,9 @@ other lengths) must equal the skeleton filled with them; and every
 differed then renders whole from then on (and the log says so). Texts the template's
 verdict does not admit render whole (only whitespace, whose trimmed text would be empty,
 which the shape does not record; one that answers yes to a test; one with whitespace at
-an end under a template that strips); so do messages with any other field not null,
+an end under a template that strips); so do messages with any other field not null (a
+tool call with fields besides ``id``, ``type`` and ``function``, arguments that are no
+text, object or list),
 conversations of :data:`~kvroute.tokenizer_index.render_memo.MIN_MESSAGES` or more (the
 render memo's), templates whose content format is a list of parts, and requests with
 tools, documents, template keywords or ``continue_final_message`` (the tokenizer's caller
@@ -31,9 +40,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
-from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError, strftime_now
+from kvroute.tokenizer_index.chat_messages import parse_arguments
+from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError, DumpedAs, strftime_now, tojson
 from kvroute.tokenizer_index.template_verbatim import PLAIN_ROLES, Verbatim, verbatim_check
 
 log = logging.getLogger(__name__)
@@ -43,11 +54,20 @@ VERIFY_EVERY = 128
 #: Shapes remembered per renderer (a shape's skeleton is the template's own text, ~1 KB).
 MAX_SHAPES = 1024
 # Marks: private-use characters no template writes, and around them a space str.strip()
-# (and Jinja's trim) removes, so a trimmed slot shows as the bare mark.
+# (and Jinja's trim) removes, so a trimmed slot shows as the bare mark. Inside, a control
+# character JSON escapes, so a slot printed through ``tojson`` shows as such; and another
+# for a tool call's arguments, which the ``tojson`` filter prints whole (:class:`_Marked`).
 _PAD = "\u2003"
-_MARK = re.compile("(\u2003?)\ue000([0-9]+)\ue001(\u2003?)")
+_TEXT = "\x01"
+_DUMPED_TEXT = "\\u0001"
+_DUMPED_OBJECT = "\x02"
+_MARK = re.compile("(\u2003?)\ue000([0-9]+)(\x01|\\\\u0001|\x02)\ue001(\u2003?)")
 _MARK_CHARACTERS = re.compile("[\ue000-\ue003]")
 
+
+#: How a slot's value is written: a text as it is, trimmed (``trim``, ``strip()``), either
+#: as ``tojson`` writes it (without its quotes); a tool call's arguments through ``tojson``.
+AS_IS, TRIMMED, DUMPED, OBJECT = 0, 1, 2, 4
 
 #: A shape not built yet (None: built, and no skeleton).
 _UNBUILT: Any = object()
@@ -55,32 +75,42 @@ _UNBUILT: Any = object()
 
 @dataclass(frozen=True, slots=True)
 class Skeleton:
-    """A shape's render cut at its texts: ``head``, then per slot a message's text (trimmed
-    or as it is) and the literal text after it."""
+    """A shape's render cut at its slots: ``head``, then per slot its value (a text trimmed
+    or as it is, either as ``tojson`` prints it or not; arguments as ``tojson`` prints
+    them) and the literal text after it."""
 
     head: str
-    #: (message index, trimmed, the text after it)
-    slots: tuple[tuple[int, bool, str], ...]
+    #: (slot, how its value is written: :data:`AS_IS`..., the text after it)
+    slots: tuple[tuple[int, int, str], ...]
 
     @classmethod
-    def cut(cls, rendered: str, filled: Sequence[bool]) -> Skeleton | None:
-        """The skeleton of ``rendered``, a render of :func:`marked` texts; None where a mark
-        is not whole (the template cut into it) or names an empty message."""
-        slots: list[tuple[int, bool, str]] = []
+    def cut(cls, rendered: str, filled: Sequence[bool], objects: Sequence[bool] = ()) -> Skeleton | None:
+        """The skeleton of ``rendered``, a render of :func:`marked` texts (and
+        :class:`_MarkedObject` arguments where ``objects`` says so); None where a mark is
+        not whole (the template cut into it), names an empty slot, or shows a text as an
+        object or an object as a text."""
+        slots: list[tuple[int, int, str]] = []
         head = ""
         start = 0
-        pending: tuple[int, bool] | None = None
+        pending: tuple[int, int] | None = None
         for match in _MARK.finditer(rendered):
-            before, number, after = match.groups()
+            before, number, kind, after = match.groups()
             index = int(number)
             if bool(before) != bool(after) or index >= len(filled) or not filled[index]:
+                return None
+            is_object = index < len(objects) and objects[index]
+            if (kind == _DUMPED_OBJECT) != is_object:
                 return None
             literal = rendered[start : match.start()]
             if pending is None:
                 head = literal
             else:
                 slots.append((*pending, literal))
-            pending = (index, not before)
+            if is_object:
+                mode = OBJECT
+            else:
+                mode = (TRIMMED if not before else AS_IS) | (DUMPED if kind == _DUMPED_TEXT else 0)
+            pending = (index, mode)
             start = match.end()
         tail = rendered[start:]
         if pending is None:
@@ -91,22 +121,215 @@ class Skeleton:
             return None
         return cls(head, tuple(slots))
 
-    def fill(self, texts: Sequence[str]) -> str:
+    def fill(self, values: Sequence[Any]) -> str:
         parts = [self.head]
-        for index, trimmed, literal in self.slots:
-            text = texts[index]
-            parts.append(text.strip() if trimmed else text)
+        for index, mode, literal in self.slots:
+            value = values[index]
+            if mode:  # (AS_IS the common case, kept fast)
+                value = value.strip() if mode == TRIMMED else _written(value, mode)
+            parts.append(value)
             parts.append(literal)
         return "".join(parts)
 
 
-def _null_fields(message: dict[str, Any]) -> tuple[str, ...] | None:
-    """The fields of ``message`` besides its role and text, where every one is null (None
-    otherwise): such a message fills the skeleton of the same fields, set to null."""
-    fields = [key for key in message if key != "role" and key != "content"]
-    if any(type(key) is not str or message[key] is not None for key in fields):
+def _written(value: Any, mode: int) -> str:
+    if mode == OBJECT:
+        return value.json  # type: ignore[no-any-return]
+    return tojson(value.strip() if mode & TRIMMED else value)[1:-1]  # (the quotes are the template's)
+
+
+class _MarkedObject(dict[str, Any], DumpedAs):
+    """Stands for a tool call's arguments (an object) in a build render: ``tojson`` prints
+    its mark; printed as it is, it makes no skeleton."""
+
+    def __init__(self, slot: int) -> None:
+        super().__init__(slot=slot)  # (not empty: a template may test its truth)
+        self.json_text = f"\ue000{slot}{_DUMPED_OBJECT}\ue001"
+
+    def __str__(self) -> str:
+        return "\ue001"
+
+    __repr__ = __str__
+
+
+class _MarkedList(list[Any], DumpedAs):
+    """:class:`_MarkedObject` for arguments that are a list."""
+
+    def __init__(self, slot: int) -> None:
+        super().__init__([slot])
+        self.json_text = f"\ue000{slot}{_DUMPED_OBJECT}\ue001"
+
+    def __str__(self) -> str:
+        return "\ue001"
+
+    __repr__ = __str__
+
+
+class _Arguments:
+    """A tool call's arguments that are an object or a list, as ``tojson`` writes them."""
+
+    __slots__ = ("empty", "json", "kind")
+
+    def __init__(self, json: str, kind: type, empty: bool) -> None:
+        self.json = json
+        self.kind = kind
+        self.empty = empty
+
+    def __bool__(self) -> bool:
+        return not self.empty
+
+
+def _arguments(raw: str) -> str | _Arguments | None:
+    """What the template sees of arguments sent as ``raw`` JSON: a text, an object or a
+    list (as vLLM parses them: invalid JSON is an empty object); None for other values."""
+    try:
+        value = parse_arguments(raw)
+    except ValueError:  # (JSONDecodeError)
+        value = {}
+    if type(value) is str:
+        return value
+    if type(value) is not dict and type(value) is not list:
         return None
-    return tuple(sorted(fields))
+    return _Arguments(tojson(value), type(value), not value)
+
+
+#: An agent's chat re-sends every earlier turn's calls: their arguments are parsed and
+#: dumped once (~1.8 us each), those up to this long.
+_REMEMBERED_ARGUMENTS_CHARS = 1024
+_remembered_arguments = lru_cache(maxsize=8192)(_arguments)
+
+
+#: A tool call's fields and its function's that a skeleton fills (others: the message renders whole).
+_CALL_KEYS = frozenset({"id", "type", "function"})
+_FUNCTION_KEYS = frozenset({"name", "arguments"})
+_USUAL_CALL = ("id", "type", "function")
+_USUAL_FUNCTION = ("name", "arguments")
+#: Where a slot's value is: the message's number and the keys (and indexes) down to it.
+Place = tuple[int, tuple[str | int, ...]]
+
+
+def _scan(messages: Sequence[Any], places: list[Place] | None = None) -> tuple[list[object], list[Any], bool] | None:
+    """``messages``' shape, their slots' values (as the template sees them; where each
+    is, into ``places``) and whether one is a tool result or has tool calls; None where a
+    message is not one a skeleton fills."""
+    shape: list[object] = []
+    values: list[Any] = []
+    tools = False
+    for message in messages:
+        if type(message) is not dict:
+            return None
+        role = message.get("role")
+        text = message.get("content")
+        if len(message) == 2 and type(text) is str and type(role) is str and role in PLAIN_ROLES:
+            if places is not None:
+                places.append((len(shape), ("content",)))
+            shape.append(role if text else role + ":empty")  # (the common case, kept fast)
+            values.append(text)
+            continue
+        kind = _scan_message(message, len(shape), values, places)
+        if kind is None:
+            return None
+        shape.append(tuple(kind))
+        tools = tools or role == "tool" or kind[1] is True
+    return shape, values, tools
+
+
+def _scan_message(
+    message: dict[str, Any], number: int, values: list[Any], places: list[Place] | None
+) -> list[object] | None:
+    """The shape of a message other than a role and a text: its role, null fields, which
+    slots are empty (templates test their truth), its tool calls' keys and arguments'
+    types; its values into the slots. None where it is not one a skeleton fills."""
+    role = message.get("role")
+    text = message.get("content")
+    if type(role) is not str or (role not in PLAIN_ROLES and role != "tool"):
+        return None
+    calls = message.get("tool_calls") if role == "assistant" else None
+    call_id = message.get("tool_call_id") if role == "tool" else None
+    if type(text) is not str:
+        if text is not None or calls is None:
+            return None
+        text = ""  # an assistant's tool calls without a text: the template sees ""
+    kind: list[object] = [role, calls is not None, not text]
+    values.append(text)
+    if places is not None:
+        places.append((number, ("content",)))
+    if call_id is not None:
+        if type(call_id) is not str:
+            return None
+        kind.append(not call_id)
+        values.append(call_id)
+        if places is not None:
+            places.append((number, ("tool_call_id",)))
+    known = 1 + ("content" in message) + (calls is not None) + (call_id is not None)
+    if len(message) > known:  # fields set to null, as clients dump SDK messages: in the shape
+        filled = ("tool_calls" if calls is not None else "role", "tool_call_id" if call_id is not None else "role")
+        nulls = [key for key in message if key != "role" and key != "content" and key not in filled]
+        if any(type(key) is not str or message[key] is not None for key in nulls):
+            return None
+        kind.append(tuple(sorted(nulls)))
+    if calls is None:
+        return kind
+    if type(calls) is not list or not calls:
+        return None
+    for index, call in enumerate(calls):
+        if type(call) is not dict:
+            return None
+        call_keys = tuple(call)
+        function = call.get("function")
+        if type(function) is not dict or (call_keys != _USUAL_CALL and not _CALL_KEYS.issuperset(call_keys)):
+            return None
+        function_keys = tuple(function)
+        if function_keys != _USUAL_FUNCTION and not _FUNCTION_KEYS.issuperset(function_keys):
+            return None
+        name, raw = function.get("name"), function.get("arguments")
+        if type(name) is not str or type(raw) is not str:
+            return None
+        arguments = _remembered_arguments(raw) if len(raw) <= _REMEMBERED_ARGUMENTS_CHARS else _arguments(raw)
+        if arguments is None:
+            return None
+        kind += (call_keys, function_keys, type(arguments), not arguments, not name)
+        for key in call_keys:  # its id and type, in the order sent
+            if key != "function":
+                field = call[key]
+                if type(field) is not str:
+                    return None
+                kind.append(not field)
+                values.append(field)
+                if places is not None:
+                    places.append((number, ("tool_calls", index, key)))
+        values.append(name)
+        values.append(arguments)
+        if places is not None:
+            places.append((number, ("tool_calls", index, "function", "name")))
+            places.append((number, ("tool_calls", index, "function", "arguments")))
+    return kind
+
+
+def _standing_in(
+    messages: Sequence[dict[str, Any]],
+    places: Sequence[Place],
+    values: Sequence[Any],
+    stand_in: Callable[[int, Any], Any],
+) -> list[dict[str, Any]]:
+    """Copies of ``messages`` with each slot's value replaced by ``stand_in(slot, value)``
+    (a value as the template sees it: arguments are written back as JSON text, or kept
+    as an object, which the conversion keeps)."""
+    copies = []
+    for message in messages:
+        copy = dict(message)
+        if copy.get("tool_calls") is not None and copy.get("role") == "assistant":
+            copy["tool_calls"] = [{**call, "function": dict(call["function"])} for call in copy["tool_calls"]]
+        copies.append(copy)
+    for slot, (number, place) in enumerate(places):
+        value = stand_in(slot, values[slot])
+        if place[-1] == "arguments" and type(value) is str:
+            value = tojson(value)  # (parsed back by the conversion)
+        container: Any = copies[number]
+        for step in place[:-1]:
+            container = container[step]
+        container[place[-1]] = value
+    return copies
 
 
 def _clock_texts(formats: tuple[str, ...]) -> tuple[str, ...]:
@@ -114,14 +337,40 @@ def _clock_texts(formats: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def marked(index: int) -> str:
-    """The text that stands for message ``index``'s in a skeleton's build render."""
-    return f"{_PAD}\ue000{index}\ue001{_PAD}"
+    """The text that stands for slot ``index``'s in a skeleton's build render."""
+    return f"{_PAD}\ue000{index}{_TEXT}\ue001{_PAD}"
 
 
 def _checking(index: int) -> str:
     """Another stand-in, of another length, for the build's second render (no whitespace
-    at its ends: a template that strips texts fills skeletons only with such)."""
-    return f"\ue002{'x' * (index % 3 + 1)} {index}\ue003"
+    at its ends: a template that strips texts fills skeletons only with such; a quote,
+    which ``tojson`` escapes)."""
+    return f'\ue002{"x" * (index % 3 + 1)}" {index}\ue003'
+
+
+def _marked_value(slot: int, value: str | _Arguments) -> Any:
+    """What stands for a slot's value in the build render (as the template sees it)."""
+    if type(value) is str:
+        return marked(slot) if value else value
+    assert isinstance(value, _Arguments)
+    if value.empty:
+        return value.kind()  # an empty object or list: part of the shape
+    return _MarkedObject(slot) if value.kind is dict else _MarkedList(slot)
+
+
+def _checking_value(slot: int, value: str | _Arguments) -> Any:
+    """Another value for the build's second render, as the template sees it."""
+    if type(value) is str:
+        return _checking(slot) if value else value
+    assert isinstance(value, _Arguments)
+    if value.empty:
+        return value.kind()
+    return {"value": _checking(slot)} if value.kind is dict else [_checking(slot)]
+
+
+def _as_filled(value: Any) -> str | _Arguments:
+    """A value the template sees as a slot holds it (arguments dumped)."""
+    return value if type(value) is str else _Arguments(tojson(value), type(value), not value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,28 +388,29 @@ class SkeletonRenders:
         self._max_shapes = max_shapes
         self._verify_every = verify_every
         self._since_verified = 0
-        # Per template source: what its syntax allows.
-        self._verdicts: dict[str, Verbatim] = {}
+        # Per template source and whether chats with tool calls are asked of: what its syntax allows.
+        self._verdicts: dict[tuple[str, bool], Verbatim] = {}
         self._skeletons: OrderedDict[tuple[object, ...], Skeleton | None] = OrderedDict()
         self._filled = 0
         self._mismatches = 0
 
-    def refusal(self, template: ChatTemplate) -> str | None:
-        """Why ``template`` renders whole (checked at its first use); None if it need not."""
-        return self._verdict(template).refusal
+    def refusal(self, template: ChatTemplate, *, tools: bool = False) -> str | None:
+        """Why ``template`` renders short chats whole (with ``tools``: chats with tool calls
+        or results), checked at its first use; None if it need not."""
+        return self._verdict(template, tools).refusal
 
-    def _verdict(self, template: ChatTemplate) -> Verbatim:
+    def _verdict(self, template: ChatTemplate, tools: bool) -> Verbatim:
         source = template.source
-        verdict = self._verdicts.get(source)
+        verdict = self._verdicts.get((source, tools))
         if verdict is None:
-            verdict = verbatim_check(template.syntax_tree)
+            verdict = verbatim_check(template.syntax_tree, tools=tools)
             if verdict.refusal is None and template.content_format != "string":
                 verdict = Verbatim("the template reads a message's content as a list of parts")
             if verdict.refusal is None and _MARK_CHARACTERS.search(source):
                 verdict = Verbatim("the template writes the skeletons' mark characters")
             if verdict.refusal is not None:
                 log.debug("chat template renders short chats whole: %s", verdict.refusal)
-            self._verdicts[source] = verdict
+            self._verdicts[(source, tools)] = verdict
         return verdict
 
     def render(
@@ -175,32 +425,21 @@ class SkeletonRenders:
         ``render_whole`` renders OpenAI messages with the same settings."""
         if type(messages) is not list:
             return None
-        verdict = self._verdict(template)
+        scanned = _scan(messages)
+        if scanned is None:
+            return None
+        shape, values, tools = scanned
+        verdict = self._verdicts.get((template.source, tools)) or self._verdict(template, tools)
         if verdict.refusal is not None:
             return None
-        shape: list[object] = []
-        texts: list[str] = []
-        for message in messages:
-            if type(message) is not dict:
-                return None
-            role = message.get("role")
-            text = message.get("content")
-            if type(role) is not str or role not in PLAIN_ROLES or type(text) is not str or not verdict.admits(text):
-                return None
-            kind: object = role if text else role + ":empty"
-            if len(message) != 2:  # fields set to null, as clients dump SDK messages: in the shape
-                nulls = _null_fields(message)
-                if nulls is None:
-                    return None
-                kind = (kind, nulls)
-            shape.append(kind)
-            texts.append(text)
+        if not verdict.admits_all(values if not tools else [value for value in values if type(value) is str]):
+            return None
         clock = _clock_texts(verdict.clock_formats)
         key = (template.source, add_generation_prompt, tuple(shape), clock)
         skeletons = self._skeletons
         skeleton = skeletons.get(key, _UNBUILT)
         if skeleton is _UNBUILT:
-            skeleton = self._build(messages, render_whole, verdict)
+            skeleton = self._build(messages, values, render_whole, verdict)
             if _clock_texts(verdict.clock_formats) != clock:
                 return None  # the day changed during the build: the next request builds again
             skeletons[key] = skeleton
@@ -212,7 +451,7 @@ class SkeletonRenders:
                 skeletons.move_to_end(key)
         if skeleton is None:
             return None
-        text = skeleton.fill(texts)
+        text = skeleton.fill(values)
         self._filled += 1
         self._since_verified += 1  # (a race between threads only moves which one is checked)
         if self._since_verified >= self._verify_every:
@@ -229,23 +468,27 @@ class SkeletonRenders:
         self._skeletons.clear()
 
     def _build(
-        self, messages: Sequence[Any], render_whole: Callable[[Sequence[Any]], str], verdict: Verbatim
+        self,
+        messages: Sequence[dict[str, Any]],
+        values: list[Any],
+        render_whole: Callable[[Sequence[Any]], str],
+        verdict: Verbatim,
     ) -> Skeleton | None:
-        filled = [bool(message["content"]) for message in messages]
-        if any(
-            verdict.answers_yes(stand_in(index)) for index in range(len(messages)) for stand_in in (marked, _checking)
-        ):
+        places: list[Place] = []
+        _scan(messages, places)
+        texts = [slot for slot, value in enumerate(values) if type(value) is str]
+        if any(verdict.answers_yes(stand_in(slot)) for slot in texts for stand_in in (marked, _checking)):
             return None  # a test the texts must answer no to says yes to a stand-in
-
-        def standing_in(text: Callable[[int], str]) -> list[dict[str, Any]]:
-            return [
-                {**message, "content": text(index) if filled[index] else ""} for index, message in enumerate(messages)
-            ]
-
+        filled = [bool(value) for value in values]
+        objects = [type(value) is _Arguments for value in values]
         try:
-            skeleton = Skeleton.cut(render_whole(standing_in(marked)), filled)
-            checking = standing_in(_checking)
-            if skeleton is not None and skeleton.fill([item["content"] for item in checking]) != render_whole(checking):
+            marks = _standing_in(messages, places, values, _marked_value)
+            skeleton = Skeleton.cut(render_whole(marks), filled, objects)
+            checking = [_checking_value(slot, value) for slot, value in enumerate(values)]
+            filled_checking = [_as_filled(value) for value in checking]
+            if skeleton is not None and skeleton.fill(filled_checking) != render_whole(
+                _standing_in(messages, places, checking, lambda _, value: value)
+            ):
                 return None
         except ChatTemplateError:  # the template refuses this shape: so it will the request
             return None
@@ -253,7 +496,10 @@ class SkeletonRenders:
 
     def _distrust(self, template: ChatTemplate) -> None:
         self._mismatches += 1
-        self._verdicts[template.source] = Verbatim("a chat filled into a skeleton differed from its whole render")
+        for tools in (False, True):
+            self._verdicts[(template.source, tools)] = Verbatim(
+                "a chat filled into a skeleton differed from its whole render"
+            )
         self._skeletons.clear()
         log.error(
             "chat template: a short chat filled into its skeleton differed from its whole render; "

@@ -1,10 +1,11 @@
 """Which chat templates print a message's text verbatim: the syntax check behind skeletons.
 
 :mod:`kvroute.tokenizer_index.render_skeleton` renders a short chat of plain messages (a
-role and a text each) by filling a skeleton per shape with the texts, which is exact only
-where the template's output depends on a text by printing it (as it is, trimmed or
-stripped of whitespace) and on nothing else of it but its type, its truth and tests the
-filled texts answer no to. :func:`verbatim_check` reads that off the template's syntax
+role and a text each), tool results and tool calls by filling a skeleton per shape with
+the texts, which is exact only where the template's output depends on a text by printing
+it (as it is, trimmed or stripped of whitespace, or as ``tojson`` writes it) and on
+nothing else of it but its type, its truth and tests the filled texts answer no to; and
+on a tool call's arguments only by printing them through ``tojson``. :func:`verbatim_check` reads that off the template's syntax
 tree, as :mod:`~kvroute.tokenizer_index.template_prefix` reads whether a conversation's
 render is its messages' renders in a row; both refuse what they cannot prove.
 """
@@ -18,6 +19,10 @@ from jinja2 import nodes
 
 #: Roles a plain message may have: a client's invented roles would only churn the shapes.
 PLAIN_ROLES = frozenset({"system", "developer", "user", "assistant"})
+#: Roles with tool calls or results a skeleton may fill (:func:`verbatim_check` with ``tools``).
+TOOL_ROLES = PLAIN_ROLES | {"tool"}
+#: A tool call's fields (or its function's) that hold a text: printed, never otherwise read.
+CALL_TEXT_KEYS = frozenset({"id", "type", "name"})
 
 # Tests that read only a value's type: a text's are the same for every text.
 _TYPE_TESTS = frozenset({"string", "defined", "undefined", "none", "mapping", "sequence", "iterable"})
@@ -56,6 +61,12 @@ class Verbatim:
             return False
         return not self.answers_yes(text)
 
+    def admits_all(self, texts: Iterable[str]) -> bool:
+        """Whether every one of ``texts`` may fill a skeleton (:meth:`admits`)."""
+        if not self.tests and not self.strips:  # (then only whitespace is refused: in C)
+            return not any(map(str.isspace, texts))
+        return all(map(self.admits, texts))
+
     def answers_yes(self, text: str) -> bool:
         """Whether one of the template's tests of a text says yes for ``text``."""
         for kind, constant in self.tests:
@@ -67,8 +78,9 @@ class Verbatim:
         return False
 
 
-def verbatim_check(tree: nodes.Template) -> Verbatim:
-    """Whether ``tree`` may render short plain chats from skeletons.
+def verbatim_check(tree: nodes.Template, *, tools: bool = False) -> Verbatim:
+    """Whether ``tree`` may render short plain chats from skeletons (``tools``: chats with
+    tool calls and tool results too).
 
     It may where every read of a message's text (``message.content``, ``message['content']``,
     ``messages[i].content``, and names set from them) is printed as it is or trimmed,
@@ -82,9 +94,18 @@ def verbatim_check(tree: nodes.Template) -> Verbatim:
     a constant format. Branches a plain message never takes (``message.role == 'tool'``,
     ``'tool_calls' in message``, ``'</think>' in content``: a skeleton is only for texts
     where such tests say no) are not read.
+
+    With ``tools``, tool results and assistants' tool calls are messages too: a tool
+    result's ``tool_call_id`` and a call's ``id``, ``type`` and function ``name`` are texts
+    as above (also printed through ``tojson``); a message's ``tool_calls`` are only looped
+    over, indexed, counted or tested; a call only read by constant keys (``function``
+    giving a call again, as names set from it or from ``call.function if ... else call``
+    are), tested for a key or its type; its ``arguments`` only printed (as they are or
+    through ``tojson``) or tested for their type or truth. Branches of role ``tool`` and
+    of ``'tool_calls' in message`` are then read.
     """
     try:
-        check = _VerbatimCheck(tree)
+        check = _VerbatimCheck(tree, tools=tools)
         check.run()
     except _Refusal as refusal:
         return Verbatim(str(refusal))
@@ -92,8 +113,13 @@ def verbatim_check(tree: nodes.Template) -> Verbatim:
 
 
 class _VerbatimCheck:
-    def __init__(self, tree: nodes.Template) -> None:
+    def __init__(self, tree: nodes.Template, *, tools: bool = False) -> None:
         self._tree = tree
+        self._tools = tools
+        self._roles = TOOL_ROLES if tools else PLAIN_ROLES
+        # A message's fields that hold a text, and those a message may have or not.
+        self._text_keys = ("content", "tool_call_id") if tools else ("content",)
+        self._optional_keys = ("tool_calls", "tool_call_id") if tools else ()
         self._parents: dict[int, nodes.Node] = {}
         for node in _walk(tree):
             for child in node.iter_child_nodes():
@@ -111,6 +137,11 @@ class _VerbatimCheck:
                     raise _Refusal("a loop over the messages unpacks them")
                 self._message_names.add(loop.target.name)
                 self._allowed_stores.add(id(loop.target))
+        # Names of tool calls (or their functions): loop variables over a message's calls,
+        # and names set only from calls.
+        self._call_names: set[str] = set()
+        if tools:
+            self._find_call_names()
         # Names set from a text (their every read is checked as the text's), and those of
         # them that may hold something besides one text or '' (never tested): found by
         # :meth:`_settle_names`, over the branches a plain message takes.
@@ -143,6 +174,51 @@ class _VerbatimCheck:
                     self._list_copies.add(id(copied))
             if len(self._list_names) == known:
                 return
+
+    def _find_call_names(self) -> None:
+        stores: list[tuple[nodes.Name, nodes.Node]] = []  # every store to a name, and its value
+        for node in _walk(self._tree):
+            if isinstance(node, nodes.For) and self._is_call_list(node.iter):
+                if not isinstance(node.target, nodes.Name):
+                    raise _Refusal("a loop over tool calls unpacks them")
+                self._call_names.add(node.target.name)
+                self._allowed_stores.add(id(node.target))
+            elif isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name):
+                stores.append((node.target, node.node))
+        while True:
+            known = len(self._call_names)
+            for target, value in stores:
+                if self._is_call(value):
+                    self._call_names.add(target.name)
+                    self._allowed_stores.add(id(target))
+            if len(self._call_names) == known:
+                break
+        if self._call_names & (self._list_names | self._message_names):
+            raise _Refusal("a name holds tool calls and messages")
+
+    def _is_call_list(self, node: nodes.Node) -> bool:
+        """A message's tool calls: ``message.tool_calls``, ``messages[i]['tool_calls']``."""
+        return (
+            self._tools
+            and isinstance(node, nodes.Getattr | nodes.Getitem)
+            and _key_of(node) == "tool_calls"
+            and self._is_message(node.node)
+        )
+
+    def _is_call(self, node: nodes.Node) -> bool:
+        """A tool call or its function: a call name, ``calls[i]``, ``call.function``,
+        ``call.function if ... else call`` (``or``)."""
+        if isinstance(node, nodes.Name):
+            return node.name in self._call_names
+        if isinstance(node, nodes.Getitem) and not isinstance(node.arg, nodes.Slice) and self._is_call_list(node.node):
+            return True
+        if isinstance(node, nodes.Getattr | nodes.Getitem):
+            return _key_of(node) == "function" and self._is_call(node.node)
+        if isinstance(node, nodes.CondExpr):
+            return node.expr2 is not None and self._is_call(node.expr1) and self._is_call(node.expr2)
+        if isinstance(node, nodes.Or):
+            return self._is_call(node.left) and self._is_call(node.right)
+        return False
 
     def _settle_names(self) -> None:
         """The content and mixed names, to a fixed point with the branches they leave live.
@@ -193,7 +269,10 @@ class _VerbatimCheck:
         return isinstance(node, nodes.Getattr | nodes.Getitem) and self._is_text_access(node)
 
     def _is_text_access(self, node: nodes.Getattr | nodes.Getitem) -> bool:
-        return _key_of(node) == "content" and self._is_message(node.node)
+        key = _key_of(node)
+        if key in self._text_keys and self._is_message(node.node):
+            return True
+        return self._tools and key in CALL_TEXT_KEYS and self._is_call(node.node)
 
     def _one_text_or_empty(self, node: nodes.Node) -> bool:
         """Whether ``node`` is always one message's text or '' (what a test on a text may
@@ -238,7 +317,7 @@ class _VerbatimCheck:
         if not isinstance(node, nodes.Name):
             return
         if node.ctx == "store":
-            names = self._list_names | self._message_names
+            names = self._list_names | self._message_names | self._call_names
             if node.name in names and id(node) not in self._allowed_stores:
                 raise _Refusal(f"the template sets {node.name}")
             return
@@ -252,6 +331,8 @@ class _VerbatimCheck:
             self._message_list_use(node)
         elif node.name in self._message_names:
             self._message_use(node)
+        elif node.name in self._call_names:
+            self._call_use(node)
         elif node.name in self._content_names:
             self._text_use(node)
         elif node.name == "loop":
@@ -302,10 +383,87 @@ class _VerbatimCheck:
             return
         else:
             raise _Refusal(f"a message is read as {type(parent).__name__}")
-        if key == "content":
+        if key in self._text_keys:
             self._text_use(parent)
+        elif key == "tool_calls" and self._tools:
+            self._call_list_use(parent)
         elif key in _DICT_ATTRIBUTES:
             raise _Refusal(f"a message's {key} is called")
+
+    def _call_list_use(self, node: nodes.Node) -> None:
+        """A message's tool calls: looped over, indexed, counted, tested."""
+        parent = self._parent(node)
+        if isinstance(parent, nodes.For) and parent.iter is node:
+            return  # its variable is a call name
+        if isinstance(parent, nodes.Getitem) and parent.node is node and not isinstance(parent.arg, nodes.Slice):
+            self._call_use(parent)
+        elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "length":
+            return
+        elif isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
+            return
+        elif not self._is_truth(node):
+            raise _Refusal(f"a message's tool calls are read as {type(parent).__name__}")
+
+    def _call_use(self, node: nodes.Node) -> None:
+        """A tool call or its function (:meth:`_is_call`): read by constant keys, tested."""
+        parent = self._parent(node)
+        if isinstance(parent, nodes.Getattr | nodes.Getitem) and parent.node is node:
+            key = _key_of(parent)
+            if key is None:
+                raise _Refusal("a tool call is read by a computed key")
+            if key == "function":
+                self._call_use(parent)
+            elif key in CALL_TEXT_KEYS:
+                self._text_use(parent)
+            elif key == "arguments":
+                self._arguments_use(parent)
+            elif key in _DICT_ATTRIBUTES:
+                raise _Refusal(f"a tool call's {key} is called")
+            return  # any other key: absent from every call a skeleton fills
+        if isinstance(parent, nodes.CondExpr | nodes.Or) and self._is_call(parent):
+            self._call_use(parent)
+        elif isinstance(parent, nodes.Assign) and parent.node is node and isinstance(parent.target, nodes.Name):
+            return  # a call name: its reads are checked
+        elif isinstance(parent, nodes.Operand) and parent.op in ("in", "notin") and parent.expr is node:
+            return  # 'function' in call
+        elif isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
+            return
+        elif not self._is_truth(node):
+            raise _Refusal(f"a tool call is read as {type(parent).__name__}")
+
+    def _arguments_use(self, node: nodes.Node) -> None:
+        """A call's arguments (a text, an object or a list): printed, through ``tojson`` or
+        as they are, or tested for their type or truth."""
+        parent = self._parent(node)
+        if isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "tojson":
+            if parent.args or parent.kwargs or parent.dyn_args or parent.dyn_kwargs:
+                raise _Refusal("a tool call's arguments are dumped with options")
+            self._printed_use(parent)
+        elif isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
+            return
+        elif not self._is_truth(node):
+            self._printed_use(node)
+
+    def _printed_use(self, node: nodes.Node) -> None:
+        """``node``'s text is printed, maybe joined with others, and read no other way."""
+        parent = self._parent(node)
+        if isinstance(parent, nodes.Output):
+            self._check_not_captured(parent)
+        elif isinstance(parent, nodes.Add | nodes.Concat):
+            self._printed_use(parent)
+        elif isinstance(parent, nodes.CondExpr) and parent.test is not node:
+            self._printed_use(parent)
+        else:
+            raise _Refusal(f"a tool call's text is read as {type(parent).__name__}")
+
+    def _is_truth(self, node: nodes.Node) -> bool:
+        """Whether only ``node``'s truth is read (an ``if``'s test, ``not node``...)."""
+        parent = self._parent(node)
+        if isinstance(parent, nodes.Not):
+            return True
+        if isinstance(parent, nodes.If | nodes.CondExpr | nodes.For) and getattr(parent, "test", None) is node:
+            return True
+        return isinstance(parent, nodes.And | nodes.Or) and self._is_truth(parent)
 
     def _text_use(self, node: nodes.Node) -> None:
         """``node``'s value is made of texts: how its parent uses it."""
@@ -317,6 +475,10 @@ class _VerbatimCheck:
         elif isinstance(parent, nodes.CondExpr):
             if parent.test is not node:
                 self._text_use(parent)
+        elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "tojson":
+            if parent.args or parent.kwargs or parent.dyn_args or parent.dyn_kwargs:
+                raise _Refusal("a text is dumped as JSON with options")
+            self._printed_use(parent)
         elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "trim":
             if not self._one_text(node) or parent.args or parent.kwargs or parent.dyn_args or parent.dyn_kwargs:
                 raise _Refusal("a text is trimmed with other text or characters")
@@ -416,13 +578,15 @@ class _VerbatimCheck:
         (operand,) = test.ops
         first, second = test.expr, operand.expr
         if operand.op in ("in", "notin") and isinstance(first, nodes.Const) and self._is_loop_message(second):
+            if first.value in self._optional_keys:
+                return None
             present = first.value in ("role", "content")
             return present if operand.op == "in" else not present
         if operand.op in ("eq", "ne"):
             for read, other in ((first, second), (second, first)):
                 is_role = isinstance(read, nodes.Getattr | nodes.Getitem) and _key_of(read) == "role"
                 if is_role and self._is_loop_message(read.node) and isinstance(other, nodes.Const):  # type: ignore[attr-defined]
-                    if other.value in PLAIN_ROLES:
+                    if other.value in self._roles:
                         return None
                     return operand.op == "ne"
         return None

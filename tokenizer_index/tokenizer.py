@@ -53,10 +53,11 @@ equals the whole render (:mod:`kvroute.tokenizer_index.template_prefix`) and who
 conversations agree at first use (:meth:`RequestTokenizer.renders_incrementally`); every other
 template renders every message every time.
 
-Rendered from skeletons: a shorter chat of plain messages (a role and a text each, with no
-tools, documents or template keywords) is its shape's skeleton filled with its texts
+Rendered from skeletons: a shorter chat of plain messages (a role and a text each), tool
+results and assistants' tool calls, with no tools, documents or template keywords, is its
+shape's skeleton filled with its texts and arguments
 (:mod:`kvroute.tokenizer_index.render_skeleton`), under templates whose syntax shows that
-they print texts verbatim (:mod:`kvroute.tokenizer_index.template_verbatim`).
+they print them verbatim (:mod:`kvroute.tokenizer_index.template_verbatim`).
 """
 
 from __future__ import annotations
@@ -316,6 +317,8 @@ class FastPaths:
     #: Per chat template: None where short plain chats are filled into skeletons, else why
     #: they go through the template engine.
     skeletons: dict[str, str | None] = field(default_factory=dict)
+    #: The same for short chats with tool calls and tool results.
+    tool_skeletons: dict[str, str | None] = field(default_factory=dict)
 
     def summary(self) -> str:
         """One line for the log."""
@@ -324,7 +327,11 @@ class FastPaths:
             pieces = "off (whole texts)"
         templates = ", ".join(
             f"{name}: {'incremental' if reason is None else 'whole (' + reason + ')'}"
-            + (f", short chats {_skeleton_verdict(self.skeletons[name])}" if name in self.skeletons else "")
+            + (
+                f", short chats {_skeleton_verdict(self.skeletons[name], self.tool_skeletons.get(name))}"
+                if name in self.skeletons
+                else ""
+            )
             for name, reason in self.templates.items()
         )
         return (
@@ -333,8 +340,14 @@ class FastPaths:
         )
 
 
-def _skeleton_verdict(reason: str | None) -> str:
-    return "from skeletons" if reason is None else f"rendered ({reason})"
+def _skeleton_verdict(reason: str | None, tools_reason: str | None) -> str:
+    if reason is not None:
+        return f"rendered ({reason})"
+    return (
+        "from skeletons, with tool calls"
+        if tools_reason is None
+        else f"from skeletons, not with tool calls ({tools_reason})"
+    )
 
 
 class RequestTokenizer:
@@ -812,6 +825,7 @@ class RequestTokenizer:
         """Which shortcuts this tokenizer takes (checks every chat template now, if not yet)."""
         templates: dict[str, str | None] = {}
         skeletons: dict[str, str | None] = {}
+        tool_skeletons: dict[str, str | None] = {}
         for name, source in self._template_sources.items():
             try:  # (a template that does not compile fails its requests, as before, not this)
                 template = self._compiled_template(name)
@@ -820,6 +834,7 @@ class RequestTokenizer:
                 continue
             templates[name] = None if self.renders_incrementally(template) else self._render_refusals.get(source)
             skeletons[name] = self._skeletons.refusal(template)
+            tool_skeletons[name] = self._skeletons.refusal(template, tools=True)
         words = self._words
         return FastPaths(
             pieces=self._incremental,
@@ -828,6 +843,7 @@ class RequestTokenizer:
             words="off" if words is None else ("ascii+unicode" if words.unicode else "ascii") + _compiled_words(words),
             templates=templates,
             skeletons=skeletons,
+            tool_skeletons=tool_skeletons,
         )
 
     def render_chat(

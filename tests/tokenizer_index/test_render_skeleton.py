@@ -7,6 +7,7 @@ few written to trip the syntax check.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,13 +16,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvroute.benchmarks.overhead import agent_messages
 from kvroute.tokenizer_index import RequestTokenizer
 from kvroute.tokenizer_index.chat_messages import conversation_from_request
-from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError
-from kvroute.tokenizer_index.render_skeleton import Skeleton, SkeletonRenders, marked
+from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError, tojson
+from kvroute.tokenizer_index.render_skeleton import AS_IS, DUMPED, TRIMMED, Skeleton, SkeletonRenders, marked
 from kvroute.tokenizer_index.template_verbatim import verbatim_check
 from tests.tokenizer_index.test_render_memo import ALL_TEMPLATES
-from tests.tokenizer_index.test_template_verbatim import FILLED, VERBATIM
+from tests.tokenizer_index.test_template_verbatim import FILLED, TOOL_VERBATIM, VERBATIM
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>"}
@@ -118,7 +120,18 @@ def test_fields_set_to_null_are_part_of_the_shape() -> None:
         [{"role": "assistant", "content": "hi", "tool_calls": []}],
         [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
         [{"role": "user", "content": None}],
-        [{"role": "tool", "content": "42"}],
+        [{"role": "tool", "content": "42", "name": "f"}],
+        [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}],
+        [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "1"}}]}],
+        [
+            {
+                "role": "assistant",
+                "content": "x",
+                "tool_calls": [{"index": 0, "function": {"name": "f", "arguments": ""}}],
+            }
+        ],
+        [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}],
+        [{"role": "tool", "content": "42", "tool_call_id": 7}],
         [{"role": ["user"], "content": "hi"}],
         [{"role": "user", "content": "  \n"}],
         ({"role": "user", "content": "hi"},),
@@ -144,8 +157,10 @@ def test_a_skeleton_that_differs_from_the_whole_render_distrusts_its_template() 
 
 def test_a_mark_cut_by_the_template_makes_no_skeleton() -> None:
     filled = [True, False]
-    assert Skeleton.cut("a" + marked(0) + "b", filled) == Skeleton("a", ((0, False, "b"),))
-    assert Skeleton.cut("a" + marked(0).strip() + "b", filled) == Skeleton("a", ((0, True, "b"),))
+    assert Skeleton.cut("a" + marked(0) + "b", filled) == Skeleton("a", ((0, AS_IS, "b"),))
+    assert Skeleton.cut("a" + marked(0).strip() + "b", filled) == Skeleton("a", ((0, TRIMMED, "b"),))
+    assert Skeleton.cut("a" + tojson(marked(0)) + "b", filled) == Skeleton('a"', ((0, DUMPED, '"b'),))
+    assert Skeleton.cut("a" + tojson(marked(0).strip()) + "b", filled) == Skeleton('a"', ((0, TRIMMED | DUMPED, '"b'),))
     assert Skeleton.cut("a" + marked(0)[:-1] + "b", filled) is None  # one side trimmed
     assert Skeleton.cut("a" + marked(1), filled) is None  # an empty message's
     assert Skeleton.cut("a" + marked(0)[:3] + "b", filled) is None  # cut into
@@ -202,3 +217,77 @@ def test_threads_filling_and_evicting_shapes_at_once_get_whole_renders_right() -
     for thread in threads:
         thread.join()
     assert not failures
+
+
+# --- chats with tool calls and tool results ----------------------------------------------------
+
+TOOL_FRAGMENTS = [*FRAGMENTS, '"', "\\", "\x01", "\u2028"]
+tool_texts = st.lists(st.sampled_from(TOOL_FRAGMENTS) | st.text(max_size=5), max_size=5).map("".join)
+arguments = st.one_of(
+    st.dictionaries(tool_texts, tool_texts | st.integers() | st.floats(allow_nan=False), max_size=2).map(json.dumps),
+    st.lists(tool_texts, max_size=2).map(json.dumps),
+    tool_texts.map(json.dumps),  # arguments that are a JSON text
+    st.sampled_from(["", "{not json", "{}", "[]", '{"n": 12345678901234567890123}']),
+)
+calls = st.fixed_dictionaries(
+    {"function": st.fixed_dictionaries({"name": tool_texts, "arguments": arguments})},
+    optional={"id": tool_texts, "type": st.just("function")},
+)
+tool_messages = st.one_of(
+    st.tuples(st.sampled_from(PLAIN_ROLES), tool_texts).map(lambda turn: {"role": turn[0], "content": turn[1]}),
+    st.fixed_dictionaries(
+        {
+            "role": st.just("assistant"),
+            "content": st.none() | tool_texts,
+            "tool_calls": st.lists(calls, min_size=1, max_size=2),
+        }
+    ),
+    st.fixed_dictionaries({"role": st.just("tool"), "content": tool_texts}, optional={"tool_call_id": tool_texts}),
+)
+#: The templates whose syntax lets chats with tool calls fill skeletons (the rest render them whole).
+TOOL_FILLED = {
+    *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "qwen3"),
+    *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_TEMPLATES))
+def test_the_known_templates_fill_chats_with_tool_calls_as_expected(name: str) -> None:
+    refusal = SkeletonRenders().refusal(ChatTemplate.from_source(ALL_TEMPLATES[name]), tools=True)
+    assert (refusal is None) == (name in TOOL_FILLED), refusal
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_FILLED | TOOL_VERBATIM.keys()))
+@SETTINGS
+@given(messages=st.lists(tool_messages, min_size=1, max_size=6), add_generation_prompt=st.booleans())
+def test_a_filled_skeleton_with_tool_calls_is_the_whole_render(
+    name: str, messages: list[dict[str, Any]], add_generation_prompt: bool
+) -> None:
+    template = ChatTemplate.from_source(ALL_TEMPLATES.get(name) or TOOL_VERBATIM[name])
+    whole = render_whole(template, add_generation_prompt)
+    renders = SkeletonRenders(verify_every=1_000_000)
+    try:
+        expected: str | None = whole(messages)
+    except ChatTemplateError:
+        expected = None
+    for _ in range(2):  # built, then found
+        text = renders.render(messages, template, add_generation_prompt, whole)
+        assert text is None or text == expected
+
+
+@pytest.mark.parametrize("name", ["default", "qwen25", "qwen3", "llama31"])
+def test_an_agents_chat_fills_its_skeleton(name: str) -> None:
+    """What an agent sends (tool calls with JSON arguments, tool results) fills a skeleton
+    per shape under the templates that print them verbatim, and other texts fill it again."""
+    template = ChatTemplate.from_source(ALL_TEMPLATES[name])
+    whole = render_whole(template)
+    renders = SkeletonRenders(verify_every=1_000_000)
+    for number in range(3):
+        chat = agent_messages(number, 8, f"You are agent {number}.")
+        for message in chat[3::2]:  # (Qwen 3 strips texts: a skeleton's have no whitespace at their ends)
+            message["content"] = message["content"].strip()
+        chat[2]["tool_calls"][0]["function"]["arguments"] = json.dumps({"path": f'a "quoted" {number}', "n": [1, 2]})
+        if name == "llama31":  # one call per message, none with a text
+            chat[2]["content"] = None
+        assert renders.render(chat, template, True, whole) == whole(chat)
+    assert renders.stats().filled == 3 and len(renders._skeletons) == 1

@@ -89,6 +89,75 @@ REFUSED = {
 }
 
 
+_CALLS = "{% for m in messages %}{% for c in m.tool_calls %}"
+_END = "{% endfor %}{% endfor %}"
+
+# Templates that print tool calls' texts and arguments only as they are or through tojson.
+TOOL_VERBATIM = {
+    "reassigned": (
+        _CALLS + "{% if c.function is defined %}{% set c = c.function %}{% endif %}"
+        "<{{ c.name }}>{{ c.arguments | tojson }}" + _END
+    ),
+    "string_or_json": (
+        _CALLS + "{% set f = c['function'] if 'function' in c else c %}[{{ c.id }}|{{ c.type | trim }}]"
+        "{% if f.arguments is string %}{{ f.arguments }}{% else %}{{ f.arguments | tojson }}{% endif %}"
+        "{{ f.name | trim | tojson }}" + _END + "{% for m in messages %}{{ m.content }}{% endfor %}"
+    ),
+    "indexed": (
+        "{% for m in messages %}{% if m.tool_calls %}{{ m.tool_calls[0].function.name + '('"
+        " + (m.tool_calls[0].function.arguments | tojson) + ')' }}{% for c in m.tool_calls %}{{ loop.index }}"
+        "{% endfor %}{% else %}{{ m.role }}: {{ m.content }}{% endif %}{% endfor %}"
+    ),
+    "results": (
+        "{% for m in messages %}{% if m.role == 'tool' %}[{{ m.tool_call_id | tojson }}] {{ m.content | tojson }}"
+        "{% elif 'tool_calls' in m %}{{ m.tool_calls | length }} calls{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    ),
+    # Arguments printed as they are: an object's text is Python's, which no skeleton writes.
+    "raw_arguments": _CALLS + "{{ c.function.arguments }}" + _END,
+}
+# Templates that read tool calls some other way: refused.
+TOOL_REFUSED = {
+    "calls_as_json": "{% for m in messages %}{{ m.tool_calls | tojson }}{% endfor %}",
+    "argument_read": _CALLS + "{{ c.function.arguments.path }}" + _END,
+    "argument_key": _CALLS + "{{ c.function.arguments['path'] }}" + _END,
+    "argument_length": _CALLS + "{{ c.function.arguments | length }}" + _END,
+    "argument_items": _CALLS + "{% for k, v in c.function.arguments | items %}{{ k }}={{ v }}{% endfor %}" + _END,
+    "argument_loop": _CALLS + "{% for k in c.function.arguments %}{{ k }}{% endfor %}" + _END,
+    "argument_set": _CALLS + "{% set a = c.function.arguments %}{{ a | tojson }}" + _END,
+    "name_upper": _CALLS + "{{ c.function.name | upper }}" + _END,
+    "name_compared": _CALLS + "{% if c.function.name == 'x' %}X{% endif %}" + _END,
+    "json_indented": _CALLS + "{{ c.function.arguments | tojson(indent=2) }}" + _END,
+    "id_length": _CALLS + "{% if c.id | length != 9 %}{{ raise_exception('id') }}{% endif %}" + _END,
+    "calls_set": "{% for m in messages %}{% set calls = m.tool_calls %}{{ calls[0].id }}{% endfor %}",
+    "call_name_set_otherwise": "{% set c = 'x' %}" + _CALLS + "{{ c.id }}" + _END + "{{ c }}",
+    "call_printed": "{% for m in messages %}{{ m.tool_calls[0] }}{% endfor %}",
+    "result_id_length": "{% for m in messages %}{{ m.tool_call_id | length }}{% endfor %}",
+    "call_looped": _CALLS + "{% for k in c %}{{ k }}{% endfor %}" + _END,
+    "call_get": _CALLS + "{{ c.get('id') }}" + _END,
+    "call_computed_key": _CALLS + "{% set k = 'id' %}{{ c[k] }}" + _END,
+    "json_captured": _CALLS + "{% set x %}{{ c.function.arguments | tojson }}{% endset %}{{ x | length }}" + _END,
+    "calls_filtered": "{% for m in messages %}{% for c in m.tool_calls | selectattr('id') %}{{ c.id }}{% endfor %}{% endfor %}",
+    "json_tested": _CALLS + "{% if 'x' in c.function.arguments | tojson %}X{% endif %}" + _END,
+    "calls_unpacked": "{% for m in messages %}{% for a, b in m.tool_calls %}{{ a }}{% endfor %}{% endfor %}",
+    "call_as_value": _CALLS + "{{ c.function and c.function.name }}" + _END,
+    "message_is_a_call": _CALLS + "{% set m = c %}" + _END,
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_VERBATIM))
+def test_templates_printing_tool_calls_verbatim_are_accepted(name: str) -> None:
+    assert verbatim_check(ChatTemplate.from_source(TOOL_VERBATIM[name]).syntax_tree, tools=True).refusal is None
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_REFUSED))
+def test_templates_reading_tool_calls_otherwise_are_refused(name: str) -> None:
+    template = ChatTemplate.from_source(TOOL_REFUSED[name])
+    assert verbatim_check(template.syntax_tree, tools=True).refusal is not None
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"path": "x"}'}}
+    chat = [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    assert SkeletonRenders().render(chat, template, True, lambda messages: "") is None
+
+
 @pytest.mark.parametrize("name", sorted(ALL_TEMPLATES))
 def test_the_known_templates_are_checked_as_expected(name: str) -> None:
     refusal = SkeletonRenders().refusal(ChatTemplate.from_source(ALL_TEMPLATES[name]))

@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Tokenizer, normalizers
 
 from kvroute.tokenizer_index import RequestTokenizer
 from kvroute.tokenizer_index.chat_messages import media_placeholder
-from kvroute.tokenizer_index.chat_template import ChatTemplateError, _tojson, detect_content_format
+from kvroute.tokenizer_index.chat_template import ChatTemplateError, detect_content_format, tojson
 from kvroute.tokenizer_index.piece_cache import PieceCache, frozen_ids
 from kvroute.tokenizer_index.tokenizer import _never_overlap
 from tests.tokenizer_index.tokenizers_fixtures import (
@@ -370,11 +370,11 @@ def test_sentencepiece_style_tokenizers(tmp_path: Path, kind: str) -> None:
 @given(value=json_values, indent=st.none() | st.integers(0, 3), sort_keys=st.booleans())
 def test_tojson_filter_equals_json_dumps(value: Any, indent: int | None, sort_keys: bool) -> None:
     """The template's ``tojson``, whose plain form reuses one encoder, dumps as transformers' does."""
-    assert _tojson(value) == json.dumps(value, ensure_ascii=False)
-    assert _tojson(value, indent=indent, sort_keys=sort_keys) == json.dumps(
+    assert tojson(value) == json.dumps(value, ensure_ascii=False)
+    assert tojson(value, indent=indent, sort_keys=sort_keys) == json.dumps(
         value, ensure_ascii=False, indent=indent, sort_keys=sort_keys
     )
-    assert _tojson(value, ensure_ascii=True) == json.dumps(value)
+    assert tojson(value, ensure_ascii=True) == json.dumps(value)
 
 
 def test_content_format_detection() -> None:
@@ -626,7 +626,8 @@ def test_fast_paths_say_which_shortcuts_a_tokenizer_takes() -> None:
         "ascii+unicode (compiled, new words by BPE)",
     )
     assert default.templates == {"default": None} and default.skeletons == {"default": None}
-    assert "default: incremental, short chats from skeletons" in default.summary()
+    assert default.tool_skeletons == {"default": None}
+    assert "default: incremental, short chats from skeletons, with tool calls" in default.summary()
     whole = RequestTokenizer(
         RequestTokenizer.default().backend, incremental=False, chat_templates={"default": "{{ messages | length }}"}
     ).fast_paths()
@@ -638,6 +639,17 @@ def test_fast_paths_say_which_shortcuts_a_tokenizer_takes() -> None:
         RequestTokenizer.default().backend, chat_templates={"default": "{{ messages[0]['content'] | length }}"}
     ).fast_paths()
     assert measured.skeletons["default"] is not None and "short chats rendered (" in measured.summary()
+    calls_measured = RequestTokenizer(
+        RequestTokenizer.default().backend,
+        chat_templates={"default": "{% for m in messages %}{{ m.tool_calls | length }}{{ m.content }}{% endfor %}"},
+    ).fast_paths()
+    assert calls_measured.skeletons["default"] is None and calls_measured.tool_skeletons["default"] is None
+    dumped = RequestTokenizer(
+        RequestTokenizer.default().backend,
+        chat_templates={"default": "{% for m in messages %}{{ m.tool_calls | tojson }}{{ m.content }}{% endfor %}"},
+    ).fast_paths()
+    assert dumped.skeletons["default"] is None and dumped.tool_skeletons["default"] is not None
+    assert "short chats from skeletons, not with tool calls (" in dumped.summary()
     first = RequestTokenizer(train_tokenizer("metaspace_first", ["<s>", "</s>"])).fast_paths()
     assert first.pieces and first.context_token is not None and first.words == "off"
     # A template that does not compile is reported, not raised (its requests fail as before).

@@ -110,7 +110,7 @@ def test_each_tokenizer_says_once_which_shortcuts_it_takes(caplog: pytest.LogCap
     ]
     assert lines == [
         "tokenizer kvroute's default: pieces on; chunks on; words ascii+unicode (compiled, new words by BPE); "
-        "chat templates: default: incremental, short chats from skeletons"
+        "chat templates: default: incremental, short chats from skeletons, with tool calls"
     ]
 
 
