@@ -28,8 +28,9 @@ tool call with fields besides ``id``, ``type`` and ``function``, arguments that 
 text, object or list),
 conversations of :data:`~kvroute.tokenizer_index.render_memo.MIN_MESSAGES` or more (the
 render memo's), templates whose content format is a list of parts, and requests with
-tools, documents, template keywords or ``continue_final_message`` (the tokenizer's caller
-decides).
+documents, template keywords or ``continue_final_message`` (the tokenizer's caller
+decides). A request's tools join the shape's key as their JSON (an agent sends the same
+ones with every turn).
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import orjson
+
 from kvroute.tokenizer_index.chat_messages import parse_arguments
 from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError, DumpedAs, strftime_now, tojson
+from kvroute.tokenizer_index.messages_key import EXACT_JSON
 from kvroute.tokenizer_index.template_verbatim import PLAIN_ROLES, Verbatim, verbatim_check
 
 log = logging.getLogger(__name__)
@@ -419,11 +423,17 @@ class SkeletonRenders:
         template: ChatTemplate,
         add_generation_prompt: bool,
         render_whole: Callable[[Sequence[Any]], str],
+        tools: Any = None,
     ) -> str | None:
         """``messages`` rendered from their shape's skeleton; None where they are not plain
         (or the template, or this shape, cannot be): then the caller renders whole.
-        ``render_whole`` renders OpenAI messages with the same settings."""
+        ``render_whole`` renders OpenAI messages with the same settings, and the request's
+        ``tools`` (as sent: their JSON joins the shape's key)."""
         if type(messages) is not list:
+            return None
+        try:
+            tools_json = orjson.dumps(tools, option=EXACT_JSON) if tools is not None else b""
+        except TypeError:  # values JSON cannot stand for exactly
             return None
         scanned = _scan(messages)
         if scanned is None:
@@ -435,7 +445,7 @@ class SkeletonRenders:
         if not verdict.admits_all(values if not tools else [value for value in values if type(value) is str]):
             return None
         clock = _clock_texts(verdict.clock_formats)
-        key = (template.source, add_generation_prompt, tuple(shape), clock)
+        key = (template.source, add_generation_prompt, tuple(shape), clock, tools_json)
         skeletons = self._skeletons
         skeleton = skeletons.get(key, _UNBUILT)
         if skeleton is _UNBUILT:

@@ -54,8 +54,8 @@ conversations agree at first use (:meth:`RequestTokenizer.renders_incrementally`
 template renders every message every time.
 
 Rendered from skeletons: a shorter chat of plain messages (a role and a text each), tool
-results and assistants' tool calls, with no tools, documents or template keywords, is its
-shape's skeleton filled with its texts and arguments
+results and assistants' tool calls, with or without tools, with no documents or template
+keywords, is its shape's skeleton (per tools) filled with its texts and arguments
 (:mod:`kvroute.tokenizer_index.render_skeleton`), under templates whose syntax shows that
 they print them verbatim (:mod:`kvroute.tokenizer_index.template_verbatim`).
 """
@@ -876,16 +876,16 @@ class RequestTokenizer:
             own
             and type(messages) is list
             and len(messages) < self._render_memo.min_messages
-            and tools is None
             and documents is None
             and not continue_final_message
             and not keywords
         ):
 
             def render_whole(plain: Sequence[Any]) -> str:  # (only to build or check a skeleton)
-                return RenderSettings(template, None, None, variables, add_generation_prompt).render_whole(plain)
+                dumped = tools_from_request(tools)
+                return RenderSettings(template, dumped, None, variables, add_generation_prompt).render_whole(plain)
 
-            text = self._skeletons.render(messages, template, add_generation_prompt, render_whole)
+            text = self._skeletons.render(messages, template, add_generation_prompt, render_whole, tools)
             if text is not None:
                 return text
         shape = None if continue_final_message or not own else self._incremental_shape(template)

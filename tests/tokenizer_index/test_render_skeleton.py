@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvroute.benchmarks.overhead import agent_messages
 from kvroute.tokenizer_index import RequestTokenizer
-from kvroute.tokenizer_index.chat_messages import conversation_from_request
+from kvroute.tokenizer_index.chat_messages import conversation_from_request, tools_from_request
 from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError, tojson
 from kvroute.tokenizer_index.render_skeleton import AS_IS, DUMPED, TRIMMED, Skeleton, SkeletonRenders, marked
 from kvroute.tokenizer_index.template_verbatim import verbatim_check
@@ -37,10 +37,17 @@ texts = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=5), max_size=6).m
 conversations = st.lists(st.tuples(st.sampled_from(PLAIN_ROLES), texts), min_size=1, max_size=8)
 
 
-def render_whole(template: ChatTemplate, add_generation_prompt: bool = True) -> Callable[[Sequence[Any]], str]:
+def render_whole(
+    template: ChatTemplate, add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+) -> Callable[[Sequence[Any]], str]:
     def render(messages: Sequence[Any]) -> str:
         conversation = conversation_from_request(messages, template.content_format)
-        return template.render(conversation, add_generation_prompt=add_generation_prompt, variables=SPECIAL_TOKENS)
+        return template.render(
+            conversation,
+            tools=tools_from_request(tools),
+            add_generation_prompt=add_generation_prompt,
+            variables=SPECIAL_TOKENS,
+        )
 
     return render
 
@@ -175,8 +182,12 @@ def test_the_tokenizer_fills_short_plain_chats_and_renders_the_rest_whole() -> N
     assert tokenizer.render_chat(chat) == whole.render_chat(chat)
     assert tokenizer.skeleton_stats().filled == before + 1
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    other_tools = [{"type": "function", "function": {"name": "g"}}]
+    for offered in (tools, tools, other_tools, []):  # a skeleton per tools (the same, then others)
+        assert tokenizer.render_chat(chat, tools=offered) == whole.render_chat(chat, tools=offered)
+    assert tokenizer.skeleton_stats().filled == before + 5
+    before += 4
     requests: list[dict[str, Any]] = [
-        {"tools": tools},
         {"chat_template_kwargs": {"enable_thinking": False}},
         {"add_generation_prompt": False, "continue_final_message": True},
         {"documents": [{"title": "t", "text": "x"}]},
@@ -244,6 +255,10 @@ tool_messages = st.one_of(
     ),
     st.fixed_dictionaries({"role": st.just("tool"), "content": tool_texts}, optional={"tool_call_id": tool_texts}),
 )
+TOOLS = [
+    {"type": "function", "function": {"name": "read_file", "description": 'Reads "a" file.', "parameters": {}}},
+    {"type": "function", "function": {"name": "grep"}},
+]
 #: The templates whose syntax lets chats with tool calls fill skeletons (the rest render them whole).
 TOOL_FILLED = {
     *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "qwen3"),
@@ -259,20 +274,28 @@ def test_the_known_templates_fill_chats_with_tool_calls_as_expected(name: str) -
 
 @pytest.mark.parametrize("name", sorted(TOOL_FILLED | TOOL_VERBATIM.keys()))
 @SETTINGS
-@given(messages=st.lists(tool_messages, min_size=1, max_size=6), add_generation_prompt=st.booleans())
+@given(
+    messages=st.lists(tool_messages, min_size=1, max_size=6),
+    add_generation_prompt=st.booleans(),
+    tools=st.sampled_from([None, [], TOOLS]),
+)
 def test_a_filled_skeleton_with_tool_calls_is_the_whole_render(
-    name: str, messages: list[dict[str, Any]], add_generation_prompt: bool
+    name: str, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None
 ) -> None:
     template = ChatTemplate.from_source(ALL_TEMPLATES.get(name) or TOOL_VERBATIM[name])
-    whole = render_whole(template, add_generation_prompt)
+    whole = render_whole(template, add_generation_prompt, tools)
     renders = SkeletonRenders(verify_every=1_000_000)
     try:
         expected: str | None = whole(messages)
     except ChatTemplateError:
         expected = None
     for _ in range(2):  # built, then found
-        text = renders.render(messages, template, add_generation_prompt, whole)
+        text = renders.render(messages, template, add_generation_prompt, whole, tools)
         assert text is None or text == expected
+    # Other tools are another skeleton: the same messages without tools render as without.
+    without = render_whole(template, add_generation_prompt)
+    text = renders.render(messages, template, add_generation_prompt, without)
+    assert text is None or text == without(messages)
 
 
 @pytest.mark.parametrize("name", ["default", "qwen25", "qwen3", "llama31"])
