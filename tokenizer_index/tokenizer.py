@@ -418,6 +418,12 @@ class RequestTokenizer:
         self._raw_added, self._normalized_apart = self._added_in_raw_text()
         self._left_stripping = frozenset(token.content for token in self._raw_added if token.lstrip)
         self._boundary_re, self._non_boundaries, self._boundary_tokens = self._boundary_matcher()
+        # The same, capturing, where every match cuts: re.split then finds the cuts in C.
+        self._boundary_split = (
+            re.compile(f"({self._boundary_re.pattern})")
+            if self._boundary_re is not None and not self._non_boundaries
+            else None
+        )
         # A scan for added tokens reads at most this many characters from where it tries one.
         self._longest_added_token = max((len(token.content) for token in self._raw_added), default=0)
         self._memo: PromptMemo[RememberedPrompt] = PromptMemo(memo_bytes)
@@ -1098,7 +1104,14 @@ class RequestTokenizer:
         pattern = self._boundary_re
         if pattern is None:
             return [text[start:]]
-        pieces: list[str] = []
+        pieces: list[str]
+        if start == 0 and self._boundary_split is not None:
+            parts = self._boundary_split.split(text)  # text, token, text, token... text
+            pieces = [before + token for before, token in zip(parts[::2], parts[1::2])]
+            if parts[-1] or not pieces:
+                pieces.append(parts[-1])
+            return pieces
+        pieces = []
         non_boundaries = self._non_boundaries
         for match in pattern.finditer(text, start):
             end = match.end()
@@ -1120,8 +1133,13 @@ class RequestTokenizer:
         Under a context token (:attr:`_context`) the cache holds units as they read after it,
         and a text's first unit is kept apart (:meth:`_lead_ids`).
         """
-        units = [self._units(piece) for piece in pieces]
-        flat = [unit for piece_units in units for unit in piece_units]
+        if not self._chunks_long_pieces or max(map(len, pieces), default=0) <= self._chunk_chars:
+            flat = pieces  # (every piece one unit: the common case, kept fast)
+            counts = [1] * len(pieces)
+        else:
+            units = [self._units(piece) for piece in pieces]
+            flat = [unit for piece_units in units for unit in piece_units]
+            counts = [len(piece_units) for piece_units in units]
         cache = self._cache
         lead: list[Any] = []
         if self._context is not None and at_text_start and flat:
@@ -1144,7 +1162,7 @@ class RequestTokenizer:
                 found[index] = array if arrays else as_list
                 new_entries.append((flat[index], array, as_list))
             cache.put_many(new_entries)
-        return [*lead, *found], [len(piece_units) for piece_units in units]
+        return [*lead, *found], counts
 
     def _lead_ids(self, unit: str) -> tuple[np.ndarray, list[int]]:
         """The ids of a unit that starts a text, under a context token: remembered apart from

@@ -606,6 +606,9 @@ def test_units_ending_in_overlapping_tokens(overlapping_tok: RequestTokenizer, t
     expected = overlapping_tok.backend.encode(text, add_special_tokens=False).ids
     assert overlapping_tok.encode_text(text) == expected
     assert overlapping_tok.encode_text(text) == expected
+    # Cut by re.split (from the start, where every added token cuts) as by the scan.
+    assert overlapping_tok._boundary_split is not None
+    assert overlapping_tok._pieces(text) == overlapping_tok._pieces("x" + text, 1)
 
 
 def test_no_context_token_that_a_longer_added_token_starts_with() -> None:
