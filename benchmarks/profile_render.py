@@ -15,11 +15,11 @@ Thread CPU per render, best of ``--repeats``, of:
   router did before its shortcuts);
 * ``tokenizer``: ``RequestTokenizer.render_chat`` after the same conversation's previous
   turn (two messages shorter) was rendered, as a router sees a conversation grow: a
-  skeleton for a short plain chat, the render memo from ``render_memo.MIN_MESSAGES``
+  skeleton for a short chat, the render memo from ``render_memo.MIN_MESSAGES``
   messages on, else the whole render. Both texts are checked equal.
 
-The skeletons cover plain chats only (``render_skeleton``): this table shows what an
-agent's tool calls cost below the memo's threshold.
+Skeletons cover plain chats and, under templates that print tool calls verbatim, agents'
+chats too (``render_skeleton``).
 """
 
 from __future__ import annotations
