@@ -99,11 +99,36 @@ def agent_messages(number: int, messages: int, system: str) -> list[dict[str, An
 AGENT_MESSAGES = (4, 6, 8, 10, 12, 14)
 
 
-def agent_bodies(system_prompts: int = 64, per_prompt: int = 16) -> list[bytes]:
+def _tool(name: str, description: str, **parameters: str) -> dict[str, Any]:
+    properties = {key: {"type": "string", "description": text} for key, text in parameters.items()}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": list(parameters)},
+        },
+    }
+
+
+#: The tools a coding agent offers with every turn (``--bodies agent-tools``), ~2.5 KB.
+AGENT_TOOLS = [
+    _tool("read_file", "Read a file of the repository and return its text.", path="Path from the root."),
+    _tool("write_file", "Write text to a file, replacing it.", path="Path from the root.", text="New text."),
+    _tool("list_dir", "List the entries of a folder.", path="Folder path from the root."),
+    _tool("grep", "Search files for a regular expression.", pattern="Python regex.", path="Where to search."),
+    _tool("run_tests", "Run the test suite or some of it and return the report.", selector="pytest node ids."),
+    _tool("run_shell", "Run a shell command in the repository and return its output.", command="The command."),
+    _tool("edit_file", "Replace one exact text in a file.", path="Path.", old="Text to find.", new="Its replacement."),
+    _tool("ask_user", "Ask the user a question and wait for the answer.", question="What to ask."),
+]
+
+
+def agent_bodies(system_prompts: int = 64, per_prompt: int = 16, *, tools: bool = False) -> list[bytes]:
     """``system_prompts`` x ``per_prompt`` distinct agent requests (:func:`agent_messages`,
-    4 to 14 messages, ~1.5-4 KB): the traffic kvroute is built for, where every turn's
-    history carries tool calls and results. Each ends with its tool result's text, as
-    :class:`NewWords` needs."""
+    4 to 14 messages, ~1.5-4 KB; with ``tools``, :data:`AGENT_TOOLS` offered too): the
+    traffic kvroute is built for, where every turn's history carries tool calls and
+    results. Each ends with its tool result's text, as :class:`NewWords` needs."""
     import numpy as np
 
     rng = np.random.default_rng(7)
@@ -113,20 +138,24 @@ def agent_bodies(system_prompts: int = 64, per_prompt: int = 16) -> list[bytes]:
         for turn in range(per_prompt):
             conversation = number * per_prompt + turn
             chat = agent_messages(conversation, AGENT_MESSAGES[conversation % len(AGENT_MESSAGES)], system)
-            bodies.append(orjson.dumps({"model": MODEL, "max_tokens": 8, "messages": chat}))
+            offered = {"tools": AGENT_TOOLS} if tools else {}
+            bodies.append(orjson.dumps({"model": MODEL, "max_tokens": 8, **offered, "messages": chat}))
     return bodies
 
 
 #: What ``--bodies`` names: the request bodies the overhead bench sends.
-BODY_KINDS = ("chat", "agent")
+BODY_KINDS = ("chat", "agent", "agent-tools")
 
 
 def bodies_of(kind: str, body_bytes: int = 2048, per_prompt: int = 16) -> list[bytes]:
-    """The bodies ``--bodies kind`` sends: :func:`chat_bodies` of ``body_bytes`` or
-    :func:`agent_bodies`, ``per_prompt`` per system prompt."""
+    """The bodies ``--bodies kind`` sends: :func:`chat_bodies` of ``body_bytes``, or
+    :func:`agent_bodies` (``agent-tools``: with the tools offered), ``per_prompt`` per
+    system prompt."""
     if kind not in BODY_KINDS:
         raise ValueError(f"bodies must be one of {', '.join(BODY_KINDS)}, not {kind!r}")
-    return agent_bodies(per_prompt=per_prompt) if kind == "agent" else chat_bodies(body_bytes, per_prompt=per_prompt)
+    if kind == "chat":
+        return chat_bodies(body_bytes, per_prompt=per_prompt)
+    return agent_bodies(per_prompt=per_prompt, tools=kind == "agent-tools")
 
 
 def chat_bodies(size_bytes: int = 2048, system_prompts: int = 64, per_prompt: int = 16) -> list[bytes]:
@@ -813,7 +842,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=BODY_KINDS,
         default="chat",
         help="chat: ~2 KB chats over 64 system prompts; agent: conversations of 4-14 messages "
-        "with tool calls and tool results over 64 system prompts",
+        "with tool calls and tool results over 64 system prompts; agent-tools: those offering 8 tools",
     )
     parser.add_argument(
         "--new-words",

@@ -154,12 +154,13 @@ class _StageInputs:
         return [parse(raw) for raw in self.raws]
 
     @functools.cached_property
-    def messages(self) -> list[Any]:
-        return [orjson.loads(raw)["messages"] for raw in self.raws]
+    def chats(self) -> list[tuple[Any, Any]]:
+        """Each body's messages and tools (what the render reads)."""
+        return [(body["messages"], body.get("tools")) for body in map(orjson.loads, self.raws)]
 
     @functools.cached_property
     def texts(self) -> list[str]:
-        return [self._tokenizer.render_chat(turns) for turns in self.messages]
+        return [render(self._tokenizer, chat) for chat in self.chats]
 
     @functools.cached_property
     def tokens(self) -> list[np.ndarray]:
@@ -172,6 +173,11 @@ class _StageInputs:
 
 def parse(raw: bytes) -> Any:
     return parse_request(raw, CHAT, {}, "x-session-id")
+
+
+def render(tokenizer: RequestTokenizer, chat: tuple[Any, Any]) -> str:
+    messages, tools = chat
+    return tokenizer.render_chat(messages, tools=tools)
 
 
 def profile_stages(
@@ -227,7 +233,7 @@ def profile_stages(
     for _ in range(passes):
         measured = {
             "parse": _timed(inputs().raws, parse, evict),
-            "render": _timed(inputs().messages, tokenizer.render_chat, evict),
+            "render": _timed(inputs().chats, functools.partial(render, tokenizer), evict),
             "tokenize": _timed(inputs().texts, tokenizer.encode_text_array, evict),
             "hash": _timed(inputs().tokens, lambda ids: block_hashes(ids, BLOCK_SIZE, salt), evict),
             "prepare (render+tokenize+hash)": _timed(inputs().parsed, prepare, evict),

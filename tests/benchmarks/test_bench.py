@@ -197,7 +197,7 @@ def test_overhead_sends_its_bodies_to_a_cache_aware_router(tmp_path: Path, bodie
 
 
 def test_agent_bodies_are_distinct_tool_call_conversations_new_words_extend() -> None:
-    from kvroute.benchmarks.overhead import AGENT_MESSAGES, NewWords, agent_bodies
+    from kvroute.benchmarks.overhead import AGENT_MESSAGES, AGENT_TOOLS, NewWords, agent_bodies
 
     bodies = agent_bodies(system_prompts=2, per_prompt=6)
     chats = [json.loads(body)["messages"] for body in bodies]
@@ -209,6 +209,10 @@ def test_agent_bodies_are_distinct_tool_call_conversations_new_words_extend() ->
         assert all(json.loads(call["tool_calls"][0]["function"]["arguments"])["path"] for call in calls)
     extended = json.loads(NewWords(bodies, 3)())["messages"]
     assert extended[:-1] == chats[0][:-1] and extended[-1]["content"].endswith(" #0")
+    offering = agent_bodies(system_prompts=2, per_prompt=6, tools=True)
+    assert all(json.loads(body)["tools"] == AGENT_TOOLS for body in offering)
+    assert [json.loads(body)["messages"] for body in offering] == chats
+    assert json.loads(NewWords(offering, 3)())["messages"] == extended
 
 
 def test_overhead_pairs_each_target_with_its_baseline_round_by_round() -> None:

@@ -159,11 +159,11 @@ def test_call_profiles_count_calls_per_request(tmp_path: Path) -> None:
     assert "Python-level calls per request" in format_calls(profile, "test")
 
 
-@pytest.mark.parametrize("new_words", [0, 3])
-def test_the_routing_profile_times_every_stage(new_words: int) -> None:
+@pytest.mark.parametrize(("new_words", "bodies"), [(0, "chat"), (3, "chat"), (3, "agent-tools")])
+def test_the_routing_profile_times_every_stage(new_words: int, bodies: str) -> None:
     """``profile_routing`` end to end on one body per system prompt, repeated or with new
-    words in every stage's bodies."""
-    rows = profile_stages(passes=1, per_prompt=1, new_words=new_words)
+    words in every stage's bodies, chats or agents' turns with tools."""
+    rows = profile_stages(passes=1, per_prompt=1, new_words=new_words, body_kind=bodies)
     assert [row.stage for row in rows] == [
         "parse",
         "render",
