@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -84,6 +84,9 @@ class RenderSettings:
     add_generation_prompt: bool
     #: What the template's syntax promises (:func:`~kvroute.tokenizer_index.template_prefix.prefix_shape`).
     shape: PrefixShape = PLAIN
+    #: Fills a short list of OpenAI messages into its skeleton with these settings and the
+    #: generation flag given, or says None (then the template renders it).
+    fill: Callable[[Sequence[Any], bool], str | None] | None = None
 
     def render(
         self,
@@ -111,6 +114,16 @@ class RenderSettings:
 
     def render_whole(self, messages: Sequence[Any]) -> str:
         return self.render(self.convert(messages))
+
+    def render_messages(self, messages: Sequence[Any], *, add_generation_prompt: bool | None = None) -> str:
+        """OpenAI messages' text: from a skeleton where :attr:`fill` has one, else rendered."""
+        if add_generation_prompt is None:
+            add_generation_prompt = self.add_generation_prompt
+        if self.fill is not None:
+            text = self.fill(messages, add_generation_prompt)
+            if text is not None:
+                return text
+        return self.render(self.convert(messages), add_generation_prompt=add_generation_prompt)
 
     def report(
         self, conversation: list[dict[str, Any]], *, add_generation_prompt: bool | None = None
@@ -313,9 +326,9 @@ class RenderMemo:
         anchors, last_match = settings.shape.anchors, settings.shape.last_match
         if len(conversation) < anchors:
             return _Rendered(text, "", None)
-        try:
-            head = settings.render(conversation[:anchors], add_generation_prompt=False)
-            with_prompt = settings.render(conversation[:anchors], add_generation_prompt=True)
+        try:  # (short: filled into their skeletons where they have one)
+            head = settings.render_messages(messages[:anchors], add_generation_prompt=False)
+            with_prompt = settings.render_messages(messages[:anchors], add_generation_prompt=True)
         except ChatTemplateError:  # the anchors alone are refused: the next turn renders whole
             return _Rendered(text, "", None)
         generation_prompt = with_prompt[len(head) :] if with_prompt.startswith(head) else None
@@ -341,8 +354,8 @@ class RenderMemo:
             window = LOOKAROUND_WINDOW if shape.windowed else 1
             around = _render_around(previous, messages, settings, window)
             return _Rendered(around[0], head, generation_prompt, around[1]) if around is not None else None
-        try:
-            rendered = settings.render(settings.convert([*messages[: shape.anchors], *new]))
+        try:  # (a short list: filled into its skeleton where it has one)
+            rendered = settings.render_messages([*messages[: shape.anchors], *new])
         except ChatTemplateError:  # the new messages behind the anchors alone are refused
             return None
         if not rendered.startswith(head):
@@ -388,10 +401,10 @@ def _render_around(
     point, then ``Y`` from it.
     """
     shape = settings.shape
-    new = settings.convert(messages[previous.count :])
+    new = messages[previous.count :]
     start = previous.count - size
     match = previous.match
-    found = shape.last_match.find(new) if shape.last_match is not None else None
+    found = shape.last_match.find(settings.convert(new)) if shape.last_match is not None else None
     if found is not None and match is not None:
         start = min(start, match)
     remembered = [*messages[: shape.anchors]]
@@ -401,10 +414,10 @@ def _render_around(
         start -= 1
     if start < shape.anchors:
         return None
-    window = settings.convert([*remembered, *messages[start : previous.count]])
-    try:
-        joined = settings.render([*window, *new])
-        alone = settings.render(window, add_generation_prompt=False)
+    window = [*remembered, *messages[start : previous.count]]
+    try:  # (short lists: filled into their skeletons where they have one)
+        joined = settings.render_messages([*window, *new])
+        alone = settings.render_messages(window, add_generation_prompt=False)
     except ChatTemplateError:  # the window alone is refused (the whole render says whether it is)
         return None
     common = _common_prefix(joined, alone)

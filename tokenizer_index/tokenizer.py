@@ -81,6 +81,7 @@ from kvroute.tokenizer_index.chat_messages import conversation_from_request, too
 from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError
 from kvroute.tokenizer_index.piece_cache import PieceCache, PieceCacheStats, frozen_ids, join_ids
 from kvroute.tokenizer_index.prompt_memo import PromptMemo, PromptMemoStats, RememberedPrompt, conversation_keys
+from kvroute.tokenizer_index.render_memo import MIN_MESSAGES as RENDER_MEMO_MESSAGES
 from kvroute.tokenizer_index.render_memo import RenderMemo, RenderSettings, incremental_render_agrees
 from kvroute.tokenizer_index.render_skeleton import SkeletonRenders, SkeletonStats
 from kvroute.tokenizer_index.template_prefix import PrefixShape, prefix_shape
@@ -97,6 +98,9 @@ log = logging.getLogger(__name__)
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 DEFAULT_MEMO_BYTES = 32 * 1024 * 1024
 DEFAULT_RENDER_MEMO_BYTES = 32 * 1024 * 1024
+#: Chats shorter than this fill skeletons (longer ones, with shapes of their own, would each
+#: build one): the render memo's threshold, where it takes over.
+SKELETON_MESSAGES = RENDER_MEMO_MESSAGES
 #: Chat prompts at least this long (characters, ~4K tokens) are remembered for their next turn.
 MEMO_MIN_CHARS = 16_384
 #: How far back from a remembered prompt's end its pieces are tried as the common prefix,
@@ -852,6 +856,26 @@ class RequestTokenizer:
             tool_skeletons=tool_skeletons,
         )
 
+    def _skeleton_fill(
+        self, template: ChatTemplate, tools: Any, variables: dict[str, Any]
+    ) -> Callable[[Sequence[Any], bool], str | None]:
+        """What fills a short chat (fewer messages than the render memo takes) into its
+        skeleton under these settings, or says None: the request itself, and the anchors
+        and new messages the render memo renders behind a remembered turn."""
+        renders = self._skeletons
+
+        def fill(messages: Sequence[Any], add_generation_prompt: bool) -> str | None:
+            if type(messages) is not list or len(messages) >= SKELETON_MESSAGES:
+                return None
+
+            def render_whole(plain: Sequence[Any]) -> str:  # (only to build or check a skeleton)
+                dumped = tools_from_request(tools)
+                return RenderSettings(template, dumped, None, variables, add_generation_prompt).render_whole(plain)
+
+            return renders.render(messages, template, add_generation_prompt, render_whole, tools)
+
+        return fill
+
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -878,26 +902,16 @@ class RequestTokenizer:
         # A template the request brought renders whole: probing each one's shape (and keeping
         # the verdicts) would let clients grow that table.
         own = chat_template is None or self._names_template(chat_template)
-        if (
-            own
-            and type(messages) is list
-            and len(messages) < self._render_memo.min_messages
-            and documents is None
-            and not continue_final_message
-            and not keywords
-        ):
-
-            def render_whole(plain: Sequence[Any]) -> str:  # (only to build or check a skeleton)
-                dumped = tools_from_request(tools)
-                return RenderSettings(template, dumped, None, variables, add_generation_prompt).render_whole(plain)
-
-            text = self._skeletons.render(messages, template, add_generation_prompt, render_whole, tools)
+        fill = None
+        if own and documents is None and not continue_final_message and not keywords:
+            fill = self._skeleton_fill(template, tools, variables)
+            text = fill(messages, add_generation_prompt) if len(messages) < self._render_memo.min_messages else None
             if text is not None:
                 return text
         shape = None if continue_final_message or not own else self._incremental_shape(template)
         if shape is not None:
             settings = RenderSettings(
-                template, tools_from_request(tools), documents, variables, add_generation_prompt, shape
+                template, tools_from_request(tools), documents, variables, add_generation_prompt, shape, fill
             )
             return self._render_memo.render(messages, settings)
         conversation = conversation_from_request(messages, template.content_format)

@@ -197,11 +197,16 @@ def test_the_tokenizer_fills_short_plain_chats_and_renders_the_rest_whole() -> N
     assert tokenizer.skeleton_stats().filled == before + 1
     long_chat = as_messages([("user", f"turn {number}") for number in range(20)])
     assert tokenizer.render_chat(long_chat) == whole.render_chat(long_chat)  # the render memo's
-    assert tokenizer.skeleton_stats().filled == before + 1
+    # whole, but its anchor alone (the cut for the next turn) with and without the prompt filled
+    assert tokenizer.skeleton_stats().filled == before + 3
+    longer = [*long_chat, *as_messages([("assistant", "ok"), ("user", "turn 21")])]
+    assert tokenizer.render_chat(longer) == whole.render_chat(longer)
+    # the anchor and the two new messages filled, behind the remembered turn
+    assert tokenizer.skeleton_stats().filled == before + 4 and tokenizer.render_memo_stats().reused == 1
     assert tokenizer.render_chat(chat, add_generation_prompt=False) == whole.render_chat(
         chat, add_generation_prompt=False
     )
-    assert tokenizer.skeleton_stats().filled == before + 2
+    assert tokenizer.skeleton_stats().filled == before + 5
 
 
 def test_threads_filling_and_evicting_shapes_at_once_get_whole_renders_right() -> None:
