@@ -1147,13 +1147,21 @@ class RequestTokenizer:
         Under a context token (:attr:`_context`) the cache holds units as they read after it,
         and a text's first unit is kept apart (:meth:`_lead_ids`).
         """
-        if not self._chunks_long_pieces or max(map(len, pieces), default=0) <= self._chunk_chars:
+        longest = self._chunk_chars
+        if not self._chunks_long_pieces or max(map(len, pieces), default=0) <= longest:
             flat = pieces  # (every piece one unit: the common case, kept fast)
             counts = [1] * len(pieces)
-        else:
-            units = [self._units(piece) for piece in pieces]
-            flat = [unit for piece_units in units for unit in piece_units]
-            counts = [len(piece_units) for piece_units in units]
+        else:  # only the long pieces are cut (a system prompt with tools, a document)
+            flat = []
+            counts = []
+            for piece in pieces:
+                if len(piece) > longest:
+                    chunks = self._units(piece)
+                    flat += chunks
+                    counts.append(len(chunks))
+                else:
+                    flat.append(piece)
+                    counts.append(1)
         cache = self._cache
         lead: list[Any] = []
         if self._context is not None and at_text_start and flat:
