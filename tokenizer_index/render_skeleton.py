@@ -60,7 +60,7 @@ MAX_SHAPES = 1024
 # Marks: private-use characters no template writes, and around them a space str.strip()
 # (and Jinja's trim) removes, so a trimmed slot shows as the bare mark. Inside, a control
 # character JSON escapes, so a slot printed through ``tojson`` shows as such; and another
-# for a tool call's arguments, which the ``tojson`` filter prints whole (:class:`_Marked`).
+# for a tool call's arguments, which the ``tojson`` filter prints whole (:class:`_MarkedObject`).
 _PAD = "\u2003"
 _TEXT = "\x01"
 _DUMPED_TEXT = "\\u0001"
@@ -271,7 +271,7 @@ def _scan_message(
         nulls = [key for key in message if key != "role" and key != "content" and key not in filled]
         if any(type(key) is not str or message[key] is not None for key in nulls):
             return None
-        kind.append(tuple(sorted(nulls)))
+        kind.append(frozenset(nulls))  # (a set: never equal to a call's keys in a shape)
     if calls is None:
         return kind
     if type(calls) is not list or not calls:

@@ -905,7 +905,8 @@ class RequestTokenizer:
         fill = None
         if own and documents is None and not continue_final_message and not keywords:
             fill = self._skeleton_fill(template, tools, variables)
-            text = fill(messages, add_generation_prompt) if len(messages) < self._render_memo.min_messages else None
+            short = type(messages) is list and len(messages) < self._render_memo.min_messages
+            text = fill(messages, add_generation_prompt) if short else None
             if text is not None:
                 return text
         shape = None if continue_final_message or not own else self._incremental_shape(template)

@@ -319,3 +319,10 @@ def test_an_agents_chat_fills_its_skeleton(name: str) -> None:
             chat[2]["content"] = None
         assert renders.render(chat, template, True, whole) == whole(chat)
     assert renders.stats().filled == 3 and len(renders._skeletons) == 1
+
+
+@pytest.mark.parametrize("messages", [5, None, {"role": "user", "content": "hi"}, "hi"])
+def test_messages_that_are_no_list_are_the_clients_error(messages: Any) -> None:
+    """The skeleton's length check must not turn a malformed request (HTTP 400) into a crash."""
+    with pytest.raises(ValueError, match="messages must be a list"):
+        RequestTokenizer.default().render_chat(messages)
