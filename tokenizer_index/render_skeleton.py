@@ -377,6 +377,17 @@ def _as_filled(value: Any) -> str | _Arguments:
     return value if type(value) is str else _Arguments(tojson(value), type(value), not value)
 
 
+def tools_key(tools: Any) -> bytes | None:
+    """A request's tools as a shape's key holds them: their exact JSON (b"" for none);
+    None where JSON cannot stand for them exactly (then nothing fills a skeleton)."""
+    if tools is None:
+        return b""
+    try:
+        return orjson.dumps(tools, option=EXACT_JSON)
+    except TypeError:
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class SkeletonStats:
     #: Chats rendered by filling a skeleton.
@@ -423,26 +434,22 @@ class SkeletonRenders:
         template: ChatTemplate,
         add_generation_prompt: bool,
         render_whole: Callable[[Sequence[Any]], str],
-        tools: Any = None,
+        tools_json: bytes = b"",
     ) -> str | None:
         """``messages`` rendered from their shape's skeleton; None where they are not plain
         (or the template, or this shape, cannot be): then the caller renders whole.
         ``render_whole`` renders OpenAI messages with the same settings, and the request's
-        ``tools`` (as sent: their JSON joins the shape's key)."""
+        tools, whose exact JSON (:func:`tools_key`) joins the shape's key."""
         if type(messages) is not list:
-            return None
-        try:
-            tools_json = orjson.dumps(tools, option=EXACT_JSON) if tools is not None else b""
-        except TypeError:  # values JSON cannot stand for exactly
             return None
         scanned = _scan(messages)
         if scanned is None:
             return None
-        shape, values, tools = scanned
-        verdict = self._verdicts.get((template.source, tools)) or self._verdict(template, tools)
+        shape, values, tooled = scanned
+        verdict = self._verdicts.get((template.source, tooled)) or self._verdict(template, tooled)
         if verdict.refusal is not None:
             return None
-        if not verdict.admits_all(values if not tools else [value for value in values if type(value) is str]):
+        if not verdict.admits_all(values if not tooled else [value for value in values if type(value) is str]):
             return None
         clock = _clock_texts(verdict.clock_formats)
         key = (template.source, add_generation_prompt, tuple(shape), clock, tools_json)

@@ -83,7 +83,7 @@ from kvroute.tokenizer_index.piece_cache import PieceCache, PieceCacheStats, fro
 from kvroute.tokenizer_index.prompt_memo import PromptMemo, PromptMemoStats, RememberedPrompt, conversation_keys
 from kvroute.tokenizer_index.render_memo import MIN_MESSAGES as RENDER_MEMO_MESSAGES
 from kvroute.tokenizer_index.render_memo import RenderMemo, RenderSettings, incremental_render_agrees
-from kvroute.tokenizer_index.render_skeleton import SkeletonRenders, SkeletonStats
+from kvroute.tokenizer_index.render_skeleton import SkeletonRenders, SkeletonStats, tools_key
 from kvroute.tokenizer_index.template_prefix import PrefixShape, prefix_shape
 from kvroute.tokenizer_index.word_split import (
     NEW_WORD_SOURCES,
@@ -858,11 +858,15 @@ class RequestTokenizer:
 
     def _skeleton_fill(
         self, template: ChatTemplate, tools: Any, variables: dict[str, Any]
-    ) -> Callable[[Sequence[Any], bool], str | None]:
+    ) -> Callable[[Sequence[Any], bool], str | None] | None:
         """What fills a short chat (fewer messages than the render memo takes) into its
         skeleton under these settings, or says None: the request itself, and the anchors
-        and new messages the render memo renders behind a remembered turn."""
+        and new messages the render memo renders behind a remembered turn (the tools'
+        JSON made once for all of them). None where no skeleton can hold these tools."""
         renders = self._skeletons
+        tools_json = tools_key(tools)
+        if tools_json is None:
+            return None
 
         def fill(messages: Sequence[Any], add_generation_prompt: bool) -> str | None:
             if type(messages) is not list or len(messages) >= SKELETON_MESSAGES:
@@ -872,7 +876,7 @@ class RequestTokenizer:
                 dumped = tools_from_request(tools)
                 return RenderSettings(template, dumped, None, variables, add_generation_prompt).render_whole(plain)
 
-            return renders.render(messages, template, add_generation_prompt, render_whole, tools)
+            return renders.render(messages, template, add_generation_prompt, render_whole, tools_json)
 
         return fill
 
@@ -906,7 +910,7 @@ class RequestTokenizer:
         if own and documents is None and not continue_final_message and not keywords:
             fill = self._skeleton_fill(template, tools, variables)
             short = type(messages) is list and len(messages) < self._render_memo.min_messages
-            text = fill(messages, add_generation_prompt) if short else None
+            text = fill(messages, add_generation_prompt) if fill is not None and short else None
             if text is not None:
                 return text
         shape = None if continue_final_message or not own else self._incremental_shape(template)

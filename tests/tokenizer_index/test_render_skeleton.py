@@ -20,7 +20,15 @@ from kvroute.benchmarks.overhead import agent_messages
 from kvroute.tokenizer_index import RequestTokenizer
 from kvroute.tokenizer_index.chat_messages import conversation_from_request, tools_from_request
 from kvroute.tokenizer_index.chat_template import ChatTemplate, ChatTemplateError, tojson
-from kvroute.tokenizer_index.render_skeleton import AS_IS, DUMPED, TRIMMED, Skeleton, SkeletonRenders, marked
+from kvroute.tokenizer_index.render_skeleton import (
+    AS_IS,
+    DUMPED,
+    TRIMMED,
+    Skeleton,
+    SkeletonRenders,
+    marked,
+    tools_key,
+)
 from kvroute.tokenizer_index.template_verbatim import verbatim_check
 from tests.tokenizer_index.test_render_memo import ALL_TEMPLATES
 from tests.tokenizer_index.test_template_verbatim import FILLED, TOOL_VERBATIM, VERBATIM
@@ -295,7 +303,7 @@ def test_a_filled_skeleton_with_tool_calls_is_the_whole_render(
     except ChatTemplateError:
         expected = None
     for _ in range(2):  # built, then found
-        text = renders.render(messages, template, add_generation_prompt, whole, tools)
+        text = renders.render(messages, template, add_generation_prompt, whole, tools_key(tools) or b"")
         assert text is None or text == expected
     # Other tools are another skeleton: the same messages without tools render as without.
     without = render_whole(template, add_generation_prompt)
@@ -326,3 +334,19 @@ def test_messages_that_are_no_list_are_the_clients_error(messages: Any) -> None:
     """The skeleton's length check must not turn a malformed request (HTTP 400) into a crash."""
     with pytest.raises(ValueError, match="messages must be a list"):
         RequestTokenizer.default().render_chat(messages)
+
+
+def test_tools_json_cannot_stand_for_exactly_render_whole() -> None:
+    """A subclass of str writes as the same JSON as a str: such tools key no skeleton."""
+
+    class Name(str):
+        pass
+
+    odd = [{"type": "function", "function": {"name": Name("f")}}]
+    assert tools_key(odd) is None and tools_key(None) == b"" and tools_key([]) == b"[]"
+    tokenizer, whole = RequestTokenizer.default(), RequestTokenizer.default()
+    whole._skeletons.render = lambda *args: None  # type: ignore[method-assign]
+    chat = as_messages([("user", "hi")])
+    before = tokenizer.skeleton_stats().filled
+    assert tokenizer.render_chat(chat, tools=odd) == whole.render_chat(chat, tools=odd)
+    assert tokenizer.skeleton_stats().filled == before
