@@ -1,6 +1,7 @@
 """A chat's render by shape and length: as the tokenizer renders it, and whole.
 
-    python3 -m kvroute.benchmarks.profile_render [--tokenizer DIR] [--chats 300] [--repeats 5] [--json FILE]
+    python3 -m kvroute.benchmarks.profile_render [--tokenizer DIR] [--chat-template FILE] [--chats 300]
+        [--repeats 5] [--json FILE]
 
 Two shapes of conversation, each ``--chats`` of them different from one another (their
 own texts and tool-call ids, as real conversations have), at 4 to 42 messages:
@@ -19,7 +20,8 @@ Thread CPU per render, best of ``--repeats``, of:
   messages on, else the whole render. Both texts are checked equal.
 
 Skeletons cover plain chats and, under templates that print tool calls verbatim, agents'
-chats too (``render_skeleton``).
+chats too (``render_skeleton``). ``--chat-template`` renders with another template (e.g.
+``benchmarks/templates/qwen3_style.jinja``) over the tokenizer's.
 """
 
 from __future__ import annotations
@@ -76,12 +78,20 @@ def _timed_us(
 
 
 def profile_renders(
-    tokenizer_dir: Path | None = None, chats: int = 300, repeats: int = 5, lengths: Sequence[int] = LENGTHS
+    tokenizer_dir: Path | None = None,
+    chats: int = 300,
+    repeats: int = 5,
+    lengths: Sequence[int] = LENGTHS,
+    chat_template: str | None = None,
 ) -> list[RenderTime]:
     rows = []
     for shape in SHAPES:
         for length in lengths:
-            tokenizer = RequestTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else RequestTokenizer.default()
+            tokenizer = (
+                RequestTokenizer.from_pretrained(tokenizer_dir, chat_template=chat_template)
+                if tokenizer_dir
+                else RequestTokenizer.default(chat_template=chat_template)
+            )
             whole = RenderSettings(tokenizer.chat_template(), None, None, dict(tokenizer.special_tokens), True)
             best = {"whole": float("inf"), "tokenizer": float("inf")}
             for number in range(repeats):
@@ -110,11 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         prog="python3 -m kvroute.benchmarks.profile_render", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--tokenizer", type=Path, help="a tokenizer directory (default: the shipped one)")
+    parser.add_argument("--chat-template", type=Path, help="a Jinja chat template file to render with instead")
     parser.add_argument("--chats", type=int, default=300, help="conversations per shape, length and repetition")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    rows = profile_renders(args.tokenizer, args.chats, args.repeats)
+    template = args.chat_template.read_text() if args.chat_template else None
+    rows = profile_renders(args.tokenizer, args.chats, args.repeats, chat_template=template)
     print(format_renders(rows))
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(row) for row in rows], indent=2) + "\n")

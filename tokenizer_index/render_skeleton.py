@@ -23,7 +23,10 @@ other lengths) must equal the skeleton filled with them; and every
 differed then renders whole from then on (and the log says so). Texts the template's
 verdict does not admit render whole (only whitespace, whose trimmed text would be empty,
 which the shape does not record; one that answers yes to a test; one with whitespace at
-an end under a template that strips); so do messages with any other field not null (a
+an end under a template that strips every whitespace character; under one that strips the
+characters it names, such as Qwen 3's ``lstrip('\\n')``, one with such a character at an
+end a strip reaches in its shape, found at build by a render per character with it around
+every mark); so do messages with any other field not null (a
 tool call with fields besides ``id``, ``type`` and ``function``, arguments that are no
 text, object or list),
 conversations of :data:`~kvroute.tokenizer_index.render_memo.MIN_MESSAGES` or more (the
@@ -40,8 +43,8 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, replace
+from functools import lru_cache, partial
 from typing import Any
 
 import orjson
@@ -66,6 +69,7 @@ _TEXT = "\x01"
 _DUMPED_TEXT = "\\u0001"
 _DUMPED_OBJECT = "\x02"
 _MARK = re.compile("(\u2003?)\ue000([0-9]+)(\x01|\\\\u0001|\x02)\ue001(\u2003?)")
+_BARE_MARK = re.compile("\ue000([0-9]+)(\x01|\\\\u0001|\x02)\ue001")
 _MARK_CHARACTERS = re.compile("[\ue000-\ue003]")
 
 
@@ -86,6 +90,10 @@ class Skeleton:
     head: str
     #: (slot, how its value is written: :data:`AS_IS`..., the text after it)
     slots: tuple[tuple[int, int, str], ...]
+    #: (slot, the characters a strip takes off its text's start, and off its end) for the
+    #: slots a template's named strips reach (``content.lstrip('\n')``): a text with one
+    #: of those there does not fill the skeleton (:meth:`keeps`).
+    stripped: tuple[tuple[int, str, str], ...] = ()
 
     @classmethod
     def cut(cls, rendered: str, filled: Sequence[bool], objects: Sequence[bool] = ()) -> Skeleton | None:
@@ -125,6 +133,41 @@ class Skeleton:
             return None
         return cls(head, tuple(slots))
 
+    def keeps(self, values: Sequence[Any]) -> bool:
+        """Whether no strip the template applies would take an end off one of ``values``."""
+        for index, start, end in self.stripped:
+            text = values[index]
+            if text and (text[0] in start or text[-1] in end):
+                return False
+        return True
+
+    def lost_pads(self, rendered: str, pad: str) -> list[tuple[bool, bool]] | None:
+        """Per slot, whether ``rendered``, a render of marks with ``pad`` at both ends
+        (:func:`marked`), lost that pad at the mark's start and at its end; None where it is
+        not this skeleton's render. Where the text between two marks could have kept either
+        mark's pad, both count as lost."""
+        count = len(self.slots)
+        marks = list(_BARE_MARK.finditer(rendered))
+        if [(int(mark[1]), mark[2]) for mark in marks] != [(index, _kind(mode)) for index, mode, _ in self.slots]:
+            return None
+        dumped = tojson(pad)[1:-1]
+        pads = ["" if mode == OBJECT else dumped if mode & DUMPED else pad for _, mode, _ in self.slots]
+        bounds = [0, *(end for mark in marks for end in mark.span()), len(rendered)]
+        gaps = [rendered[bounds[at] : bounds[at + 1]] for at in range(0, len(bounds), 2)]
+        literals = [self.head, *(literal for _, _, literal in self.slots)]
+        kept_start, kept_end = [True] * count, [True] * count
+        for at, gap in enumerate(gaps):  # (the end pad of the slot before, its literal, the start pad of the next)
+            before = (pads[at - 1], "") if at else ("",)
+            after = (pads[at], "") if at < count else ("",)
+            found = [(one, other) for one in before for other in after if one + literals[at] + other == gap]
+            if not found:
+                return None
+            if at:
+                kept_end[at - 1] = all(one for one, _ in found)
+            if at < count:
+                kept_start[at] = all(other for _, other in found)
+        return [(not start, not end) for start, end in zip(kept_start, kept_end, strict=True)]
+
     def fill(self, values: Sequence[Any]) -> str:
         parts = [self.head]
         for index, mode, literal in self.slots:
@@ -134,6 +177,11 @@ class Skeleton:
             parts.append(value)
             parts.append(literal)
         return "".join(parts)
+
+
+def _kind(mode: int) -> str:
+    """The character inside a mark written in ``mode`` (as the render shows it)."""
+    return _DUMPED_OBJECT if mode == OBJECT else _DUMPED_TEXT if mode & DUMPED else _TEXT
 
 
 def _written(value: Any, mode: int) -> str:
@@ -336,13 +384,47 @@ def _standing_in(
     return copies
 
 
+def _stripped_slots(
+    skeleton: Skeleton,
+    messages: Sequence[dict[str, Any]],
+    places: Sequence[Place],
+    values: Sequence[Any],
+    render_whole: Callable[[Sequence[Any]], str],
+    characters: str,
+) -> tuple[tuple[int, str, str], ...]:
+    """Per slot that a strip of one of ``characters`` reaches, the characters taken off
+    its start and its end (:attr:`Skeleton.stripped`): found by rendering the shape once per
+    character with that character at both ends of every mark. Where such a render is not
+    the skeleton's (a test says yes to the character), every slot counts as stripped of
+    it. Trimmed slots are left out: their fill strips every whitespace character."""
+    start: dict[int, str] = {}
+    end: dict[int, str] = {}
+    for character in characters:
+        try:
+            padded = _standing_in(messages, places, values, partial(_marked_value, pad=character))
+            lost = skeleton.lost_pads(render_whole(padded), character)
+        except ChatTemplateError:
+            lost = None
+        for (index, mode, _), (lost_start, lost_end) in zip(
+            skeleton.slots, lost or [(True, True)] * len(skeleton.slots), strict=True
+        ):
+            if mode & TRIMMED or mode == OBJECT:
+                continue
+            if lost_start:
+                start[index] = start.get(index, "") + character
+            if lost_end:
+                end[index] = end.get(index, "") + character
+    return tuple((index, start.get(index, ""), end.get(index, "")) for index in sorted(start.keys() | end.keys()))
+
+
 def _clock_texts(formats: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(strftime_now(format) for format in formats) if formats else ()
 
 
-def marked(index: int) -> str:
-    """The text that stands for slot ``index``'s in a skeleton's build render."""
-    return f"{_PAD}\ue000{index}{_TEXT}\ue001{_PAD}"
+def marked(index: int, pad: str = _PAD) -> str:
+    """The text that stands for slot ``index``'s in a skeleton's build render (``pad``
+    at its ends: another one finds where a template strips it)."""
+    return f"{pad}\ue000{index}{_TEXT}\ue001{pad}"
 
 
 def _checking(index: int) -> str:
@@ -352,10 +434,10 @@ def _checking(index: int) -> str:
     return f'\ue002{"x" * (index % 3 + 1)}" {index}\ue003'
 
 
-def _marked_value(slot: int, value: str | _Arguments) -> Any:
+def _marked_value(slot: int, value: str | _Arguments, pad: str = _PAD) -> Any:
     """What stands for a slot's value in the build render (as the template sees it)."""
     if type(value) is str:
-        return marked(slot) if value else value
+        return marked(slot, pad) if value else value
     assert isinstance(value, _Arguments)
     if value.empty:
         return value.kind()  # an empty object or list: part of the shape
@@ -466,7 +548,7 @@ class SkeletonRenders:
         else:
             with suppress(KeyError):  # (another thread dropped it meanwhile)
                 skeletons.move_to_end(key)
-        if skeleton is None:
+        if skeleton is None or (skeleton.stripped and not skeleton.keeps(values)):
             return None
         text = skeleton.fill(values)
         self._filled += 1
@@ -509,6 +591,9 @@ class SkeletonRenders:
                 return None
         except ChatTemplateError:  # the template refuses this shape: so it will the request
             return None
+        if skeleton is not None and verdict.strip_characters:
+            stripped = _stripped_slots(skeleton, messages, places, values, render_whole, verdict.strip_characters)
+            skeleton = replace(skeleton, stripped=stripped)
         return skeleton
 
     def _distrust(self, template: ChatTemplate) -> None:

@@ -32,6 +32,9 @@ _DICT_ATTRIBUTES = frozenset(dir(dict))
 # ``strftime_now``, is allowed with a constant format: its text joins the shape).
 _UNSTABLE_NAMES = frozenset({"lipsum"})
 _UNSTABLE_FILTERS = frozenset({"random"})
+#: What a named strip may take off a text for its skeleton to find where (not the pads
+#: around its marks, which only a strip of every whitespace character takes).
+_ASCII_WHITESPACE = frozenset(" \t\n\r\x0b\x0c")
 #: Rounds of finding the names set from texts and the branches left live, at most.
 _SETTLE_ROUNDS = 8
 
@@ -51,9 +54,15 @@ class Verbatim:
     #: What the template asks of a text (``startswith``, ``endswith``, ``in``; with the
     #: constant asked): a skeleton is for texts where every answer is no.
     tests: tuple[tuple[str, str], ...] = ()
-    #: Whether it strips a text of given characters (``content.lstrip('\n')``): a skeleton
-    #: is then for texts with no whitespace at either end, which stripping leaves alone.
+    #: Whether it strips a text of every whitespace character (``content.strip()``) or of
+    #: characters other than ASCII whitespace: a skeleton is then for texts with no
+    #: whitespace at either end, which stripping leaves alone.
     strips: bool = False
+    #: The ASCII whitespace it strips texts of by name (``content.lstrip('\n')``): which
+    #: slots of a shape such a strip reaches, and at which end, its skeleton finds out
+    #: (:mod:`~kvroute.tokenizer_index.render_skeleton`); a text with one of them at such
+    #: an end renders whole.
+    strip_characters: str = ""
 
     def admits(self, text: str) -> bool:
         """Whether a message's ``text`` may fill a skeleton under this template."""
@@ -109,7 +118,13 @@ def verbatim_check(tree: nodes.Template, *, tools: bool = False) -> Verbatim:
         check.run()
     except _Refusal as refusal:
         return Verbatim(str(refusal))
-    return Verbatim(None, tuple(sorted(check.clock_formats)), tuple(sorted(check.tests)), check.strips)
+    return Verbatim(
+        None,
+        tuple(sorted(check.clock_formats)),
+        tuple(sorted(check.tests)),
+        check.strips,
+        "" if check.strips else "".join(sorted(check.strip_characters)),
+    )
 
 
 class _VerbatimCheck:
@@ -150,6 +165,7 @@ class _VerbatimCheck:
         self.clock_formats: set[str] = set()
         self.tests: set[tuple[str, str]] = set()
         self.strips = False
+        self.strip_characters: set[str] = set()
 
     def _is_list(self, node: nodes.Node) -> bool:
         """A message list: a list name, or a slice of one (``messages[::-1]``)."""
@@ -513,7 +529,10 @@ class _VerbatimCheck:
             characters = _constant_argument(call, method) if call.args else ""
             if characters is None or (characters and not characters.isspace()):
                 raise _Refusal(f"a text is stripped of {characters!r}")
-            self.strips = True
+            if characters and set(characters) <= _ASCII_WHITESPACE:
+                self.strip_characters.update(characters)
+            else:  # every whitespace character (or the skeletons' pads)
+                self.strips = True
             self._text_use(call)
             return
         raise _Refusal(f"a text's {method.attr} is called")

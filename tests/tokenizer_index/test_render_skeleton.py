@@ -81,10 +81,15 @@ def test_a_filled_skeleton_is_the_whole_render(
     except ChatTemplateError:
         expected = None  # the template refuses the shape: no skeleton, and a whole render raises
     admitted = all(verdict.admits(text) for _, text in turns)
+    # Where a named strip may reach a text's end, the skeleton decides (by slot).
+    stripped = verdict.strip_characters
+    may_refuse = any(text and (text[0] in stripped or text[-1] in stripped) for _, text in turns)
     for _ in range(2):  # built, then found
         text = renders.render(messages, template, add_generation_prompt, whole)
         if expected is None or not admitted:
             assert text is None
+        elif may_refuse:
+            assert text is None or text == expected
         else:
             assert text == expected
 
@@ -320,13 +325,46 @@ def test_an_agents_chat_fills_its_skeleton(name: str) -> None:
     renders = SkeletonRenders(verify_every=1_000_000)
     for number in range(3):
         chat = agent_messages(number, 8, f"You are agent {number}.")
-        for message in chat[3::2]:  # (Qwen 3 strips texts: a skeleton's have no whitespace at their ends)
-            message["content"] = message["content"].strip()
         chat[2]["tool_calls"][0]["function"]["arguments"] = json.dumps({"path": f'a "quoted" {number}', "n": [1, 2]})
         if name == "llama31":  # one call per message, none with a text
             chat[2]["content"] = None
         assert renders.render(chat, template, True, whole) == whole(chat)
     assert renders.stats().filled == 3 and len(renders._skeletons) == 1
+
+
+def test_qwen3_strips_only_the_answer_after_the_last_query() -> None:
+    """Qwen 3's template strips newlines off the start of an answer only where it is the
+    last message after the last query: tool results and earlier answers ending or starting
+    in newlines fill the skeleton as they are; a last answer starting in one renders whole."""
+    template = ChatTemplate.from_source(ALL_TEMPLATES["qwen3"])
+    whole = render_whole(template, add_generation_prompt=False)
+    renders = SkeletonRenders(verify_every=1_000_000)
+    chat = agent_messages(0, 8, "You are an agent.")
+    chat[3]["content"] = "\n  12 lines\n\n"
+    chat[4]["content"] = "\nReading it again.\n"
+    assert chat[-1]["role"] == "tool" and chat[-1]["content"].endswith("\n")
+    assert renders.render(chat, template, False, whole) == whole(chat)
+    answered = [*chat, {"role": "assistant", "content": "Done.\n"}]
+    assert renders.render(answered, template, False, whole) == whole(answered)
+    (skeleton,) = [built for key, built in renders._skeletons.items() if len(key[2]) == len(answered)]
+    assert skeleton is not None
+    last_slot = max(index for index, _, _ in skeleton.slots)  # (the answer's text is the last value)
+    assert skeleton.stripped == ((last_slot, "\n", ""),)
+    answered[-1]["content"] = "\nDone."
+    assert renders.render(answered, template, False, whole) is None
+    assert renders.stats().filled == 2
+
+
+def test_a_gap_either_pad_could_have_made_counts_both_as_lost() -> None:
+    """Between two marks with only a newline between them, a render that kept one newline
+    pad could have kept either: both slots count as stripped there."""
+    skeleton = Skeleton("", ((0, AS_IS, "\n"), (1, AS_IS, "")))
+    bare = [mark.strip("\u2003") for mark in (marked(0), marked(1))]
+    assert skeleton.lost_pads("\n" + bare[0] + "\n\n" + bare[1] + "\n", "\n") == [(False, True), (True, False)]
+    assert skeleton.lost_pads("\n" + bare[0] + "\n\n\n" + bare[1] + "\n", "\n") == [(False, False), (False, False)]
+    assert skeleton.lost_pads(bare[0] + "\n" + bare[1], "\n") == [(True, True), (True, True)]
+    assert skeleton.lost_pads(bare[1] + "\n" + bare[0], "\n") is None  # another render's marks
+    assert skeleton.lost_pads(bare[0] + "x" + bare[1], "\n") is None
 
 
 @pytest.mark.parametrize("messages", [5, None, {"role": "user", "content": "hi"}, "hi"])

@@ -10,7 +10,7 @@ import pytest
 
 from kvroute.tokenizer_index.chat_template import ChatTemplate
 from kvroute.tokenizer_index.render_skeleton import SkeletonRenders
-from kvroute.tokenizer_index.template_verbatim import verbatim_check
+from kvroute.tokenizer_index.template_verbatim import Verbatim, verbatim_check
 from tests.tokenizer_index.test_render_memo import ALL_TEMPLATES
 
 #: Templates the syntax check lets fill skeletons (the rest must be refused).
@@ -173,10 +173,11 @@ def test_what_qwen3_asks_of_a_text_is_what_a_skeleton_needs_answered_no() -> Non
         ("endswith", "</tool_response>"),
         ("in", "</think>"),
     }
-    assert verdict.strips
-    assert verdict.admits("Which replica?") and verdict.admits("")
+    # It strips newlines by name: where, its skeletons find per shape; not a verdict's refusal.
+    assert not verdict.strips and verdict.strip_characters == "\n"
+    assert verdict.admits("Which replica?") and verdict.admits("") and verdict.admits("\nWhich replica?\n")
     assert not verdict.admits("<tool_response>42") and not verdict.admits("a</think>b")
-    assert not verdict.admits("\nWhich replica?") and not verdict.admits("Which replica? ")
+    assert not verdict.admits(" \n")
     # A content format of parts: its texts are lists, which no skeleton fills.
     assert SkeletonRenders().refusal(ChatTemplate.from_source(ALL_TEMPLATES["openai_parts"])) is not None
 
@@ -199,3 +200,19 @@ def test_a_name_tested_before_it_is_set_keeps_both_branches() -> None:
     assert verbatim_check(ChatTemplate.from_source(source).syntax_tree).refusal is not None
     straight = source.replace("text is string", "m.content is string")
     assert verbatim_check(ChatTemplate.from_source(straight).syntax_tree).refusal is None
+
+
+def test_strips_by_name_are_left_to_the_skeleton_and_others_refuse_whitespace_at_an_end() -> None:
+    """A strip of ASCII whitespace named by the template is found slot by slot; one of every
+    whitespace character, or of others (the skeletons' pads among them), refuses texts with
+    whitespace at an end at the verdict."""
+
+    def verdict(expression: str) -> Verbatim:
+        source = "{% for m in messages %}{{ " + expression + " }}{% endfor %}"
+        return verbatim_check(ChatTemplate.from_source(source).syntax_tree)
+
+    named = verdict("m.content.rstrip('\\n ')")
+    assert not named.strips and named.strip_characters == "\n " and named.admits("x\n")
+    for expression in ("m.content.strip()", "m.content.lstrip('\\u2003')", "m.content.strip('\\n').strip()"):
+        refusing = verdict(expression)
+        assert refusing.strips and refusing.strip_characters == "" and not refusing.admits("x\n"), expression
