@@ -291,6 +291,13 @@ class Settings(BaseSettings):
         description="render a request's own chat_template, as engines started with --trust-request-chat-template "
         "do (vLLM refuses such requests without it, and so they are routed without a prefix match)",
     )
+    conversation_memo_mb: int = Field(
+        default=128,
+        ge=0,
+        description="memory per tokenizer and worker for long conversations' last turns (rendered text and "
+        "token ids, half each), so a turn renders and tokenizes only its new messages: ~240 KB per "
+        "conversation of 200 agent messages; 0: none",
+    )
     models: dict[str, ModelConfig] = Field(
         default_factory=dict,
         description="per-model settings (config file only): {model: {tokenizer, block_size, chat_template, "

@@ -56,11 +56,11 @@ def frozen_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def join_ids(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """``arrays`` of ids joined into one new int64 array, at most :data:`JOIN_SLICE_IDS` ids
+    """``arrays`` of ids (int64 or int32) joined into one new int64 array, at most :data:`JOIN_SLICE_IDS` ids
     copied per numpy call (so another thread may run between them)."""
     total = sum(map(len, arrays))
     if total <= JOIN_SLICE_IDS:
-        return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+        return np.concatenate(arrays, dtype=np.int64) if arrays else np.empty(0, dtype=np.int64)
     joined = np.empty(total, dtype=np.int64)
     group: list[np.ndarray] = []
     grouped = 0  # ids in group

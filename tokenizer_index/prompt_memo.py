@@ -11,7 +11,9 @@ the rest (:meth:`kvroute.tokenizer_index.tokenizer.RequestTokenizer.encode_chat_
 A prompt is filed under a key its conversation's next request can compute (a hash of its
 last message's text, :func:`conversation_keys`); a key only proposes candidates, and the
 caller compares texts, so a collision costs a comparison, never a wrong id. Entries are
-evicted least recently used first, within a byte bound. Thread-safe. The same memo keeps
+evicted least recently used first, within a byte bound, and an entry a conversation's next
+turn superseded (the turn it was built from) goes first: a conversation holds one entry's
+worth of the bound, not one per turn it sent lately. Thread-safe. The same memo keeps
 rendered conversations (:mod:`kvroute.tokenizer_index.render_memo`), filed the same way.
 """
 
@@ -36,6 +38,10 @@ ENTRY_OVERHEAD_BYTES = 400
 MAX_RUNS = 64
 #: The last messages of a request whose text may name the turn before it.
 PROBE_MESSAGES = 8
+#: What a remembered prompt keeps its ids and offsets as: half of int64's bytes (an agent's
+#: 200 messages, ~15K ids, cost 190 KB a turn as int64), and every vocabulary and prompt
+#: fits. Joined back into int64 (``join_ids``) for the caller.
+STORED_DTYPE = np.int32
 
 
 def conversation_keys(messages: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -66,12 +72,14 @@ class RememberedPrompt:
     """A prompt's text, where its pieces end, and its ids (read-only)."""
 
     text: str
-    #: Character offset where each piece of ``text`` ends (int64, increasing; the last is ``len(text)``).
+    #: Character offset where each piece of ``text`` ends (:data:`STORED_DTYPE`, increasing;
+    #: the last is ``len(text)``).
     piece_ends: np.ndarray
-    #: How many ids the pieces up to each of those ends have (int64).
+    #: How many ids the pieces up to each of those ends have.
     token_ends: np.ndarray
-    #: The ids as read-only runs that, joined in order, are all of them: views of the
-    #: earlier turn's runs (shared, not copied) and one run of the pieces after them.
+    #: The ids as read-only runs (:data:`STORED_DTYPE`) that, joined in order, are all of
+    #: them: views of the earlier turn's runs (shared, not copied) and one run of the pieces
+    #: after them.
     runs: tuple[np.ndarray, ...]
     #: How many ids the runs up to each of them hold (int64).
     run_ends: np.ndarray
@@ -83,13 +91,14 @@ class RememberedPrompt:
     def of(
         cls, text: str, piece_ends: np.ndarray, token_ends: np.ndarray, runs: Sequence[np.ndarray]
     ) -> RememberedPrompt:
-        """Remember ``runs`` (read-only arrays) as they are; more than :data:`MAX_RUNS` of
-        them are joined into one first, so a long conversation copies its ids once every
-        few dozen turns instead of every turn (~70 us to 0.4 ms per 100K ids)."""
+        """Remember ``runs`` (read-only arrays) as they are, those not yet stored narrowed to
+        :data:`STORED_DTYPE` (a turn's new pieces); more than :data:`MAX_RUNS` of them are
+        joined into one first, so a long conversation copies its ids once every few dozen
+        turns instead of every turn (~70 us to 0.4 ms per 100K ids)."""
         if len(runs) > MAX_RUNS:
-            joined = join_ids(runs)
-            joined.flags.writeable = False
-            runs = (joined,)
+            runs = (join_ids(runs),)
+        runs = tuple(map(_stored, runs))
+        piece_ends, token_ends = _stored(piece_ends), _stored(token_ends)
         run_ends = np.cumsum([len(run) for run in runs], dtype=np.int64)
         arrays = piece_ends.nbytes + token_ends.nbytes + run_ends.nbytes + sum(run.nbytes for run in runs)
         nbytes = ENTRY_OVERHEAD_BYTES + sys.getsizeof(text) + arrays
@@ -111,6 +120,15 @@ class RememberedPrompt:
     def replaces(self, other: RememberedPrompt) -> bool:
         """Whether ``other`` is the same prompt (kept once per key)."""
         return other.text == self.text
+
+
+def _stored(array: np.ndarray) -> np.ndarray:
+    """``array`` as a remembered prompt keeps it: read-only, of :data:`STORED_DTYPE` (a
+    narrowed copy where it is not one already)."""
+    if array.dtype != STORED_DTYPE:
+        array = array.astype(STORED_DTYPE)
+        array.flags.writeable = False
+    return array
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,29 +158,42 @@ class PromptMemo(Generic[Entry]):
         self._lookups = 0
         self._lock = threading.Lock()
 
-    def candidates(self, keys: Iterable[int]) -> list[Entry]:
-        """The entries filed under these keys, in key order, most recent first per key."""
-        found: list[Entry] = []
+    def candidates(self, keys: Iterable[int]) -> list[tuple[int, Entry]]:
+        """The entries filed under these keys, each with its key, in key order, most recent
+        first per key. Looking does not make them recent: the one the caller builds on is
+        passed to :meth:`remember` (or :meth:`touch`)."""
+        found: list[tuple[int, Entry]] = []
         with self._lock:
             self._lookups += 1
             for key in keys:
                 prompts = self._by_key.get(key)
                 if prompts is not None:
-                    self._by_key.move_to_end(key)
-                    found += prompts
+                    found += ((key, prompt) for prompt in prompts)
         return found
+
+    def touch(self, key: int) -> None:
+        """The entries under ``key`` were used: the last to be evicted."""
+        with self._lock:
+            if key in self._by_key:
+                self._by_key.move_to_end(key)
 
     def reused(self) -> None:
         """Count a lookup whose candidate the caller could use."""
         with self._lock:
             self._reused += 1
 
-    def remember(self, key: int, prompt: Entry) -> None:
-        """File ``prompt`` under ``key`` (it replaces an entry of the same prompt), then evict."""
+    def remember(self, key: int, prompt: Entry, *, supersedes: int | None = None) -> None:
+        """File ``prompt`` under ``key`` (it replaces an entry of the same prompt), then evict.
+        ``supersedes``: the key of the entry ``prompt`` was built from (the conversation's
+        turn before), whose entries are then the first to be evicted."""
         cost = prompt.nbytes
         if cost > self.max_bytes:
+            if supersedes is not None:
+                self.touch(supersedes)
             return
         with self._lock:
+            if supersedes is not None and supersedes != key and supersedes in self._by_key:
+                self._by_key.move_to_end(supersedes, last=False)
             prompts = self._by_key.pop(key, [])
             kept = [prompt]
             for old in prompts:

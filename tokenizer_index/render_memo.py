@@ -213,11 +213,12 @@ class RenderMemo:
         keys = conversation_keys(messages)
         try:
             context_json = orjson.dumps(settings.context(), option=EXACT_JSON)
-            previous, messages_key = self._previous(keys, settings.template, context_json, messages)
+            previous_key, previous, messages_key = self._previous(keys, settings.template, context_json, messages)
         except TypeError:  # values JSON cannot stand for exactly
             return settings.render_whole(messages)
         if settings.shape.carried is not None:
-            return self._render_carried(previous, messages, settings, keys, (messages_key, context_json))
+            encoded = (messages_key, context_json)
+            return self._render_carried(previous, messages, settings, (keys, previous_key), encoded)
         rendered = self._render_after(previous, messages, settings) if previous is not None else None
         if rendered is None:
             rendered = self._render_first(messages, settings)
@@ -241,7 +242,10 @@ class RenderMemo:
                     generation_prompt,
                     rendered.match,
                 )
-                self._memo.remember(keys[0], entry)
+                self._memo.remember(keys[0], entry, supersedes=previous_key)
+                return text
+        if previous_key is not None:
+            self._memo.touch(previous_key)
         return text
 
     def clear(self) -> None:
@@ -272,30 +276,33 @@ class RenderMemo:
 
     def _previous(
         self, keys: list[int], template: ChatTemplate, context_json: bytes, messages: Sequence[Any]
-    ) -> tuple[RenderedConversation | None, MessagesKey]:
-        """The remembered conversation these messages continue (or repeat), if any, and the
-        key to remember them by (``TypeError`` where a value has no exact JSON)."""
+    ) -> tuple[int | None, RenderedConversation | None, MessagesKey]:
+        """The remembered conversation these messages continue (or repeat), if any, with the
+        memo's key it is filed under, and the key to remember them by (``TypeError`` where a
+        value has no exact JSON)."""
         made: dict[bool, MessagesKey] = {}  # by whether made apart
-        for candidate in self._memo.candidates(keys):
+        for filed, candidate in self._memo.candidates(keys):
             apart = candidate.messages.contents is not None
             key = made.get(apart)
             if key is None:
                 key = made[apart] = candidate.messages.like(messages)
             if candidate.continues(template, context_json, key):
-                return candidate, _kept(key, messages, candidate.messages)
+                return filed, candidate, _kept(key, messages, candidate.messages)
         key = made.get(True) or made.get(False)
-        return None, MessagesKey.of(messages) if key is None else _kept(key, messages)
+        return None, None, MessagesKey.of(messages) if key is None else _kept(key, messages)
 
     def _render_carried(
         self,
         previous: RenderedConversation | None,
         messages: Sequence[Any],
         settings: RenderSettings,
-        keys: list[int],
+        filed: tuple[list[int], int | None],
         encoded: tuple[MessagesKey, bytes],
     ) -> str:
         """:meth:`render` under a template that carries state between messages: the new
-        messages after ``previous``'s text where a window reaches its states, else all."""
+        messages after ``previous``'s text where a window reaches its states, else all.
+        ``filed``: the memo's keys for these messages, and the one ``previous`` is under."""
+        keys, previous_key = filed
         carried = _render_carried_after(previous, messages, settings) if previous is not None else None
         if carried is None:
             reported = settings.report(settings.convert(messages))
@@ -313,7 +320,9 @@ class RenderMemo:
             entry = RenderedConversation(
                 text, len(body), messages_key, len(messages), settings.template, context_json, "", "", None, states
             )
-            self._memo.remember(keys[0], entry)
+            self._memo.remember(keys[0], entry, supersedes=previous_key)
+        elif previous_key is not None:
+            self._memo.touch(previous_key)
         return text
 
     def _render_first(self, messages: Sequence[Any], settings: RenderSettings) -> _Rendered:

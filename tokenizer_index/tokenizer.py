@@ -96,8 +96,8 @@ from kvroute.tokenizer_index.word_split import (
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
-DEFAULT_MEMO_BYTES = 32 * 1024 * 1024
-DEFAULT_RENDER_MEMO_BYTES = 32 * 1024 * 1024
+DEFAULT_MEMO_BYTES = 64 * 1024 * 1024
+DEFAULT_RENDER_MEMO_BYTES = 64 * 1024 * 1024
 #: Chats shorter than this fill skeletons (longer ones, with shapes of their own, would each
 #: build one): the render memo's threshold, where it takes over.
 SKELETON_MESSAGES = RENDER_MEMO_MESSAGES
@@ -1063,10 +1063,11 @@ class RequestTokenizer:
         start = reused_tokens = 0
         kept = -1  # the last of the remembered prompt's pieces that is reused
         previous = None
-        for candidate in self._memo.candidates(keys):
+        previous_key: int | None = None
+        for key, candidate in self._memo.candidates(keys):
             kept = self._reusable_pieces(candidate, text)
             if kept >= 0:
-                previous = candidate
+                previous, previous_key = candidate, key
                 self._memo.reused()
                 break
         if previous is not None:
@@ -1088,7 +1089,7 @@ class RequestTokenizer:
             token_ends = np.concatenate((previous.token_ends[: kept + 1], token_ends))
         # The memo keeps the read-only runs ids was joined from, not ids: the caller owns ids
         # and may change them, and a copy of 100K ids cost up to 0.4 ms.
-        self._memo.remember(keys[0], RememberedPrompt.of(text, piece_ends, token_ends, runs))
+        self._memo.remember(keys[0], RememberedPrompt.of(text, piece_ends, token_ends, runs), supersedes=previous_key)
         return ids
 
     def _reusable_pieces(self, previous: RememberedPrompt, text: str) -> int:

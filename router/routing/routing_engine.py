@@ -738,6 +738,9 @@ class RoutingEngine:
             options: dict[str, Any] = {
                 "chat_template": load_chat_template(template) if template else None,
                 "default_chat_template_kwargs": kwargs,
+                # (half for the rendered texts, half for the ids)
+                "memo_bytes": settings.conversation_memo_mb * 2**19,
+                "render_memo_bytes": settings.conversation_memo_mb * 2**19,
             }
             loaded = (
                 RequestTokenizer.default(**options)

@@ -11,6 +11,7 @@ import pytest
 from kvroute.benchmarks.profile_render import conversation, profile_renders
 from kvroute.benchmarks.profile_request import stage_of, summarize
 from kvroute.benchmarks.profile_routing import busy_neighbour, profile_stages
+from kvroute.benchmarks.profile_sessions import ROUNDS, format_runs, run_sessions
 from kvroute.benchmarks.stage_timers import STAGES, _timed, reset, snapshot
 from tests.paths import REPO
 
@@ -189,3 +190,14 @@ def test_the_render_profile_renders_each_shape_both_ways_alike() -> None:
     agent = conversation("agent", 7, 6)
     assert [message["role"] for message in agent] == ["system", "user", "assistant", "tool", "assistant", "tool"]
     assert agent[3]["tool_call_id"] == agent[2]["tool_calls"][0]["id"] != conversation("agent", 8, 6)[3]["tool_call_id"]
+
+
+def test_the_sessions_profile_says_when_the_memo_holds_the_conversations() -> None:
+    """``profile_sessions`` on a few short conversations: with room every later turn
+    continues its conversation's last; with none, none does."""
+    held = run_sessions(3, messages=80, memo_mb=8)  # (past the prompt memo's 16K characters)
+    assert held.requests == 3 * ROUNDS and held.render_reused == held.ids_reused == held.requests
+    assert len(held.us_per_request) == ROUNDS and all(spent > 0 for spent in held.us_per_request)
+    none = run_sessions(3, messages=80, memo_mb=0)
+    assert none.render_reused == none.ids_reused == 0
+    assert format_runs([held, none]).count("\n") == 2

@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 
 from kvroute.tokenizer_index import RequestTokenizer
 from kvroute.tokenizer_index import tokenizer as tokenizer_module
-from kvroute.tokenizer_index.prompt_memo import MAX_RUNS, PER_KEY, PromptMemo, RememberedPrompt, conversation_keys
+from kvroute.tokenizer_index.prompt_memo import (
+    MAX_RUNS,
+    PER_KEY,
+    STORED_DTYPE,
+    PromptMemo,
+    RememberedPrompt,
+    conversation_keys,
+)
 from tests.tokenizer_index.tokenizers_fixtures import llama3_style_dir, train_tokenizer
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -150,7 +157,7 @@ def test_each_turn_adds_a_run_or_two_not_one_per_piece(llama: RequestTokenizer) 
             {"role": "assistant", "content": f"answer {turn} " * 40},
         ]
         assert llama.encode_chat_array(messages).tolist() == _expected(llama, messages)
-        [remembered] = [entry for entry in llama._memo.candidates(conversation_keys(messages))][:1]
+        [remembered] = [entry for _, entry in llama._memo.candidates(conversation_keys(messages))][:1]
         assert len(remembered.runs) <= 2 * turn
         assert len(llama.render_chat(messages).split("<|eot_id|>")) > 2 * turn  # pieces per turn > 1
 
@@ -178,6 +185,8 @@ def test_runs_up_to_a_count_join_to_the_first_ids(sizes: list[int], data: st.Dat
     prompt = RememberedPrompt.of("text", np.array([4]), np.array([sum(sizes)]), runs)
     ids = np.concatenate(runs)
     assert prompt.ids.tolist() == ids.tolist()
+    # Kept narrowed (half the bytes), given back as int64.
+    assert all(run.dtype == STORED_DTYPE for run in prompt.runs) and prompt.ids.dtype == np.int64
     assert len(prompt.runs) == (1 if len(runs) > MAX_RUNS else len(runs))
     count = data.draw(st.integers(0, len(ids)))
     head = prompt.runs_up_to(count)
@@ -189,16 +198,38 @@ def test_memo_keeps_a_few_prompts_per_key_within_its_bound() -> None:
     memo = PromptMemo(max_bytes=60_000)
     for number in range(PER_KEY + 2):
         memo.remember(1, _prompt(f"text {number}", 100))
-    assert [prompt.text for prompt in memo.candidates([1])] == [f"text {n}" for n in range(PER_KEY + 1, 1, -1)]
+    assert [prompt.text for _, prompt in memo.candidates([1])] == [f"text {n}" for n in range(PER_KEY + 1, 1, -1)]
     memo.remember(1, _prompt(f"text {PER_KEY + 1}", 100))  # the same text replaces its entry
     assert len(memo.candidates([1])) == PER_KEY
     for key in range(2, 200):
         memo.remember(key, _prompt(f"other {key}", 1_000))
         assert memo.stats().bytes <= memo.max_bytes
     assert memo.candidates([1]) == [] and memo.candidates([199])
-    memo.remember(7, _prompt("too big", 10_000))  # larger than the whole bound: not kept
+    memo.remember(7, _prompt("too big", 20_000))  # larger than the whole bound: not kept
     assert memo.candidates([7]) == []
     memo.clear()
     assert memo.stats().entries == 0 and memo.stats().bytes == 0
     with pytest.raises(ValueError):
         PromptMemo(-1)
+
+
+def test_a_superseded_turn_is_evicted_first_and_a_used_one_last() -> None:
+    """A conversation's next turn, built on its last, makes that entry the first to go:
+    conversations each keep their newest turn however many turns they sent. Looking up
+    does not refresh entries (a conversation's older turns are among its probe keys); the
+    entry a turn builds on, when nothing new is remembered, is refreshed."""
+    size = _prompt("c0 turn 0", 80).nbytes
+    memo = PromptMemo(max_bytes=4 * size + size // 2)  # room for four entries
+    for conversation in range(4):
+        memo.remember(100 * conversation, _prompt(f"c{conversation} turn 0", 80))
+    for turn in range(1, 4):
+        for conversation in range(4):
+            found = memo.candidates([100 * conversation + turn - 1, 100 * conversation])
+            assert [key for key, _ in found][:1] == [100 * conversation + turn - 1]
+            key = 100 * conversation + turn
+            memo.remember(key, _prompt(f"c{conversation} turn {turn}", 80), supersedes=found[0][0])
+    newest = [memo.candidates([100 * conversation + 3]) for conversation in range(4)]
+    assert all(len(found) == 1 for found in newest) and memo.stats().entries == 4
+    memo.touch(3)  # the oldest, used without a new entry: now evicted last
+    memo.remember(999, _prompt("another", 80))
+    assert memo.candidates([103]) == [] and memo.candidates([3]) and memo.candidates([203])

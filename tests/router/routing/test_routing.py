@@ -54,6 +54,20 @@ def served(engine: RoutingEngine, body: dict[str, Any], backends: list[Backend],
 # --- the engine on its own ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("megabytes", [0, 6])
+def test_the_conversation_memo_gets_the_memory_configured(megabytes: int) -> None:
+    """``--conversation-memo-mb``: half for the rendered texts, half for the ids; 0 renders
+    and tokenizes every long chat whole."""
+    engine = RoutingEngine(Settings(policy="cache_aware", conversation_memo_mb=megabytes))
+    turns = [f"question {number} " * 200 if number % 2 == 0 else f"answer {number}" for number in range(20)]
+    for count in (17, 19):
+        route(engine, chat(*turns[:count]), fleet(2))
+    render_memo = engine._tokenizer_for("sim").render_memo_stats()
+    prompt_memo = engine._tokenizer_for("sim").memo_stats()
+    assert render_memo.max_bytes == prompt_memo.max_bytes == megabytes * 2**19
+    assert render_memo.reused == prompt_memo.reused == (1 if megabytes else 0)
+
+
 def test_a_conversation_stays_where_its_history_is_and_the_prediction_is_exact() -> None:
     engine = RoutingEngine(Settings(policy="cache_aware"))
     backends = fleet(4)
