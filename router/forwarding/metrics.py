@@ -37,7 +37,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvroute.router.fleet.backends import Backend
 from kvroute.router.routing.decisions import AttemptOutcome
-from kvroute.router.routing.routing_engine import CacheModelState
+from kvroute.router.routing.routing_engine import CacheModelState, ConversationMemoState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -287,6 +287,46 @@ class _EventCounters:
         yield family
 
 
+class _ConversationMemoCollector:
+    """``kvroute_conversation_memo_{bytes,max_bytes,entries}{memo}`` and
+    ``kvroute_conversation_memo_turns_total{memo,event}``, read at scrape time."""
+
+    def __init__(self, states: Callable[[], Mapping[str, ConversationMemoState]]) -> None:
+        self._states = states
+
+    def collect(self) -> Iterator[Metric]:
+        held = GaugeMetricFamily(
+            "kvroute_conversation_memo_bytes",
+            "Bytes the conversation memo holds (memo: render, long chats' rendered texts; ids, their "
+            "token ids), over every tokenizer.",
+            labels=["memo"],
+        )
+        bound = GaugeMetricFamily(
+            "kvroute_conversation_memo_max_bytes",
+            "The conversation memo's bound (--conversation-memo-mb, half per memo), over every tokenizer.",
+            labels=["memo"],
+        )
+        entries = GaugeMetricFamily(
+            "kvroute_conversation_memo_entries",
+            "Turns the conversation memo holds (about one per long conversation it keeps).",
+            labels=["memo"],
+        )
+        turns = CounterMetricFamily(
+            "kvroute_conversation_memo_turns",
+            "Long chats by event: lookups, looked for their conversation's last turn; continued, "
+            "found it, and rendered or tokenized only what follows it. Few continued while the "
+            "memo is full: it holds fewer conversations than are active (raise --conversation-memo-mb).",
+            labels=["memo", "event"],
+        )
+        for memo, state in self._states().items():
+            held.add_metric([memo], state.bytes)
+            bound.add_metric([memo], state.max_bytes)
+            entries.add_metric([memo], state.entries)
+            turns.add_metric([memo, "lookups"], state.lookups)
+            turns.add_metric([memo, "continued"], state.continued)
+        yield from (held, bound, entries, turns)
+
+
 class _KVEventCollector:
     """Precise mode's streams, read at scrape time: ``kvroute_kv_events_total{backend,event}``
     and ``kvroute_kv_events_lag_seconds{backend}`` (how long after an answer the event that
@@ -512,6 +552,11 @@ class RouterMetrics:
                 label="by",
             )
         )
+
+    def watch_conversation_memo(self, states: Callable[[], Mapping[str, ConversationMemoState]]) -> None:
+        """Export what the conversation memos hold and how often a long chat's turn continued
+        a remembered one: a memo full and rarely continued wants more ``--conversation-memo-mb``."""
+        self.registry.register(_ConversationMemoCollector(states))
 
     def watch_cache_model(self, states: Callable[[], Mapping[str, CacheModelState]]) -> None:
         """Export each backend's cache model: the share of its cache counted on, its eviction

@@ -49,6 +49,7 @@ RULES: dict[str, Rule] = {
     "kvroute_peer_handshakes": "sum",
     "kvroute_chat_renders": "sum",
     "kvroute_tokenizer_units": "sum",
+    "kvroute_conversation_memo_turns": "sum",
     "kvroute_tokenizer_new_words": "sum",
     "kvroute_cache_model_answers": "sum",
     "kvroute_kv_events_lag_seconds": "sum",
@@ -61,6 +62,9 @@ RULES: dict[str, Rule] = {
     "kvroute_rate_limit_clients": "sum",
     "kvroute_asyncio_tasks": "sum",
     "kvroute_index_bytes": "sum",
+    "kvroute_conversation_memo_bytes": "sum",  # each worker its own memo
+    "kvroute_conversation_memo_max_bytes": "sum",
+    "kvroute_conversation_memo_entries": "sum",
     "kvroute_process_virtual_memory_bytes": "sum",
     "kvroute_process_resident_memory_bytes": "sum",
     "kvroute_process_cpu_seconds": "sum",

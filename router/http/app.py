@@ -150,6 +150,7 @@ def build_app(
         siblings=Siblings(workers) if workers is not None else None,
     )
     metrics.watch_chat_renders(routing.chat_render_counts)
+    metrics.watch_conversation_memo(routing.conversation_memo_states)
     metrics.watch_tokenizer_units(routing.tokenizer_unit_counts)
     metrics.watch_tokenizer_new_words(routing.tokenizer_new_word_counts)
     metrics.watch_cache_model(routing.cache_model_states)

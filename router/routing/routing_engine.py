@@ -225,6 +225,19 @@ class CacheModelState:
 
 
 @dataclass(frozen=True, slots=True)
+class ConversationMemoState:
+    """One of the tokenizers' conversation memos (rendered texts, or ids), summed over the
+    tokenizers, for ``kvroute_conversation_memo_*``."""
+
+    bytes: int
+    max_bytes: int
+    entries: int
+    #: Long chats that looked for their conversation's last turn, and those that found it.
+    lookups: int
+    continued: int
+
+
+@dataclass(frozen=True, slots=True)
 class RoutingIndexStats:
     """Size of the routing engine's indexes (every block size, and the precise index), for
     ``kvroute_index_blocks{backend}`` and ``kvroute_index_bytes``."""
@@ -347,6 +360,16 @@ class RoutingEngine:
             counts["skeleton"] += skeletons.filled
             counts["skeleton_mismatches"] += skeletons.mismatches
         return counts
+
+    def conversation_memo_states(self) -> dict[str, ConversationMemoState]:
+        """The conversation memos over every tokenizer: ``render`` (rendered texts) and
+        ``ids`` (token ids), what they hold and how often a turn continued a remembered one."""
+        totals = {"render": [0] * 5, "ids": [0] * 5}
+        for tokenizer in list(self._tokenizers.values()):
+            for memo, stats in (("render", tokenizer.render_memo_stats()), ("ids", tokenizer.memo_stats())):
+                held = (stats.bytes, stats.max_bytes, stats.entries, stats.lookups, stats.reused)
+                totals[memo] = [total + value for total, value in zip(totals[memo], held, strict=True)]
+        return {memo: ConversationMemoState(*values) for memo, values in totals.items()}
 
     def tokenizer_unit_counts(self) -> dict[str, int]:
         """Units of prompt text by how their ids were found, over every tokenizer

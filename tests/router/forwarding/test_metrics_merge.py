@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvroute.router.forwarding import metrics_merge
 from kvroute.router.forwarding.metrics import RouterMetrics, RuntimeStats
 from kvroute.router.routing.decisions import AttemptOutcome
+from kvroute.router.routing.routing_engine import ConversationMemoState
 from tests.servers import Scrape
 
 
@@ -39,6 +40,8 @@ def worker_metrics(requests: int, *, blocks: int, duration_s: float) -> RouterMe
     metrics.kv_events_state.labels("http://a").set(1)
     metrics.watch_chat_renders(lambda: {"lookups": requests, "reused": requests - 1, "mismatches": 0})
     metrics.watch_tokenizer_units(lambda: {"cached": requests, "words": 1, "words_compiled": 0, "library": 0})
+    memo = ConversationMemoState(bytes=1000, max_bytes=4000, entries=2, lookups=requests, continued=requests - 1)
+    metrics.watch_conversation_memo(lambda: {"render": memo, "ids": memo})
     return metrics
 
 
@@ -66,6 +69,9 @@ def test_counters_and_histograms_sum_shared_state_takes_the_max() -> None:
     assert scrape.value("kvroute_peer_handshakes_total", result="succeeded") == 4
     assert scrape.value("kvroute_chat_renders_total", event="reused") == 2 + 4  # each worker its own memo
     assert scrape.value("kvroute_tokenizer_units_total", source="cached") == 8  # each its own tokenizer
+    assert scrape.value("kvroute_conversation_memo_turns_total", memo="ids", event="continued") == 2 + 4
+    assert scrape.value("kvroute_conversation_memo_bytes", memo="render") == 2000  # each its own memo
+    assert scrape.value("kvroute_conversation_memo_max_bytes", memo="ids") == 8000
     assert scrape.value("kvroute_index_blocks", backend="http://a") == 12  # max: the indexes converge
     assert scrape.value("kvroute_index_bytes") == 2000  # memory: sum
     assert scrape.value("kvroute_kv_events_state", backend="http://a") == 1

@@ -66,6 +66,9 @@ def test_the_conversation_memo_gets_the_memory_configured(megabytes: int) -> Non
     prompt_memo = engine._tokenizer_for("sim").memo_stats()
     assert render_memo.max_bytes == prompt_memo.max_bytes == megabytes * 2**19
     assert render_memo.reused == prompt_memo.reused == (1 if megabytes else 0)
+    states = engine.conversation_memo_states()  # (what /metrics exports)
+    assert states["render"].continued == states["ids"].continued == render_memo.reused
+    assert states["ids"].lookups == prompt_memo.lookups and states["render"].max_bytes == megabytes * 2**19
 
 
 def test_a_conversation_stays_where_its_history_is_and_the_prediction_is_exact() -> None:
