@@ -10,10 +10,11 @@ the rest (:meth:`kvroute.tokenizer_index.tokenizer.RequestTokenizer.encode_chat_
 
 A prompt is filed under a key its conversation's next request can compute (a hash of its
 last message's text, :func:`conversation_keys`); a key only proposes candidates, and the
-caller compares texts, so a collision costs a comparison, never a wrong id. Entries are
-evicted least recently used first, within a byte bound, and an entry a conversation's next
-turn superseded (the turn it was built from) goes first: a conversation holds one entry's
-worth of the bound, not one per turn it sent lately. Thread-safe. The same memo keeps
+caller compares texts, so a collision costs a comparison, never a wrong id. Within a byte
+bound, an entry a conversation's next turn superseded (the turn it was built from) is
+evicted first, so a conversation holds one entry's worth of the bound, not one per turn it
+sent lately; then one whose conversation seems to have ended, then the one expected back
+last (:mod:`kvroute.tokenizer_index.return_order`). Thread-safe. The same memo keeps
 rendered conversations (:mod:`kvroute.tokenizer_index.render_memo`), filed the same way.
 """
 
@@ -21,14 +22,15 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
 from kvroute.tokenizer_index.piece_cache import join_ids
+from kvroute.tokenizer_index.return_order import ReturnOrder
 
 #: Candidates kept per key (the most recent first): conversations that share a last message.
 PER_KEY = 4
@@ -148,11 +150,13 @@ class PromptMemoStats:
 class PromptMemo(Generic[Entry]):
     """Entries (long prompts) by key, at most ``max_bytes`` of them (0 disables it)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, *, clock: Callable[[], float] = time.monotonic) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._by_key: OrderedDict[int, list[Entry]] = OrderedDict()  # in LRU order
+        self._by_key: dict[int, list[Entry]] = {}
+        self._order = ReturnOrder()  # (of the keys: when each was used, which to evict)
+        self._clock = clock
         self._bytes = 0
         self._reused = 0
         self._lookups = 0
@@ -160,11 +164,14 @@ class PromptMemo(Generic[Entry]):
 
     def candidates(self, keys: Iterable[int]) -> list[tuple[int, Entry]]:
         """The entries filed under these keys, each with its key, in key order, most recent
-        first per key. Looking does not make them recent: the one the caller builds on is
+        first per key. Looking does not count as a use: the one the caller builds on is
         passed to :meth:`remember` (or :meth:`touch`)."""
         found: list[tuple[int, Entry]] = []
+        keys = list(keys)
+        now = self._clock()
         with self._lock:
             self._lookups += 1
+            self._order.looked_up(keys, now)
             for key in keys:
                 prompts = self._by_key.get(key)
                 if prompts is not None:
@@ -172,10 +179,11 @@ class PromptMemo(Generic[Entry]):
         return found
 
     def touch(self, key: int) -> None:
-        """The entries under ``key`` were used: the last to be evicted."""
+        """The entries under ``key`` were used now."""
+        now = self._clock()
         with self._lock:
             if key in self._by_key:
-                self._by_key.move_to_end(key)
+                self._order.used(key, now)
 
     def reused(self) -> None:
         """Count a lookup whose candidate the caller could use."""
@@ -191,9 +199,8 @@ class PromptMemo(Generic[Entry]):
             if supersedes is not None:
                 self.touch(supersedes)
             return
+        now = self._clock()
         with self._lock:
-            if supersedes is not None and supersedes != key and supersedes in self._by_key:
-                self._by_key.move_to_end(supersedes, last=False)
             prompts = self._by_key.pop(key, [])
             kept = [prompt]
             for old in prompts:
@@ -202,15 +209,18 @@ class PromptMemo(Generic[Entry]):
                 else:
                     self._bytes -= old.nbytes
             self._by_key[key] = kept
+            self._order.used(key, now, after=supersedes)
             self._bytes += cost
             while self._bytes > self.max_bytes and self._by_key:
-                _, evicted = self._by_key.popitem(last=False)
-                self._bytes -= sum(old.nbytes for old in evicted)
+                victim = self._order.victim(now)
+                self._order.evict(victim)
+                self._bytes -= sum(old.nbytes for old in self._by_key.pop(victim))
 
     def clear(self) -> None:
         """Forget every prompt (the counters are kept)."""
         with self._lock:
             self._by_key.clear()
+            self._order.clear()
             self._bytes = 0
 
     def stats(self) -> PromptMemoStats:

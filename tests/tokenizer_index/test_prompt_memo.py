@@ -213,23 +213,57 @@ def test_memo_keeps_a_few_prompts_per_key_within_its_bound() -> None:
         PromptMemo(-1)
 
 
-def test_a_superseded_turn_is_evicted_first_and_a_used_one_last() -> None:
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _turns(memo: PromptMemo[RememberedPrompt], clock: _Clock, conversations: list[int], turn: int) -> int:
+    """One turn of each conversation, a second apart: each looks for its turn before and
+    builds on it where found; how many found it."""
+    found = 0
+    for conversation in conversations:
+        clock.now += 1
+        before = [key for key, _ in memo.candidates([1000 * conversation + turn - 1])]
+        found += bool(before)
+        entry = _prompt(f"c{conversation} turn {turn}", 80)
+        memo.remember(1000 * conversation + turn, entry, supersedes=before[0] if before else None)
+    return found
+
+
+def test_a_superseded_turn_is_evicted_first() -> None:
     """A conversation's next turn, built on its last, makes that entry the first to go:
-    conversations each keep their newest turn however many turns they sent. Looking up
-    does not refresh entries (a conversation's older turns are among its probe keys); the
-    entry a turn builds on, when nothing new is remembered, is refreshed."""
+    conversations each keep their newest turn however many turns they sent."""
+    clock = _Clock()
     size = _prompt("c0 turn 0", 80).nbytes
-    memo = PromptMemo(max_bytes=4 * size + size // 2)  # room for four entries
-    for conversation in range(4):
-        memo.remember(100 * conversation, _prompt(f"c{conversation} turn 0", 80))
-    for turn in range(1, 4):
-        for conversation in range(4):
-            found = memo.candidates([100 * conversation + turn - 1, 100 * conversation])
-            assert [key for key, _ in found][:1] == [100 * conversation + turn - 1]
-            key = 100 * conversation + turn
-            memo.remember(key, _prompt(f"c{conversation} turn {turn}", 80), supersedes=found[0][0])
-    newest = [memo.candidates([100 * conversation + 3]) for conversation in range(4)]
-    assert all(len(found) == 1 for found in newest) and memo.stats().entries == 4
-    memo.touch(3)  # the oldest, used without a new entry: now evicted last
-    memo.remember(999, _prompt("another", 80))
-    assert memo.candidates([103]) == [] and memo.candidates([3]) and memo.candidates([203])
+    memo = PromptMemo(max_bytes=4 * size + size // 2, clock=clock)  # room for four entries
+    assert [_turns(memo, clock, [0, 1, 2, 3], turn) for turn in range(4)] == [0, 4, 4, 4]
+    assert memo.stats().entries == 4 and all(memo.candidates([1000 * c + 3]) for c in range(4))
+
+
+def test_conversations_past_the_bound_keep_those_held_instead_of_trading_them() -> None:
+    """Six conversations in a fixed cycle, room for four: least recently used would evict
+    the next to come back every time (no turn would find its last); the memo keeps serving
+    the conversations it holds."""
+    clock = _Clock()
+    size = _prompt("c0 turn 0", 80).nbytes
+    memo = PromptMemo(max_bytes=4 * size + size // 2, clock=clock)
+    found = [_turns(memo, clock, list(range(6)), turn) for turn in range(8)]
+    assert found[0] == 0 and all(count >= 3 for count in found[2:]), found
+
+
+def test_conversations_that_ended_make_room_for_new_ones() -> None:
+    """Entries idle for more than a few of their conversation's gaps are evicted before
+    those of conversations still coming back."""
+    clock = _Clock()
+    size = _prompt("c0 turn 0", 80).nbytes
+    memo = PromptMemo(max_bytes=4 * size + size // 2, clock=clock)
+    for turn in range(3):
+        _turns(memo, clock, [0, 1, 2, 3], turn)
+    for turn in range(3, 12):  # 0 and 1 end; 2 and 3 go on, with 4 and 5 new
+        _turns(memo, clock, [2, 3, 4, 5], turn)
+    held = {conversation for conversation in range(6) if memo.candidates([1000 * conversation + 11])}
+    assert held == {2, 3, 4, 5}
