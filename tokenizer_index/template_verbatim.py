@@ -590,6 +590,9 @@ class _VerbatimCheck:
                 return True
         if isinstance(test, nodes.Call) and self._text_test(test) is not None:
             return False
+        if isinstance(test, nodes.Test) and test.name in ("defined", "undefined"):
+            defined = self._field_defined(test.node)
+            return None if defined is None else defined == (test.name == "defined")
         if not isinstance(test, nodes.Compare) or len(test.ops) != 1:
             return None
         if self._text_test(test) is not None:
@@ -609,6 +612,17 @@ class _VerbatimCheck:
                         return None
                     return operand.op == "ne"
         return None
+
+    def _field_defined(self, node: nodes.Node) -> bool | None:
+        """Whether ``message.key`` is defined for every message a skeleton fills (the
+        converted message holds ``role`` and ``content``, and with tools the fields that
+        may be there or not); None where it may differ, or names a dict's own attribute."""
+        if not isinstance(node, nodes.Getattr | nodes.Getitem) or not self._is_loop_message(node.node):
+            return None
+        key = _key_of(node)
+        if key is None or key in self._optional_keys or key in _DICT_ATTRIBUTES:
+            return None
+        return key in ("role", "content")
 
     def _is_loop_message(self, node: nodes.Node) -> bool:
         return isinstance(node, nodes.Name) and node.name in self._message_names

@@ -16,7 +16,7 @@ from tests.tokenizer_index.test_render_memo import ALL_TEMPLATES
 #: Templates the syntax check lets fill skeletons (the rest must be refused).
 FILLED = {
     *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "qwen3"),
-    *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last"),
+    *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last", "qwen3_coder"),
 }
 
 # Templates that print texts only as they are, trimmed, or chosen by their truth.
@@ -216,3 +216,23 @@ def test_strips_by_name_are_left_to_the_skeleton_and_others_refuse_whitespace_at
     for expression in ("m.content.strip()", "m.content.lstrip('\\u2003')", "m.content.strip('\\n').strip()"):
         refusing = verdict(expression)
         assert refusing.strips and refusing.strip_characters == "" and not refusing.admits("x\n"), expression
+
+
+def test_a_field_tested_for_being_defined_prunes_as_a_key_tested_in_the_message() -> None:
+    """``message.tool_calls is defined`` is false for every plain message (Qwen 3 Coder's
+    branch of tool calls, which measures a text, is not read); with tool calls it may be
+    either; a dict's own attribute is always defined."""
+    branch = "{% if m.content | trim | length > 0 %}{{ m.content }}{% endif %}"
+
+    def verdict(test: str, *, tools: bool = False) -> Verbatim:
+        source = (
+            "{% for m in messages %}{% if " + test + " %}" + branch + "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+        )
+        return verbatim_check(ChatTemplate.from_source(source).syntax_tree, tools=tools)
+
+    assert verdict("m.tool_calls is defined").refusal is None
+    assert verdict("m['reasoning'] is undefined and m.name is defined").refusal is None
+    assert verdict("m.content is undefined").refusal is None
+    assert verdict("m.tool_calls is defined", tools=True).refusal is not None
+    assert verdict("m.items is defined").refusal is not None  # (dict.items)
+    assert verdict("m.content is defined").refusal is not None
