@@ -429,7 +429,7 @@ def marked(index: int, pad: str = _PAD) -> str:
 
 def _checking(index: int) -> str:
     """Another stand-in, of another length, for the build's second render (no whitespace
-    at its ends: a template that strips texts fills skeletons only with such; a quote,
+    at its ends, which a strip would take off and the skeleton's fill would not; a quote,
     which ``tojson`` escapes)."""
     return f'\ue002{"x" * (index % 3 + 1)}" {index}\ue003'
 
