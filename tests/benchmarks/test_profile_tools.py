@@ -201,3 +201,6 @@ def test_the_sessions_profile_says_when_the_memo_holds_the_conversations() -> No
     none = run_sessions(3, messages=80, memo_mb=0)
     assert none.render_reused == none.ids_reused == 0
     assert format_runs([held, none]).count("\n") == 2
+    # A third of them ending each round: their successors' first requests find nothing.
+    ending = run_sessions(3, messages=80, memo_mb=8, rounds=4, ending=1 / 3)
+    assert ending.requests == 12 and ending.render_reused == ending.ids_reused == 12 - 3
