@@ -61,12 +61,11 @@ class ReturnOrder:
         under, which this one supersedes (the time since it was used is the gap)."""
         use = self._uses.pop(key, None)
         gap = use.gap if use is not None else None
-        before = self._uses.get(after) if after is not None and after != key else None
-        if before is not None:
-            gap = now - before.last
+        if after is not None and after != key and after in self._uses:
+            gap = now - self._uses[after].last
             self._learn(gap)
-            self._uses.move_to_end(after, last=False)  # type: ignore[arg-type]
-            self._superseded.add(after)  # type: ignore[arg-type]
+            self._uses.move_to_end(after, last=False)
+            self._superseded.add(after)
         self._uses[key] = _Use(now, gap)
         self._superseded.discard(key)
 
