@@ -218,7 +218,7 @@ class RenderMemo:
             return settings.render_whole(messages)
         if settings.shape.carried is not None:
             encoded = (messages_key, context_json)
-            return self._render_carried(previous, messages, settings, (keys, previous_key), encoded)
+            return self._render_carried(previous, previous_key, messages, settings, keys, encoded)
         rendered = self._render_after(previous, messages, settings) if previous is not None else None
         if rendered is None:
             rendered = self._render_first(messages, settings)
@@ -294,15 +294,15 @@ class RenderMemo:
     def _render_carried(
         self,
         previous: RenderedConversation | None,
+        previous_key: int | None,
         messages: Sequence[Any],
         settings: RenderSettings,
-        filed: tuple[list[int], int | None],
+        keys: list[int],
         encoded: tuple[MessagesKey, bytes],
     ) -> str:
         """:meth:`render` under a template that carries state between messages: the new
-        messages after ``previous``'s text where a window reaches its states, else all.
-        ``filed``: the memo's keys for these messages, and the one ``previous`` is under."""
-        keys, previous_key = filed
+        messages after ``previous``'s text (filed under ``previous_key``) where a window
+        reaches its states, else all."""
         carried = _render_carried_after(previous, messages, settings) if previous is not None else None
         if carried is None:
             reported = settings.report(settings.convert(messages))

@@ -109,8 +109,7 @@ class ReturnOrder:
                 break
             if now - use.last > OVERDUE_GAPS * (use.gap if use.gap is not None else typical):
                 return key
-        return max(self._uses, key=lambda key: self._expected_back(key, typical))
-
-    def _expected_back(self, key: int, typical: float) -> float:
-        use = self._uses[key]
-        return use.last + (use.gap if use.gap is not None else typical)
+        expected_back = {
+            key: use.last + (use.gap if use.gap is not None else typical) for key, use in self._uses.items()
+        }
+        return max(expected_back, key=expected_back.__getitem__)

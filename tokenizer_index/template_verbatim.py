@@ -600,10 +600,8 @@ class _VerbatimCheck:
         (operand,) = test.ops
         first, second = test.expr, operand.expr
         if operand.op in ("in", "notin") and isinstance(first, nodes.Const) and self._is_loop_message(second):
-            if first.value in self._optional_keys:
-                return None
-            present = first.value in ("role", "content")
-            return present if operand.op == "in" else not present
+            present = self._holds(first.value)
+            return None if present is None else present == (operand.op == "in")
         if operand.op in ("eq", "ne"):
             for read, other in ((first, second), (second, first)):
                 is_role = isinstance(read, nodes.Getattr | nodes.Getitem) and _key_of(read) == "role"
@@ -613,16 +611,18 @@ class _VerbatimCheck:
                     return operand.op == "ne"
         return None
 
+    def _holds(self, key: object) -> bool | None:
+        """Whether every message a skeleton fills holds ``key`` (the converted message holds
+        ``role`` and ``content``; with tools, the fields that may be there or not: None)."""
+        return None if key in self._optional_keys else key in ("role", "content")
+
     def _field_defined(self, node: nodes.Node) -> bool | None:
-        """Whether ``message.key`` is defined for every message a skeleton fills (the
-        converted message holds ``role`` and ``content``, and with tools the fields that
-        may be there or not); None where it may differ, or names a dict's own attribute."""
+        """Whether ``message.key`` is defined for every message a skeleton fills, as
+        :meth:`_holds` says; None where it may differ, or names a dict's own attribute."""
         if not isinstance(node, nodes.Getattr | nodes.Getitem) or not self._is_loop_message(node.node):
             return None
         key = _key_of(node)
-        if key is None or key in self._optional_keys or key in _DICT_ATTRIBUTES:
-            return None
-        return key in ("role", "content")
+        return None if key is None or key in _DICT_ATTRIBUTES else self._holds(key)
 
     def _is_loop_message(self, node: nodes.Node) -> bool:
         return isinstance(node, nodes.Name) and node.name in self._message_names

@@ -364,12 +364,18 @@ class RoutingEngine:
     def conversation_memo_states(self) -> dict[str, ConversationMemoState]:
         """The conversation memos over every tokenizer: ``render`` (rendered texts) and
         ``ids`` (token ids), what they hold and how often a turn continued a remembered one."""
-        totals = {"render": [0] * 5, "ids": [0] * 5}
-        for tokenizer in list(self._tokenizers.values()):
-            for memo, stats in (("render", tokenizer.render_memo_stats()), ("ids", tokenizer.memo_stats())):
-                held = (stats.bytes, stats.max_bytes, stats.entries, stats.lookups, stats.reused)
-                totals[memo] = [total + value for total, value in zip(totals[memo], held, strict=True)]
-        return {memo: ConversationMemoState(*values) for memo, values in totals.items()}
+        tokenizers = list(self._tokenizers.values())
+        states = {}
+        for memo, stats_of in (("render", RequestTokenizer.render_memo_stats), ("ids", RequestTokenizer.memo_stats)):
+            stats = [stats_of(tokenizer) for tokenizer in tokenizers]
+            states[memo] = ConversationMemoState(
+                bytes=sum(each.bytes for each in stats),
+                max_bytes=sum(each.max_bytes for each in stats),
+                entries=sum(each.entries for each in stats),
+                lookups=sum(each.lookups for each in stats),
+                continued=sum(each.reused for each in stats),
+            )
+        return states
 
     def tokenizer_unit_counts(self) -> dict[str, int]:
         """Units of prompt text by how their ids were found, over every tokenizer
