@@ -5,16 +5,19 @@ convert and render through the model's Jinja template in its sandbox; an agent's
 turns are tool calls and tool results, ~20-70 us. Under a template whose output depends
 on a text only by printing it (as it is, trimmed or stripped, or as ``tojson`` writes it)
 and otherwise only on its type, its truth and tests the texts answer no to, and on a tool
-call's arguments only by printing them through ``tojson``
+call's arguments only by printing them (through ``tojson`` or as Python writes them) or
+by iterating them and printing each value so
 (:func:`~kvroute.tokenizer_index.template_verbatim.verbatim_check`), that render is fixed
-by the roles, the fields present, the tool calls' keys and arguments' types, which slots
-are empty, the generation flag and (where the template writes it) today's date: the
-values only fill slots. So each such *shape* is rendered once with marked values and cut
-at the marks into literal segments and slots (:class:`Skeleton`); a request of that shape
-is the segments joined with its values: its texts (a message's, a tool result's call id,
-a call's id, type and function name), each as the template wrote its mark (as it is,
-trimmed, through ``tojson``), and its calls' arguments as ``tojson`` writes them once
-parsed as vLLM parses them (an agent re-sends every earlier call: parsed and written once,
+by the roles, the fields present, the tool calls' keys and arguments' types (and, under a
+template that iterates them, the arguments' keys and their values' types: Qwen 3 Coder's
+``<parameter=key>``), which slots are empty, the generation flag and (where the template
+writes it) today's date: the values only fill slots. So each such *shape* is rendered
+once with marked values and cut at the marks into literal segments and slots
+(:class:`Skeleton`); a request of that shape is the segments joined with its values: its
+texts (a message's, a tool result's call id, a call's id, type and function name), each
+as the template wrote its mark (as it is, trimmed, through ``tojson``), and its calls'
+arguments (or each of their values) as ``tojson`` or ``str()`` writes them once parsed as
+vLLM parses them (an agent re-sends every earlier call: parsed and written once,
 :data:`_REMEMBERED_ARGUMENTS_CHARS`).
 
 Exact by three checks: the syntax check; at build, a second render with other marks (of
@@ -62,20 +65,23 @@ VERIFY_EVERY = 128
 MAX_SHAPES = 1024
 # Marks: private-use characters no template writes, and around them a space str.strip()
 # (and Jinja's trim) removes, so a trimmed slot shows as the bare mark. Inside, a control
-# character JSON escapes, so a slot printed through ``tojson`` shows as such; and another
-# for a tool call's arguments, which the ``tojson`` filter prints whole (:class:`_MarkedObject`).
+# character JSON escapes, so a slot printed through ``tojson`` shows as such; and others
+# for a value that is no text (a tool call's arguments, an argument's value), which the
+# ``tojson`` filter prints whole, and ``str()`` too (:class:`_MarkedObject`).
 _PAD = "\u2003"
 _TEXT = "\x01"
 _DUMPED_TEXT = "\\u0001"
 _DUMPED_OBJECT = "\x02"
-_MARK = re.compile("(\u2003?)\ue000([0-9]+)(\x01|\\\\u0001|\x02)\ue001(\u2003?)")
-_BARE_MARK = re.compile("\ue000([0-9]+)(\x01|\\\\u0001|\x02)\ue001")
+_PYTHON_OBJECT = "\x03"
+_MARK = re.compile("(\u2003?)\ue000([0-9]+)(\x01|\\\\u0001|\x02|\x03)\ue001(\u2003?)")
+_BARE_MARK = re.compile("\ue000([0-9]+)(\x01|\\\\u0001|\x02|\x03)\ue001")
 _MARK_CHARACTERS = re.compile("[\ue000-\ue003]")
 
 
 #: How a slot's value is written: a text as it is, trimmed (``trim``, ``strip()``), either
-#: as ``tojson`` writes it (without its quotes); a tool call's arguments through ``tojson``.
-AS_IS, TRIMMED, DUMPED, OBJECT = 0, 1, 2, 4
+#: as ``tojson`` writes it (without its quotes); a value that is no text (a tool call's
+#: arguments, an argument's value) through ``tojson``, or as Python's ``str()`` writes it.
+AS_IS, TRIMMED, DUMPED, OBJECT, PYTHON = 0, 1, 2, 4, 8
 
 #: A shape not built yet (None: built, and no skeleton).
 _UNBUILT: Any = object()
@@ -111,7 +117,7 @@ class Skeleton:
             if bool(before) != bool(after) or index >= len(filled) or not filled[index]:
                 return None
             is_object = index < len(objects) and objects[index]
-            if (kind == _DUMPED_OBJECT) != is_object:
+            if (kind == _DUMPED_OBJECT or kind == _PYTHON_OBJECT) != is_object:
                 return None
             literal = rendered[start : match.start()]
             if pending is None:
@@ -119,7 +125,7 @@ class Skeleton:
             else:
                 slots.append((*pending, literal))
             if is_object:
-                mode = OBJECT
+                mode = OBJECT if kind == _DUMPED_OBJECT else PYTHON
             else:
                 mode = (TRIMMED if not before else AS_IS) | (DUMPED if kind == _DUMPED_TEXT else 0)
             pending = (index, mode)
@@ -151,7 +157,7 @@ class Skeleton:
         if [(int(mark[1]), mark[2]) for mark in marks] != [(index, _kind(mode)) for index, mode, _ in self.slots]:
             return None
         dumped = tojson(pad)[1:-1]
-        pads = ["" if mode == OBJECT else dumped if mode & DUMPED else pad for _, mode, _ in self.slots]
+        pads = ["" if mode >= OBJECT else dumped if mode & DUMPED else pad for _, mode, _ in self.slots]
         bounds = [0, *(end for mark in marks for end in mark.span()), len(rendered)]
         gaps = [rendered[bounds[at] : bounds[at + 1]] for at in range(0, len(bounds), 2)]
         literals = [self.head, *(literal for _, _, literal in self.slots)]
@@ -181,54 +187,138 @@ class Skeleton:
 
 def _kind(mode: int) -> str:
     """The character inside a mark written in ``mode`` (as the render shows it)."""
-    return _DUMPED_OBJECT if mode == OBJECT else _DUMPED_TEXT if mode & DUMPED else _TEXT
+    if mode >= OBJECT:
+        return _DUMPED_OBJECT if mode == OBJECT else _PYTHON_OBJECT
+    return _DUMPED_TEXT if mode & DUMPED else _TEXT
 
 
 def _written(value: Any, mode: int) -> str:
     if mode == OBJECT:
         return value.json  # type: ignore[no-any-return]
+    if mode == PYTHON:
+        return str(value.value)
     return tojson(value.strip() if mode & TRIMMED else value)[1:-1]  # (the quotes are the template's)
 
 
-class _MarkedObject(dict[str, Any], DumpedAs):
-    """Stands for a tool call's arguments (an object) in a build render: ``tojson`` prints
-    its mark; printed as it is, it makes no skeleton."""
+def _object_mark(slot: int, kind: str) -> str:
+    return f"\ue000{slot}{kind}\ue001"
 
-    def __init__(self, slot: int) -> None:
-        super().__init__(slot=slot)  # (not empty: a template may test its truth)
-        self.json_text = f"\ue000{slot}{_DUMPED_OBJECT}\ue001"
+
+class _Marked(DumpedAs):
+    """A stand-in for a value that is no text in a build render: ``tojson`` prints one mark
+    of its slot, ``str()`` another."""
+
+    slot: int
+
+    def _mark(self, slot: int) -> None:
+        self.slot = slot
+        self.json_text = _object_mark(slot, _DUMPED_OBJECT)
 
     def __str__(self) -> str:
-        return "\ue001"
+        return _object_mark(self.slot, _PYTHON_OBJECT)
 
     __repr__ = __str__
 
 
-class _MarkedList(list[Any], DumpedAs):
-    """:class:`_MarkedObject` for arguments that are a list."""
+class _MarkedObject(dict[str, Any], _Marked):
+    """Stands for a tool call's arguments (an object), or an argument's value, in a build render."""
+
+    def __init__(self, slot: int, items: dict[str, Any] | None = None) -> None:
+        super().__init__(items or {"slot": slot})  # (not empty: a template may test its truth)
+        self._mark(slot)
+
+    __str__ = _Marked.__str__
+    __repr__ = _Marked.__str__
+
+
+class _MarkedList(list[Any], _Marked):
+    """:class:`_MarkedObject` for a list."""
 
     def __init__(self, slot: int) -> None:
         super().__init__([slot])
-        self.json_text = f"\ue000{slot}{_DUMPED_OBJECT}\ue001"
+        self._mark(slot)
 
-    def __str__(self) -> str:
-        return "\ue001"
+    __str__ = _Marked.__str__
+    __repr__ = _Marked.__str__
 
-    __repr__ = __str__
+
+class _MarkedInt(int, _Marked):
+    """:class:`_MarkedObject` for an argument's integer (not zero, whose value is in the shape)."""
+
+    def __new__(cls, slot: int) -> _MarkedInt:
+        number = super().__new__(cls, 1)
+        number._mark(slot)
+        return number
+
+    __str__ = _Marked.__str__
+    __repr__ = _Marked.__str__
+
+
+class _MarkedFloat(float, _Marked):
+    """:class:`_MarkedObject` for an argument's float (not zero)."""
+
+    def __new__(cls, slot: int) -> _MarkedFloat:
+        number = super().__new__(cls, 0.5)
+        number._mark(slot)
+        return number
+
+    __str__ = _Marked.__str__
+    __repr__ = _Marked.__str__
+
+
+#: An argument's key, its value's type, and whether it is empty (or the value itself, where
+#: it is true, false, null or a zero).
+_EntryKind = tuple[str, type, object]
 
 
 class _Arguments:
-    """A tool call's arguments that are an object or a list, as ``tojson`` writes them."""
+    """A value that is no text: a tool call's arguments (an object or a list) or one of
+    their values, as the template sees it, and as ``tojson`` writes it."""
 
-    __slots__ = ("empty", "json", "kind")
+    __slots__ = ("_entries", "empty", "json", "kind", "value")
 
-    def __init__(self, json: str, kind: type, empty: bool) -> None:
+    def __init__(self, json: str, kind: type, empty: bool, value: Any) -> None:
         self.json = json
         self.kind = kind
         self.empty = empty
+        self.value = value
+        self._entries: tuple[tuple[_EntryKind, ...], tuple[Any, ...]] | None = None
 
     def __bool__(self) -> bool:
         return not self.empty
+
+    def entries(self) -> tuple[tuple[_EntryKind, ...], tuple[Any, ...]]:
+        """An object's keys and its values' kinds (the shape), and its values as slots
+        (texts, or :class:`_Arguments`); worked out once (an agent re-sends its calls)."""
+        if self._entries is None:
+            shape: list[_EntryKind] = []
+            values: list[Any] = []
+            for key, value in self.value.items():
+                kind = type(value)
+                if kind is str:
+                    shape.append((key, str, not value))
+                    values.append(value)
+                    continue
+                if kind is dict or kind is list or ((kind is int or kind is float) and value):
+                    shape.append((key, kind, not value))
+                else:  # True, False, None, a zero: its value joins the shape
+                    shape.append((key, kind, repr(value)))
+                values.append(_Arguments(tojson(value), kind, not value, value))
+            self._entries = (tuple(shape), tuple(values))
+        return self._entries
+
+
+class _ArgumentItems(_Arguments):
+    """A call's arguments (an object) under a template that iterates them: its keys join
+    the shape, its values are slots of their own."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, arguments: _Arguments) -> _ArgumentItems:
+        items = cls(arguments.json, arguments.kind, arguments.empty, arguments.value)
+        items._entries = arguments.entries()
+        return items
 
 
 def _arguments(raw: str) -> str | _Arguments | None:
@@ -242,7 +332,7 @@ def _arguments(raw: str) -> str | _Arguments | None:
         return value
     if type(value) is not dict and type(value) is not list:
         return None
-    return _Arguments(tojson(value), type(value), not value)
+    return _Arguments(tojson(value), type(value), not value, value)
 
 
 #: An agent's chat re-sends every earlier turn's calls: their arguments are parsed and
@@ -260,10 +350,13 @@ _USUAL_FUNCTION = ("name", "arguments")
 Place = tuple[int, tuple[str | int, ...]]
 
 
-def _scan(messages: Sequence[Any], places: list[Place] | None = None) -> tuple[list[object], list[Any], bool] | None:
+def _scan(
+    messages: Sequence[Any], places: list[Place] | None = None, *, items: bool = False
+) -> tuple[list[object], list[Any], bool] | None:
     """``messages``' shape, their slots' values (as the template sees them; where each
     is, into ``places``) and whether one is a tool result or has tool calls; None where a
-    message is not one a skeleton fills."""
+    message is not one a skeleton fills. ``items``: the template iterates tool calls'
+    arguments (:attr:`Verbatim.argument_items`), whose keys then join the shape."""
     shape: list[object] = []
     values: list[Any] = []
     tools = False
@@ -278,7 +371,7 @@ def _scan(messages: Sequence[Any], places: list[Place] | None = None) -> tuple[l
             shape.append(role if text else role + ":empty")  # (the common case, kept fast)
             values.append(text)
             continue
-        kind = _scan_message(message, len(shape), values, places)
+        kind = _scan_message(message, len(shape), values, places, items)
         if kind is None:
             return None
         shape.append(tuple(kind))
@@ -287,7 +380,7 @@ def _scan(messages: Sequence[Any], places: list[Place] | None = None) -> tuple[l
 
 
 def _scan_message(
-    message: dict[str, Any], number: int, values: list[Any], places: list[Place] | None
+    message: dict[str, Any], number: int, values: list[Any], places: list[Place] | None, items: bool = False
 ) -> list[object] | None:
     """The shape of a message other than a role and a text: its role, null fields, which
     slots are empty (templates test their truth), its tool calls' keys and arguments'
@@ -351,10 +444,19 @@ def _scan_message(
                 if places is not None:
                     places.append((number, ("tool_calls", index, key)))
         values.append(name)
-        values.append(arguments)
         if places is not None:
             places.append((number, ("tool_calls", index, "function", "name")))
             places.append((number, ("tool_calls", index, "function", "arguments")))
+        if items and type(arguments) is _Arguments and arguments.kind is dict and not arguments.empty:
+            arguments = _ArgumentItems.of(arguments)
+            entries, entry_values = arguments.entries()
+            kind.append(entries)
+            values.append(arguments)
+            values.extend(entry_values)
+            if places is not None:  # (each into the arguments' stand-in, placed just before)
+                places.extend((number, ("tool_calls", index, "function", "arguments", key)) for key, _, _ in entries)
+        else:
+            values.append(arguments)
     return kind
 
 
@@ -375,7 +477,7 @@ def _standing_in(
         copies.append(copy)
     for slot, (number, place) in enumerate(places):
         value = stand_in(slot, values[slot])
-        if place[-1] == "arguments" and type(value) is str:
+        if len(place) == 4 and place[-1] == "arguments" and type(value) is str:
             value = tojson(value)  # (parsed back by the conversion)
         container: Any = copies[number]
         for step in place[:-1]:
@@ -408,7 +510,7 @@ def _stripped_slots(
         for (index, mode, _), (lost_start, lost_end) in zip(
             skeleton.slots, lost or [(True, True)] * len(skeleton.slots), strict=True
         ):
-            if mode & TRIMMED or mode == OBJECT:
+            if mode & TRIMMED or mode >= OBJECT:
                 continue
             if lost_start:
                 start[index] = start.get(index, "") + character
@@ -439,9 +541,18 @@ def _marked_value(slot: int, value: str | _Arguments, pad: str = _PAD) -> Any:
     if type(value) is str:
         return marked(slot, pad) if value else value
     assert isinstance(value, _Arguments)
-    if value.empty:
-        return value.kind()  # an empty object or list: part of the shape
-    return _MarkedObject(slot) if value.kind is dict else _MarkedList(slot)
+    kind = value.kind
+    if type(value) is _ArgumentItems:
+        return _MarkedObject(slot, dict(value.value))  # (its values' own stand-ins go in next)
+    if value.empty and (kind is dict or kind is list):
+        return kind()  # an empty object or list: part of the shape
+    if value.empty or kind is bool or value.value is None:
+        return value.value  # part of the shape
+    if kind is dict:
+        return _MarkedObject(slot)
+    if kind is list:
+        return _MarkedList(slot)
+    return _MarkedInt(slot) if kind is int else _MarkedFloat(slot)
 
 
 def _checking_value(slot: int, value: str | _Arguments) -> Any:
@@ -449,14 +560,23 @@ def _checking_value(slot: int, value: str | _Arguments) -> Any:
     if type(value) is str:
         return _checking(slot) if value else value
     assert isinstance(value, _Arguments)
-    if value.empty:
-        return value.kind()
-    return {"value": _checking(slot)} if value.kind is dict else [_checking(slot)]
+    kind = value.kind
+    if type(value) is _ArgumentItems:
+        return dict(value.value)
+    if value.empty and (kind is dict or kind is list):
+        return kind()
+    if value.empty or kind is bool or value.value is None:
+        return value.value
+    if kind is dict:
+        return {"value": _checking(slot)}
+    if kind is list:
+        return [_checking(slot)]
+    return 7 + slot if kind is int else 0.25 + slot
 
 
 def _as_filled(value: Any) -> str | _Arguments:
     """A value the template sees as a slot holds it (arguments dumped)."""
-    return value if type(value) is str else _Arguments(tojson(value), type(value), not value)
+    return value if type(value) is str else _Arguments(tojson(value), type(value), not value, value)
 
 
 def tools_key(tools: Any) -> bytes | None:
@@ -488,6 +608,8 @@ class SkeletonRenders:
         # Per template source and whether chats with tool calls are asked of: what its syntax allows.
         self._verdicts: dict[tuple[str, bool], Verbatim] = {}
         self._skeletons: OrderedDict[tuple[object, ...], Skeleton | None] = OrderedDict()
+        # Per template source: whether it iterates tool calls' arguments (their keys then join shapes).
+        self._argument_items: dict[str, bool] = {}
         self._filled = 0
         self._mismatches = 0
 
@@ -524,7 +646,10 @@ class SkeletonRenders:
         tools, whose exact JSON (:func:`tools_key`) joins the shape's key."""
         if type(messages) is not list:
             return None
-        scanned = _scan(messages)
+        items = self._argument_items.get(template.source)
+        if items is None:
+            items = self._argument_items[template.source] = self._verdict(template, True).argument_items
+        scanned = _scan(messages, items=items)
         if scanned is None:
             return None
         shape, values, tooled = scanned
@@ -538,7 +663,7 @@ class SkeletonRenders:
         skeletons = self._skeletons
         skeleton = skeletons.get(key, _UNBUILT)
         if skeleton is _UNBUILT:
-            skeleton = self._build(messages, values, render_whole, verdict)
+            skeleton = self._build(messages, values, render_whole, verdict, items)
             if _clock_texts(verdict.clock_formats) != clock:
                 return None  # the day changed during the build: the next request builds again
             skeletons[key] = skeleton
@@ -572,22 +697,23 @@ class SkeletonRenders:
         values: list[Any],
         render_whole: Callable[[Sequence[Any]], str],
         verdict: Verbatim,
+        items: bool,
     ) -> Skeleton | None:
         places: list[Place] = []
-        _scan(messages, places)
+        _scan(messages, places, items=items)
         texts = [slot for slot, value in enumerate(values) if type(value) is str]
         if any(verdict.answers_yes(stand_in(slot)) for slot in texts for stand_in in (marked, _checking)):
             return None  # a test the texts must answer no to says yes to a stand-in
         filled = [bool(value) for value in values]
-        objects = [type(value) is _Arguments for value in values]
+        objects = [isinstance(value, _Arguments) for value in values]
         try:
             marks = _standing_in(messages, places, values, _marked_value)
             skeleton = Skeleton.cut(render_whole(marks), filled, objects)
             checking = [_checking_value(slot, value) for slot, value in enumerate(values)]
+            checked = render_whole(_standing_in(messages, places, checking, lambda _, value: value))
+            # (after the render: an object's values went into it there)
             filled_checking = [_as_filled(value) for value in checking]
-            if skeleton is not None and skeleton.fill(filled_checking) != render_whole(
-                _standing_in(messages, places, checking, lambda _, value: value)
-            ):
+            if skeleton is not None and skeleton.fill(filled_checking) != checked:
                 return None
         except ChatTemplateError:  # the template refuses this shape: so it will the request
             return None

@@ -26,6 +26,17 @@ CALL_TEXT_KEYS = frozenset({"id", "type", "name"})
 
 # Tests that read only a value's type: a text's are the same for every text.
 _TYPE_TESTS = frozenset({"string", "defined", "undefined", "none", "mapping", "sequence", "iterable"})
+# What a tool call argument's value is tested for: its type, or its value where that is
+# part of the shape (true, false, none).
+_VALUE_TESTS = _TYPE_TESTS | {"number", "integer", "float", "boolean", "true", "false"}
+# ``text | length`` compared so that only whether the text is empty matters: (op, constant)
+# with the length on the left; a comparison with it on the right is flipped first.
+_EMPTINESS_COMPARISONS = frozenset({("gt", 0), ("ne", 0), ("eq", 0), ("lteq", 0), ("gteq", 1), ("lt", 1)})
+_FLIPPED = {"gt": "lt", "lt": "gt", "gteq": "lteq", "lteq": "gteq", "eq": "eq", "ne": "ne"}
+# What an argument's value has become on its way to the output: the value itself, a text
+# made of it (``| string``, ``| tojson``), or markup (``| safe``), which escapes what it is
+# joined with.
+_RAW, _TEXT, _MARKUP = "raw", "text", "markup"
 # A dict's own attributes: ``message.get("content")`` reads the text past the check.
 _DICT_ATTRIBUTES = frozenset(dir(dict))
 # Globals and filters whose output changes between renders of the same input (the clock,
@@ -63,6 +74,9 @@ class Verbatim:
     #: (:mod:`~kvroute.tokenizer_index.render_skeleton`); a text with one of them at such
     #: an end renders whole.
     strip_characters: str = ""
+    #: Whether it iterates a tool call's arguments (``for k, v in arguments | items``): then
+    #: their keys join a shape and each value fills a slot of its own.
+    argument_items: bool = False
 
     def admits(self, text: str) -> bool:
         """Whether a message's ``text`` may fill a skeleton under this template."""
@@ -110,8 +124,16 @@ def verbatim_check(tree: nodes.Template, *, tools: bool = False) -> Verbatim:
     over, indexed, counted or tested; a call only read by constant keys (``function``
     giving a call again, as names set from it or from ``call.function if ... else call``
     are), tested for a key or its type; its ``arguments`` only printed (as they are or
-    through ``tojson``) or tested for their type or truth. Branches of role ``tool`` and
-    of ``'tool_calls' in message`` are then read.
+    through ``tojson``), tested for their type or truth, or iterated (``for k, v in
+    arguments | items``, ``for k in arguments`` with ``arguments[k]``: the keys join the
+    shape, :attr:`Verbatim.argument_items`), each value then only printed (as Python
+    writes it, through ``string``, ``tojson``, ``safe``), joined, set to a name, or tested
+    for its type or truth. Branches of role ``tool`` and of ``'tool_calls' in message``
+    are then read.
+
+    A text may also be measured for whether it is empty (``content | trim | length > 0``),
+    and in a loop over messages ``loop.previtem`` and ``loop.nextitem`` are messages too
+    (Qwen 3 Coder groups tool results by their neighbours' roles).
     """
     try:
         check = _VerbatimCheck(tree, tools=tools)
@@ -124,6 +146,7 @@ def verbatim_check(tree: nodes.Template, *, tools: bool = False) -> Verbatim:
         tuple(sorted(check.tests)),
         check.strips,
         "" if check.strips else "".join(sorted(check.strip_characters)),
+        bool(check.key_names),
     )
 
 
@@ -155,8 +178,13 @@ class _VerbatimCheck:
         # Names of tool calls (or their functions): loop variables over a message's calls,
         # and names set only from calls.
         self._call_names: set[str] = set()
+        # Names of an argument's key (loop variables over a call's arguments: the keys join
+        # the shape, so they may be read any way) and of its value.
+        self.key_names: set[str] = set()
+        self._value_names: set[str] = set()
         if tools:
             self._find_call_names()
+            self._find_argument_names()
         # Names set from a text (their every read is checked as the text's), and those of
         # them that may hold something besides one text or '' (never tested): found by
         # :meth:`_settle_names`, over the branches a plain message takes.
@@ -211,6 +239,63 @@ class _VerbatimCheck:
                 break
         if self._call_names & (self._list_names | self._message_names):
             raise _Refusal("a name holds tool calls and messages")
+
+    def _find_argument_names(self) -> None:
+        """The key and value names of loops over a call's arguments (``for k, v in
+        arguments | items``, ``arguments.items()``, ``for k in arguments``), and the names
+        set from a value (``arguments[k]``, or a name already found)."""
+        assigns: list[nodes.Assign] = []
+        for node in _walk(self._tree):
+            if isinstance(node, nodes.For) and self._argument_loop(node.iter) is not None:
+                targets = node.target.items if isinstance(node.target, nodes.Tuple) else [node.target]
+                expected = 2 if self._argument_loop(node.iter) == "items" else 1
+                if len(targets) != expected or not all(isinstance(target, nodes.Name) for target in targets):
+                    raise _Refusal("a loop over a tool call's arguments unpacks them otherwise")
+                self.key_names.add(targets[0].name)  # type: ignore[attr-defined]
+                self._allowed_stores.update(id(target) for target in targets)
+                if expected == 2:
+                    self._value_names.add(targets[1].name)  # type: ignore[attr-defined]
+            elif isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name):
+                assigns.append(node)
+        while True:
+            known = len(self._value_names)
+            for assign in assigns:
+                if any(self._reads_value(node) for node in _walk(assign.node)):
+                    self._value_names.add(assign.target.name)  # type: ignore[attr-defined]
+                    self._allowed_stores.add(id(assign.target))
+            if len(self._value_names) == known:
+                break
+        if self.key_names & self._value_names:
+            raise _Refusal("a name holds an argument's key and its value")
+
+    def _argument_loop(self, node: nodes.Node) -> str | None:
+        """``"items"`` where ``node`` is a call's arguments as pairs (``arguments | items``,
+        ``arguments.items()``), ``"keys"`` where it is the arguments themselves; else None."""
+        if self._is_arguments(node):
+            return "keys"
+        if isinstance(node, nodes.Filter) and node.name == "items" and node.node is not None:
+            return "items" if self._is_arguments(node.node) and not _has_arguments(node) else None
+        if isinstance(node, nodes.Call) and isinstance(node.node, nodes.Getattr) and node.node.attr == "items":
+            return "items" if self._is_arguments(node.node.node) and not _has_arguments(node) else None
+        return None
+
+    def _is_arguments(self, node: nodes.Node) -> bool:
+        return (
+            isinstance(node, nodes.Getattr | nodes.Getitem)
+            and _key_of(node) == "arguments"
+            and self._is_call(node.node)
+        )
+
+    def _reads_value(self, node: nodes.Node) -> bool:
+        """A read of an argument's value: a value name, ``arguments[key]``."""
+        if isinstance(node, nodes.Name):
+            return node.ctx == "load" and node.name in self._value_names
+        return (
+            isinstance(node, nodes.Getitem)
+            and isinstance(node.arg, nodes.Name)
+            and node.arg.name in self.key_names
+            and self._is_arguments(node.node)
+        )
 
     def _is_call_list(self, node: nodes.Node) -> bool:
         """A message's tool calls: ``message.tool_calls``, ``messages[i]['tool_calls']``."""
@@ -317,6 +402,9 @@ class _VerbatimCheck:
 
     def run(self) -> None:
         self._settle_names()
+        others = self._list_names | self._message_names | self._call_names | self._content_names
+        if (self.key_names | self._value_names) & others:
+            raise _Refusal("a name holds a tool call argument's key or value and something else")
         self.tests.clear()  # (those the settling rounds asked are asked again below)
         refusal: _Refusal | None = None
         for node in _live(self._tree, self._plain_truth):
@@ -333,7 +421,7 @@ class _VerbatimCheck:
         if not isinstance(node, nodes.Name):
             return
         if node.ctx == "store":
-            names = self._list_names | self._message_names | self._call_names
+            names = self._list_names | self._message_names | self._call_names | self._value_names
             if node.name in names and id(node) not in self._allowed_stores:
                 raise _Refusal(f"the template sets {node.name}")
             return
@@ -349,12 +437,16 @@ class _VerbatimCheck:
             self._message_use(node)
         elif node.name in self._call_names:
             self._call_use(node)
+        elif node.name in self._value_names:
+            self._value_use(node)
         elif node.name in self._content_names:
             self._text_use(node)
         elif node.name == "loop":
             parent = self._parent(node)
             if isinstance(parent, nodes.Getattr) and parent.attr in ("previtem", "nextitem"):
-                raise _Refusal(f"the template reads loop.{parent.attr}")
+                if not self._is_neighbour(parent):
+                    raise _Refusal(f"the template reads loop.{parent.attr} of a loop not over messages")
+                self._message_use(parent)
 
     def _clock_use(self, node: nodes.Name) -> None:
         parent = self._parent(node)
@@ -397,6 +489,8 @@ class _VerbatimCheck:
             return  # 'key' in message
         elif isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
             return
+        elif self._is_truth(node):
+            return  # a message is never empty; a neighbour's truth is whether there is one
         else:
             raise _Refusal(f"a message is read as {type(parent).__name__}")
         if key in self._text_keys:
@@ -449,9 +543,19 @@ class _VerbatimCheck:
 
     def _arguments_use(self, node: nodes.Node) -> None:
         """A call's arguments (a text, an object or a list): printed, through ``tojson`` or
-        as they are, or tested for their type or truth."""
+        as they are, tested for their type or truth, or iterated (a value read by its key)."""
         parent = self._parent(node)
-        if isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "tojson":
+        if isinstance(parent, nodes.For) and parent.iter is node:
+            return  # for key in arguments: a key name
+        pairs = self._parent(parent) if isinstance(parent, nodes.Getattr) else parent  # (arguments.items())
+        if self._argument_loop(pairs) == "items":
+            looping = self._parent(pairs)
+            if isinstance(looping, nodes.For) and looping.iter is pairs:
+                return  # for key, value in arguments | items: key and value names
+            raise _Refusal("a tool call's arguments are read as pairs outside a loop")
+        if isinstance(parent, nodes.Getitem) and parent.node is node and self._reads_value(parent):
+            self._value_use(parent)
+        elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "tojson":
             if parent.args or parent.kwargs or parent.dyn_args or parent.dyn_kwargs:
                 raise _Refusal("a tool call's arguments are dumped with options")
             self._printed_use(parent)
@@ -471,6 +575,34 @@ class _VerbatimCheck:
             self._printed_use(parent)
         else:
             raise _Refusal(f"a tool call's text is read as {type(parent).__name__}")
+
+    def _value_use(self, node: nodes.Node, made: str = _RAW) -> None:
+        """A tool call argument's value (``made`` into a text or markup on the way, see
+        :data:`_RAW`): printed (as Python writes it, through ``string`` or ``tojson``),
+        joined, chosen by ``if``, set to a name, tested for its type or its truth; which
+        texts and types the shape holds. Markup is printed or set alone: joined, it would
+        escape the text beside it."""
+        parent = self._parent(node)
+        if isinstance(parent, nodes.Output):
+            self._check_not_captured(parent)
+        elif isinstance(parent, nodes.Concat) and made != _MARKUP:
+            self._value_use(parent, _TEXT)
+        elif isinstance(parent, nodes.Add) and made == _TEXT:
+            self._value_use(parent, _TEXT)
+        elif isinstance(parent, nodes.CondExpr) and parent.test is not node:
+            self._value_use(parent, made)
+        elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name in ("string", "tojson", "safe"):
+            if _has_arguments(parent):
+                raise _Refusal(f"a tool call argument's value is filtered by {parent.name} with options")
+            after = _MARKUP if parent.name == "safe" or made == _MARKUP else _TEXT
+            self._value_use(parent, _TEXT if parent.name == "tojson" else after)
+        elif isinstance(parent, nodes.Test) and parent.node is node:
+            if parent.name not in _VALUE_TESTS:
+                raise _Refusal(f"a tool call argument's value is tested with {parent.name}")
+        elif isinstance(parent, nodes.Assign) and parent.node is node and isinstance(parent.target, nodes.Name):
+            return  # a value name: its reads are checked
+        elif not self._is_truth(node):
+            raise _Refusal(f"a tool call argument's value is read as {type(parent).__name__}")
 
     def _is_truth(self, node: nodes.Node) -> bool:
         """Whether only ``node``'s truth is read (an ``if``'s test, ``not node``...)."""
@@ -499,6 +631,9 @@ class _VerbatimCheck:
             if not self._one_text(node) or parent.args or parent.kwargs or parent.dyn_args or parent.dyn_kwargs:
                 raise _Refusal("a text is trimmed with other text or characters")
             self._text_use(parent)
+        elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "length":
+            if not self._measures_emptiness(node, parent):
+                raise _Refusal("a text is measured")
         elif isinstance(parent, nodes.Getattr) and parent.node is node:
             self._text_method_use(node, parent)
         elif isinstance(parent, nodes.Operand) and parent.expr is node:
@@ -514,6 +649,30 @@ class _VerbatimCheck:
             return  # the name is a content name (_settle_names): its reads are checked
         else:
             raise _Refusal(f"a text is read as {type(parent).__name__}")
+
+    def _measures_emptiness(self, text: nodes.Node, length: nodes.Filter) -> bool:
+        """Whether ``text | length`` (``text`` one text, maybe trimmed) is only read for
+        whether it is zero (``> 0``, ``== 0``...; or as truth): whether the text is empty,
+        which its shape holds (a text of whitespace alone renders whole, so trimmed or not
+        is the same)."""
+        measured = text.node if isinstance(text, nodes.Filter) and text.name == "trim" else text  # (trim: checked)
+        if measured is None or not self._one_text(measured) or _has_arguments(length):
+            return False
+        if self._is_truth(length):
+            return True
+        compare = self._parent(length)
+        if isinstance(compare, nodes.Operand):  # (``0 < text | length``)
+            compare = self._parent(compare)
+        if not isinstance(compare, nodes.Compare) or len(compare.ops) != 1:
+            return False
+        (operand,) = compare.ops
+        if compare.expr is length:
+            op, other = operand.op, operand.expr
+        else:
+            op, other = _FLIPPED.get(operand.op, ""), compare.expr
+        return (
+            isinstance(other, nodes.Const) and type(other.value) is int and (op, other.value) in _EMPTINESS_COMPARISONS
+        )
 
     def _text_method_use(self, node: nodes.Node, method: nodes.Getattr) -> None:
         """``text.startswith('x')``, ``text.endswith('x')`` (tests), ``text.strip()``,
@@ -559,12 +718,40 @@ class _VerbatimCheck:
     def _is_message(self, node: nodes.Node) -> bool:
         if isinstance(node, nodes.Name):
             return node.name in self._message_names
+        if self._is_neighbour(node):
+            return True
         return (
             isinstance(node, nodes.Getitem)
             and isinstance(node.node, nodes.Name)
             and node.node.name in self._list_names
             and not isinstance(node.arg, nodes.Slice)
         )
+
+    def _is_neighbour(self, node: nodes.Node) -> bool:
+        """``loop.previtem`` or ``loop.nextitem`` in a loop over messages: the message
+        before or after, whose place in the conversation the shape holds (at an end,
+        reading one of its keys fails the render)."""
+        if not isinstance(node, nodes.Getattr) or node.attr not in ("previtem", "nextitem"):
+            return False
+        name = node.node
+        if not isinstance(name, nodes.Name) or name.name != "loop" or name.ctx != "load":
+            return False
+        loop = self._enclosing_loop(name)
+        return loop is not None and self._is_list(loop.iter)
+
+    def _enclosing_loop(self, node: nodes.Node) -> nodes.For | None:
+        """The ``for`` whose ``loop`` a read of ``loop`` at ``node`` is: the innermost one
+        whose body holds it (not its iterable, nor a macro's body between)."""
+        parent = self._parents.get(id(node))
+        while parent is not None:
+            if isinstance(parent, nodes.For) and any(node is child for child in parent.body):
+                return parent
+            if isinstance(parent, nodes.Macro | nodes.CallBlock) and not (
+                isinstance(parent, nodes.CallBlock) and _is_generation_block(parent)
+            ):
+                return None
+            node, parent = parent, self._parents.get(id(parent))
+        return None
 
     def _plain_truth(self, test: nodes.Node) -> bool | None:
         """``test``'s value for every plain message, where it is the same for all (a role
@@ -605,7 +792,7 @@ class _VerbatimCheck:
         if operand.op in ("eq", "ne"):
             for read, other in ((first, second), (second, first)):
                 is_role = isinstance(read, nodes.Getattr | nodes.Getitem) and _key_of(read) == "role"
-                if is_role and self._is_loop_message(read.node) and isinstance(other, nodes.Const):  # type: ignore[attr-defined]
+                if is_role and self._is_read_message(read.node) and isinstance(other, nodes.Const):  # type: ignore[attr-defined]
                     if other.value in self._roles:
                         return None
                     return operand.op == "ne"
@@ -619,13 +806,20 @@ class _VerbatimCheck:
     def _field_defined(self, node: nodes.Node) -> bool | None:
         """Whether ``message.key`` is defined for every message a skeleton fills, as
         :meth:`_holds` says; None where it may differ, or names a dict's own attribute."""
-        if not isinstance(node, nodes.Getattr | nodes.Getitem) or not self._is_loop_message(node.node):
+        if not isinstance(node, nodes.Getattr | nodes.Getitem) or not self._is_read_message(node.node):
             return None
         key = _key_of(node)
         return None if key is None or key in _DICT_ATTRIBUTES else self._holds(key)
 
     def _is_loop_message(self, node: nodes.Node) -> bool:
         return isinstance(node, nodes.Name) and node.name in self._message_names
+
+    def _is_read_message(self, node: nodes.Node) -> bool:
+        """A loop's message or its neighbour: reading its key either finds what every
+        message of the shape holds or fails (a neighbour past an end), so tests of its role
+        and fields prune as the loop message's do; ``'key' in`` one does not (past an end
+        it is false)."""
+        return self._is_loop_message(node) or self._is_neighbour(node)
 
     def _check_not_captured(self, output: nodes.Output) -> None:
         node: nodes.Node | None = output
@@ -652,6 +846,11 @@ def _constant_argument(call: nodes.Node, callee: nodes.Node) -> str | None:
     ):
         return call.args[0].value
     return None
+
+
+def _has_arguments(node: nodes.Filter | nodes.Call) -> bool:
+    """Whether a filter or call passes arguments (``tojson(indent=2)``)."""
+    return bool(node.args or node.kwargs or node.dyn_args or node.dyn_kwargs)
 
 
 def _key_of(node: nodes.Node) -> str | None:

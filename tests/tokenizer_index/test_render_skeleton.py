@@ -252,8 +252,15 @@ def test_threads_filling_and_evicting_shapes_at_once_get_whole_renders_right() -
 
 TOOL_FRAGMENTS = [*FRAGMENTS, '"', "\\", "\x01", "\u2028"]
 tool_texts = st.lists(st.sampled_from(TOOL_FRAGMENTS) | st.text(max_size=5), max_size=5).map("".join)
+#: An argument's value: every JSON type, nested, with the values a shape holds as they are
+#: (true, false, null, zeros; "-0.0" prints apart from "0.0").
+argument_values = st.recursive(
+    tool_texts | st.integers() | st.floats(allow_nan=False) | st.booleans() | st.none() | st.sampled_from([0, -0.0]),
+    lambda inner: st.lists(inner, max_size=2) | st.dictionaries(tool_texts, inner, max_size=2),
+    max_leaves=4,
+)
 arguments = st.one_of(
-    st.dictionaries(tool_texts, tool_texts | st.integers() | st.floats(allow_nan=False), max_size=2).map(json.dumps),
+    st.dictionaries(tool_texts, argument_values, max_size=3).map(json.dumps),
     st.lists(tool_texts, max_size=2).map(json.dumps),
     tool_texts.map(json.dumps),  # arguments that are a JSON text
     st.sampled_from(["", "{not json", "{}", "[]", '{"n": 12345678901234567890123}']),
@@ -280,7 +287,7 @@ TOOLS = [
 #: The templates whose syntax lets chats with tool calls fill skeletons (the rest render them whole).
 TOOL_FILLED = {
     *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "qwen3"),
-    *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last"),
+    *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last", "qwen3_coder"),
 }
 
 
@@ -316,7 +323,7 @@ def test_a_filled_skeleton_with_tool_calls_is_the_whole_render(
     assert text is None or text == without(messages)
 
 
-@pytest.mark.parametrize("name", ["default", "qwen25", "qwen3", "llama31"])
+@pytest.mark.parametrize("name", ["default", "qwen25", "qwen3", "llama31", "qwen3_coder"])
 def test_an_agents_chat_fills_its_skeleton(name: str) -> None:
     """What an agent sends (tool calls with JSON arguments, tool results) fills a skeleton
     per shape under the templates that print them verbatim, and other texts fill it again."""
@@ -330,6 +337,42 @@ def test_an_agents_chat_fills_its_skeleton(name: str) -> None:
             chat[2]["content"] = None
         assert renders.render(chat, template, True, whole) == whole(chat)
     assert renders.stats().filled == 3 and len(renders._skeletons) == 1
+
+
+def test_arguments_a_template_iterates_join_the_shape_by_their_keys() -> None:
+    """Under Qwen 3 Coder's template (one ``<parameter=key>`` element per argument, each value
+    as a text or as JSON), the arguments' keys and their values' types are the shape: other
+    values fill the same skeleton; other keys, another order or another type build another,
+    and so do true, false, null and zeros, which the shape holds as they are."""
+    template = ChatTemplate.from_source(ALL_TEMPLATES["qwen3_coder"])
+    assert verbatim_check(template.syntax_tree, tools=True).argument_items
+    assert not verbatim_check(ChatTemplate.from_source(ALL_TEMPLATES["qwen25"]).syntax_tree, tools=True).argument_items
+    whole = render_whole(template)
+    renders = SkeletonRenders(verify_every=1_000_000)
+
+    def filled(arguments: dict[str, Any]) -> str | None:
+        chat = agent_messages(0, 4, "You are an agent.")
+        chat[2]["tool_calls"][0]["function"]["arguments"] = json.dumps(arguments)
+        text = renders.render(chat, template, True, whole)
+        assert text == whole(chat)
+        return text
+
+    first = filled({"path": "a.py", "limit": 10, "scale": 0.5, "deep": {"x": [1]}, "flag": True})
+    second = filled({"path": 'b "q".py', "limit": 99, "scale": 1e300, "deep": {"y": ["z", {}]}, "flag": True})
+    assert first is not None and "<parameter=limit>\n10\n" in first and '<parameter=deep>\n{"x": [1]}' in first
+    assert second is not None and '<parameter=path>\nb "q".py\n' in second and "1e+300" in second
+    assert len(renders._skeletons) == 1
+    others = [
+        {"limit": 10, "path": "a.py", "scale": 0.5, "deep": {"y": 1}, "flag": True},  # another order
+        {"path": "a.py", "limit": "10", "scale": 0.5, "deep": {"y": 1}, "flag": True},  # a text for a number
+        {"path": "a.py", "limit": 0, "scale": 0.5, "deep": {"y": 1}, "flag": True},  # a zero
+        {"path": "a.py", "limit": 10, "scale": -0.0, "deep": {"y": 1}, "flag": True},
+        {"path": "a.py", "limit": 10, "scale": 0.5, "deep": {"y": 1}, "flag": None},
+    ]
+    for number, arguments in enumerate(others, start=2):
+        assert filled(arguments) is not None
+        assert len(renders._skeletons) == number
+    assert renders.stats().filled == 2 + len(others)
 
 
 def test_qwen3_strips_only_the_answer_after_the_last_query() -> None:

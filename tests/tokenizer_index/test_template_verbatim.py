@@ -50,6 +50,18 @@ VERBATIM = {
         "{{ (m.content or '') | trim }}\n{% elif m.role == 'ipython' %}{{ m.content | tojson }}"
         "{% else %}{{ m.content | length }}{% endif %}{% endfor %}"
     ),
+    # Texts measured only for being empty (Qwen 3 Coder: ``content | trim | length > 0``).
+    "measured_empty": (
+        "{% for m in messages %}{% if m.content | trim | length > 0 %}<{{ m.content | trim }}>"
+        "{% elif 0 == m.content | length %}(empty){% endif %}{% if not m.content | length %}!{% endif %}{% endfor %}"
+    ),
+    # Consecutive messages of a role grouped by their neighbours' roles.
+    "neighbours": (
+        "{% for m in messages %}{% if loop.previtem and loop.previtem.role != m.role %}<{{ m.role }}>{% endif %}"
+        "{{ m.content }}{% if loop.previtem is defined and loop.previtem.content %}+{% endif %}"
+        "{% if not loop.last and loop.nextitem.role != m.role %}</{{ m.role }}>{% elif loop.last %}.{% endif %}"
+        "{% endfor %}"
+    ),
     "roles_checked": (
         "{% for m in messages %}{% if m.role == 'developer' %}{{ raise_exception('no developer here') }}{% endif %}"
         "{{ m.role }}={{ m.content }};{% endfor %}"
@@ -77,6 +89,16 @@ REFUSED = {
         "{% set ns = namespace(last='') %}{% for m in messages %}{% set ns.last = m.content %}{% endfor %}{{ ns.last }}"
     ),
     "neighbour_item": "{% for m in messages %}{{ loop.previtem }}{% endfor %}",
+    "neighbour_of_another_loop": (
+        "{% for m in messages %}{% for x in [1, 2] %}{{ loop.previtem.content }}{% endfor %}{% endfor %}"
+    ),
+    "neighbour_in_a_macro": (
+        "{% macro show() %}{{ loop.previtem.content | length }}{% endmacro %}{% for m in messages %}{{ show() }}"
+        "{% endfor %}"
+    ),
+    "measured_against_one": "{% for m in messages %}{% if m.content | length > 1 %}L{% endif %}{% endfor %}",
+    "measured_equal": "{% for m in messages %}{% if m.content | trim | length == 3 %}L{% endif %}{% endfor %}",
+    "measured_joined": "{% for m in messages %}{% if (m.content + 'x') | length > 0 %}L{% endif %}{% endfor %}",
     "clock_format_varies": (
         "{% set format = '%Y' %}{{ strftime_now(format) }}{% for m in messages %}{{ m.content }}{% endfor %}"
     ),
@@ -112,8 +134,23 @@ TOOL_VERBATIM = {
         "{% for m in messages %}{% if m.role == 'tool' %}[{{ m.tool_call_id | tojson }}] {{ m.content | tojson }}"
         "{% elif 'tool_calls' in m %}{{ m.tool_calls | length }} calls{% else %}{{ m.content }}{% endif %}{% endfor %}"
     ),
-    # Arguments printed as they are: an object's text is Python's, which no skeleton writes.
+    # Arguments printed as they are: an object's text is Python's (``str()`` of the parsed value).
     "raw_arguments": _CALLS + "{{ c.function.arguments }}" + _END,
+    # Arguments iterated, as Qwen 3 Coder writes them: one XML element per key.
+    "argument_items": (
+        _CALLS + "{% if c.function.arguments is mapping %}{% for k, v in c.function.arguments | items %}"
+        "<{{ k }}>{% set v = v | tojson | safe if v is mapping or (v is sequence and v is not string) else v | string %}"
+        "{{ v }}</{{ k | upper }}>{% if not loop.last %},{% endif %}{% endfor %}{% endif %}" + _END
+    ),
+    "argument_keys": (
+        _CALLS + "{% set f = c.function %}{% if f.arguments is mapping %}{% for k in f.arguments %}"
+        "{% set v = f.arguments[k] %}{{ '[' + k + '=' + (v | tojson) + ']' ~ v }}{% if v is number %}#{% endif %}"
+        "{% if v %}!{% endif %}{% endfor %}{% endif %}" + _END
+    ),
+    "argument_pairs": (
+        _CALLS + "{% if c.function.arguments is mapping %}{% for k, v in c.function.arguments.items() %}"
+        "{{ k }}:{{ v if v is string else v | tojson }};{% endfor %}{% endif %}" + _END
+    ),
 }
 # Templates that read tool calls some other way: refused.
 TOOL_REFUSED = {
@@ -121,8 +158,34 @@ TOOL_REFUSED = {
     "argument_read": _CALLS + "{{ c.function.arguments.path }}" + _END,
     "argument_key": _CALLS + "{{ c.function.arguments['path'] }}" + _END,
     "argument_length": _CALLS + "{{ c.function.arguments | length }}" + _END,
-    "argument_items": _CALLS + "{% for k, v in c.function.arguments | items %}{{ k }}={{ v }}{% endfor %}" + _END,
-    "argument_loop": _CALLS + "{% for k in c.function.arguments %}{{ k }}{% endfor %}" + _END,
+    "argument_measured": _CALLS + "{% for k, v in c.function.arguments | items %}{{ v | length }}{% endfor %}" + _END,
+    "argument_value_read": _CALLS + "{% for k, v in c.function.arguments | items %}{{ v.path }}{% endfor %}" + _END,
+    "argument_value_compared": (
+        _CALLS
+        + "{% for k in c.function.arguments %}{% if c.function.arguments[k] == 1 %}1{% endif %}{% endfor %}"
+        + _END
+    ),
+    "argument_value_added": _CALLS + "{% for k, v in c.function.arguments | items %}{{ 'x' + v }}{% endfor %}" + _END,
+    "argument_markup_joined": (
+        _CALLS + "{% for k, v in c.function.arguments | items %}{{ '<' + (v | tojson | safe) }}{% endfor %}" + _END
+    ),
+    "argument_value_dumped_with_options": (
+        _CALLS + "{% for k, v in c.function.arguments | items %}{{ v | tojson(indent=1) }}{% endfor %}" + _END
+    ),
+    "argument_pairs_set": _CALLS + "{% set pairs = c.function.arguments | items %}{{ pairs | list }}" + _END,
+    "argument_pairs_unpacked_otherwise": (
+        _CALLS + "{% for pair in c.function.arguments | items %}{{ pair[1] }}{% endfor %}" + _END
+    ),
+    "argument_value_set_otherwise": (
+        _CALLS + "{% for k, v in c.function.arguments | items %}{{ v }}{% endfor %}{% set v = 'x' %}" + _END
+    ),
+    "argument_value_is_a_text_too": (
+        "{% for m in messages %}{% set v = m.content %}{% for c in m.tool_calls %}"
+        "{% for k, v in c.function.arguments | items %}{{ v }}{% endfor %}" + _END
+    ),
+    "argument_neighbour": (
+        _CALLS + "{% for k, v in c.function.arguments | items %}{{ loop.previtem }}{% endfor %}" + _END
+    ),
     "argument_set": _CALLS + "{% set a = c.function.arguments %}{{ a | tojson }}" + _END,
     "name_upper": _CALLS + "{{ c.function.name | upper }}" + _END,
     "name_compared": _CALLS + "{% if c.function.name == 'x' %}X{% endif %}" + _END,
@@ -219,10 +282,10 @@ def test_strips_by_name_are_left_to_the_skeleton_and_others_refuse_whitespace_at
 
 
 def test_a_field_tested_for_being_defined_prunes_as_a_key_tested_in_the_message() -> None:
-    """``message.tool_calls is defined`` is false for every plain message (Qwen 3 Coder's
-    branch of tool calls, which measures a text, is not read); with tool calls it may be
-    either; a dict's own attribute is always defined."""
-    branch = "{% if m.content | trim | length > 0 %}{{ m.content }}{% endif %}"
+    """``message.tool_calls is defined`` is false for every plain message (a branch of tool
+    calls that measures a text is not read); with tool calls it may be either; a dict's
+    own attribute is always defined."""
+    branch = "{% if m.content | trim | length > 1 %}{{ m.content }}{% endif %}"
 
     def verdict(test: str, *, tools: bool = False) -> Verbatim:
         source = (
