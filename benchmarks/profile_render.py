@@ -1,7 +1,7 @@
 """A chat's render by shape and length: as the tokenizer renders it, and whole.
 
     python3 -m kvroute.benchmarks.profile_render [--tokenizer DIR] [--chat-template FILE] [--chats 300]
-        [--repeats 5] [--json FILE]
+        [--repeats 5] [--shapes plain,agent] [--json FILE]
 
 Two shapes of conversation, each ``--chats`` of them different from one another (their
 own texts and tool-call ids, as real conversations have), at 4 to 42 messages:
@@ -21,7 +21,8 @@ Thread CPU per render, best of ``--repeats``, of:
 
 Skeletons cover plain chats and, under templates that print tool calls verbatim, agents'
 chats too (``render_skeleton``). ``--chat-template`` renders with another template (e.g.
-``benchmarks/templates/qwen3_style.jinja``) over the tokenizer's.
+``benchmarks/templates/qwen3_style.jinja``) over the tokenizer's; ``--shapes plain`` leaves
+the agents out (Gemma 3's template refuses tool roles).
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ def profile_renders(
     repeats: int = 5,
     lengths: Sequence[int] = LENGTHS,
     chat_template: str | None = None,
+    shapes: Sequence[str] = SHAPES,
 ) -> list[RenderTime]:
     rows = []
-    for shape in SHAPES:
+    for shape in shapes:
         for length in lengths:
             tokenizer = (
                 RequestTokenizer.from_pretrained(tokenizer_dir, chat_template=chat_template)
@@ -123,10 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-template", type=Path, help="a Jinja chat template file to render with instead")
     parser.add_argument("--chats", type=int, default=300, help="conversations per shape, length and repetition")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    shapes = args.shapes.split(",")
+    if not set(shapes) <= set(SHAPES):
+        parser.error(f"--shapes takes {', '.join(SHAPES)}")
     template = args.chat_template.read_text() if args.chat_template else None
-    rows = profile_renders(args.tokenizer, args.chats, args.repeats, chat_template=template)
+    rows = profile_renders(args.tokenizer, args.chats, args.repeats, chat_template=template, shapes=shapes)
     print(format_renders(rows))
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(row) for row in rows], indent=2) + "\n")

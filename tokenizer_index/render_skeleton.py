@@ -29,14 +29,15 @@ which the shape does not record; one that answers yes to a test; one with whites
 an end under a template that strips every whitespace character; under one that strips the
 characters it names, such as Qwen 3's ``lstrip('\\n')``, one with such a character at an
 end a strip reaches in its shape, found at build by a render per character with it around
-every mark); so do messages with any other field not null (a
-tool call with fields besides ``id``, ``type`` and ``function``, arguments that are no
-text, object or list),
-conversations of :data:`~kvroute.tokenizer_index.render_memo.MIN_MESSAGES` or more (the
-render memo's), templates whose content format is a list of parts, and requests with
-documents, template keywords or ``continue_final_message`` (the tokenizer's caller
-decides). A request's tools join the shape's key as their JSON (an agent sends the same
-ones with every turn).
+every mark); so do messages with any other field not null (a tool call with fields
+besides ``id``, ``type`` and ``function``, arguments that are no text, object or list),
+content sent as parts, conversations of
+:data:`~kvroute.tokenizer_index.render_memo.MIN_MESSAGES` or more (the render memo's),
+chats with tool calls or results under a template whose content format is a list of
+parts (Gemma 3's, Llama 4's: their plain chats fill skeletons, each text one part), and
+requests with documents, template keywords or ``continue_final_message`` (the
+tokenizer's caller decides). A request's tools join the shape's key as their JSON (an
+agent sends the same ones with every turn).
 """
 
 from __future__ import annotations
@@ -622,9 +623,7 @@ class SkeletonRenders:
         source = template.source
         verdict = self._verdicts.get((source, tools))
         if verdict is None:
-            verdict = verbatim_check(template.syntax_tree, tools=tools)
-            if verdict.refusal is None and template.content_format != "string":
-                verdict = Verbatim("the template reads a message's content as a list of parts")
+            verdict = verbatim_check(template.syntax_tree, tools=tools, parts=template.content_format == "openai")
             if verdict.refusal is None and _MARK_CHARACTERS.search(source):
                 verdict = Verbatim("the template writes the skeletons' mark characters")
             if verdict.refusal is not None:

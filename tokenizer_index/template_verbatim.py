@@ -101,9 +101,10 @@ class Verbatim:
         return False
 
 
-def verbatim_check(tree: nodes.Template, *, tools: bool = False) -> Verbatim:
+def verbatim_check(tree: nodes.Template, *, tools: bool = False, parts: bool = False) -> Verbatim:
     """Whether ``tree`` may render short plain chats from skeletons (``tools``: chats with
-    tool calls and tool results too).
+    tool calls and tool results too; ``parts``: under a content format of parts, where vLLM
+    hands the template each text as one part, ``[{"type": "text", "text": ...}]``).
 
     It may where every read of a message's text (``message.content``, ``message['content']``,
     ``messages[i].content``, and names set from them) is printed as it is or trimmed,
@@ -134,9 +135,17 @@ def verbatim_check(tree: nodes.Template, *, tools: bool = False) -> Verbatim:
     A text may also be measured for whether it is empty (``content | trim | length > 0``),
     and in a loop over messages ``loop.previtem`` and ``loop.nextitem`` are messages too
     (Qwen 3 Coder groups tool results by their neighbours' roles).
+
+    With ``parts`` (Gemma 3's, Llama 4's templates), a message's ``content`` is a list of
+    parts: only looped over, indexed by a number, counted or tested (``is string`` is false,
+    so that branch is not read); a part only read by constant keys, its ``text`` a text as
+    above, its ``type`` (``"text"`` for every part a skeleton fills) any way. Not with
+    ``tools``: vLLM hands tool results' content to the template as a text.
     """
+    if parts and tools:
+        return Verbatim("tool results' content is a text where other messages' is a list of parts")
     try:
-        check = _VerbatimCheck(tree, tools=tools)
+        check = _VerbatimCheck(tree, tools=tools, parts=parts)
         check.run()
     except _Refusal as refusal:
         return Verbatim(str(refusal))
@@ -151,12 +160,13 @@ def verbatim_check(tree: nodes.Template, *, tools: bool = False) -> Verbatim:
 
 
 class _VerbatimCheck:
-    def __init__(self, tree: nodes.Template, *, tools: bool = False) -> None:
+    def __init__(self, tree: nodes.Template, *, tools: bool = False, parts: bool = False) -> None:
         self._tree = tree
         self._tools = tools
+        self._parts = parts
         self._roles = TOOL_ROLES if tools else PLAIN_ROLES
         # A message's fields that hold a text, and those a message may have or not.
-        self._text_keys = ("content", "tool_call_id") if tools else ("content",)
+        self._text_keys: tuple[str, ...] = ("content", "tool_call_id") if tools else () if parts else ("content",)
         self._optional_keys = ("tool_calls", "tool_call_id") if tools else ()
         self._parents: dict[int, nodes.Node] = {}
         for node in _walk(tree):
@@ -174,6 +184,14 @@ class _VerbatimCheck:
                 if not isinstance(loop.target, nodes.Name):
                     raise _Refusal("a loop over the messages unpacks them")
                 self._message_names.add(loop.target.name)
+                self._allowed_stores.add(id(loop.target))
+        # Names of a message's content parts (``parts``): loop variables over its content.
+        self._part_names: set[str] = set()
+        for loop in tree.find_all(nodes.For):
+            if self._is_parts(loop.iter):
+                if not isinstance(loop.target, nodes.Name):
+                    raise _Refusal("a loop over a message's parts unpacks them")
+                self._part_names.add(loop.target.name)
                 self._allowed_stores.add(id(loop.target))
         # Names of tool calls (or their functions): loop variables over a message's calls,
         # and names set only from calls.
@@ -373,6 +391,8 @@ class _VerbatimCheck:
         key = _key_of(node)
         if key in self._text_keys and self._is_message(node.node):
             return True
+        if key == "text" and self._is_part(node.node):
+            return True
         return self._tools and key in CALL_TEXT_KEYS and self._is_call(node.node)
 
     def _one_text_or_empty(self, node: nodes.Node) -> bool:
@@ -405,6 +425,8 @@ class _VerbatimCheck:
         others = self._list_names | self._message_names | self._call_names | self._content_names
         if (self.key_names | self._value_names) & others:
             raise _Refusal("a name holds a tool call argument's key or value and something else")
+        if self._part_names & (others | self.key_names | self._value_names):
+            raise _Refusal("a name holds a message's part and something else")
         self.tests.clear()  # (those the settling rounds asked are asked again below)
         refusal: _Refusal | None = None
         for node in _live(self._tree, self._plain_truth):
@@ -421,7 +443,7 @@ class _VerbatimCheck:
         if not isinstance(node, nodes.Name):
             return
         if node.ctx == "store":
-            names = self._list_names | self._message_names | self._call_names | self._value_names
+            names = self._list_names | self._message_names | self._call_names | self._value_names | self._part_names
             if node.name in names and id(node) not in self._allowed_stores:
                 raise _Refusal(f"the template sets {node.name}")
             return
@@ -439,6 +461,8 @@ class _VerbatimCheck:
             self._call_use(node)
         elif node.name in self._value_names:
             self._value_use(node)
+        elif node.name in self._part_names:
+            self._part_use(node)
         elif node.name in self._content_names:
             self._text_use(node)
         elif node.name == "loop":
@@ -495,10 +519,67 @@ class _VerbatimCheck:
             raise _Refusal(f"a message is read as {type(parent).__name__}")
         if key in self._text_keys:
             self._text_use(parent)
+        elif key == "content" and self._parts:
+            self._parts_use(parent)
         elif key == "tool_calls" and self._tools:
             self._call_list_use(parent)
         elif key in _DICT_ATTRIBUTES:
             raise _Refusal(f"a message's {key} is called")
+
+    def _parts_use(self, node: nodes.Node) -> None:
+        """A message's content as a list of parts: looped over, indexed by a number, counted
+        (one part per text), tested."""
+        parent = self._parent(node)
+        if isinstance(parent, nodes.For) and parent.iter is node:
+            return  # its variable is a part name
+        if isinstance(parent, nodes.Getitem) and parent.node is node and self._is_part(parent):
+            self._part_use(parent)
+        elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "length":
+            return
+        elif isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
+            return
+        elif not self._is_truth(node):
+            raise _Refusal(f"a message's parts are read as {type(parent).__name__}")
+
+    def _part_use(self, node: nodes.Node) -> None:
+        """A part of a message's content: read by constant keys (its ``text`` a text, its
+        ``type`` the same for every part a skeleton fills), tested for a key or its type."""
+        parent = self._parent(node)
+        if isinstance(parent, nodes.Getattr | nodes.Getitem) and parent.node is node:
+            key = _key_of(parent)
+            if key is None:
+                raise _Refusal("a message's part is read by a computed key")
+            if key == "text":
+                self._text_use(parent)
+            elif key in _DICT_ATTRIBUTES:
+                raise _Refusal(f"a message's part's {key} is called")
+            return  # its type, or a key no part a skeleton fills has
+        if isinstance(parent, nodes.Operand) and parent.op in ("in", "notin") and parent.expr is node:
+            return
+        if isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
+            return
+        if not self._is_truth(node):
+            raise _Refusal(f"a message's part is read as {type(parent).__name__}")
+
+    def _is_parts(self, node: nodes.Node) -> bool:
+        """A message's content under a content format of parts."""
+        return (
+            self._parts
+            and isinstance(node, nodes.Getattr | nodes.Getitem)
+            and _key_of(node) == "content"
+            and self._is_message(node.node)
+        )
+
+    def _is_part(self, node: nodes.Node) -> bool:
+        """A part of a message's content: a part name, ``content[0]``."""
+        if isinstance(node, nodes.Name):
+            return node.name in self._part_names
+        return (
+            isinstance(node, nodes.Getitem)
+            and isinstance(node.arg, nodes.Const)
+            and type(node.arg.value) is int
+            and self._is_parts(node.node)
+        )
 
     def _call_list_use(self, node: nodes.Node) -> None:
         """A message's tool calls: looped over, indexed, counted, tested."""
@@ -775,6 +856,8 @@ class _VerbatimCheck:
         ):
             if self._is_text_access(test.node):
                 return True
+            if self._is_parts(test.node):
+                return False
         if isinstance(test, nodes.Call) and self._text_test(test) is not None:
             return False
         if isinstance(test, nodes.Test) and test.name in ("defined", "undefined"):

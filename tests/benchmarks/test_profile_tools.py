@@ -187,6 +187,9 @@ def test_the_render_profile_renders_each_shape_both_ways_alike() -> None:
     qwen3 = (REPO / "benchmarks" / "templates" / "qwen3_style.jinja").read_text()
     rows = profile_renders(chats=3, repeats=1, lengths=(4,), chat_template=qwen3)  # (another template's texts)
     assert [(row.shape, row.messages) for row in rows] == [("plain", 4), ("agent", 4)]
+    gemma3 = (REPO / "benchmarks" / "templates" / "gemma3_style.jinja").read_text()  # (a content format of parts)
+    rows = profile_renders(chats=3, repeats=1, lengths=(4,), chat_template=gemma3, shapes=("plain",))
+    assert [(row.shape, row.messages) for row in rows] == [("plain", 4)]
     agent = conversation("agent", 7, 6)
     assert [message["role"] for message in agent] == ["system", "user", "assistant", "tool", "assistant", "tool"]
     assert agent[3]["tool_call_id"] == agent[2]["tool_calls"][0]["id"] != conversation("agent", 8, 6)[3]["tool_call_id"]

@@ -31,7 +31,7 @@ from kvroute.tokenizer_index.render_skeleton import (
 )
 from kvroute.tokenizer_index.template_verbatim import verbatim_check
 from tests.tokenizer_index.test_render_memo import ALL_TEMPLATES
-from tests.tokenizer_index.test_template_verbatim import FILLED, TOOL_VERBATIM, VERBATIM
+from tests.tokenizer_index.test_template_verbatim import FILLED, PARTS_VERBATIM, TOOL_VERBATIM, VERBATIM
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>"}
@@ -64,14 +64,14 @@ def as_messages(turns: list[tuple[str, str]]) -> list[dict[str, str]]:
     return [{"role": role, "content": text} for role, text in turns]
 
 
-@pytest.mark.parametrize("name", sorted(FILLED | VERBATIM.keys()))
+@pytest.mark.parametrize("name", sorted(FILLED | VERBATIM.keys() | PARTS_VERBATIM.keys()))
 @SETTINGS
 @given(turns=conversations, add_generation_prompt=st.booleans())
 def test_a_filled_skeleton_is_the_whole_render(
     name: str, turns: list[tuple[str, str]], add_generation_prompt: bool
 ) -> None:
-    template = ChatTemplate.from_source(ALL_TEMPLATES.get(name) or VERBATIM[name])
-    verdict = verbatim_check(template.syntax_tree)
+    template = ChatTemplate.from_source(ALL_TEMPLATES.get(name) or VERBATIM.get(name) or PARTS_VERBATIM[name])
+    verdict = verbatim_check(template.syntax_tree, parts=template.content_format == "openai")
     assert verdict.refusal is None
     whole = render_whole(template, add_generation_prompt)
     renders = SkeletonRenders(verify_every=1_000_000)

@@ -17,6 +17,7 @@ from tests.tokenizer_index.test_render_memo import ALL_TEMPLATES
 FILLED = {
     *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "qwen3"),
     *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last", "qwen3_coder"),
+    *("gemma3", "openai_parts"),
 }
 
 # Templates that print texts only as they are, trimmed, or chosen by their truth.
@@ -241,8 +242,53 @@ def test_what_qwen3_asks_of_a_text_is_what_a_skeleton_needs_answered_no() -> Non
     assert verdict.admits("Which replica?") and verdict.admits("") and verdict.admits("\nWhich replica?\n")
     assert not verdict.admits("<tool_response>42") and not verdict.admits("a</think>b")
     assert not verdict.admits(" \n")
-    # A content format of parts: its texts are lists, which no skeleton fills.
-    assert SkeletonRenders().refusal(ChatTemplate.from_source(ALL_TEMPLATES["openai_parts"])) is not None
+
+
+# Templates whose content format is a list of parts (vLLM hands each text as one part), which
+# read a part's text verbatim.
+PARTS_VERBATIM = {
+    # Llama 4's shape: the system text taken from its first part, texts trimmed part by part.
+    "llama4_parts": (
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% if messages[0]['content'] is string %}"
+        "{% set system = messages[0]['content'] %}{% else %}{% set system = messages[0]['content'][0]['text'] %}"
+        "{% endif %}<|header_start|>system<|header_end|>\n\n{{ system | trim }}<|eot|>"
+        "{% set messages = messages[1:] %}{% endif %}{% for m in messages %}"
+        "<|header_start|>{{ m['role'] }}<|header_end|>\n\n{% if m['content'] is string %}{{ m['content'] | trim }}"
+        "{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}<|image|>"
+        "{% elif part.type == 'text' %}{{ part['text'] | trim }}{% endif %}{% endfor %}{% endif %}<|eot|>{% endfor %}"
+        "{% if add_generation_prompt %}<|header_start|>assistant<|header_end|>\n\n{% endif %}"
+    ),
+    "parts_counted": (
+        "{% for m in messages %}{{ m.role }}({{ m.content | length }}):{% if m.content %}"
+        "{% for p in m.content %}{% if 'text' in p and p.text is string %}{{ p.text }}{% endif %}{% endfor %}"
+        "{% endif %};{% endfor %}"
+    ),
+}
+# Templates reading a list of parts some other way: refused.
+PARTS_REFUSED = {
+    "parts_printed": "{% for m in messages %}{{ m.content }}{% endfor %}",
+    "parts_as_json": "{% for m in messages %}{{ m.content | tojson }}{% endfor %}",
+    "parts_set": "{% for m in messages %}{% set c = m.content %}{{ c[0].text }}{% endfor %}",
+    "part_printed": "{% for m in messages %}{% for p in m.content %}{{ p }}{% endfor %}{% endfor %}",
+    "part_computed_key": "{% set k = 'text' %}{% for m in messages %}{{ m.content[0][k] }}{% endfor %}",
+    "part_get": "{% for m in messages %}{% for p in m.content %}{{ p.get('text') }}{% endfor %}{% endfor %}",
+    "part_text_measured": "{% for m in messages %}{{ m.content[0].text | length }}{% endfor %}",
+    "parts_joined": "{% for m in messages %}{{ m.content | map(attribute='text') | join }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARTS_VERBATIM))
+def test_templates_reading_parts_verbatim_are_accepted_for_plain_chats(name: str) -> None:
+    template = ChatTemplate.from_source(PARTS_VERBATIM[name])
+    assert template.content_format == "openai"
+    assert verbatim_check(template.syntax_tree, parts=True).refusal is None
+    # Tool results' content reaches the template as a text, other messages' as parts: refused.
+    assert verbatim_check(template.syntax_tree, tools=True, parts=True).refusal is not None
+
+
+@pytest.mark.parametrize("name", sorted(PARTS_REFUSED))
+def test_templates_reading_parts_otherwise_are_refused(name: str) -> None:
+    assert verbatim_check(ChatTemplate.from_source(PARTS_REFUSED[name]).syntax_tree, parts=True).refusal is not None
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
