@@ -355,37 +355,51 @@ class _VerbatimCheck:
             assigns = [
                 node
                 for node in _live(self._tree, self._plain_truth)
-                if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name)
+                if isinstance(node, nodes.Assign) and _target_key(node.target) is not None
             ]
             content = self._content_names = self._names_set_from_texts(assigns)
+            # (a namespace's attribute is always mixed: it keeps its value from message to message)
             self._mixed_names = {
-                assign.target.name  # type: ignore[attr-defined]
+                key
                 for assign in assigns
-                if assign.target.name in content and not self._one_text_or_empty(assign.node)  # type: ignore[attr-defined]
+                if (key := _target_key(assign.target)) in content
+                and (isinstance(assign.target, nodes.NSRef) or not self._one_text_or_empty(assign.node))
             }
             if (self._content_names, self._mixed_names) == known:
                 return
         raise _Refusal("the names set from texts do not settle")
 
     def _names_set_from_texts(self, nodes_seen: Iterable[nodes.Node]) -> set[str]:
-        """The names that the ``set`` statements among ``nodes_seen`` give a value read
-        from a text (or from such a name)."""
-        assigns = [
-            node for node in nodes_seen if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name)
-        ]
+        """The names (and namespace attributes, as ``ns.attr``: :func:`_target_key`) that
+        the ``set`` statements among ``nodes_seen`` give a value read from a text (or from
+        such a name)."""
+        assigns = [node for node in nodes_seen if isinstance(node, nodes.Assign)]
         found: set[str] = set()
         while True:
             before = len(found)
             for assign in assigns:
-                if any(self._reads_text(node, found) for node in _walk(assign.node)):
-                    found.add(assign.target.name)  # type: ignore[attr-defined]
+                key = _target_key(assign.target)
+                if key is not None and any(self._reads_text(node, found) for node in _walk(assign.node)):
+                    found.add(key)
             if len(found) == before:
                 return found
 
     def _reads_text(self, node: nodes.Node, content_names: set[str]) -> bool:
         if isinstance(node, nodes.Name):
             return node.ctx == "load" and node.name in content_names
+        if self._is_content_attribute(node, content_names):
+            return True
         return isinstance(node, nodes.Getattr | nodes.Getitem) and self._is_text_access(node)
+
+    @staticmethod
+    def _is_content_attribute(node: nodes.Node, content_names: set[str]) -> bool:
+        """``ns.attr`` where a ``set ns.attr = ...`` gave that attribute a text."""
+        return (
+            isinstance(node, nodes.Getattr)
+            and isinstance(node.node, nodes.Name)
+            and node.node.ctx == "load"
+            and f"{node.node.name}.{node.attr}" in content_names
+        )
 
     def _is_text_access(self, node: nodes.Getattr | nodes.Getitem) -> bool:
         key = _key_of(node)
@@ -465,6 +479,12 @@ class _VerbatimCheck:
             self._part_use(node)
         elif node.name in self._content_names:
             self._text_use(node)
+        elif self._is_content_attribute(self._parent(node), self._content_names):
+            self._text_use(self._parent(node))
+        elif any(key.startswith(node.name + ".") for key in self._content_names):
+            parent = self._parent(node)
+            if not (isinstance(parent, nodes.Getattr) and parent.node is node):
+                raise _Refusal(f"a namespace holding a text is read as {type(parent).__name__}")
         elif node.name == "loop":
             parent = self._parent(node)
             if isinstance(parent, nodes.Getattr) and parent.attr in ("previtem", "nextitem"):
@@ -726,7 +746,7 @@ class _VerbatimCheck:
                 raise _Refusal(f"a text is tested with {parent.name}")
         elif isinstance(parent, nodes.Not) or (isinstance(parent, nodes.If | nodes.For) and parent.test is node):
             return
-        elif isinstance(parent, nodes.Assign) and parent.node is node and isinstance(parent.target, nodes.Name):
+        elif isinstance(parent, nodes.Assign) and parent.node is node and _target_key(parent.target) is not None:
             return  # the name is a content name (_settle_names): its reads are checked
         else:
             raise _Refusal(f"a text is read as {type(parent).__name__}")
@@ -928,6 +948,16 @@ def _constant_argument(call: nodes.Node, callee: nodes.Node) -> str | None:
         and not (call.kwargs or call.dyn_args or call.dyn_kwargs)
     ):
         return call.args[0].value
+    return None
+
+
+def _target_key(target: nodes.Node) -> str | None:
+    """What a ``set`` gives a value to: a name, or a namespace's attribute as ``ns.attr``
+    (no name holds a dot); None for other targets (unpacking)."""
+    if isinstance(target, nodes.Name):
+        return target.name
+    if isinstance(target, nodes.NSRef):
+        return f"{target.name}.{target.attr}"
     return None
 
 

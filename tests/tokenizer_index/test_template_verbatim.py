@@ -17,7 +17,7 @@ from tests.tokenizer_index.test_render_memo import ALL_TEMPLATES
 FILLED = {
     *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "qwen3"),
     *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last", "qwen3_coder"),
-    *("gemma3", "openai_parts"),
+    *("gemma3", "openai_parts", "deepseek"),
 }
 
 # Templates that print texts only as they are, trimmed, or chosen by their truth.
@@ -63,6 +63,12 @@ VERBATIM = {
         "{% if not loop.last and loop.nextitem.role != m.role %}</{{ m.role }}>{% elif loop.last %}.{% endif %}"
         "{% endfor %}"
     ),
+    # Texts gathered in a namespace and printed (DeepSeek V3's system prompt).
+    "namespace": (
+        "{% set ns = namespace(last='', system='', first=true) %}{% for m in messages %}{% set ns.last = m.content %}"
+        "{% if m.role == 'system' %}{% set ns.system = ns.system + ('' if ns.first else '\\n') + m.content %}"
+        "{% set ns.first = false %}{% endif %}{% endfor %}[{{ ns.system }}]{% if ns.last %}{{ ns.last | tojson }}{% endif %}"
+    ),
     "roles_checked": (
         "{% for m in messages %}{% if m.role == 'developer' %}{{ raise_exception('no developer here') }}{% endif %}"
         "{{ m.role }}={{ m.content }};{% endfor %}"
@@ -86,8 +92,16 @@ REFUSED = {
     "captured": "{% for m in messages %}{% set x %}{{ m.content }}{% endset %}{{ x | length }}{% endfor %}",
     "macro": "{% macro show(t) %}{{ t }}{% endmacro %}{% for m in messages %}{{ show(m.content) }}{% endfor %}",
     "trimmed_whole": "{% for m in messages %}{{ (m.content + '  x') | trim }}{% endfor %}",
-    "namespace": (
-        "{% set ns = namespace(last='') %}{% for m in messages %}{% set ns.last = m.content %}{% endfor %}{{ ns.last }}"
+    "namespace_printed": (
+        "{% set ns = namespace(last='') %}{% for m in messages %}{% set ns.last = m.content %}{% endfor %}{{ ns }}"
+    ),
+    "namespace_passed_on": (
+        "{% set ns = namespace(last='') %}{% for m in messages %}{% set ns.last = m.content %}{% endfor %}"
+        "{% set other = ns %}{{ other.last }}"
+    ),
+    "namespace_tested": (
+        "{% set ns = namespace(last='') %}{% for m in messages %}{% set ns.last = m.content %}{% endfor %}"
+        "{% if ns.last.startswith('#') %}#{% endif %}"
     ),
     "neighbour_item": "{% for m in messages %}{{ loop.previtem }}{% endfor %}",
     "neighbour_of_another_loop": (
