@@ -54,6 +54,11 @@ log = logging.getLogger(__name__)
 #: Conversations with fewer messages are rendered whole: the memo's own work (two renders
 #: of the first message, the JSON) costs what rendering ~5 messages does.
 MIN_MESSAGES = 16
+#: Under a template that carries state between messages (DeepSeek V3's namespace), a turn
+#: continued from a remembered one renders a window of the last messages twice with the
+#: states reported (~100-115 us, whatever the length), which costs what rendering ~40
+#: messages whole does: shorter conversations are rendered whole and not remembered.
+CARRIED_MIN_MESSAGES = 40
 #: Every this many renders from a remembered turn, the conversation is also rendered whole
 #: and the two compared (~1 % more render work): the last line of defence behind the syntax
 #: check and the probes, found in production rather than assumed.
@@ -194,9 +199,17 @@ class RenderedConversation:
 class RenderMemo:
     """Long conversations' renders, at most ``max_bytes`` of them (0 disables it)."""
 
-    def __init__(self, max_bytes: int, *, min_messages: int = MIN_MESSAGES, verify_every: int = VERIFY_EVERY) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        *,
+        min_messages: int = MIN_MESSAGES,
+        carried_min_messages: int = CARRIED_MIN_MESSAGES,
+        verify_every: int = VERIFY_EVERY,
+    ) -> None:
         self._memo: PromptMemo[RenderedConversation] = PromptMemo(max_bytes)
         self.min_messages = min_messages
+        self.carried_min_messages = carried_min_messages
         self._verify_every = verify_every
         self._since_verified = 0
         # Sources of the templates whose incremental render once differed from the whole.
@@ -209,6 +222,8 @@ class RenderMemo:
         if type(messages) is not list or len(messages) < self.min_messages or not self._memo.max_bytes:
             return settings.render_whole(messages)
         if settings.template.source in self._distrusted:
+            return settings.render_whole(messages)
+        if settings.shape.carried is not None and len(messages) < self.carried_min_messages:
             return settings.render_whole(messages)
         keys = conversation_keys(messages)
         try:

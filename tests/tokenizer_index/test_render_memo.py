@@ -22,6 +22,7 @@ from kvroute.tokenizer_index import RequestTokenizer, chat_template
 from kvroute.tokenizer_index.chat_template import ChatTemplate
 from kvroute.tokenizer_index.prompt_memo import conversation_keys
 from kvroute.tokenizer_index.render_memo import (
+    CARRIED_MIN_MESSAGES,
     LOOKAROUND_WINDOW,
     MIN_MESSAGES,
     RenderMemo,
@@ -133,6 +134,7 @@ class Renderers:
         specials = {"bos_token": "<s>", "eos_token": "</s>"}
         self.memo = RequestTokenizer(backend, chat_templates={"default": source}, special_tokens=specials)
         self.memo._render_memo.min_messages = 1  # short hypothesis conversations are remembered too
+        self.memo._render_memo.carried_min_messages = 1
         self.whole = RequestTokenizer(
             backend, chat_templates={"default": source}, special_tokens=specials, render_memo_bytes=0
         )
@@ -284,6 +286,24 @@ def _deepseek_turn(number: int) -> list[dict[str, Any]]:
         {"role": "assistant", "content": None if number % 2 else "Looking.", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": f"call-{number}", "content": f"result {number}"},
     ]
+
+
+def test_a_template_carrying_state_remembers_only_conversations_where_that_pays() -> None:
+    """Continuing a turn under a state-carrying template costs two reported renders of a
+    window, what ~40 messages cost whole: a shorter conversation renders whole and is not
+    remembered; from CARRIED_MIN_MESSAGES messages on it is, and its next turns continue."""
+    renderers = Renderers(DEEPSEEK_TEMPLATE)
+    memo = renderers.memo._render_memo
+    memo.min_messages, memo.carried_min_messages = MIN_MESSAGES, CARRIED_MIN_MESSAGES
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You route requests."},
+        {"role": "user", "content": "Find it."},
+    ]
+    turns = (CARRIED_MIN_MESSAGES - len(messages)) // 2
+    renderers.agree_turn_by_turn(messages, _deepseek_turn, range(turns - 1), tools=TOOLS)
+    assert len(messages) < CARRIED_MIN_MESSAGES and memo.stats().lookups == memo.stats().entries == 0
+    renderers.agree_turn_by_turn(messages, _deepseek_turn, range(turns - 1, turns + 3), tools=TOOLS)
+    assert (memo.stats().lookups, memo.stats().reused) == (4, 3)  # remembered at 40, continued after
 
 
 def test_a_template_carrying_state_renders_agent_turns_incrementally() -> None:
