@@ -91,12 +91,17 @@ class Verbatim:
         return all(map(self.admits, texts))
 
     def answers_yes(self, text: str) -> bool:
-        """Whether one of the template's tests of a text says yes for ``text``."""
+        """Whether one of the template's tests of a text says yes for ``text``, or for it
+        trimmed (a template may test a text it trimmed first)."""
+        stripped = text.strip()
         for kind, constant in self.tests:
             if kind == "startswith":
-                if text.startswith(constant):
+                if text.startswith(constant) or stripped.startswith(constant):
                     return True
-            elif text.endswith(constant) if kind == "endswith" else constant in text:
+            elif kind == "endswith":
+                if text.endswith(constant) or stripped.endswith(constant):
+                    return True
+            elif constant in text:  # (what the trimmed text holds, the text holds)
                 return True
         return False
 
@@ -134,7 +139,10 @@ def verbatim_check(tree: nodes.Template, *, tools: bool = False, parts: bool = F
 
     A text may also be measured for whether it is empty (``content | trim | length > 0``),
     and in a loop over messages ``loop.previtem`` and ``loop.nextitem`` are messages too
-    (Qwen 3 Coder groups tool results by their neighbours' roles).
+    (Qwen 3 Coder groups tool results by their neighbours' roles). A macro that, given a
+    string as its first argument, prints just that (Qwen 3.5's ``render_content``: its
+    other branches walk content parts) is called with one text as the text itself; its
+    body is then not read, for it runs no other way.
 
     With ``parts`` (Gemma 3's, Llama 4's templates), a message's ``content`` is a list of
     parts: only looped over, indexed by a number, counted or tested (``is string`` is false,
@@ -172,6 +180,11 @@ class _VerbatimCheck:
         for node in _walk(tree):
             for child in node.iter_child_nodes():
                 self._parents[id(child)] = node
+        # Macros that print their first argument when it is a string, and nothing else.
+        self._identity_macros = {macro.name for macro in tree.find_all(nodes.Macro) if _prints_first_string(macro)}
+        self._skipped = frozenset(
+            id(macro) for macro in tree.find_all(nodes.Macro) if macro.name in self._identity_macros
+        )
         # Names of message lists (``messages`` and copies or slices of it) and of messages
         # (loop variables over those); the stores that make them, the only ones allowed.
         self._list_names = {"messages"}
@@ -354,7 +367,7 @@ class _VerbatimCheck:
             known = (self._content_names, self._mixed_names)
             assigns = [
                 node
-                for node in _live(self._tree, self._plain_truth)
+                for node in _live(self._tree, self._plain_truth, self._skipped)
                 if isinstance(node, nodes.Assign) and _target_key(node.target) is not None
             ]
             content = self._content_names = self._names_set_from_texts(assigns)
@@ -424,6 +437,10 @@ class _VerbatimCheck:
             return node.name in self._content_names and node.name not in self._mixed_names
         if isinstance(node, nodes.Getattr | nodes.Getitem):
             return self._is_text_access(node)
+        if isinstance(node, nodes.Filter) and node.name == "trim" and node.node is not None and not _has_arguments(node):
+            return self._one_text(node.node, constants=constants)  # (tests ask it trimmed too: Verbatim.answers_yes)
+        if isinstance(node, nodes.Call) and self._is_identity_call(node):
+            return self._one_text(node.args[0], constants=constants)
         if isinstance(node, nodes.Or):
             return self._one_text(node.left, constants=constants) and self._one_text(node.right, constants=constants)
         if isinstance(node, nodes.CondExpr):
@@ -443,7 +460,7 @@ class _VerbatimCheck:
             raise _Refusal("a name holds a message's part and something else")
         self.tests.clear()  # (those the settling rounds asked are asked again below)
         refusal: _Refusal | None = None
-        for node in _live(self._tree, self._plain_truth):
+        for node in _live(self._tree, self._plain_truth, self._skipped):
             try:
                 self._check(node)
             except _Refusal as found:
@@ -518,6 +535,8 @@ class _VerbatimCheck:
             return
         if isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
             return
+        if self._is_truth(node):
+            return  # whether there are any
         raise _Refusal(f"the messages are read as {type(parent).__name__}")
 
     def _message_use(self, node: nodes.Node) -> None:
@@ -717,7 +736,9 @@ class _VerbatimCheck:
     def _text_use(self, node: nodes.Node) -> None:
         """``node``'s value is made of texts: how its parent uses it."""
         parent = self._parent(node)
-        if isinstance(parent, nodes.Output):
+        if isinstance(parent, nodes.Call) and self._is_identity_call(parent) and parent.args[0] is node:
+            self._text_use(parent)  # render_content(text): the text itself
+        elif isinstance(parent, nodes.Output):
             self._check_not_captured(parent)
         elif isinstance(parent, nodes.Add | nodes.Concat | nodes.Or | nodes.And):
             self._text_use(parent)
@@ -750,6 +771,16 @@ class _VerbatimCheck:
             return  # the name is a content name (_settle_names): its reads are checked
         else:
             raise _Refusal(f"a text is read as {type(parent).__name__}")
+
+    def _is_identity_call(self, call: nodes.Call) -> bool:
+        """A call of a macro that prints its first argument as it is when that is a string."""
+        return (
+            isinstance(call.node, nodes.Name)
+            and call.node.name in self._identity_macros
+            and bool(call.args)
+            and call.dyn_args is None
+            and call.dyn_kwargs is None
+        )
 
     def _measures_emptiness(self, text: nodes.Node, length: nodes.Filter) -> bool:
         """Whether ``text | length`` (``text`` one text, maybe trimmed) is only read for
@@ -975,24 +1006,72 @@ def _key_of(node: nodes.Node) -> str | None:
     return None
 
 
-def _live(node: nodes.Node, truth: Callable[[nodes.Node], bool | None]) -> Iterator[nodes.Node]:
+def _live(
+    node: nodes.Node, truth: Callable[[nodes.Node], bool | None], skipped: frozenset[int] = frozenset()
+) -> Iterator[nodes.Node]:
     """``node`` and the nodes under it, less the branches of ``if`` statements whose tests
-    ``truth`` says are the same for every plain message (the others are never rendered)."""
+    ``truth`` says are the same for every plain message (the others are never rendered)
+    and the nodes under those in ``skipped`` (by id)."""
     yield node
+    if id(node) in skipped:
+        return
     if not isinstance(node, nodes.If):
         for child in node.iter_child_nodes():
-            yield from _live(child, truth)
+            yield from _live(child, truth, skipped)
         return
     for branch in (node, *node.elif_):
-        yield from _live(branch.test, truth)
+        yield from _live(branch.test, truth, skipped)
         taken = truth(branch.test)
         if taken is not False:
             for child in branch.body:
-                yield from _live(child, truth)
+                yield from _live(child, truth, skipped)
         if taken is True:
             return
     for child in node.else_:
-        yield from _live(child, truth)
+        yield from _live(child, truth, skipped)
+
+
+# What may run in a macro that only prints its first argument, a string.
+_IDENTITY_NODES = (nodes.If, nodes.Test, nodes.Name, nodes.Output, nodes.Not, nodes.And, nodes.Or, nodes.Const)
+
+
+def _prints_first_string(macro: nodes.Macro) -> bool:
+    """Whether ``macro``, given a string as its first argument, prints just that: what
+    runs then (its ``if`` branches decided by type tests of that argument) is only tests
+    of it and one output of it alone."""
+    if not macro.args:
+        return False
+    argument = macro.args[0].name
+
+    def truth(test: nodes.Node) -> bool | None:
+        if isinstance(test, nodes.Test) and isinstance(test.node, nodes.Name) and test.node.name == argument:
+            if test.name in ("string", "defined", "iterable", "sequence"):
+                return True
+            if test.name in ("none", "undefined", "mapping", "number", "boolean", "integer", "float"):
+                return False
+            return None
+        if isinstance(test, nodes.Not):
+            inner = truth(test.node)
+            return None if inner is None else not inner
+        if isinstance(test, nodes.And | nodes.Or):
+            left, right = truth(test.left), truth(test.right)
+            deciding = isinstance(test, nodes.Or)
+            if deciding in (left, right):
+                return deciding
+            return None if None in (left, right) else not deciding
+        return None
+
+    ran = [node for child in macro.body for node in _live(child, truth)]
+    outputs = [node for node in ran if isinstance(node, nodes.Output)]
+    if len(outputs) != 1 or len(outputs[0].nodes) != 1:
+        return False
+    (printed,) = outputs[0].nodes
+    return (
+        isinstance(printed, nodes.Name)
+        and printed.name == argument
+        and all(isinstance(node, _IDENTITY_NODES) for node in ran)
+        and all(node.name == argument for node in ran if isinstance(node, nodes.Name))
+    )
 
 
 def _walk(node: nodes.Node) -> Iterator[nodes.Node]:

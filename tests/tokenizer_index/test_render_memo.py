@@ -64,6 +64,8 @@ ALL_TEMPLATES = {
     # Carries state from message to message in a namespace, and gathers system messages.
     "deepseek": DEEPSEEK_TEMPLATE,
     "openai_parts": OPENAI_PARTS_TEMPLATE,
+    # Every text through a macro (printed as it is when a string), then trimmed and tested.
+    "qwen35": (REPO / "benchmarks" / "templates" / "qwen35_style.jinja").read_text(),
 }
 INCREMENTAL = {
     *("prefix_stable", "raw", "thinking_prompt", "default", "openai_parts"),

@@ -17,7 +17,7 @@ from tests.tokenizer_index.test_render_memo import ALL_TEMPLATES
 FILLED = {
     *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "qwen3"),
     *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last", "qwen3_coder"),
-    *("gemma3", "openai_parts", "deepseek"),
+    *("gemma3", "openai_parts", "deepseek", "qwen35"),
 }
 
 # Templates that print texts only as they are, trimmed, or chosen by their truth.
@@ -63,6 +63,13 @@ VERBATIM = {
         "{% if not loop.last and loop.nextitem.role != m.role %}</{{ m.role }}>{% elif loop.last %}.{% endif %}"
         "{% endfor %}"
     ),
+    # Every text through a macro that prints a string as it is (Qwen 3.5's render_content).
+    "macro": (
+        "{% macro show(t, counted=false) %}{% if t is string %}{{ t }}{% elif t is iterable %}"
+        "{% for p in t %}{{ p.text | length }}{% endfor %}{% else %}{{ raise_exception('no') }}{% endif %}"
+        "{% endmacro %}{% for m in messages %}{% set text = show(m.content, true) | trim %}"
+        "{% if not text.startswith('#') %}{{ m.role }}: {{ text }}\n{% endif %}{% endfor %}"
+    ),
     # Texts gathered in a namespace and printed (DeepSeek V3's system prompt).
     "namespace": (
         "{% set ns = namespace(last='', system='', first=true) %}{% for m in messages %}{% set ns.last = m.content %}"
@@ -90,7 +97,21 @@ REFUSED = {
     "get_method": "{% for m in messages %}{{ m.get('content') }}{% endfor %}",
     "computed_key": "{% set key = 'con' + 'tent' %}{% for m in messages %}{{ m[key] }}{% endfor %}",
     "captured": "{% for m in messages %}{% set x %}{{ m.content }}{% endset %}{{ x | length }}{% endfor %}",
-    "macro": "{% macro show(t) %}{{ t }}{% endmacro %}{% for m in messages %}{{ show(m.content) }}{% endfor %}",
+    "macro_adds": "{% macro show(t) %}{{ t }}!{% endmacro %}{% for m in messages %}{{ show(m.content) }}{% endfor %}",
+    "macro_measures": (
+        "{% macro show(t) %}{% if t is string %}{{ t | length }}{% endif %}{% endmacro %}"
+        "{% for m in messages %}{{ show(m.content) }}{% endfor %}"
+    ),
+    "macro_sets": (
+        "{% macro show(t) %}{% set u = t %}{{ u }}{% endmacro %}{% for m in messages %}{{ show(m.content) }}{% endfor %}"
+    ),
+    "macro_second_argument": (
+        "{% macro show(a, t) %}{{ a }}{% endmacro %}{% for m in messages %}{{ show('x', m.content) }}{% endfor %}"
+    ),
+    "macro_branch_untested": (
+        "{% macro show(t, trimmed) %}{% if trimmed %}{{ t | trim }}{% else %}{{ t }}{% endif %}{% endmacro %}"
+        "{% for m in messages %}{{ show(m.content, true) }}{% endfor %}"
+    ),
     "trimmed_whole": "{% for m in messages %}{{ (m.content + '  x') | trim }}{% endfor %}",
     "namespace_printed": (
         "{% set ns = namespace(last='') %}{% for m in messages %}{% set ns.last = m.content %}{% endfor %}{{ ns }}"
