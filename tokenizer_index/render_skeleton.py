@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from functools import lru_cache, partial
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -207,7 +207,7 @@ def _object_mark(slot: int, kind: str) -> str:
 
 class _Marked(DumpedAs):
     """A stand-in for a value that is no text in a build render: ``tojson`` prints one mark
-    of its slot, ``str()`` another."""
+    of its slot, ``str()`` another (first among its bases, so before the value's own)."""
 
     slot: int
 
@@ -221,50 +221,40 @@ class _Marked(DumpedAs):
     __repr__ = __str__
 
 
-class _MarkedObject(dict[str, Any], _Marked):
+class _MarkedObject(_Marked, dict[str, Any]):
     """Stands for a tool call's arguments (an object), or an argument's value, in a build render."""
 
     def __init__(self, slot: int, items: dict[str, Any] | None = None) -> None:
         super().__init__(items or {"slot": slot})  # (not empty: a template may test its truth)
         self._mark(slot)
 
-    __str__ = _Marked.__str__
-    __repr__ = _Marked.__str__
 
-
-class _MarkedList(list[Any], _Marked):
+class _MarkedList(_Marked, list[Any]):
     """:class:`_MarkedObject` for a list."""
 
     def __init__(self, slot: int) -> None:
         super().__init__([slot])
         self._mark(slot)
 
-    __str__ = _Marked.__str__
-    __repr__ = _Marked.__str__
 
+class _MarkedNumber(_Marked):
+    """:class:`_MarkedObject` for an argument's number (not zero, whose value is in the
+    shape): a number of the same type, :attr:`stand_in`."""
 
-class _MarkedInt(int, _Marked):
-    """:class:`_MarkedObject` for an argument's integer (not zero, whose value is in the shape)."""
+    stand_in: ClassVar[float]
 
-    def __new__(cls, slot: int) -> _MarkedInt:
-        number = super().__new__(cls, 1)
+    def __new__(cls, slot: int) -> Any:
+        number = super().__new__(cls, cls.stand_in)  # type: ignore[call-arg]
         number._mark(slot)
         return number
 
-    __str__ = _Marked.__str__
-    __repr__ = _Marked.__str__
+
+class _MarkedInt(_MarkedNumber, int):
+    stand_in = 1
 
 
-class _MarkedFloat(float, _Marked):
-    """:class:`_MarkedObject` for an argument's float (not zero)."""
-
-    def __new__(cls, slot: int) -> _MarkedFloat:
-        number = super().__new__(cls, 0.5)
-        number._mark(slot)
-        return number
-
-    __str__ = _Marked.__str__
-    __repr__ = _Marked.__str__
+class _MarkedFloat(_MarkedNumber, float):
+    stand_in = 0.5
 
 
 #: An argument's key, its value's type, and whether it is empty (or the value itself, where

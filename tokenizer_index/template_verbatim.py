@@ -330,12 +330,11 @@ class _VerbatimCheck:
 
     def _is_call_list(self, node: nodes.Node) -> bool:
         """A message's tool calls: ``message.tool_calls``, ``messages[i]['tool_calls']``."""
-        return (
-            self._tools
-            and isinstance(node, nodes.Getattr | nodes.Getitem)
-            and _key_of(node) == "tool_calls"
-            and self._is_message(node.node)
-        )
+        return self._tools and self._is_message_field(node, "tool_calls")
+
+    def _is_message_field(self, node: nodes.Node, key: str) -> bool:
+        """``message.key`` or ``message['key']`` of a message (:meth:`_is_message`)."""
+        return isinstance(node, nodes.Getattr | nodes.Getitem) and _key_of(node) == key and self._is_message(node.node)
 
     def _is_call(self, node: nodes.Node) -> bool:
         """A tool call or its function: a call name, ``calls[i]``, ``call.function``,
@@ -437,7 +436,12 @@ class _VerbatimCheck:
             return node.name in self._content_names and node.name not in self._mixed_names
         if isinstance(node, nodes.Getattr | nodes.Getitem):
             return self._is_text_access(node)
-        if isinstance(node, nodes.Filter) and node.name == "trim" and node.node is not None and not _has_arguments(node):
+        if (
+            isinstance(node, nodes.Filter)
+            and node.name == "trim"
+            and node.node is not None
+            and not _has_arguments(node)
+        ):
             return self._one_text(node.node, constants=constants)  # (tests ask it trimmed too: Verbatim.answers_yes)
         if isinstance(node, nodes.Call) and self._is_identity_call(node):
             return self._one_text(node.args[0], constants=constants)
@@ -602,12 +606,7 @@ class _VerbatimCheck:
 
     def _is_parts(self, node: nodes.Node) -> bool:
         """A message's content under a content format of parts."""
-        return (
-            self._parts
-            and isinstance(node, nodes.Getattr | nodes.Getitem)
-            and _key_of(node) == "content"
-            and self._is_message(node.node)
-        )
+        return self._parts and self._is_message_field(node, "content")
 
     def _is_part(self, node: nodes.Node) -> bool:
         """A part of a message's content: a part name, ``content[0]``."""
