@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from jinja2 import nodes
 
+from kvroute.tokenizer_index.template_macros import identity_macros, is_identity_call
+
 #: Roles a plain message may have: a client's invented roles would only churn the shapes.
 PLAIN_ROLES = frozenset({"system", "developer", "user", "assistant"})
 #: Roles with tool calls or results a skeleton may fill (:func:`verbatim_check` with ``tools``).
@@ -181,7 +183,7 @@ class _VerbatimCheck:
             for child in node.iter_child_nodes():
                 self._parents[id(child)] = node
         # Macros that print their first argument when it is a string, and nothing else.
-        self._identity_macros = {macro.name for macro in tree.find_all(nodes.Macro) if _prints_first_string(macro)}
+        self._identity_macros = identity_macros(tree)
         self._skipped = frozenset(
             id(macro) for macro in tree.find_all(nodes.Macro) if macro.name in self._identity_macros
         )
@@ -771,15 +773,9 @@ class _VerbatimCheck:
         else:
             raise _Refusal(f"a text is read as {type(parent).__name__}")
 
-    def _is_identity_call(self, call: nodes.Call) -> bool:
+    def _is_identity_call(self, call: nodes.Node) -> bool:
         """A call of a macro that prints its first argument as it is when that is a string."""
-        return (
-            isinstance(call.node, nodes.Name)
-            and call.node.name in self._identity_macros
-            and bool(call.args)
-            and call.dyn_args is None
-            and call.dyn_kwargs is None
-        )
+        return is_identity_call(call, self._identity_macros)
 
     def _measures_emptiness(self, text: nodes.Node, length: nodes.Filter) -> bool:
         """Whether ``text | length`` (``text`` one text, maybe trimmed) is only read for
@@ -1028,49 +1024,6 @@ def _live(
             return
     for child in node.else_:
         yield from _live(child, truth, skipped)
-
-
-# What may run in a macro that only prints its first argument, a string.
-_IDENTITY_NODES = (nodes.If, nodes.Test, nodes.Name, nodes.Output, nodes.Not, nodes.And, nodes.Or, nodes.Const)
-
-
-def _prints_first_string(macro: nodes.Macro) -> bool:
-    """Whether ``macro``, given a string as its first argument, prints just that: what
-    runs then (its ``if`` branches decided by type tests of that argument) is only tests
-    of it and one output of it alone."""
-    if not macro.args:
-        return False
-    argument = macro.args[0].name
-
-    def truth(test: nodes.Node) -> bool | None:
-        if isinstance(test, nodes.Test) and isinstance(test.node, nodes.Name) and test.node.name == argument:
-            if test.name in ("string", "defined", "iterable", "sequence"):
-                return True
-            if test.name in ("none", "undefined", "mapping", "number", "boolean", "integer", "float"):
-                return False
-            return None
-        if isinstance(test, nodes.Not):
-            inner = truth(test.node)
-            return None if inner is None else not inner
-        if isinstance(test, nodes.And | nodes.Or):
-            left, right = truth(test.left), truth(test.right)
-            deciding = isinstance(test, nodes.Or)
-            if deciding in (left, right):
-                return deciding
-            return None if None in (left, right) else not deciding
-        return None
-
-    ran = [node for child in macro.body for node in _live(child, truth)]
-    outputs = [node for node in ran if isinstance(node, nodes.Output)]
-    if len(outputs) != 1 or len(outputs[0].nodes) != 1:
-        return False
-    (printed,) = outputs[0].nodes
-    return (
-        isinstance(printed, nodes.Name)
-        and printed.name == argument
-        and all(isinstance(node, _IDENTITY_NODES) for node in ran)
-        and all(node.name == argument for node in ran if isinstance(node, nodes.Name))
-    )
 
 
 def _walk(node: nodes.Node) -> Iterator[nodes.Node]:
