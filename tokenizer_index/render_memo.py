@@ -214,6 +214,9 @@ class RenderMemo:
         self._since_verified = 0
         # Sources of the templates whose incremental render once differed from the whole.
         self._distrusted: set[str] = set()
+        # Sources of the templates that refused their anchors alone (the first render of a
+        # conversation shows them with its match straight away: a refusal costs a raise).
+        self._anchors_refused: set[str] = set()
         self._mismatches = 0
 
     def render(self, messages: Sequence[Any], settings: RenderSettings) -> str:
@@ -350,13 +353,27 @@ class RenderMemo:
         anchors, last_match = settings.shape.anchors, settings.shape.last_match
         if len(conversation) < anchors:
             return _Rendered(text, "", None)
-        try:  # (short: filled into their skeletons where they have one)
-            head = settings.render_messages(messages[:anchors], add_generation_prompt=False)
-            with_prompt = settings.render_messages(messages[:anchors], add_generation_prompt=True)
-        except ChatTemplateError:  # the anchors alone are refused: the next turn renders whole
-            return _Rendered(text, "", None)
-        generation_prompt = with_prompt[len(head) :] if with_prompt.startswith(head) else None
-        return _Rendered(text, head, generation_prompt, last_match.find(conversation) if last_match else None)
+        match = last_match.find(conversation) if last_match else None
+        # The generation prompt reads no message but the first (template_prefix), so any list
+        # starting with the anchors shows it. Where the anchors alone are refused (Qwen 3.5's
+        # "no user query"), they are shown with the match, which a windowed template's later
+        # turns render behind them too (its head cuts nothing).
+        probes = [messages[:anchors]]
+        if match is not None and match >= anchors:
+            probes.append([*messages[:anchors], messages[match]])
+            if settings.template.source in self._anchors_refused:
+                probes.reverse()
+        for probe in probes:
+            try:  # (short: filled into their skeletons where they have one)
+                head = settings.render_messages(probe, add_generation_prompt=False)
+                with_prompt = settings.render_messages(probe, add_generation_prompt=True)
+            except ChatTemplateError:
+                if len(probe) == anchors:
+                    self._anchors_refused.add(settings.template.source)
+                continue
+            generation_prompt = with_prompt[len(head) :] if with_prompt.startswith(head) else None
+            return _Rendered(text, head if len(probe) == anchors else "", generation_prompt, match)
+        return _Rendered(text, "", None)  # the anchors are refused: the next turn renders whole
 
     def _render_after(
         self, previous: RenderedConversation, messages: Sequence[Any], settings: RenderSettings

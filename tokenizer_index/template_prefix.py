@@ -81,6 +81,16 @@ memo renders its window with the remembered match among the anchors while the ne
 messages hold no match (an agent's tool turns after its user's query), and from the
 remembered match on when they hold one (a chat's next question: only the messages after
 the old match change): every comparison then comes out as in the whole render.
+
+Qwen 3.5's form of it is read as the same loop: the test may set a name from the message
+and test that name in an inner ``if`` (``{% set text = render_content(message.content) |
+trim %}{% if not text.startswith(...) %}...``), and ``{% if ns.flag %}{{
+raise_exception(...) }}{% endif %}`` may follow the loop (a conversation that rendered had
+a match, and every continuation of it has one). Where the content format hands every
+content to the template as a string (:func:`template_shape`), a macro printing a string
+argument as it is (:mod:`~kvroute.tokenizer_index.template_macros`) and called only with
+a message's content is that content, and its body is not read; the head may test the
+messages list for being empty (``if not messages``).
 """
 
 from __future__ import annotations
@@ -97,7 +107,8 @@ import jinja2.nodes as nodes
 import orjson
 from jinja2.utils import Namespace
 
-from kvroute.tokenizer_index.chat_template import compile_syntax_tree
+from kvroute.tokenizer_index.chat_template import ChatTemplate, compile_syntax_tree
+from kvroute.tokenizer_index.template_macros import identity_macros, is_identity_call
 
 MESSAGES = "messages"
 GENERATION_FLAG = "add_generation_prompt"
@@ -171,12 +182,22 @@ class LastMatch:
     RECENT: ClassVar[int] = 8
 
     @classmethod
-    def of(cls, namespace: nodes.Assign, loop: nodes.For, name: str, flag: str, index: str) -> LastMatch:
+    def of(
+        cls,
+        namespace: nodes.Assign,
+        loop: nodes.For,
+        name: str,
+        flag: str,
+        index: str,
+        macros: tuple[nodes.Macro, ...] = (),
+    ) -> LastMatch:
+        """The loop run alone (after the macros its test calls)."""
         found = nodes.Not(nodes.Getattr(nodes.Name(name, "load"), flag, "load"))
         picked = nodes.Getattr(nodes.Name(name, "load"), index, "load")
         report = nodes.Output([nodes.CondExpr(found, picked, nodes.Const(""))])
         # Copies: compiling optimises a tree in place, and the template's own must stay as parsed.
-        program = nodes.Template([copy.deepcopy(namespace), copy.deepcopy(loop), report])
+        statements = [*map(copy.deepcopy, macros), copy.deepcopy(namespace), copy.deepcopy(loop), report]
+        program = nodes.Template(statements)
         program.set_lineno(1)
         return cls(program)
 
@@ -323,10 +344,22 @@ class _Refusal(Exception):
     """The template is not of the shape above; the message says why."""
 
 
-def prefix_shape(tree: nodes.Template) -> PrefixShape:
+def template_shape(template: ChatTemplate) -> PrefixShape:
+    """:func:`prefix_shape` of ``template``, reading macros through where its content
+    format hands it every content as a string."""
+    return prefix_shape(template.syntax_tree, string_contents=template.content_format == "string")
+
+
+def prefix_shape(tree: nodes.Template, *, string_contents: bool = False) -> PrefixShape:
     """Whether the template renders every message on its own (see the module docstring),
-    with its anchors and clock formats, or why not."""
-    check = _ShapeCheck(_message_lists(tree))
+    with its anchors and clock formats, or why not. ``string_contents``: the template's
+    content format hands it every message's content as a string, so a macro that prints a
+    string argument as it is (:mod:`~kvroute.tokenizer_index.template_macros`), called with
+    a message's content, is that content, and its body is not read."""
+    check = _ShapeCheck(_message_lists(tree), identity_macros(tree) if string_contents else frozenset())
+    check.macro_definitions = tuple(
+        macro for macro in tree.find_all(nodes.Macro) if macro.name in check.identity_macros
+    )
     try:
         check.template(tree)
     except _Refusal as refusal:
@@ -395,8 +428,11 @@ def _peeled_list(node: nodes.Node, lists: frozenset[str]) -> int | None:
 class _ShapeCheck:
     """One walk over a template's syntax tree; counts the head's peels and clock formats."""
 
-    def __init__(self, lists: frozenset[str]) -> None:
+    def __init__(self, lists: frozenset[str], identity: frozenset[str] = frozenset()) -> None:
         self.lists = lists
+        #: Macros read through (``prefix_shape``'s ``string_contents``), and their definitions.
+        self.identity_macros = identity
+        self.macro_definitions: tuple[nodes.Macro, ...] = ()
         self.peels = 0
         self.clock_formats: list[str] = []
         self.lookaround = False
@@ -414,7 +450,10 @@ class _ShapeCheck:
         #: two head statements checked as a whole (:meth:`_find_last_match`).
         self.match_namespace: str | None = None
         self.match_index = ""
+        self.match_flag = ""
         self.match_statements: tuple[nodes.Node, ...] = ()
+        #: The last-match loop's variable (a message, whose content an identity macro may print).
+        self.match_target: str | None = None
 
     def template(self, tree: nodes.Template) -> None:
         loops = [node for node in tree.body if isinstance(node, nodes.For) and self._is_list(node.iter)]
@@ -475,6 +514,13 @@ class _ShapeCheck:
             raise _Refusal(f"the template uses {type(node).__name__}")
         if any(node is statement for statement in self.match_statements):
             return  # checked whole by _find_last_match
+        if isinstance(node, nodes.Macro) and node.name in self.identity_macros:
+            return  # called only with a message's content, a string: it prints that
+        if isinstance(node, nodes.Call) and is_identity_call(node, self.identity_macros):
+            if not self._is_content_read(node.args[0]):
+                raise _Refusal("a macro that prints a string is called with something other than a message's content")
+        if (isinstance(node, nodes.Not) and self._is_list(node.node)) or self._is_unmatched_raise(node):
+            return  # (a list of the anchors or more is never empty; a continued match stays one)
         if self._is_first_message(node) or self._is_non_empty_test(node):
             return  # the same for every list that starts with the same messages
         if self._is_peel(node, scope) or self._is_clock(node) or self._is_neighbour(node, scope):
@@ -559,9 +605,15 @@ class _ShapeCheck:
         if not (test and isinstance(flag, nodes.Getattr) and isinstance(flag.node, nodes.Name)):
             raise _Refusal("the last-match loop's test does not start with a namespace flag")
         namespace = flag.node.name
+        body: list[nodes.Node] = choice.body
+        locals_: list[nodes.Assign] = []
+        if _is_local_then_test(body):  # Qwen 3.5's: {% set text = <the message's> %}{% if <of text> %}...
+            local, inner = body
+            assert isinstance(local, nodes.Assign) and isinstance(inner, nodes.If)  # (_is_local_then_test)
+            locals_, test, body = [local], [*test, inner.test], inner.body
         writes = {
             statement.target.attr: statement.node
-            for statement in choice.body
+            for statement in body
             if isinstance(statement, nodes.Assign)
             and isinstance(statement.target, nodes.NSRef)
             and statement.target.name == namespace
@@ -569,20 +621,50 @@ class _ShapeCheck:
         picked = writes.pop(flag.attr, None)
         [(index, position)] = writes.items() if len(writes) == 1 else [("", None)]
         if (
-            len(choice.body) != 2
+            len(body) != 2
             or not _is_const(picked, False)
             or not (_is_reverse_position(position) or any(_is_name(position, name) for name in position_names))
         ):
             raise _Refusal("the last-match loop does not keep exactly a flag and the matched position")
-        target = loop.target.name
-        for condition in test:
-            if any(name.name != target for name in condition.find_all(nodes.Name)):
+        target = self.match_target = loop.target.name
+        readable = {target, *(local.target.name for local in locals_), *self.identity_macros}  # type: ignore[attr-defined]
+        for condition in (*test, *(local.node for local in locals_)):
+            if any(name.name not in readable for name in condition.find_all(nodes.Name)):
                 raise _Refusal("the last-match loop's test reads more than the message")
             self.check(condition, _Scope(in_any_loop=True, no_namespace_writes=True))
         declaration = _namespace_declaration(head[: head.index(loop)], namespace, flag.attr, index)
-        self.last_match = LastMatch.of(declaration, loop, namespace, flag.attr, index)
-        self.match_namespace, self.match_index = namespace, index
+        self.last_match = LastMatch.of(declaration, loop, namespace, flag.attr, index, self.macro_definitions)
+        self.match_namespace, self.match_index, self.match_flag = namespace, index, flag.attr
         self.match_statements = (declaration, loop)
+
+    def _is_content_read(self, node: nodes.Node) -> bool:
+        """``message.content`` of the messages loop's or the last-match loop's message, or of
+        ``messages[0]``."""
+        if not isinstance(node, nodes.Getattr | nodes.Getitem) or _key_of(node) != "content":
+            return False
+        message = node.node
+        if self._is_first_message(message):
+            return True
+        names = {self.match_target, self.message_loop.target.name if self.message_loop is not None else None}  # type: ignore[attr-defined]
+        return isinstance(message, nodes.Name) and message.ctx == "load" and message.name in names
+
+    def _is_unmatched_raise(self, node: nodes.Node) -> bool:
+        """``{% if ns.flag %}{{ raise_exception('...') }}{% endif %}`` after the last-match
+        loop (Qwen 3.5's "no user query"): a conversation that rendered has a match, and so
+        has every conversation continuing it, so this never raises for those."""
+        return (
+            self.match_namespace is not None
+            and isinstance(node, nodes.If)
+            and not node.elif_
+            and not node.else_
+            and isinstance(node.test, nodes.Getattr)
+            and _is_name(node.test.node, self.match_namespace)
+            and node.test.attr == self.match_flag
+            and all(
+                isinstance(statement, nodes.Output) and all(_is_raise(part) for part in statement.nodes)
+                for statement in node.body
+            )
+        )
 
     def _is_match_comparison(self, node: nodes.Compare) -> bool:
         """``loop.index0 > ns.index`` (any comparison, either way round): the same answer
@@ -736,6 +818,35 @@ def _namespace_declaration(head: list[nodes.Node], namespace: str, flag: str, in
             if _is_const(values.get(flag), True) and _is_last_position(values.get(index)):
                 return statement
     raise _Refusal(f"the last-match loop's namespace is not set to namespace({flag}=true, {index}=messages|length - 1)")
+
+
+def _is_local_then_test(body: list[nodes.Node]) -> bool:
+    """``{% set name = ... %}{% if ... %}...{% endif %}`` (no ``elif``, no ``else``)."""
+    return (
+        len(body) == 2
+        and isinstance(body[0], nodes.Assign)
+        and isinstance(body[0].target, nodes.Name)
+        and isinstance(body[1], nodes.If)
+        and not body[1].elif_
+        and not body[1].else_
+    )
+
+
+def _is_raise(node: nodes.Node) -> bool:
+    """``raise_exception('...')``."""
+    return (
+        isinstance(node, nodes.Call)
+        and _is_name(node.node, "raise_exception")
+        and all(isinstance(argument, nodes.Const) for argument in node.args)
+        and not (node.kwargs or node.dyn_args or node.dyn_kwargs)
+    )
+
+
+def _key_of(node: nodes.Getattr | nodes.Getitem) -> str | None:
+    """The constant key ``node`` reads (``x.key``, ``x['key']``)."""
+    if isinstance(node, nodes.Getattr):
+        return node.attr
+    return node.arg.value if isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str) else None
 
 
 def _conjuncts(test: nodes.Node) -> list[nodes.Node]:

@@ -84,7 +84,7 @@ from kvroute.tokenizer_index.prompt_memo import PromptMemo, PromptMemoStats, Rem
 from kvroute.tokenizer_index.render_memo import MIN_MESSAGES as RENDER_MEMO_MESSAGES
 from kvroute.tokenizer_index.render_memo import RenderMemo, RenderSettings, incremental_render_agrees
 from kvroute.tokenizer_index.render_skeleton import SkeletonRenders, SkeletonStats, tools_key
-from kvroute.tokenizer_index.template_prefix import PrefixShape, prefix_shape
+from kvroute.tokenizer_index.template_prefix import PrefixShape, template_shape
 from kvroute.tokenizer_index.word_split import (
     NEW_WORD_SOURCES,
     VERIFY_EVERY,
@@ -821,7 +821,7 @@ class RequestTokenizer:
         """The template's shape when it renders incrementally (above), else None."""
         if template.source in self._incremental_shapes:
             return self._incremental_shapes[template.source]
-        shape = prefix_shape(template.syntax_tree)
+        shape = template_shape(template)
         reason = shape.refusal
         if reason is None and not incremental_render_agrees(template, self.special_tokens, shape):
             reason = "probe conversations rendered incrementally differ from whole renders"

@@ -29,7 +29,13 @@ from kvroute.tokenizer_index.render_memo import (
     RenderSettings,
     incremental_render_agrees,
 )
-from kvroute.tokenizer_index.template_prefix import CarriedState, PrefixShape, _report_state, prefix_shape
+from kvroute.tokenizer_index.template_prefix import (
+    CarriedState,
+    PrefixShape,
+    _report_state,
+    prefix_shape,
+    template_shape,
+)
 from tests.paths import REPO
 from tests.tokenizer_index.test_prompt_memo import TEMPLATES
 from tests.tokenizer_index.tokenizers_fixtures import (
@@ -70,10 +76,10 @@ ALL_TEMPLATES = {
 INCREMENTAL = {
     *("prefix_stable", "raw", "thinking_prompt", "default", "openai_parts"),
     *("llama3", "llama3_index", "llama31", "marks_last", "qwen25", "qwen3", "qwen3_coder"),
-    *("mistral", "mistral_first", "mixtral_last", "gemma3", "deepseek"),
+    *("mistral", "mistral_first", "mixtral_last", "gemma3", "deepseek", "qwen35"),
 }
 #: Those whose message texts depend on their neighbours (the memo renders the last few again).
-LOOKAROUND = {"marks_last", "qwen25", "qwen3", "qwen3_coder", "mixtral_last"}
+LOOKAROUND = {"marks_last", "qwen25", "qwen3", "qwen3_coder", "mixtral_last", "qwen35"}
 #: Those whose message texts depend on their positions' parity (a window keeps it).
 PARITY = {"mistral", "mistral_first", "mixtral_last", "gemma3"}
 #: The leading messages each incremental template's renders repeat (the head peels the rest off).
@@ -173,7 +179,7 @@ def renderers(request: pytest.FixtureRequest) -> Renderers:
 @pytest.mark.parametrize("name", sorted(ALL_TEMPLATES))
 def test_templates_that_keep_the_prefix_property_are_recognised(name: str) -> None:
     template = ChatTemplate.from_source(ALL_TEMPLATES[name])
-    shape = prefix_shape(template.syntax_tree)
+    shape = template_shape(template)
     assert shape.stable == (name in INCREMENTAL)
     assert shape.anchors == ANCHORS.get(name, 1)
     assert shape.lookaround == (name in LOOKAROUND)
@@ -197,7 +203,7 @@ def test_each_turn_and_branch_renders_as_the_whole(
     reused = renderers.memo.render_memo_stats().reused
     if renderers.agree(history, tools=tools) and conversation_keys(history):  # the same conversation again
         template = renderers.memo.chat_template()
-        shape = prefix_shape(template.syntax_tree)
+        shape = template_shape(template)
         remembered = renderers.memo.renders_incrementally(template) and len(history) >= shape.anchors
         # (A state-carrying template renders a retry through a window, where one fits.)
         reused_now = renderers.memo.render_memo_stats().reused - reused
@@ -239,7 +245,7 @@ def test_a_template_reading_neighbours_renders_its_last_messages_again(name: str
     result group closed): spliced as one message, it would differ, and the probes say so;
     with its last few messages rendered again it equals the whole render."""
     template = ChatTemplate.from_source(ALL_TEMPLATES[name])
-    shape = prefix_shape(template.syntax_tree)
+    shape = template_shape(template)
     specials = {"bos_token": "<s>", "eos_token": "</s>"}
     assert not incremental_render_agrees(template, specials)  # as if it read no neighbour
     assert incremental_render_agrees(template, specials, shape)
@@ -262,7 +268,7 @@ def test_a_template_checking_that_roles_alternate_renders_each_message_at_its_pa
     sit at the other parity (refused, or rendered as the other role) and the probes say so;
     with one remembered message between, every turn equals the whole render."""
     template = ChatTemplate.from_source(ALL_TEMPLATES[name])
-    shape = prefix_shape(template.syntax_tree)
+    shape = template_shape(template)
     specials = {"bos_token": "<s>", "eos_token": "</s>"}
     if not shape.lookaround:  # (a lookaround template whose window is refused renders whole)
         assert not incremental_render_agrees(template, specials, replace(shape, parity=False))
@@ -518,7 +524,7 @@ _LAST_MATCH_BODY = (
 )
 def test_syntax_that_may_break_the_prefix_property_is_refused(source: str) -> None:
     template = ChatTemplate.from_source(source)
-    assert prefix_shape(template.syntax_tree).refusal is not None
+    assert template_shape(template).refusal is not None
     renderers = Renderers(source)
     assert not renderers.memo.renders_incrementally(renderers.memo.chat_template())
 
@@ -586,14 +592,68 @@ def test_a_last_match_read_other_than_by_position_is_refused(body: str) -> None:
     assert prefix_shape(tree).refusal is not None
 
 
+#: Qwen 3.5's last-match loop: each text through a macro printing a string as it is, then
+#: trimmed into a name, which an inner test reads; a raise where no message matched.
+_MACRO = (
+    "{% macro show(c, counted=false) %}{% if c is string %}{{ c }}{% elif c is iterable %}"
+    "{% for p in c %}{% set seen.n = seen.n + 1 %}{{ p.text }}{% endfor %}{% endif %}{% endmacro %}"
+    "{% set seen = namespace(n=0) %}"
+)
+_NESTED_LAST_MATCH = (
+    "{% if not messages %}{{ raise_exception('none') }}{% endif %}"
+    "{% set ns = namespace(flag=true, last=messages|length - 1) %}"
+    "{% for message in messages[::-1] %}{% set index = (messages|length - 1) - loop.index0 %}"
+    "{% if ns.flag and message.role == 'user' %}{% set text = show(message.content) | trim %}"
+    "{% if not text.startswith('<r>') %}{% set ns.flag = false %}{% set ns.last = index %}{% endif %}"
+    "{% endif %}{% endfor %}{% if ns.flag %}{{ raise_exception('no query') }}{% endif %}"
+    "{% for m in messages %}{% set content = show(m.content, true) | trim %}{{ m.role }}:{{ content }}"
+    "{% if m.role == 'assistant' and loop.index0 > ns.last %}[after]{% endif %}|{% endfor %}"
+)
+
+
+def test_a_last_match_through_a_macro_renders_incrementally() -> None:
+    """Qwen 3.5's form: the macro read through where contents reach the template as strings
+    (the content format), refused elsewhere; every turn renders as the whole template does,
+    and later turns from the remembered one."""
+    source = _MACRO + _NESTED_LAST_MATCH
+    tree = ChatTemplate.from_source(source).syntax_tree
+    assert prefix_shape(tree).refusal is not None  # (the macro writes a namespace for parts)
+    shape = prefix_shape(tree, string_contents=True)
+    assert shape.refusal is None and shape.last_match is not None
+    assert shape.last_match.find([{"role": "user", "content": " q "}, {"role": "user", "content": "<r>x"}]) == 0
+    renderers = Renderers(source)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "question"}]
+    for turn in range(12):
+        messages += [{"role": "assistant", "content": f"answer {turn}"}, {"role": "user", "content": f"<r>{turn}"}]
+        assert renderers.agree(messages)
+    assert renderers.memo.render_memo_stats().reused > 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        ("show(message.content)", "show(message.role)"),  # the macro handed something else
+        ("show(m.content, true)", "show(m, true)"),
+        ("{{ raise_exception('no query') }}", "{{ raise_exception('no query') }}x"),  # text where none matched
+        ("{% if ns.flag %}{{ raise", "{% if not ns.flag %}{{ raise"),
+        ("{% set text = show(message.content) | trim %}", "{% set text = show(message.content) ~ ns.last %}"),
+    ],
+)
+def test_a_last_match_through_a_macro_otherwise_is_refused(change: tuple[str, str]) -> None:
+    old, new = change
+    source = (_MACRO + _NESTED_LAST_MATCH).replace(old, new)
+    assert source != _MACRO + _NESTED_LAST_MATCH
+    assert prefix_shape(ChatTemplate.from_source(source).syntax_tree, string_contents=True).refusal is not None
+
+
 def test_running_the_last_match_loop_leaves_the_template_as_parsed() -> None:
     """Compiling the loop alone optimises its tree in place: it runs on copies."""
     template = ChatTemplate.from_source(ALL_TEMPLATES["qwen3"])
-    last_match = prefix_shape(template.syntax_tree).last_match
+    last_match = template_shape(template).last_match
     assert last_match is not None
     assert last_match.find([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]) == 0
     assert template.syntax_tree == ChatTemplate.from_source(ALL_TEMPLATES["qwen3"]).syntax_tree  # parsed afresh
-    assert prefix_shape(template.syntax_tree).last_match is not None
+    assert template_shape(template).last_match is not None
 
 
 def _qwen3_agent_turn(number: int) -> list[dict[str, Any]]:
@@ -756,7 +816,7 @@ def test_a_render_that_differs_from_the_whole_distrusts_its_template(monkeypatch
     every one); one that differs is replaced by the whole render, and the template renders
     whole from then on."""
     template = ChatTemplate.from_source(ALL_TEMPLATES["default"])
-    settings = RenderSettings(template, None, None, {}, True, prefix_shape(template.syntax_tree))
+    settings = RenderSettings(template, None, None, {}, True, template_shape(template))
     memo = RenderMemo(1 << 20, min_messages=1, verify_every=1)
     messages = [{"role": "user", "content": "first"}]
     assert memo.render(messages, settings) == settings.render_whole(messages)
