@@ -535,10 +535,8 @@ def _marked_value(slot: int, value: str | _Arguments, pad: str = _PAD) -> Any:
     kind = value.kind
     if type(value) is _ArgumentItems:
         return _MarkedObject(slot, dict(value.value))  # (its values' own stand-ins go in next)
-    if value.empty and (kind is dict or kind is list):
-        return kind()  # an empty object or list: part of the shape
-    if value.empty or kind is bool or value.value is None:
-        return value.value  # part of the shape
+    if _held_by_shape(value):
+        return kind() if value.empty and (kind is dict or kind is list) else value.value
     if kind is dict:
         return _MarkedObject(slot)
     if kind is list:
@@ -554,15 +552,19 @@ def _checking_value(slot: int, value: str | _Arguments) -> Any:
     kind = value.kind
     if type(value) is _ArgumentItems:
         return dict(value.value)
-    if value.empty and (kind is dict or kind is list):
-        return kind()
-    if value.empty or kind is bool or value.value is None:
-        return value.value
+    if _held_by_shape(value):
+        return kind() if value.empty and (kind is dict or kind is list) else value.value
     if kind is dict:
         return {"value": _checking(slot)}
     if kind is list:
         return [_checking(slot)]
     return 7 + slot if kind is int else 0.25 + slot
+
+
+def _held_by_shape(value: _Arguments) -> bool:
+    """Whether the shape holds ``value`` as it is: an empty object or list, true, false,
+    null, a zero (a fresh empty object or list stands for it, the others for themselves)."""
+    return value.empty or value.kind is bool or value.value is None
 
 
 def _as_filled(value: Any) -> str | _Arguments:
