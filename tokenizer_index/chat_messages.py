@@ -154,7 +154,10 @@ def parse_arguments(text: str) -> Any:
             return orjson.loads(text)
         except orjson.JSONDecodeError:
             pass
-    return json.loads(text)
+    try:
+        return json.loads(text)
+    except RecursionError:  # (orjson refused it first: nested past 1,024)
+        raise ValueError("a tool call's arguments are nested too deeply") from None
 
 
 def _tool_calls(calls: Any) -> list[dict[str, Any]]:

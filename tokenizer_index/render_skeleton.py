@@ -42,6 +42,7 @@ agent sends the same ones with every turn).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections import OrderedDict
@@ -317,13 +318,19 @@ def _arguments(raw: str) -> str | _Arguments | None:
     list (as vLLM parses them: invalid JSON is an empty object); None for other values."""
     try:
         value = parse_arguments(raw)
-    except ValueError:  # (JSONDecodeError)
+    except json.JSONDecodeError:
         value = {}
+    except ValueError:  # nested too deeply: the whole render says why
+        return None
     if type(value) is str:
         return value
     if type(value) is not dict and type(value) is not list:
         return None
-    return _Arguments(tojson(value), type(value), not value, value)
+    try:
+        dumped = tojson(value)
+    except RecursionError:  # nested past what the encoder writes: the whole render says why
+        return None
+    return _Arguments(dumped, type(value), not value, value)
 
 
 #: An agent's chat re-sends every earlier turn's calls: their arguments are parsed and

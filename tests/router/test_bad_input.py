@@ -339,3 +339,22 @@ def test_slow_request_head_is_cut_off(router: RouterServer) -> None:
                 continue
     assert closed, "a request head dripping in forever must not hold a connection"
     still_serves(router)
+
+
+@pytest.mark.parametrize("depth", [1_000, 5_000])
+def test_tool_call_arguments_nested_past_what_json_writes(router: RouterServer, depth: int) -> None:
+    """Arguments are a JSON text the router parses and writes again to render the chat:
+    nested deeper than the encoder goes, the request is the client's error (or the
+    engine's answer), never a 5xx, and the router keeps serving."""
+    arguments = '{"a": ' + "[" * depth + "]" * depth + "}"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    body = {"model": "sim", "messages": messages, "max_tokens": 2}
+    response = post(router, httpx.Request("POST", "/", json=body).content)
+    if response.status_code != 200:
+        assert_client_error(response)
+    still_serves(router)

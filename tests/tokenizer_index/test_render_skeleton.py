@@ -432,3 +432,16 @@ def test_tools_json_cannot_stand_for_exactly_render_whole() -> None:
     before = tokenizer.skeleton_stats().filled
     assert tokenizer.render_chat(chat, tools=odd) == whole.render_chat(chat, tools=odd)
     assert tokenizer.skeleton_stats().filled == before
+
+
+@pytest.mark.parametrize("depth", [1_000, 5_000])
+def test_arguments_nested_past_what_json_writes_render_whole(depth: int) -> None:
+    """Such arguments fill no skeleton: the whole render refuses them (the client's error),
+    where writing them here would raise out of the scan."""
+    template = ChatTemplate.from_source(ALL_TEMPLATES["qwen3_coder"])
+    arguments = '{"a": ' + "[" * depth + "]" * depth + "}"  # (printed through tojson by the template)
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    assert SkeletonRenders().render(chat, template, True, render_whole(template)) is None
+    with pytest.raises((ChatTemplateError, ValueError)):
+        render_whole(template)(chat)
