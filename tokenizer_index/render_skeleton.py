@@ -267,7 +267,7 @@ class _Arguments:
     """A value that is no text: a tool call's arguments (an object or a list) or one of
     their values, as the template sees it, and as ``tojson`` writes it."""
 
-    __slots__ = ("_entries", "empty", "json", "kind", "value")
+    __slots__ = ("_entries", "_items", "empty", "json", "kind", "value")
 
     def __init__(self, json: str, kind: type, empty: bool, value: Any) -> None:
         self.json = json
@@ -275,9 +275,19 @@ class _Arguments:
         self.empty = empty
         self.value = value
         self._entries: tuple[tuple[_EntryKind, ...], tuple[Any, ...]] | None = None
+        self._items: _ArgumentItems | None = None
 
     def __bool__(self) -> bool:
         return not self.empty
+
+    def as_items(self) -> _ArgumentItems:
+        """These arguments (an object) as a template that iterates them sees them; made
+        once (an agent re-sends its calls)."""
+        if self._items is None:
+            items = _ArgumentItems(self.json, self.kind, self.empty, self.value)
+            items._entries = self.entries()
+            self._items = items
+        return self._items
 
     def entries(self) -> tuple[tuple[_EntryKind, ...], tuple[Any, ...]]:
         """An object's keys and its values' kinds (the shape), and its values as slots
@@ -302,15 +312,9 @@ class _Arguments:
 
 class _ArgumentItems(_Arguments):
     """A call's arguments (an object) under a template that iterates them: its keys join
-    the shape, its values are slots of their own."""
+    the shape, its values are slots of their own (:meth:`_Arguments.as_items`)."""
 
     __slots__ = ()
-
-    @classmethod
-    def of(cls, arguments: _Arguments) -> _ArgumentItems:
-        items = cls(arguments.json, arguments.kind, arguments.empty, arguments.value)
-        items._entries = arguments.entries()
-        return items
 
 
 def _arguments(raw: str) -> str | _Arguments | None:
@@ -446,7 +450,7 @@ def _scan_message(
             places.append((number, ("tool_calls", index, "function", "name")))
             places.append((number, ("tool_calls", index, "function", "arguments")))
         if items and type(arguments) is _Arguments and arguments.kind is dict and not arguments.empty:
-            arguments = _ArgumentItems.of(arguments)
+            arguments = arguments.as_items()
             entries, entry_values = arguments.entries()
             kind.append(entries)
             values.append(arguments)

@@ -12,9 +12,11 @@ every content over as a string; ``benchmarks/README.md`` says what else Qwen 3.5
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from functools import partial
 
 from jinja2 import nodes
+
+from kvroute.tokenizer_index.template_syntax import decided, live
 
 # What may run in a macro that only prints its first argument, a string.
 _IDENTITY_NODES = (nodes.If, nodes.Test, nodes.Name, nodes.Output, nodes.Not, nodes.And, nodes.Or, nodes.Const)
@@ -36,7 +38,8 @@ def prints_first_string(macro: nodes.Macro) -> bool:
     if not macro.args:
         return False
     argument = macro.args[0].name
-    ran = [node for child in macro.body for node in _run_for_string(child, argument)]
+    truth = partial(decided, leaf=partial(_string_truth, argument=argument))
+    ran = [node for child in macro.body for node in live(child, truth)]
     outputs = [node for node in ran if isinstance(node, nodes.Output)]
     if len(outputs) != 1 or len(outputs[0].nodes) != 1:
         return False
@@ -61,39 +64,10 @@ def is_identity_call(node: nodes.Node, macros: frozenset[str]) -> bool:
     )
 
 
-def _run_for_string(node: nodes.Node, argument: str) -> Iterator[nodes.Node]:
-    """``node`` and what under it runs when ``argument`` is a string: ``if`` branches whose
-    tests type tests of it decide are followed or left out."""
-    yield node
-    if not isinstance(node, nodes.If):
-        for child in node.iter_child_nodes():
-            yield from _run_for_string(child, argument)
-        return
-    for branch in (node, *node.elif_):
-        yield from _run_for_string(branch.test, argument)
-        taken = _string_truth(branch.test, argument)
-        if taken is not False:
-            for child in branch.body:
-                yield from _run_for_string(child, argument)
-        if taken is True:
-            return
-    for child in node.else_:
-        yield from _run_for_string(child, argument)
-
-
 def _string_truth(test: nodes.Node, argument: str) -> bool | None:
-    """``test``'s value when ``argument`` is a string, where its type decides it."""
+    """A type test of ``argument``'s, decided for a string (None for any other test)."""
     if isinstance(test, nodes.Test) and isinstance(test.node, nodes.Name) and test.node.name == argument:
         if test.name in _STRING_PASSES:
             return True
         return False if test.name in _STRING_FAILS else None
-    if isinstance(test, nodes.Not):
-        inner = _string_truth(test.node, argument)
-        return None if inner is None else not inner
-    if isinstance(test, nodes.And | nodes.Or):
-        left, right = _string_truth(test.left, argument), _string_truth(test.right, argument)
-        deciding = isinstance(test, nodes.Or)  # True decides an or, False an and
-        if deciding in (left, right):
-            return deciding
-        return None if None in (left, right) else not deciding
     return None

@@ -109,6 +109,7 @@ from jinja2.utils import Namespace
 
 from kvroute.tokenizer_index.chat_template import ChatTemplate, compile_syntax_tree
 from kvroute.tokenizer_index.template_macros import identity_macros, is_identity_call
+from kvroute.tokenizer_index.template_syntax import key_of
 
 MESSAGES = "messages"
 GENERATION_FLAG = "add_generation_prompt"
@@ -640,7 +641,7 @@ class _ShapeCheck:
     def _is_content_read(self, node: nodes.Node) -> bool:
         """``message.content`` of the messages loop's or the last-match loop's message, or of
         ``messages[0]``."""
-        if not isinstance(node, nodes.Getattr | nodes.Getitem) or _key_of(node) != "content":
+        if not isinstance(node, nodes.Getattr | nodes.Getitem) or key_of(node) != "content":
             return False
         message = node.node
         if self._is_first_message(message):
@@ -840,13 +841,6 @@ def _is_raise(node: nodes.Node) -> bool:
         and all(isinstance(argument, nodes.Const) for argument in node.args)
         and not (node.kwargs or node.dyn_args or node.dyn_kwargs)
     )
-
-
-def _key_of(node: nodes.Getattr | nodes.Getitem) -> str | None:
-    """The constant key ``node`` reads (``x.key``, ``x['key']``)."""
-    if isinstance(node, nodes.Getattr):
-        return node.attr
-    return node.arg.value if isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str) else None
 
 
 def _conjuncts(test: nodes.Node) -> list[nodes.Node]:

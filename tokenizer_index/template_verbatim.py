@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from jinja2 import nodes
 
 from kvroute.tokenizer_index.template_macros import identity_macros, is_identity_call
+from kvroute.tokenizer_index.template_syntax import decided, key_of, live
 
 #: Roles a plain message may have: a client's invented roles would only churn the shapes.
 PLAIN_ROLES = frozenset({"system", "developer", "user", "assistant"})
@@ -313,11 +314,8 @@ class _VerbatimCheck:
         return None
 
     def _is_arguments(self, node: nodes.Node) -> bool:
-        return (
-            isinstance(node, nodes.Getattr | nodes.Getitem)
-            and _key_of(node) == "arguments"
-            and self._is_call(node.node)
-        )
+        """A call's (or its function's) arguments."""
+        return _is_field(node, "arguments", self._is_call)
 
     def _reads_value(self, node: nodes.Node) -> bool:
         """A read of an argument's value: a value name, ``arguments[key]``."""
@@ -336,7 +334,7 @@ class _VerbatimCheck:
 
     def _is_message_field(self, node: nodes.Node, key: str) -> bool:
         """``message.key`` or ``message['key']`` of a message (:meth:`_is_message`)."""
-        return isinstance(node, nodes.Getattr | nodes.Getitem) and _key_of(node) == key and self._is_message(node.node)
+        return _is_field(node, key, self._is_message)
 
     def _is_call(self, node: nodes.Node) -> bool:
         """A tool call or its function: a call name, ``calls[i]``, ``call.function``,
@@ -346,7 +344,7 @@ class _VerbatimCheck:
         if isinstance(node, nodes.Getitem) and not isinstance(node.arg, nodes.Slice) and self._is_call_list(node.node):
             return True
         if isinstance(node, nodes.Getattr | nodes.Getitem):
-            return _key_of(node) == "function" and self._is_call(node.node)
+            return key_of(node) == "function" and self._is_call(node.node)
         if isinstance(node, nodes.CondExpr):
             return node.expr2 is not None and self._is_call(node.expr1) and self._is_call(node.expr2)
         if isinstance(node, nodes.Or):
@@ -368,7 +366,7 @@ class _VerbatimCheck:
             known = (self._content_names, self._mixed_names)
             assigns = [
                 node
-                for node in _live(self._tree, self._plain_truth, self._skipped)
+                for node in live(self._tree, self._plain_truth, self._skipped)
                 if isinstance(node, nodes.Assign) and _target_key(node.target) is not None
             ]
             content = self._content_names = self._names_set_from_texts(assigns)
@@ -416,7 +414,7 @@ class _VerbatimCheck:
         )
 
     def _is_text_access(self, node: nodes.Getattr | nodes.Getitem) -> bool:
-        key = _key_of(node)
+        key = key_of(node)
         if key in self._text_keys and self._is_message(node.node):
             return True
         if key == "text" and self._is_part(node.node):
@@ -466,7 +464,7 @@ class _VerbatimCheck:
             raise _Refusal("a name holds a message's part and something else")
         self.tests.clear()  # (those the settling rounds asked are asked again below)
         refusal: _Refusal | None = None
-        for node in _live(self._tree, self._plain_truth, self._skipped):
+        for node in live(self._tree, self._plain_truth, self._skipped):
             try:
                 self._check(node)
             except _Refusal as found:
@@ -572,26 +570,38 @@ class _VerbatimCheck:
             raise _Refusal(f"a message's {key} is called")
 
     def _parts_use(self, node: nodes.Node) -> None:
-        """A message's content as a list of parts: looped over, indexed by a number, counted
-        (one part per text), tested."""
+        """A message's content as a list of parts: looped over (a part name), indexed by a
+        number, counted (one part per text), tested."""
+        self._sequence_use(node, self._is_part, self._part_use, "a message's parts")
+
+    def _sequence_use(
+        self,
+        node: nodes.Node,
+        indexed: Callable[[nodes.Getitem], bool],
+        item_use: Callable[[nodes.Node], None],
+        what: str,
+    ) -> None:
+        """A list (``what``) read only by looping over it (its variable's reads are checked
+        by name), indexing it as ``indexed`` allows (the item's use checked), counting it,
+        or testing its type or truth."""
         parent = self._parent(node)
         if isinstance(parent, nodes.For) and parent.iter is node:
-            return  # its variable is a part name
-        if isinstance(parent, nodes.Getitem) and parent.node is node and self._is_part(parent):
-            self._part_use(parent)
+            return
+        if isinstance(parent, nodes.Getitem) and parent.node is node and indexed(parent):
+            item_use(parent)
         elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "length":
             return
         elif isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
             return
         elif not self._is_truth(node):
-            raise _Refusal(f"a message's parts are read as {type(parent).__name__}")
+            raise _Refusal(f"{what} are read as {type(parent).__name__}")
 
     def _part_use(self, node: nodes.Node) -> None:
         """A part of a message's content: read by constant keys (its ``text`` a text, its
         ``type`` the same for every part a skeleton fills), tested for a key or its type."""
         parent = self._parent(node)
         if isinstance(parent, nodes.Getattr | nodes.Getitem) and parent.node is node:
-            key = _key_of(parent)
+            key = key_of(parent)
             if key is None:
                 raise _Refusal("a message's part is read by a computed key")
             if key == "text":
@@ -622,24 +632,14 @@ class _VerbatimCheck:
         )
 
     def _call_list_use(self, node: nodes.Node) -> None:
-        """A message's tool calls: looped over, indexed, counted, tested."""
-        parent = self._parent(node)
-        if isinstance(parent, nodes.For) and parent.iter is node:
-            return  # its variable is a call name
-        if isinstance(parent, nodes.Getitem) and parent.node is node and not isinstance(parent.arg, nodes.Slice):
-            self._call_use(parent)
-        elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "length":
-            return
-        elif isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
-            return
-        elif not self._is_truth(node):
-            raise _Refusal(f"a message's tool calls are read as {type(parent).__name__}")
+        """A message's tool calls: looped over (a call name), indexed, counted, tested."""
+        self._sequence_use(node, _not_sliced, self._call_use, "a message's tool calls")
 
     def _call_use(self, node: nodes.Node) -> None:
         """A tool call or its function (:meth:`_is_call`): read by constant keys, tested."""
         parent = self._parent(node)
         if isinstance(parent, nodes.Getattr | nodes.Getitem) and parent.node is node:
-            key = _key_of(parent)
+            key = key_of(parent)
             if key is None:
                 raise _Refusal("a tool call is read by a computed key")
             if key == "function":
@@ -884,15 +884,10 @@ class _VerbatimCheck:
         """``test``'s value for every plain message, where it is the same for all (a role
         no plain message has, a field none has, a text test a skeleton's texts answer no
         to, a text's type); None where it may differ."""
-        if isinstance(test, nodes.Not):
-            inner = self._plain_truth(test.node)
-            return None if inner is None else not inner
-        if isinstance(test, nodes.And | nodes.Or):
-            left, right = self._plain_truth(test.left), self._plain_truth(test.right)
-            deciding = isinstance(test, nodes.Or)  # True decides an or, False an and
-            if deciding in (left, right):
-                return deciding
-            return None if None in (left, right) else not deciding
+        return decided(test, self._plain_leaf)
+
+    def _plain_leaf(self, test: nodes.Node) -> bool | None:
+        """:meth:`_plain_truth` of a test made of no ``not``, ``and`` or ``or``."""
         # A text is a string; a name set from one may not be set yet (undefined) where it is
         # tested, so only a text read straight off its message counts.
         if (
@@ -920,7 +915,7 @@ class _VerbatimCheck:
             return None if present is None else present == (operand.op == "in")
         if operand.op in ("eq", "ne"):
             for read, other in ((first, second), (second, first)):
-                is_role = isinstance(read, nodes.Getattr | nodes.Getitem) and _key_of(read) == "role"
+                is_role = isinstance(read, nodes.Getattr | nodes.Getitem) and key_of(read) == "role"
                 if is_role and self._is_read_message(read.node) and isinstance(other, nodes.Const):  # type: ignore[attr-defined]
                     if other.value in self._roles:
                         return None
@@ -937,7 +932,7 @@ class _VerbatimCheck:
         :meth:`_holds` says; None where it may differ, or names a dict's own attribute."""
         if not isinstance(node, nodes.Getattr | nodes.Getitem) or not self._is_read_message(node.node):
             return None
-        key = _key_of(node)
+        key = key_of(node)
         return None if key is None or key in _DICT_ATTRIBUTES else self._holds(key)
 
     def _is_loop_message(self, node: nodes.Node) -> bool:
@@ -992,38 +987,13 @@ def _has_arguments(node: nodes.Filter | nodes.Call) -> bool:
     return bool(node.args or node.kwargs or node.dyn_args or node.dyn_kwargs)
 
 
-def _key_of(node: nodes.Node) -> str | None:
-    """The constant key ``node`` reads (``x.key``, ``x['key']``), if it is such a read."""
-    if isinstance(node, nodes.Getattr):
-        return node.attr
-    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str):
-        return node.arg.value
-    return None
+def _is_field(node: nodes.Node, key: str, owner: Callable[[nodes.Node], bool]) -> bool:
+    """``x.key`` or ``x['key']`` where ``owner`` says ``x`` is what it must be."""
+    return isinstance(node, nodes.Getattr | nodes.Getitem) and key_of(node) == key and owner(node.node)
 
 
-def _live(
-    node: nodes.Node, truth: Callable[[nodes.Node], bool | None], skipped: frozenset[int] = frozenset()
-) -> Iterator[nodes.Node]:
-    """``node`` and the nodes under it, less the branches of ``if`` statements whose tests
-    ``truth`` says are the same for every plain message (the others are never rendered)
-    and the nodes under those in ``skipped`` (by id)."""
-    yield node
-    if id(node) in skipped:
-        return
-    if not isinstance(node, nodes.If):
-        for child in node.iter_child_nodes():
-            yield from _live(child, truth, skipped)
-        return
-    for branch in (node, *node.elif_):
-        yield from _live(branch.test, truth, skipped)
-        taken = truth(branch.test)
-        if taken is not False:
-            for child in branch.body:
-                yield from _live(child, truth, skipped)
-        if taken is True:
-            return
-    for child in node.else_:
-        yield from _live(child, truth, skipped)
+def _not_sliced(item: nodes.Getitem) -> bool:
+    return not isinstance(item.arg, nodes.Slice)
 
 
 def _walk(node: nodes.Node) -> Iterator[nodes.Node]:
