@@ -407,6 +407,12 @@ class PrefixIndex:
         holder = self._holders.get(backend)
         return holder.count if holder is not None else 0
 
+    def blocks_of(self, backends: Sequence[str]) -> list[int]:
+        """:meth:`blocks` of each of ``backends``."""
+        self._expire_all()
+        holders = self._holders
+        return [holder.count if (holder := holders.get(backend)) is not None else 0 for backend in backends]
+
     def stats(self) -> IndexStats:
         """Blocks per backend, distinct blocks and total bytes."""
         self._expire_all()

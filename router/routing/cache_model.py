@@ -61,6 +61,8 @@ class CacheModel:
         self._scales: dict[str, float] = {}
         self._eviction_rates: dict[str, float] = {}
         self._answers: dict[str, AnswerCounts] = {}
+        #: Counts the changes of any scale (what a capacity applied earlier was computed from).
+        self.version = 0
 
     def eviction_rate(self, backend: str) -> float | None:
         """The recent share of ``backend``'s answers that showed an eviction the index did not
@@ -107,11 +109,13 @@ class CacheModel:
         evident = max(0, held_tokens - missing_tokens) / configured_tokens
         after = max(MIN_SCALE, before * (1.0 - MAX_DROP), min(before, evident))
         self._scales[backend] = after
+        self.version += 1
         return Correction(backend, before, after)
 
     def _grow(self, backend: str) -> None:
         before = self._scales.get(backend)
         if before is not None:
+            self.version += 1
             after = min(1.0, before + GROW)
             if after >= 1.0:
                 del self._scales[backend]
@@ -119,6 +123,7 @@ class CacheModel:
                 self._scales[backend] = after
 
     def forget(self, backend: str) -> None:
-        self._scales.pop(backend, None)
+        if self._scales.pop(backend, None) is not None:
+            self.version += 1
         self._eviction_rates.pop(backend, None)
         self._answers.pop(backend, None)

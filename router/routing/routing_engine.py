@@ -286,6 +286,9 @@ class RoutingEngine:
         self._engine_block_sizes: dict[str, int] = {}
         self._indexes: dict[int, PrefixIndex] = {}
         self._capacities: dict[tuple[int, str], int] = {}
+        # Per block size, what its index's capacities were last applied from: the cache
+        # model's version and the candidates' configured sizes (most requests change neither).
+        self._applied: dict[int, tuple[int, list[tuple[str, int | None]]]] = {}
         # Per backend its configured capacity (tokens) and the share of it the index models.
         self._configured_tokens: dict[str, int] = {}
         self.cache_model = CacheModel()
@@ -310,9 +313,20 @@ class RoutingEngine:
 
     def index_tokens(self, url: str) -> int:
         """Tokens the prefix index believes ``url`` holds."""
-        if self._precise is not None and self._precise.state(url) is not KVEventsState.APPROXIMATE:
-            return self._precise.tokens(url)
-        return sum(index.blocks(url) * size for size, index in self._indexes.items())
+        return self._index_tokens_of((url,))[url]
+
+    def _index_tokens_of(self, urls: Sequence[str]) -> dict[str, int]:
+        """:meth:`index_tokens` of each of ``urls``, every index asked once."""
+        tokens = dict.fromkeys(urls, 0)
+        for size, index in self._indexes.items():
+            for url, blocks in zip(urls, index.blocks_of(urls), strict=True):
+                tokens[url] += blocks * size
+        precise = self._precise
+        if precise is not None:
+            for url in urls:
+                if precise.state(url) is not KVEventsState.APPROXIMATE:
+                    tokens[url] = precise.tokens(url)
+        return tokens
 
     def index_stats(self) -> RoutingIndexStats:
         """Blocks per backend and the index's memory, over every block size in use."""
@@ -476,7 +490,7 @@ class RoutingEngine:
             request.prompt_tokens = prepared.tokens
             request.matched_tokens = {url: min(tokens, cacheable) for url, tokens in raw_matches.items()}
             request.computing_tokens = self._computing.tokens(request.matched_tokens, size, prepared.hash_at)
-            request.index_tokens = {backend.url: self.index_tokens(backend.url) for backend in candidates}
+            request.index_tokens = self._index_tokens_of([backend.url for backend in candidates])
             if not any(raw_matches.values()):  # only a cold prompt's placement reads them
                 request.index_capacity_tokens = self._index_capacities(candidates)
             request.eviction_rates = self._eviction_rates(candidates)
@@ -684,6 +698,7 @@ class RoutingEngine:
             index.remove_backend(url)
         for key in [key for key in self._capacities if key[1] == url]:
             del self._capacities[key]
+        self._applied.clear()
         self._configured_tokens.pop(url, None)
         self.cache_model.forget(url)
         self._computing.forget(url)
@@ -804,6 +819,10 @@ class RoutingEngine:
                 capacity_blocks=UNKNOWN_CAPACITY_TOKENS // block_size,
                 ttl_s=self._settings.index_ttl_s,
             )
+        applied = (self.cache_model.version, [(backend.url, backend.capacity_tokens) for backend in candidates])
+        if self._applied.get(block_size) == applied:
+            return index
+        self._applied[block_size] = applied
         configured = self._configured_tokens
         for backend in candidates:
             capacity = backend.capacity_tokens

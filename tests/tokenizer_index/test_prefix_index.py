@@ -196,6 +196,13 @@ def test_match_reports_each_backends_run_in_one_walk() -> None:
     assert index.match(shared[:3]) == {}  # no full block
 
 
+def test_blocks_of_several_backends_at_once() -> None:
+    index = PrefixIndex(block_size=4)
+    index.insert("a", list(range(12)))
+    index.insert("b", list(range(4)))
+    assert index.blocks_of(["b", "a", "unknown"]) == [index.blocks("b"), index.blocks("a"), 0] == [1, 3, 0]
+
+
 def test_salt_separates_equal_tokens() -> None:
     index = PrefixIndex(block_size=4)
     tokens = list(range(12))

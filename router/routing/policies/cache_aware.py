@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Self
 
 from kvroute.router.routing.ledger import Conversation, WorkingSets
@@ -72,6 +73,10 @@ COLD_ROOM_SLACK = 0.5
 #: answers showed evictions the index did not foresee; with fewer, in proportion; with none
 #: (its engine held every prediction), not at all. Unknown rates count in full.
 EVICTION_RATE_FULL = 0.2
+
+
+#: No conversations counted: the hosted map of a request that does not start a session.
+_NO_HOSTED: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(slots=True)
@@ -151,15 +156,18 @@ class CacheAware(Policy):
         pricing = self.pricing(request, candidates)
         # In rotated order, so equal costs and fills go to a rotating start, never index 0.
         cost_of = self.cost_of
-        costs = [cost_of(backend, pricing) for backend in (*candidates[start:], *candidates[:start])]
+        costs = [cost_of(backend, pricing) for backend in candidates[start:]]
+        if start:
+            costs += [cost_of(backend, pricing) for backend in candidates[:start]]
         eligible = roomiest(costs, pricing) if pricing.best_match == 0 and not pricing.starts_session else costs
         chosen, reason = reason_for(eligible, pricing.best_match)
         self._mean_work += _WORK_EWMA_WEIGHT * (request.work_tokens(chosen.matched_tokens) - self._mean_work)
-        explanation = None
-        if self.explain:
-            terms = tuple(_explained(cost, pricing) for cost in costs)
-            explanation = Explanation(terms, pricing.load_weight, pricing.home)
-        return Decision(chosen.backend.url, reason, chosen.matched_tokens, explanation)
+        if not self.explain:
+            return Decision(chosen.backend.url, reason, chosen.matched_tokens)
+        terms = tuple(_explained(cost, pricing) for cost in costs)
+        return Decision(
+            chosen.backend.url, reason, chosen.matched_tokens, Explanation(terms, pricing.load_weight, pricing.home)
+        )
 
     def pricing(self, request: RouteRequest, candidates: Sequence[BackendView]) -> Pricing:
         """The request's side of the formula: its history, home, weight and the fleet's load."""
@@ -197,12 +205,7 @@ class CacheAware(Policy):
         load_weight = self._load_weight
         if history and 2 * history >= prompt:
             load_weight /= 1.0 + total_in_flight / count
-        least_match = 0
-        hosted: dict[str, int] = {}
-        if starts_session:
-            least_match = min(matched.get(backend.url, 0) for backend in candidates)
-            hosted = {backend.url: self._working_sets.hosted(backend.url) for backend in candidates}
-        return Pricing(
+        pricing = Pricing(
             prompt=prompt,
             matched=matched,
             computing=request.computing_tokens,
@@ -219,26 +222,33 @@ class CacheAware(Policy):
             candidates=count,
             total_in_flight=total_in_flight,
             least_in_flight=least_in_flight,
-            least_match=least_match,
-            hosted=hosted,
-            total_hosted=sum(hosted.values()),
-            fewest_hosted=min(hosted.values(), default=0),
+            hosted=_NO_HOSTED,
         )
+        if starts_session:
+            pricing.least_match = min(matched.get(backend.url, 0) for backend in candidates)
+            hosted = pricing.hosted = {backend.url: self._working_sets.hosted(backend.url) for backend in candidates}
+            pricing.total_hosted = sum(hosted.values())
+            pricing.fewest_hosted = min(hosted.values(), default=0)
+        return pricing
 
     def cost_of(self, backend: BackendView, pricing: Pricing) -> BackendCost:
         """What sending the request to ``backend`` costs, term by term."""
         url = backend.url
         capacity_tokens = backend.capacity_tokens
         matched = pricing.matched.get(url, 0)
-        queued = max(0.0, self._queued_tokens(backend) - pricing.computing.get(url, 0))
+        queued = self._queued_tokens(backend)
+        shared = pricing.computing.get(url, 0)
+        if shared:
+            queued = max(0.0, queued - shared)
         plain = pricing.prompt - matched + pricing.load_weight * queued
         cost = plain
         capacity = 0
         conversation = pricing.conversation
         if conversation is not None and capacity_tokens:
             thrash = self._working_sets.placement_cost(conversation, pricing.prompt, url, capacity_tokens)
-            capacity = int(thrash * thrash_weight(pricing.eviction_rates, url))
-            cost += capacity
+            if thrash:
+                capacity = int(thrash * thrash_weight(pricing.eviction_rates, url))
+                cost += capacity
         if pricing.home is not None and url != pricing.home:
             capacity += pricing.relief
             cost += pricing.relief

@@ -223,6 +223,23 @@ def test_index_is_bounded_by_each_backends_capacity() -> None:
     assert engine.index_stats().bytes > 0
 
 
+def test_the_index_bound_follows_the_cache_model_and_each_candidates_size() -> None:
+    """The bound is applied again only when something it is made of changed (most requests
+    change nothing): a backend's configured size, or the model's scale of it."""
+    engine = RoutingEngine(Settings(policy="cache_aware"))
+    backends = fleet(2, capacity=4096)
+    served(engine, chat("question"), backends)
+    (index,) = engine._indexes.values()
+    assert [index._holders[backend.url].capacity for backend in backends] == [256, 256]
+    backends[1]._configured_capacity = 2048
+    served(engine, chat("another question"), backends)
+    assert [index._holders[backend.url].capacity for backend in backends] == [256, 128]
+    engine.cache_model.shortfall(backends[0].url, 4096, held_tokens=2048, missing_tokens=1024)
+    scaled = int(4096 * engine.cache_model.scale(backends[0].url)) // 16
+    route(engine, chat("a third question"), backends)
+    assert scaled < 256 and [index._holders[backend.url].capacity for backend in backends] == [scaled, 128]
+
+
 def test_a_shortfall_keeps_the_computed_prompt_and_shrinks_the_modelled_cache() -> None:
     """The engine computed the whole prompt, so its next turn finds all of it; the missed
     blocks say the engine's cache is smaller than modelled, so the model shrinks."""
