@@ -25,17 +25,18 @@ other lengths) must equal the skeleton filled with them; and every
 :data:`VERIFY_EVERY`-th filled render is compared with the whole render, a template that
 differed then renders whole from then on (and the log says so). Texts the template's
 verdict does not admit render whole (only whitespace, whose trimmed text would be empty,
-which the shape does not record; one that answers yes to a test; one with whitespace at
-an end under a template that strips every whitespace character; under one that strips the
-characters it names, such as Qwen 3's ``lstrip('\\n')``, one with such a character at an
-end a strip reaches in its shape, found at build by a render per character with it around
-every mark); so do messages with any other field not null (a tool call with fields
+which the shape does not record; one that answers yes to a test; under a template that
+strips the characters it names, such as Qwen 3's ``lstrip('\\n')``, one with such a
+character at an end a strip reaches in its shape, found at build by a render per character
+with it around every mark; a strip of every whitespace character, ``strip()``, takes the
+marks' pads off at build, so such a slot is filled trimmed); so do messages with any other field not null (a tool call with fields
 besides ``id``, ``type`` and ``function``, arguments that are no text, object or list),
 content sent as parts, conversations of
 :data:`~kvroute.tokenizer_index.render_memo.MIN_MESSAGES` or more (the render memo's),
 chats with tool calls or results under a template whose content format is a list of
-parts (Gemma 3's, Llama 4's: their plain chats fill skeletons, each text one part), and
-requests with documents, template keywords or ``continue_final_message`` (the
+parts that reads a content without telling a tool result's (a text) from another
+message's (Gemma 3's, Llama 4's: their plain chats fill skeletons, each text one part;
+GLM's tells them apart by role, and its agents' chats fill too), and requests with documents, template keywords or ``continue_final_message`` (the
 tokenizer's caller decides). A request's tools join the shape's key as their JSON (an
 agent sends the same ones with every turn).
 """

@@ -5,8 +5,8 @@ role and a text each), tool results and tool calls by filling a skeleton per sha
 the texts, which is exact only where the template's output depends on a text by printing
 it (as it is, trimmed or stripped of whitespace, or as ``tojson`` writes it) and on
 nothing else of it but its type, its truth and tests the filled texts answer no to; and
-on a tool call's arguments only by printing them through ``tojson``. :func:`verbatim_check` reads that off the template's syntax
-tree, as :mod:`~kvroute.tokenizer_index.template_prefix` reads whether a conversation's
+on a tool call's arguments only by printing them (through ``tojson``, or each value of
+them). :func:`verbatim_check` reads that off the template's syntax tree, as :mod:`~kvroute.tokenizer_index.template_prefix` reads whether a conversation's
 render is its messages' renders in a row; both refuse what they cannot prove.
 """
 
@@ -46,9 +46,6 @@ _DICT_ATTRIBUTES = frozenset(dir(dict))
 # ``strftime_now``, is allowed with a constant format: its text joins the shape).
 _UNSTABLE_NAMES = frozenset({"lipsum"})
 _UNSTABLE_FILTERS = frozenset({"random"})
-#: What a named strip may take off a text for its skeleton to find where (not the pads
-#: around its marks, which only a strip of every whitespace character takes).
-_ASCII_WHITESPACE = frozenset(" \t\n\r\x0b\x0c")
 #: Rounds of finding the names set from texts and the branches left live, at most.
 _SETTLE_ROUNDS = 8
 
@@ -68,14 +65,12 @@ class Verbatim:
     #: What the template asks of a text (``startswith``, ``endswith``, ``in``; with the
     #: constant asked): a skeleton is for texts where every answer is no.
     tests: tuple[tuple[str, str], ...] = ()
-    #: Whether it strips a text of every whitespace character (``content.strip()``) or of
-    #: characters other than ASCII whitespace: a skeleton is then for texts with no
-    #: whitespace at either end, which stripping leaves alone.
-    strips: bool = False
-    #: The ASCII whitespace it strips texts of by name (``content.lstrip('\n')``): which
-    #: slots of a shape such a strip reaches, and at which end, its skeleton finds out
+    #: The whitespace it strips texts of by name (``content.lstrip('\n')``): which slots of
+    #: a shape such a strip reaches, and at which end, its skeleton finds out
     #: (:mod:`~kvroute.tokenizer_index.render_skeleton`); a text with one of them at such
-    #: an end renders whole.
+    #: an end renders whole. (A strip of every whitespace character, ``content.strip()``,
+    #: takes the skeleton's pads off its marks: such a slot is filled trimmed, and one
+    #: stripped at one end only has no skeleton.)
     strip_characters: str = ""
     #: Whether it iterates a tool call's arguments (``for k, v in arguments | items``): then
     #: their keys join a shape and each value fills a slot of its own.
@@ -83,13 +78,13 @@ class Verbatim:
 
     def admits(self, text: str) -> bool:
         """Whether a message's ``text`` may fill a skeleton under this template."""
-        if text and (text.isspace() or (self.strips and (text[0].isspace() or text[-1].isspace()))):
+        if text and text.isspace():
             return False
         return not self.answers_yes(text)
 
     def admits_all(self, texts: Iterable[str]) -> bool:
         """Whether every one of ``texts`` may fill a skeleton (:meth:`admits`)."""
-        if not self.tests and not self.strips:  # (then only whitespace is refused: in C)
+        if not self.tests:  # (then only whitespace is refused: in C)
             return not any(map(str.isspace, texts))
         return all(map(self.admits, texts))
 
@@ -132,13 +127,14 @@ def verbatim_check(tree: nodes.Template, *, tools: bool = False, parts: bool = F
     as above (also printed through ``tojson``); a message's ``tool_calls`` are only looped
     over, indexed, counted or tested; a call only read by constant keys (``function``
     giving a call again, as names set from it or from ``call.function if ... else call``
-    are), tested for a key or its type; its ``arguments`` only printed (as they are or
-    through ``tojson``), tested for their type or truth, or iterated (``for k, v in
+    are), tested for a key or its type; its ``arguments`` (or a name set from them, as
+    GLM's ``{% set _args = tc.arguments %}``) only printed (as they are or through
+    ``tojson``), tested for their type or truth, or iterated (``for k, v in
     arguments | items``, ``for k in arguments`` with ``arguments[k]``: the keys join the
     shape, :attr:`Verbatim.argument_items`), each value then only printed (as Python
     writes it, through ``string``, ``tojson``, ``safe``), joined, set to a name, or tested
     for its type or truth. Branches of role ``tool`` and of ``'tool_calls' in message``
-    are then read.
+    are then read. ``tojson(ensure_ascii=False)`` is ``tojson`` (its default).
 
     A text may also be measured for whether it is empty (``content | trim | length > 0``),
     and in a loop over messages ``loop.previtem`` and ``loop.nextitem`` are messages too
@@ -147,14 +143,16 @@ def verbatim_check(tree: nodes.Template, *, tools: bool = False, parts: bool = F
     other branches walk content parts) is called with one text as the text itself; its
     body is then not read, for it runs no other way.
 
-    With ``parts`` (Gemma 3's, Llama 4's templates), a message's ``content`` is a list of
-    parts: only looped over, indexed by a number, counted or tested (``is string`` is false,
-    so that branch is not read); a part only read by constant keys, its ``text`` a text as
-    above, its ``type`` (``"text"`` for every part a skeleton fills) any way. Not with
-    ``tools``: vLLM hands tool results' content to the template as a text.
+    With ``parts`` (Gemma 3's, Llama 4's, GLM's templates), a message's ``content`` is a
+    list of parts: only looped over, indexed by a number, counted or tested (``is string``
+    is false, so that branch is not read), or handed to a macro that prints its parts'
+    texts (GLM's ``visible_text``: the call is the text); a part only read by constant keys,
+    its ``text`` a text as above, its ``type`` (``"text"`` for every part a skeleton fills)
+    any way. With ``tools`` too, vLLM hands a tool result's content over as a text: a read
+    of a loop message's content is of parts where the ``if`` branches around it (tests of
+    its role) leave it no tool result, of a text where they leave it only one, and
+    otherwise only tested for its type.
     """
-    if parts and tools:
-        return Verbatim("tool results' content is a text where other messages' is a list of parts")
     try:
         check = _VerbatimCheck(tree, tools=tools, parts=parts)
         check.run()
@@ -164,8 +162,7 @@ def verbatim_check(tree: nodes.Template, *, tools: bool = False, parts: bool = F
         None,
         tuple(sorted(check.clock_formats)),
         tuple(sorted(check.tests)),
-        check.strips,
-        "" if check.strips else "".join(sorted(check.strip_characters)),
+        "".join(sorted(check.strip_characters)),
         bool(check.key_names),
     )
 
@@ -176,18 +173,22 @@ class _VerbatimCheck:
         self._tools = tools
         self._parts = parts
         self._roles = TOOL_ROLES if tools else PLAIN_ROLES
-        # A message's fields that hold a text, and those a message may have or not.
-        self._text_keys: tuple[str, ...] = ("content", "tool_call_id") if tools else () if parts else ("content",)
+        # A message's fields that hold a text, and those a message may have or not. (Under a
+        # content format of parts, a content is a text only where the message is a tool
+        # result: vLLM hands those over as texts. :meth:`_content_kind`.)
+        texts = ("content", "tool_call_id") if tools else ("content",)
+        self._text_keys: tuple[str, ...] = tuple(key for key in texts if not (parts and key == "content"))
         self._optional_keys = ("tool_calls", "tool_call_id") if tools else ()
         self._parents: dict[int, nodes.Node] = {}
         for node in _walk(tree):
             for child in node.iter_child_nodes():
                 self._parents[id(child)] = node
-        # Macros that print their first argument when it is a string, and nothing else.
+        # Macros that print their first argument when it is a string, and nothing else; and
+        # (``parts``) those that print the texts of a list of text parts, and nothing else.
         self._identity_macros = identity_macros(tree)
-        self._skipped = frozenset(
-            id(macro) for macro in tree.find_all(nodes.Macro) if macro.name in self._identity_macros
-        )
+        self._parts_macros = identity_macros(tree, parts=True) if parts else frozenset()
+        read_through = self._identity_macros | self._parts_macros
+        self._skipped = frozenset(id(macro) for macro in tree.find_all(nodes.Macro) if macro.name in read_through)
         # Names of message lists (``messages`` and copies or slices of it) and of messages
         # (loop variables over those); the stores that make them, the only ones allowed.
         self._list_names = {"messages"}
@@ -201,6 +202,8 @@ class _VerbatimCheck:
                     raise _Refusal("a loop over the messages unpacks them")
                 self._message_names.add(loop.target.name)
                 self._allowed_stores.add(id(loop.target))
+        # Under parts with tool results: what each read of a loop message's content is.
+        self._content_kinds = self._find_content_kinds() if parts and tools else {}
         # Names of a message's content parts (``parts``): loop variables over its content.
         self._part_names: set[str] = set()
         for loop in tree.find_all(nodes.For):
@@ -216,8 +219,11 @@ class _VerbatimCheck:
         # the shape, so they may be read any way) and of its value.
         self.key_names: set[str] = set()
         self._value_names: set[str] = set()
+        # Names set from a call's arguments (GLM's ``{% set _args = tc.arguments %}``).
+        self._arguments_names: set[str] = set()
         if tools:
             self._find_call_names()
+            self._find_arguments_names()
             self._find_argument_names()
         # Names set from a text (their every read is checked as the text's), and those of
         # them that may hold something besides one text or '' (never tested): found by
@@ -226,7 +232,6 @@ class _VerbatimCheck:
         self._mixed_names: set[str] = set()
         self.clock_formats: set[str] = set()
         self.tests: set[tuple[str, str]] = set()
-        self.strips = False
         self.strip_characters: set[str] = set()
 
     def _is_list(self, node: nodes.Node) -> bool:
@@ -274,6 +279,22 @@ class _VerbatimCheck:
         if self._call_names & (self._list_names | self._message_names):
             raise _Refusal("a name holds tool calls and messages")
 
+    def _find_arguments_names(self) -> None:
+        """The names set only from a call's arguments (or from such a name)."""
+        stores = [
+            node for node in _walk(self._tree) if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name)
+        ]
+        while True:
+            known = len(self._arguments_names)
+            for assign in stores:
+                if self._is_arguments(assign.node):
+                    self._arguments_names.add(assign.target.name)  # type: ignore[attr-defined]
+                    self._allowed_stores.add(id(assign.target))
+            if len(self._arguments_names) == known:
+                break
+        if self._arguments_names & (self._list_names | self._message_names | self._call_names):
+            raise _Refusal("a name holds a tool call's arguments and something else")
+
     def _find_argument_names(self) -> None:
         """The key and value names of loops over a call's arguments (``for k, v in
         arguments | items``, ``arguments.items()``, ``for k in arguments``), and the names
@@ -314,7 +335,9 @@ class _VerbatimCheck:
         return None
 
     def _is_arguments(self, node: nodes.Node) -> bool:
-        """A call's (or its function's) arguments."""
+        """A call's (or its function's) arguments, or a name set from them."""
+        if isinstance(node, nodes.Name):
+            return node.ctx == "load" and node.name in self._arguments_names
         return _is_field(node, "arguments", self._is_call)
 
     def _reads_value(self, node: nodes.Node) -> bool:
@@ -327,6 +350,112 @@ class _VerbatimCheck:
             and node.arg.name in self.key_names
             and self._is_arguments(node.node)
         )
+
+    def _find_content_kinds(self) -> dict[int, str]:
+        """Per read of a loop message's ``content`` (by id): ``"parts"`` where the message
+        can be no tool result there, ``"text"`` where it can only be one (the ``if``
+        branches around it test its role), ``"either"`` elsewhere."""
+        kinds: dict[int, str] = {}
+
+        def visit(node: nodes.Node, roles: dict[str, frozenset[str]]) -> None:
+            if isinstance(node, nodes.Macro):  # (run where it is called: nothing known there)
+                roles = {}
+            elif isinstance(node, nodes.For):
+                inner = {name: held for name, held in roles.items() if not _stores(node.target, name)}
+                if self._is_list(node.iter) and isinstance(node.target, nodes.Name):
+                    inner[node.target.name] = self._roles
+                visit(node.iter, roles)
+                for child in (*node.body, *((node.test,) if node.test is not None else ())):
+                    visit(child, inner)
+                for child in node.else_:
+                    visit(child, roles)
+                return
+            elif isinstance(node, nodes.If):
+                for branch in (node, *node.elif_):
+                    visit(branch.test, roles)
+                    for child in branch.body:
+                        visit(child, self._narrowed(branch.test, roles, True))
+                    roles = self._narrowed(branch.test, roles, False)
+                for child in node.else_:
+                    visit(child, roles)
+                return
+            elif isinstance(node, nodes.CondExpr):
+                visit(node.test, roles)
+                visit(node.expr1, self._narrowed(node.test, roles, True))
+                if node.expr2 is not None:
+                    visit(node.expr2, self._narrowed(node.test, roles, False))
+                return
+            elif isinstance(node, nodes.And | nodes.Or):
+                visit(node.left, roles)
+                visit(node.right, self._narrowed(node.left, roles, isinstance(node, nodes.And)))
+                return
+            elif isinstance(node, nodes.Getattr | nodes.Getitem) and key_of(node) == "content":
+                message = node.node
+                possible = roles.get(message.name) if isinstance(message, nodes.Name) else None
+                if possible is not None:
+                    kinds[id(node)] = "text" if possible <= {"tool"} else "either" if "tool" in possible else "parts"
+            for child in node.iter_child_nodes():
+                visit(child, roles)
+
+        visit(self._tree, {})
+        return kinds
+
+    def _narrowed(self, test: nodes.Node, roles: dict[str, frozenset[str]], outcome: bool) -> dict[str, frozenset[str]]:
+        """``roles`` (the roles each loop message may have) where ``test`` came out as
+        ``outcome``: narrowed by the tests of a message's role it is made of."""
+        if isinstance(test, nodes.Not):
+            return self._narrowed(test.node, roles, not outcome)
+        if isinstance(test, nodes.And | nodes.Or):
+            deciding = isinstance(test, nodes.Or)  # (the outcome either side alone decides)
+            left = self._narrowed(test.left, roles, not deciding)
+            both = self._narrowed(test.right, left, not deciding)
+            if outcome != deciding:
+                return both
+            alone = self._narrowed(test.left, roles, deciding)
+            after = self._narrowed(test.right, left, deciding)
+            return {name: alone[name] | after[name] for name in roles}
+        found = self._role_test(test)
+        if found is None or found[0] not in roles:
+            return roles
+        name, passing = found
+        return {**roles, name: roles[name] & passing if outcome else roles[name] - passing}
+
+    def _role_test(self, test: nodes.Node) -> tuple[str, frozenset[str]] | None:
+        """``(message name, the roles that pass)`` where ``test`` compares a loop message's
+        role with constants (``m.role == 'tool'``, ``!=``, ``in [...]``, ``not in``)."""
+        if not isinstance(test, nodes.Compare) or len(test.ops) != 1:
+            return None
+        (operand,) = test.ops
+        first, second = test.expr, operand.expr
+        if operand.op in ("eq", "ne") and isinstance(first, nodes.Const):
+            first, second = second, first
+        if not (isinstance(first, nodes.Getattr | nodes.Getitem) and key_of(first) == "role"):
+            return None
+        message = first.node
+        if not (isinstance(message, nodes.Name) and message.name in self._message_names):
+            return None
+        if operand.op in ("eq", "ne") and isinstance(second, nodes.Const):
+            constants: list[object] = [second.value]
+        elif operand.op in ("in", "notin") and isinstance(second, nodes.List | nodes.Tuple):
+            if not all(isinstance(item, nodes.Const) for item in second.items):
+                return None
+            constants = [item.value for item in second.items]  # type: ignore[attr-defined]
+        else:
+            return None
+        passing = frozenset(role for role in self._roles if role in constants)
+        return message.name, passing if operand.op in ("eq", "in") else self._roles - passing
+
+    def _content_kind(self, node: nodes.Node) -> str | None:
+        """A message's content read at ``node``: ``"text"``, ``"parts"`` (its content
+        format's list of parts), or ``"either"`` (a tool result's text or another's
+        parts); None where ``node`` is no message's content."""
+        if not self._is_message_field(node, "content"):
+            return None
+        if not self._parts:
+            return "text"
+        if not self._tools:
+            return "parts"
+        return self._content_kinds.get(id(node), "either")
 
     def _is_call_list(self, node: nodes.Node) -> bool:
         """A message's tool calls: ``message.tool_calls``, ``messages[i]['tool_calls']``."""
@@ -399,6 +528,8 @@ class _VerbatimCheck:
     def _reads_text(self, node: nodes.Node, content_names: set[str]) -> bool:
         if isinstance(node, nodes.Name):
             return node.ctx == "load" and node.name in content_names
+        if self._is_parts_text(node):
+            return True
         if self._is_content_attribute(node, content_names):
             return True
         return isinstance(node, nodes.Getattr | nodes.Getitem) and self._is_text_access(node)
@@ -416,6 +547,8 @@ class _VerbatimCheck:
     def _is_text_access(self, node: nodes.Getattr | nodes.Getitem) -> bool:
         key = key_of(node)
         if key in self._text_keys and self._is_message(node.node):
+            return True
+        if key == "content" and self._content_kind(node) == "text":
             return True
         if key == "text" and self._is_part(node.node):
             return True
@@ -443,6 +576,8 @@ class _VerbatimCheck:
             and not _has_arguments(node)
         ):
             return self._one_text(node.node, constants=constants)  # (tests ask it trimmed too: Verbatim.answers_yes)
+        if self._is_parts_text(node):
+            return True
         if isinstance(node, nodes.Call) and self._is_identity_call(node):
             return self._one_text(node.args[0], constants=constants)
         if isinstance(node, nodes.Or):
@@ -457,7 +592,7 @@ class _VerbatimCheck:
 
     def run(self) -> None:
         self._settle_names()
-        others = self._list_names | self._message_names | self._call_names | self._content_names
+        others = self._list_names | self._message_names | self._call_names | self._content_names | self._arguments_names
         if (self.key_names | self._value_names) & others:
             raise _Refusal("a name holds a tool call argument's key or value and something else")
         if self._part_names & (others | self.key_names | self._value_names):
@@ -478,7 +613,9 @@ class _VerbatimCheck:
         if not isinstance(node, nodes.Name):
             return
         if node.ctx == "store":
-            names = self._list_names | self._message_names | self._call_names | self._value_names | self._part_names
+            names = (
+                self._list_names | self._message_names | self._call_names | self._value_names | self._part_names
+            ) | self._arguments_names
             if node.name in names and id(node) not in self._allowed_stores:
                 raise _Refusal(f"the template sets {node.name}")
             return
@@ -494,6 +631,8 @@ class _VerbatimCheck:
             self._message_use(node)
         elif node.name in self._call_names:
             self._call_use(node)
+        elif node.name in self._arguments_names:
+            self._arguments_use(node)
         elif node.name in self._value_names:
             self._value_use(node)
         elif node.name in self._part_names:
@@ -560,10 +699,15 @@ class _VerbatimCheck:
             return  # a message is never empty; a neighbour's truth is whether there is one
         else:
             raise _Refusal(f"a message is read as {type(parent).__name__}")
-        if key in self._text_keys:
+        kind = self._content_kind(parent) if key == "content" else None
+        if key in self._text_keys or kind == "text":
             self._text_use(parent)
-        elif key == "content" and self._parts:
+        elif kind == "parts":
             self._parts_use(parent)
+        elif kind == "either":
+            grandparent = self._parent(parent)
+            if not (isinstance(grandparent, nodes.Test) and grandparent.name in _TYPE_TESTS):
+                raise _Refusal("a content that may be a tool result's text or a list of parts is read")
         elif key == "tool_calls" and self._tools:
             self._call_list_use(parent)
         elif key in _DICT_ATTRIBUTES:
@@ -571,7 +715,12 @@ class _VerbatimCheck:
 
     def _parts_use(self, node: nodes.Node) -> None:
         """A message's content as a list of parts: looped over (a part name), indexed by a
-        number, counted (one part per text), tested."""
+        number, counted (one part per text), tested; or printed by a macro that prints its
+        parts' texts (then the call is the text)."""
+        parent = self._parent(node)
+        if self._is_parts_text(parent) and parent.args[0] is node:  # type: ignore[attr-defined]
+            self._text_use(parent)
+            return
         self._sequence_use(node, self._is_part, self._part_use, "a message's parts")
 
     def _sequence_use(
@@ -617,8 +766,13 @@ class _VerbatimCheck:
             raise _Refusal(f"a message's part is read as {type(parent).__name__}")
 
     def _is_parts(self, node: nodes.Node) -> bool:
-        """A message's content under a content format of parts."""
-        return self._parts and self._is_message_field(node, "content")
+        """A message's content under a content format of parts (no tool result's)."""
+        return self._content_kind(node) == "parts"
+
+    def _is_parts_text(self, node: nodes.Node) -> bool:
+        """A message's text as a macro prints it from the message's parts (GLM's
+        ``visible_text(m.content)``): one text, as a part holds it."""
+        return is_identity_call(node, self._parts_macros) and self._is_parts(node.args[0])  # type: ignore[attr-defined]
 
     def _is_part(self, node: nodes.Node) -> bool:
         """A part of a message's content: a part name, ``content[0]``."""
@@ -668,6 +822,8 @@ class _VerbatimCheck:
         parent = self._parent(node)
         if isinstance(parent, nodes.For) and parent.iter is node:
             return  # for key in arguments: a key name
+        if isinstance(parent, nodes.Assign) and parent.node is node and id(parent.target) in self._allowed_stores:
+            return  # {% set args = call.arguments %}: a name whose reads are checked
         pairs = self._parent(parent) if isinstance(parent, nodes.Getattr) else parent  # (arguments.items())
         if self._argument_loop(pairs) == "items":
             looping = self._parent(pairs)
@@ -677,7 +833,7 @@ class _VerbatimCheck:
         if isinstance(parent, nodes.Getitem) and parent.node is node and self._reads_value(parent):
             self._value_use(parent)
         elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "tojson":
-            if parent.args or parent.kwargs or parent.dyn_args or parent.dyn_kwargs:
+            if not _dumps_as_default(parent):
                 raise _Refusal("a tool call's arguments are dumped with options")
             self._printed_use(parent)
         elif isinstance(parent, nodes.Test) and parent.node is node and parent.name in _TYPE_TESTS:
@@ -713,7 +869,7 @@ class _VerbatimCheck:
         elif isinstance(parent, nodes.CondExpr) and parent.test is not node:
             self._value_use(parent, made)
         elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name in ("string", "tojson", "safe"):
-            if _has_arguments(parent):
+            if _has_arguments(parent) and not _dumps_as_default(parent):
                 raise _Refusal(f"a tool call argument's value is filtered by {parent.name} with options")
             after = _MARKUP if parent.name == "safe" or made == _MARKUP else _TEXT
             self._value_use(parent, _TEXT if parent.name == "tojson" else after)
@@ -747,7 +903,7 @@ class _VerbatimCheck:
             if parent.test is not node:
                 self._text_use(parent)
         elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "tojson":
-            if parent.args or parent.kwargs or parent.dyn_args or parent.dyn_kwargs:
+            if not _dumps_as_default(parent):
                 raise _Refusal("a text is dumped as JSON with options")
             self._printed_use(parent)
         elif isinstance(parent, nodes.Filter) and parent.node is node and parent.name == "trim":
@@ -815,10 +971,7 @@ class _VerbatimCheck:
             characters = _constant_argument(call, method) if call.args else ""
             if characters is None or (characters and not characters.isspace()):
                 raise _Refusal(f"a text is stripped of {characters!r}")
-            if characters and set(characters) <= _ASCII_WHITESPACE:
-                self.strip_characters.update(characters)
-            else:  # every whitespace character (or the skeletons' pads)
-                self.strips = True
+            self.strip_characters.update(characters)  # (none: every whitespace character)
             self._text_use(call)
             return
         raise _Refusal(f"a text's {method.attr} is called")
@@ -982,6 +1135,18 @@ def _target_key(target: nodes.Node) -> str | None:
     return None
 
 
+def _dumps_as_default(node: nodes.Filter) -> bool:
+    """``tojson`` as it writes by default: without options, or ``ensure_ascii=False``
+    (GLM's), which is its default (transformers' filter, and
+    :func:`~kvroute.tokenizer_index.chat_template.tojson`)."""
+    if node.name != "tojson" or node.args or node.dyn_args or node.dyn_kwargs:
+        return False
+    return all(
+        keyword.key == "ensure_ascii" and isinstance(keyword.value, nodes.Const) and keyword.value.value is False
+        for keyword in node.kwargs
+    )
+
+
 def _has_arguments(node: nodes.Filter | nodes.Call) -> bool:
     """Whether a filter or call passes arguments (``tojson(indent=2)``)."""
     return bool(node.args or node.kwargs or node.dyn_args or node.dyn_kwargs)
@@ -994,6 +1159,11 @@ def _is_field(node: nodes.Node, key: str, owner: Callable[[nodes.Node], bool]) -
 
 def _not_sliced(item: nodes.Getitem) -> bool:
     return not isinstance(item.arg, nodes.Slice)
+
+
+def _stores(target: nodes.Node, name: str) -> bool:
+    """Whether a loop's ``target`` sets ``name``."""
+    return any(isinstance(node, nodes.Name) and node.name == name for node in _walk(target))
 
 
 def _walk(node: nodes.Node) -> Iterator[nodes.Node]:

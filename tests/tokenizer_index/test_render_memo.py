@@ -72,6 +72,8 @@ ALL_TEMPLATES = {
     "openai_parts": OPENAI_PARTS_TEMPLATE,
     # Every text through a macro (printed as it is when a string), then trimmed and tested.
     "qwen35": (REPO / "benchmarks" / "templates" / "qwen35_style.jinja").read_text(),
+    # Every text through a macro printing a list of parts' texts (its content format is parts).
+    "glm45": (REPO / "benchmarks" / "templates" / "glm45_style.jinja").read_text(),
 }
 INCREMENTAL = {
     *("prefix_stable", "raw", "thinking_prompt", "default", "openai_parts"),

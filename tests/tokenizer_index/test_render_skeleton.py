@@ -288,7 +288,7 @@ TOOLS = [
 TOOL_FILLED = {
     *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "qwen3"),
     *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last", "qwen3_coder"),
-    *("deepseek", "qwen35"),
+    *("deepseek", "qwen35", "glm45"),
 }
 
 

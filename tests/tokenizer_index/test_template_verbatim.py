@@ -17,7 +17,7 @@ from tests.tokenizer_index.test_render_memo import ALL_TEMPLATES
 FILLED = {
     *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "qwen3"),
     *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last", "qwen3_coder"),
-    *("gemma3", "openai_parts", "deepseek", "qwen35"),
+    *("gemma3", "openai_parts", "deepseek", "qwen35", "glm45"),
 }
 
 # Templates that print texts only as they are, trimmed, or chosen by their truth.
@@ -187,6 +187,14 @@ TOOL_VERBATIM = {
         _CALLS + "{% if c.function.arguments is mapping %}{% for k, v in c.function.arguments.items() %}"
         "{{ k }}:{{ v if v is string else v | tojson }};{% endfor %}{% endif %}" + _END
     ),
+    # GLM 4.5's: the call's function taken in its place, its arguments set to a name, and
+    # dumped with ``ensure_ascii=False`` (tojson's default).
+    "argument_set": _CALLS + "{% set a = c.function.arguments %}{{ a | tojson(ensure_ascii=False) }}" + _END,
+    "argument_name_pairs": (
+        _CALLS + "{% if c.function %}{% set c = c.function %}{% endif %}{% set args = c.arguments %}"
+        "{% for k, v in args.items() %}<{{ k }}>{{ v | tojson(ensure_ascii=False) if v is not string else v }}"
+        "{% endfor %}" + _END
+    ),
 }
 # Templates that read tool calls some other way: refused.
 TOOL_REFUSED = {
@@ -222,7 +230,10 @@ TOOL_REFUSED = {
     "argument_neighbour": (
         _CALLS + "{% for k, v in c.function.arguments | items %}{{ loop.previtem }}{% endfor %}" + _END
     ),
-    "argument_set": _CALLS + "{% set a = c.function.arguments %}{{ a | tojson }}" + _END,
+    "argument_name_read": _CALLS + "{% set a = c.function.arguments %}{{ a.path }}" + _END,
+    "argument_name_set_otherwise": _CALLS + "{% set a = c.function.arguments %}{% set a = 'x' %}{{ a }}" + _END,
+    "argument_name_dumped_with_options": _CALLS + "{% set a = c.arguments %}{{ a | tojson(indent=1) }}" + _END,
+    "json_escaped": _CALLS + "{{ c.function.arguments | tojson(ensure_ascii=True) }}" + _END,
     "name_upper": _CALLS + "{{ c.function.name | upper }}" + _END,
     "name_compared": _CALLS + "{% if c.function.name == 'x' %}X{% endif %}" + _END,
     "json_indented": _CALLS + "{{ c.function.arguments | tojson(indent=2) }}" + _END,
@@ -273,10 +284,33 @@ def test_what_qwen3_asks_of_a_text_is_what_a_skeleton_needs_answered_no() -> Non
         ("in", "</think>"),
     }
     # It strips newlines by name: where, its skeletons find per shape; not a verdict's refusal.
-    assert not verdict.strips and verdict.strip_characters == "\n"
+    assert verdict.strip_characters == "\n"
     assert verdict.admits("Which replica?") and verdict.admits("") and verdict.admits("\nWhich replica?\n")
     assert not verdict.admits("<tool_response>42") and not verdict.admits("a</think>b")
     assert not verdict.admits(" \n")
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("{{ visible_text(m.content) }}\n{{-", "{{ visible_text(m) }}\n{{-"),  # the macro handed a message
+        ("{{- item.text }}", "{{- item }}"),  # a macro printing a part whole
+        ("visible_text(m.content).endswith", "visible_text(m.content).split"),  # its text read otherwise
+        ("{%- set content = visible_text(m.content) %}", "{%- set content = visible_text(m.content[0]) %}"),
+    ],
+)
+def test_glm_reads_each_text_through_a_macro_printing_its_parts(old: str, new: str) -> None:
+    """GLM 4.5's template (content format: parts) prints every text through
+    ``visible_text(m.content)``, which prints a list's text parts: the call is the text, and
+    what the template asks of it is what a skeleton's texts must answer no to. The same
+    template handing the macro something else, or reading the text otherwise, is refused."""
+    template = ChatTemplate.from_source(ALL_TEMPLATES["glm45"])
+    assert template.content_format == "openai"
+    verdict = verbatim_check(template.syntax_tree, parts=True)
+    assert verdict.refusal is None and verdict.tests == (("endswith", "/nothink"), ("in", "</think>"))
+    assert old in template.source
+    changed = ChatTemplate.from_source(template.source.replace(old, new))
+    assert verbatim_check(changed.syntax_tree, parts=True).refusal is not None
 
 
 # Templates whose content format is a list of parts (vLLM hands each text as one part), which
@@ -317,7 +351,56 @@ def test_templates_reading_parts_verbatim_are_accepted_for_plain_chats(name: str
     template = ChatTemplate.from_source(PARTS_VERBATIM[name])
     assert template.content_format == "openai"
     assert verbatim_check(template.syntax_tree, parts=True).refusal is None
-    # Tool results' content reaches the template as a text, other messages' as parts: refused.
+    # Tool results' content reaches the template as a text, other messages' as parts: read
+    # where the message may be either, it is refused.
+    assert verbatim_check(template.syntax_tree, tools=True, parts=True).refusal is not None
+
+
+_PARTS = "{% for p in m.content %}{{ p.text }}{% endfor %}"
+# Templates whose branches by role read a tool result's content as a text and the others'
+# as parts (GLM's).
+PARTS_TOOLS_VERBATIM = {
+    "tool_branch": (
+        "{% for m in messages %}{% if m.role == 'tool' %}<r>{{ m.content }}</r>{% elif m.content is string %}"
+        "{{ m.content | upper }}{% else %}" + _PARTS + "{% endif %}{% endfor %}"
+    ),
+    "roles_listed": (
+        "{% for m in messages %}{% if m.role in ['user', 'assistant', 'system', 'developer'] %}"
+        + _PARTS
+        + "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    ),
+    "not_tool": "{% for m in messages %}{% if m.role != 'tool' %}"
+    + _PARTS
+    + "{% else %}{{ m.content }}{% endif %}{% endfor %}",
+    "tool_or_observation": (
+        "{% for m in messages %}{% if m.role == 'tool' or m.role == 'observation' %}{{ m.content }}"
+        "{% else %}" + _PARTS + "{% endif %}{% endfor %}"
+    ),
+    "guarded_by_and": "{% for m in messages %}{{ m.role == 'tool' and m.content }}{% endfor %}",
+}
+PARTS_TOOLS_REFUSED = {
+    "any_role_looped": "{% for m in messages %}" + _PARTS + "{% endfor %}",
+    "tool_branch_looped": "{% for m in messages %}{% if m.role == 'tool' %}" + _PARTS + "{% endif %}{% endfor %}",
+    "user_branch_printed": "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}",
+    "some_roles_excluded": "{% for m in messages %}{% if m.role != 'user' %}" + _PARTS + "{% endif %}{% endfor %}",
+    "tool_or_user": "{% for m in messages %}{% if m.role == 'tool' or m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}",
+    "either_measured": "{% for m in messages %}{{ m.content | length }}{% endfor %}",
+    "macro_reads_a_message": (
+        "{% macro show(m) %}{{ m.content }}{% endmacro %}{% for m in messages %}{% if m.role == 'tool' %}"
+        "{{ show(m) }}{% endif %}{% endfor %}"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARTS_TOOLS_VERBATIM))
+def test_parts_read_by_role_are_accepted_with_tool_results(name: str) -> None:
+    template = ChatTemplate.from_source(PARTS_TOOLS_VERBATIM[name])
+    assert verbatim_check(template.syntax_tree, tools=True, parts=True).refusal is None
+
+
+@pytest.mark.parametrize("name", sorted(PARTS_TOOLS_REFUSED))
+def test_parts_read_where_a_tool_result_may_be_are_refused(name: str) -> None:
+    template = ChatTemplate.from_source(PARTS_TOOLS_REFUSED[name])
     assert verbatim_check(template.syntax_tree, tools=True, parts=True).refusal is not None
 
 
@@ -346,20 +429,24 @@ def test_a_name_tested_before_it_is_set_keeps_both_branches() -> None:
     assert verbatim_check(ChatTemplate.from_source(straight).syntax_tree).refusal is None
 
 
-def test_strips_by_name_are_left_to_the_skeleton_and_others_refuse_whitespace_at_an_end() -> None:
-    """A strip of ASCII whitespace named by the template is found slot by slot; one of every
-    whitespace character, or of others (the skeletons' pads among them), refuses texts with
-    whitespace at an end at the verdict."""
+def test_strips_are_left_to_the_skeleton() -> None:
+    """A strip of whitespace named by the template is found slot by slot (its characters in
+    the verdict); one of every whitespace character shows in the build render (the marks'
+    pads taken off). None refuses a text with whitespace at an end at the verdict."""
 
     def verdict(expression: str) -> Verbatim:
         source = "{% for m in messages %}{{ " + expression + " }}{% endfor %}"
         return verbatim_check(ChatTemplate.from_source(source).syntax_tree)
 
-    named = verdict("m.content.rstrip('\\n ')")
-    assert not named.strips and named.strip_characters == "\n " and named.admits("x\n")
-    for expression in ("m.content.strip()", "m.content.lstrip('\\u2003')", "m.content.strip('\\n').strip()"):
-        refusing = verdict(expression)
-        assert refusing.strips and refusing.strip_characters == "" and not refusing.admits("x\n"), expression
+    for expression, characters in (
+        ("m.content.rstrip('\\n ')", "\n "),
+        ("m.content.lstrip('\\u2003')", "\u2003"),
+        ("m.content.strip('\\n').strip()", "\n"),
+        ("m.content.strip()", ""),
+    ):
+        named = verdict(expression)
+        assert named.refusal is None and named.strip_characters == characters, expression
+        assert named.admits("x\n") and named.admits(" x") and not named.admits(" \n"), expression
 
 
 def test_a_field_tested_for_being_defined_prunes_as_a_key_tested_in_the_message() -> None:
