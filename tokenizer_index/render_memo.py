@@ -446,6 +446,8 @@ def _render_around(
     start = previous.count - size
     match = previous.match
     found = shape.last_match.find(settings.convert(new)) if shape.last_match is not None else None
+    if found is not None and match is None and shape.last_match is not None and shape.last_match.none_before_all:
+        return None  # every remembered message was after the (missing) match; now each is before one
     if found is not None and match is not None:
         start = min(start, match)
     remembered = [*messages[: shape.anchors]]

@@ -91,6 +91,17 @@ content to the template as a string (:func:`template_shape`), a macro printing a
 argument as it is (:mod:`~kvroute.tokenizer_index.template_macros`) and called only with
 a message's content is that content, and its body is not read; the head may test the
 messages list for being empty (``if not messages``).
+
+GLM's form runs forward, each match's position written over the last::
+
+    {% set ns = namespace(index=-1) %}
+    {% for m in messages %}
+        {% if <a test of m alone> %}{% set ns.index = loop.index0 %}{% endif %}
+    {% endfor %}
+
+``ns.index`` is then the last match, or -1 where there is none: a conversation without a
+match reads as one whose match comes before every message, not at its last
+(:attr:`LastMatch.none_before_all`), so the turn that brings its first match renders whole.
 """
 
 from __future__ import annotations
@@ -177,6 +188,9 @@ class LastMatch:
 
     #: The head's namespace, the loop, and an output of the index it found ("" for none).
     program: nodes.Template = field(repr=False)
+    #: Whether a conversation without a match reads as one whose match comes before every
+    #: message (GLM's forward form: index -1), rather than at its last (Qwen 3's).
+    none_before_all: bool = False
 
     #: Messages searched at the end of a conversation before the rest of it: a chat's last
     #: query is among its last few, an agent's may be hundreds of messages back.
@@ -188,19 +202,23 @@ class LastMatch:
         namespace: nodes.Assign,
         loop: nodes.For,
         name: str,
-        flag: str,
+        flag: str | None,
         index: str,
         macros: tuple[nodes.Macro, ...] = (),
     ) -> LastMatch:
-        """The loop run alone (after the macros its test calls)."""
-        found = nodes.Not(nodes.Getattr(nodes.Name(name, "load"), flag, "load"))
+        """The loop run alone (after the macros its test calls); ``flag`` None: the forward
+        form, whose index stays negative until a message matches."""
         picked = nodes.Getattr(nodes.Name(name, "load"), index, "load")
+        if flag is None:
+            found: nodes.Expr = nodes.Compare(copy.deepcopy(picked), [nodes.Operand("gteq", nodes.Const(0))])
+        else:
+            found = nodes.Not(nodes.Getattr(nodes.Name(name, "load"), flag, "load"))
         report = nodes.Output([nodes.CondExpr(found, picked, nodes.Const(""))])
         # Copies: compiling optimises a tree in place, and the template's own must stay as parsed.
         statements = [*map(copy.deepcopy, macros), copy.deepcopy(namespace), copy.deepcopy(loop), report]
         program = nodes.Template(statements)
         program.set_lineno(1)
-        return cls(program)
+        return cls(program, none_before_all=flag is None)
 
     def find(self, conversation: list[dict[str, Any]], start: int = 0) -> int | None:
         """The last message of ``conversation[start:]`` the loop picks, or None if none is."""
@@ -468,6 +486,8 @@ class _ShapeCheck:
         self.message_loop = loop
         position = tree.body.index(loop)
         self.namespaces = list(_namespace_declarations(tree.body[:position]))
+        forward = self._find_forward_match(tree.body[:position], folds)
+        folds = [fold for fold in folds if fold is not forward]
         for fold in folds:
             self._check_fold(fold)
         if folds:
@@ -476,7 +496,10 @@ class _ShapeCheck:
             if not all(any(node is fold for fold in folds) or _is_constant_output(node) for node in between):
                 # (What the head does there would depend on a state no report shows.)
                 raise _Refusal("something other than text between the loops over the messages before the messages loop")
-        self._find_last_match(tree.body[:position])
+        if forward is None:
+            self._find_last_match(tree.body[:position])
+        elif any(isinstance(node, nodes.For) and _is_reversed(node.iter) for node in tree.body[:position]):
+            raise _Refusal("a loop over the messages in reverse besides a last-match loop")
         for node in tree.body[:position]:
             if not any(node is fold for fold in folds):
                 self.check(node, _HEAD)
@@ -637,6 +660,39 @@ class _ShapeCheck:
         self.last_match = LastMatch.of(declaration, loop, namespace, flag.attr, index, self.macro_definitions)
         self.match_namespace, self.match_index, self.match_flag = namespace, index, flag.attr
         self.match_statements = (declaration, loop)
+
+    def _find_forward_match(self, head: list[nodes.Node], folds: list[nodes.For]) -> nodes.For | None:
+        """The forward form of a last-match loop among the loops over the messages before
+        the messages loop (GLM's), if one is: ``{% set ns = namespace(index=-1) %}`` and
+        ``{% for m in messages %}{% if <a test of m alone> %}{% set ns.index = loop.index0
+        %}{% endif %}{% endfor %}``; ``ns.index`` is then the last match, -1 where there
+        is none. Checked whole; it is the last-match loop."""
+        for fold in folds:
+            choice = fold.body[0] if len(fold.body) == 1 else None
+            if not (isinstance(choice, nodes.If) and not choice.elif_ and not choice.else_ and len(choice.body) == 1):
+                continue
+            (write,) = choice.body
+            if not (
+                isinstance(write, nodes.Assign)
+                and isinstance(write.target, nodes.NSRef)
+                and _is_loop_attr(write.node, "index0")
+            ):
+                continue
+            if fold.else_ or fold.test is not None or fold.recursive or not isinstance(fold.target, nodes.Name):
+                raise _Refusal("the last-match loop has an else, a filter, recursion or an unpacking target")
+            if self.lists != {MESSAGES} or self.loop_list != MESSAGES:
+                raise _Refusal("a last-match loop in a template that peels messages")
+            namespace, index = write.target.name, write.target.attr
+            readable = {fold.target.name, *self.identity_macros}
+            if any(name.name not in readable for name in choice.test.find_all(nodes.Name)):
+                raise _Refusal("the last-match loop's test reads more than the message")
+            self.check(choice.test, _Scope(in_any_loop=True, no_namespace_writes=True))
+            declaration = _forward_declaration(head[: head.index(fold)], namespace, index)
+            self.last_match = LastMatch.of(declaration, fold, namespace, None, index, self.macro_definitions)
+            self.match_namespace, self.match_index, self.match_target = namespace, index, fold.target.name
+            self.match_statements = (declaration, fold)
+            return fold
+        return None
 
     def _is_content_read(self, node: nodes.Node) -> bool:
         """``message.content`` of the messages loop's or the last-match loop's message, or of
@@ -819,6 +875,33 @@ def _namespace_declaration(head: list[nodes.Node], namespace: str, flag: str, in
             if _is_const(values.get(flag), True) and _is_last_position(values.get(index)):
                 return statement
     raise _Refusal(f"the last-match loop's namespace is not set to namespace({flag}=true, {index}=messages|length - 1)")
+
+
+def _forward_declaration(head: list[nodes.Node], namespace: str, index: str) -> nodes.Assign:
+    """The top-level ``{% set ns = namespace(index=-1) %}`` (any negative constant) before
+    the forward last-match loop."""
+    for statement in head:
+        if not (isinstance(statement, nodes.Assign) and _is_store(statement.target, namespace)):
+            continue
+        call = statement.node
+        if (
+            isinstance(call, nodes.Call)
+            and _is_name(call.node, "namespace")
+            and not (call.args or call.dyn_args or call.dyn_kwargs)
+            and len(call.kwargs) == 1
+            and call.kwargs[0].key == index
+            and _is_negative_int(call.kwargs[0].value)
+        ):
+            return statement
+    raise _Refusal(f"the last-match loop's namespace is not set to namespace({index}=-1)")
+
+
+def _is_negative_int(node: nodes.Node) -> bool:
+    """``-1`` (as Jinja parses it: the negation of a positive constant), or a negative constant."""
+    if isinstance(node, nodes.Neg):
+        node = node.node
+        return isinstance(node, nodes.Const) and type(node.value) is int and node.value > 0
+    return isinstance(node, nodes.Const) and type(node.value) is int and node.value < 0
 
 
 def _is_local_then_test(body: list[nodes.Node]) -> bool:

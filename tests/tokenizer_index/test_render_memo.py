@@ -78,10 +78,10 @@ ALL_TEMPLATES = {
 INCREMENTAL = {
     *("prefix_stable", "raw", "thinking_prompt", "default", "openai_parts"),
     *("llama3", "llama3_index", "llama31", "marks_last", "qwen25", "qwen3", "qwen3_coder"),
-    *("mistral", "mistral_first", "mixtral_last", "gemma3", "deepseek", "qwen35"),
+    *("mistral", "mistral_first", "mixtral_last", "gemma3", "deepseek", "qwen35", "glm45"),
 }
 #: Those whose message texts depend on their neighbours (the memo renders the last few again).
-LOOKAROUND = {"marks_last", "qwen25", "qwen3", "qwen3_coder", "mixtral_last", "qwen35"}
+LOOKAROUND = {"marks_last", "qwen25", "qwen3", "qwen3_coder", "mixtral_last", "qwen35", "glm45"}
 #: Those whose message texts depend on their positions' parity (a window keeps it).
 PARITY = {"mistral", "mistral_first", "mixtral_last", "gemma3"}
 #: The leading messages each incremental template's renders repeat (the head peels the rest off).
@@ -592,6 +592,76 @@ def test_last_match_loops_of_another_shape_are_refused(head: str, body: str) -> 
 def test_a_last_match_read_other_than_by_position_is_refused(body: str) -> None:
     tree = ChatTemplate.from_source(_LAST_MATCH_HEAD + body).syntax_tree
     assert prefix_shape(tree).refusal is not None
+
+
+#: GLM's last-match loop: forward, each match's position written over the last; -1 for none.
+_FORWARD_MATCH_HEAD = (
+    "{% set ns = namespace(last=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+)
+
+
+def test_a_forward_last_match_loop_is_recognised() -> None:
+    """GLM's form: the last match, or none (every message then reads as after it, not as the
+    last message of Qwen 3's form): a conversation whose first match comes in a later turn
+    renders that turn whole, and every turn as the whole template does."""
+    source = _FORWARD_MATCH_HEAD + _LAST_MATCH_BODY
+    shape = prefix_shape(ChatTemplate.from_source(source).syntax_tree)
+    assert shape.stable and shape.windowed and shape.last_match is not None and shape.last_match.none_before_all
+    system, user, answer = (
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning": "r"},
+    )
+    assert shape.last_match.find([system, user, answer, user, answer]) == 3
+    assert shape.last_match.find([system, answer, answer]) is None
+    renderers = Renderers(source)
+    messages: list[dict[str, Any]] = [system]
+    for turn in range(6):  # no match yet: every answer shows its reasoning
+        messages.append({**answer, "content": f"a{turn}"})
+        assert renderers.agree(messages)
+    messages.append(user)  # the first match: every answer before it loses its reasoning
+    assert renderers.agree(messages) and "[r]" not in renderers.memo.render_chat(messages)
+    for turn in range(6):
+        messages += [{**answer, "content": f"b{turn}"}, {**user, "content": f"q{turn}"}]
+        assert renderers.agree(messages)
+    assert renderers.memo.render_memo_stats().reused >= 10
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("last=-1", "last=0"),  # a match could be told from none only by the loop
+        ("last=-1", "last=-1, more=1"),
+        ("ns.last = loop.index0", "ns.last = loop.index"),
+        ("ns.last = loop.index0 %}", "ns.last = loop.index0 %}{% set ns.more = 1 %}"),
+        ("m.role == 'user'", "messages[0].role == 'user'"),  # the test reads more than the message
+        ("m.role == 'user'", "loop.first"),
+        ("{% endif %}{% endfor %}", "{% endif %}{{ m.content }}{% endfor %}"),
+        ("{% endif %}{% endfor %}", "{% else %}{% set ns.last = -1 %}{% endif %}{% endfor %}"),
+        ("{% for m in messages %}", "{% for m in messages[1:] %}"),
+    ],
+)
+def test_forward_last_match_loops_of_another_shape_are_refused(old: str, new: str) -> None:
+    head = _FORWARD_MATCH_HEAD.replace(old, new)
+    assert head != _FORWARD_MATCH_HEAD
+    assert prefix_shape(ChatTemplate.from_source(head + _LAST_MATCH_BODY).syntax_tree).refusal is not None
+
+
+def test_glm_chats_and_agents_render_from_the_remembered_turn() -> None:
+    """GLM 4.5's template: a chat's answers show their reasoning only after the last user
+    turn; each turn renders as the whole template does, from the remembered one."""
+    renderers = Renderers(ALL_TEMPLATES["glm45"])
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You help."}]
+    for turn in range(20):
+        messages.append({"role": "user", "content": f"question {turn}"})
+        assert renderers.agree(messages)
+        messages.append({"role": "assistant", "content": f"<think>hm {turn}</think>answer {turn}"})
+    assert "hm 18" not in renderers.memo.render_chat(messages) and "hm 19" in renderers.memo.render_chat(messages)
+    chat_reused = renderers.memo.render_memo_stats().reused
+    assert chat_reused >= 15
+    renderers.agree_turn_by_turn(messages, _qwen3_agent_turn, range(8), tools=TOOLS)
+    assert renderers.memo.render_memo_stats().reused >= chat_reused + 6
 
 
 #: Qwen 3.5's last-match loop: each text through a macro printing a string as it is, then
