@@ -7,7 +7,9 @@ than the memo holds, the one evicted is the one idle longest, which is the next 
 back, and every turn misses. So an entry is kept with when it was last used and the gap its
 conversation last came back after, and the victim is, in this order:
 
-1. an entry a later turn of its conversation superseded (that turn was built from it);
+1. an entry a later turn of its conversation superseded (that turn was built from it), the
+   one superseded longest ago first: the latest is what a sibling of the newest turn (a
+   regenerated answer, a retried branch) builds on again;
 2. an entry overdue, idle more than :data:`OVERDUE_GAPS` times its gap (a conversation
    that ended), looked for from the least recently used;
 3. the entry expected back last (last use + gap; a conversation whose gap is unknown, as a
@@ -49,7 +51,7 @@ class ReturnOrder:
 
     def __init__(self) -> None:
         self._uses: OrderedDict[int, _Use] = OrderedDict()  # least recently used first
-        self._superseded: set[int] = set()
+        self._superseded: OrderedDict[int, None] = OrderedDict()  # superseded longest ago first
         self._typical_gap: float | None = None
         self._ghosts: OrderedDict[int, float] = OrderedDict()  # evicted key -> its last use
 
@@ -64,10 +66,10 @@ class ReturnOrder:
         if after is not None and after != key and after in self._uses:
             gap = now - self._uses[after].last
             self._learn(gap)
-            self._uses.move_to_end(after, last=False)
-            self._superseded.add(after)
+            self._superseded.pop(after, None)
+            self._superseded[after] = None
         self._uses[key] = _Use(now, gap)
-        self._superseded.discard(key)
+        self._superseded.pop(key, None)
 
     def looked_up(self, keys: list[int], now: float) -> None:
         """A turn looked for these keys: where the first held or evicted one was evicted, its
@@ -83,7 +85,7 @@ class ReturnOrder:
     def evict(self, key: int) -> None:
         """``key``'s entries left the memo (its last use kept a while)."""
         use = self._uses.pop(key, None)
-        self._superseded.discard(key)
+        self._superseded.pop(key, None)
         if use is not None:
             self._ghosts[key] = use.last
             while len(self._ghosts) > max(_MIN_GHOSTS, _GHOSTS_PER_ENTRY * len(self._uses)):
@@ -100,9 +102,11 @@ class ReturnOrder:
 
     def victim(self, now: float) -> int:
         """The key to evict (there is one)."""
+        if self._superseded:
+            return next(iter(self._superseded))
         first = next(iter(self._uses))
         typical = self._typical_gap
-        if first in self._superseded or typical is None:
+        if typical is None:
             return first
         for scanned, (key, use) in enumerate(self._uses.items()):
             if scanned == _OVERDUE_SCAN:

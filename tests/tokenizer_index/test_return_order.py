@@ -23,6 +23,21 @@ def test_a_superseded_entry_goes_first() -> None:
     assert len(order) == 2
 
 
+def test_of_superseded_entries_the_one_superseded_longest_ago_goes_first() -> None:
+    """A conversation's older turns go before the turn its newest superseded, which the
+    newest's siblings (a regenerated answer) build on again, however often they do."""
+    order = ReturnOrder()
+    order.used(1, 0.0)
+    order.used(2, 1.0, after=1)
+    order.used(3, 2.0, after=2)  # the newest turn: 1 superseded first, then 2
+    order.used(4, 3.0, after=2)  # a sibling of 3, built on 2 again
+    assert order.victim(4.0) == 1
+    order.evict(1)
+    assert order.victim(4.0) == 2
+    order.used(2, 5.0)  # used again: no longer superseded
+    assert order.victim(6.0) != 2
+
+
 def test_the_entry_expected_back_last_goes_and_an_overdue_one_before_it() -> None:
     order = ReturnOrder()
     order.used(10, 0.0)
