@@ -74,14 +74,16 @@ ALL_TEMPLATES = {
     "qwen35": (REPO / "benchmarks" / "templates" / "qwen35_style.jinja").read_text(),
     # Every text through a macro printing a list of parts' texts (its content format is parts).
     "glm45": (REPO / "benchmarks" / "templates" / "glm45_style.jinja").read_text(),
+    # GLM 4.5's with tool calls written compactly and reasoning kept on request (clear_thinking).
+    "glm47": (REPO / "benchmarks" / "templates" / "glm47_style.jinja").read_text(),
 }
 INCREMENTAL = {
     *("prefix_stable", "raw", "thinking_prompt", "default", "openai_parts"),
     *("llama3", "llama3_index", "llama31", "marks_last", "qwen25", "qwen3", "qwen3_coder"),
-    *("mistral", "mistral_first", "mixtral_last", "gemma3", "deepseek", "qwen35", "glm45"),
+    *("mistral", "mistral_first", "mixtral_last", "gemma3", "deepseek", "qwen35", "glm45", "glm47"),
 }
 #: Those whose message texts depend on their neighbours (the memo renders the last few again).
-LOOKAROUND = {"marks_last", "qwen25", "qwen3", "qwen3_coder", "mixtral_last", "qwen35", "glm45"}
+LOOKAROUND = {"marks_last", "qwen25", "qwen3", "qwen3_coder", "mixtral_last", "qwen35", "glm45", "glm47"}
 #: Those whose message texts depend on their positions' parity (a window keeps it).
 PARITY = {"mistral", "mistral_first", "mixtral_last", "gemma3"}
 #: The leading messages each incremental template's renders repeat (the head peels the rest off).
@@ -648,10 +650,11 @@ def test_forward_last_match_loops_of_another_shape_are_refused(old: str, new: st
     assert prefix_shape(ChatTemplate.from_source(head + _LAST_MATCH_BODY).syntax_tree).refusal is not None
 
 
-def test_glm_chats_and_agents_render_from_the_remembered_turn() -> None:
-    """GLM 4.5's template: a chat's answers show their reasoning only after the last user
-    turn; each turn renders as the whole template does, from the remembered one."""
-    renderers = Renderers(ALL_TEMPLATES["glm45"])
+@pytest.mark.parametrize("name", ["glm45", "glm47"])
+def test_glm_chats_and_agents_render_from_the_remembered_turn(name: str) -> None:
+    """GLM 4.5's and 4.7's templates: a chat's answers show their reasoning only after the
+    last user turn; each turn renders as the whole template does, from the remembered one."""
+    renderers = Renderers(ALL_TEMPLATES[name])
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You help."}]
     for turn in range(20):
         messages.append({"role": "user", "content": f"question {turn}"})

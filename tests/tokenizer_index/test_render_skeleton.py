@@ -288,7 +288,7 @@ TOOLS = [
 TOOL_FILLED = {
     *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "qwen3"),
     *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last", "qwen3_coder"),
-    *("deepseek", "qwen35", "glm45"),
+    *("deepseek", "qwen35", "glm45", "glm47"),
 }
 
 
@@ -324,7 +324,9 @@ def test_a_filled_skeleton_with_tool_calls_is_the_whole_render(
     assert text is None or text == without(messages)
 
 
-@pytest.mark.parametrize("name", ["default", "qwen25", "qwen3", "llama31", "qwen3_coder", "qwen35", "deepseek"])
+@pytest.mark.parametrize(
+    "name", ["default", "qwen25", "qwen3", "llama31", "qwen3_coder", "qwen35", "deepseek", "glm45", "glm47"]
+)
 def test_an_agents_chat_fills_its_skeleton(name: str) -> None:
     """What an agent sends (tool calls with JSON arguments, tool results) fills a skeleton
     per shape under the templates that print them verbatim, and other texts fill it again."""

@@ -17,7 +17,7 @@ from tests.tokenizer_index.test_render_memo import ALL_TEMPLATES
 FILLED = {
     *("prefix_stable", "counted", "marks_last", "raw", "thinking_prompt", "default", "qwen25", "qwen3"),
     *("llama3", "llama3_index", "llama31", "mistral", "mistral_first", "mixtral_last", "qwen3_coder"),
-    *("gemma3", "openai_parts", "deepseek", "qwen35", "glm45"),
+    *("gemma3", "openai_parts", "deepseek", "qwen35", "glm45", "glm47"),
 }
 
 # Templates that print texts only as they are, trimmed, or chosen by their truth.
