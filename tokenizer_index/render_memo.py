@@ -54,6 +54,11 @@ log = logging.getLogger(__name__)
 #: Conversations with fewer messages are rendered whole: the memo's own work (two renders
 #: of the first message, the JSON) costs what rendering ~5 messages does.
 MIN_MESSAGES = 16
+#: A conversation's first turn of at least :data:`MIN_MESSAGES` messages (none remembered:
+#: a new conversation, or one this router has not seen) with at most this many after the
+#: first ``MIN_MESSAGES - 2`` renders those from their skeleton and the rest after them, as
+#: a later turn renders after a remembered one (:meth:`RenderMemo._render_split`).
+SPLIT_MAX_NEW = 6
 #: Under a template that carries state between messages (DeepSeek V3's namespace), a turn
 #: continued from a remembered one renders a window of the last messages twice with the
 #: states reported (~100-115 us, whatever the length), which costs what rendering ~40
@@ -237,13 +242,17 @@ class RenderMemo:
         if settings.shape.carried is not None:
             encoded = (messages_key, context_json)
             return self._render_carried(previous, previous_key, messages, settings, keys, encoded)
-        rendered = self._render_after(previous, messages, settings) if previous is not None else None
+        rendered = None
+        if previous is not None:
+            rendered = self._render_after(previous, messages, settings)
+            if rendered is not None:
+                self._memo.reused()
+        else:
+            rendered = self._render_split(messages, settings, context_json)
         if rendered is None:
             rendered = self._render_first(messages, settings)
-        else:
-            self._memo.reused()
-            if not self._verified(rendered.text, messages, settings):
-                return settings.render_whole(messages)
+        elif not self._verified(rendered.text, messages, settings):
+            return settings.render_whole(messages)
         text, head, generation_prompt = rendered.text, rendered.head, rendered.generation_prompt
         if keys and generation_prompt is not None:
             tail = generation_prompt if settings.add_generation_prompt else ""
@@ -343,17 +352,52 @@ class RenderMemo:
             self._memo.touch(previous_key)
         return text
 
-    def _render_first(self, messages: Sequence[Any], settings: RenderSettings) -> _Rendered:
-        """All the messages rendered; and the anchors' text alone, and the generation
-        prompt, which the conversation's next turns are cut and joined at (``None`` if it
-        is no suffix, or the conversation is shorter than its anchors: then nothing is
-        remembered)."""
-        conversation = settings.convert(messages)
-        text = settings.render(conversation)
+    def _render_split(self, messages: Sequence[Any], settings: RenderSettings, context_json: bytes) -> _Rendered | None:
+        """A conversation's first long turn, where its first ``min_messages - 2`` messages
+        fill a skeleton and at most :data:`SPLIT_MAX_NEW` follow: those rendered so (with
+        their anchors' text, generation prompt and match found, as a remembered turn's),
+        and the rest after them as :meth:`_render_after` renders a later turn. None where
+        that does not apply (or would cost more: a last-match loop run in Jinja, as Qwen
+        3's, which reads texts); then everything renders whole."""
+        split = self.min_messages - 2
+        fill, last_match = settings.fill, settings.shape.last_match
+        if fill is None or split <= settings.shape.anchors or not 0 < len(messages) - split <= SPLIT_MAX_NEW:
+            return None
+        if last_match is not None and last_match.roles is None:
+            return None  # its loop run in Jinja over the messages converted: as dear as rendering them
+        first = messages[:split]
+        body = fill(first, False)
+        if body is None:
+            return None
+        found = self._render_first(first, settings, body)
+        if found.generation_prompt is None or not (settings.shape.windowed or body.startswith(found.head)):
+            return None
+        remembered = RenderedConversation(
+            body,
+            len(body),
+            MessagesKey.of(first),
+            split,
+            settings.template,
+            context_json,
+            found.head,
+            found.generation_prompt,
+            found.match,
+        )
+        return self._render_after(remembered, messages, settings)
+
+    def _render_first(self, messages: Sequence[Any], settings: RenderSettings, text: str | None = None) -> _Rendered:
+        """All the messages rendered (or their ``text``, rendered already); and the
+        anchors' text alone, and the generation prompt, which the conversation's next turns
+        are cut and joined at (``None`` if it is no suffix, or the conversation is shorter
+        than its anchors: then nothing is remembered)."""
         anchors, last_match = settings.shape.anchors, settings.shape.last_match
-        if len(conversation) < anchors:
+        converted = text is None or (last_match is not None and last_match.roles is None)
+        conversation = settings.convert(messages) if converted else []
+        if text is None:
+            text = settings.render(conversation)
+        if len(messages) < anchors:
             return _Rendered(text, "", None)
-        match = last_match.find(conversation) if last_match else None
+        match = last_match.find(conversation if converted else messages) if last_match else None
         # The generation prompt reads no message but the first (template_prefix), so any list
         # starting with the anchors shows it. Where the anchors alone are refused (Qwen 3.5's
         # "no user query"), they are shown with the match, which a windowed template's later
@@ -445,8 +489,11 @@ def _render_around(
     new = messages[previous.count :]
     start = previous.count - size
     match = previous.match
-    found = shape.last_match.find(settings.convert(new)) if shape.last_match is not None else None
-    if found is not None and match is None and shape.last_match is not None and shape.last_match.none_before_all:
+    last_match = shape.last_match
+    found = None
+    if last_match is not None:
+        found = last_match.find(new if last_match.roles is not None else settings.convert(new))
+    if found is not None and match is None and last_match is not None and last_match.none_before_all:
         return None  # every remembered message was after the (missing) match; now each is before one
     if found is not None and match is not None:
         start = min(start, match)

@@ -108,7 +108,7 @@ from __future__ import annotations
 
 import copy
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, ClassVar
@@ -191,6 +191,10 @@ class LastMatch:
     #: Whether a conversation without a match reads as one whose match comes before every
     #: message (GLM's forward form: index -1), rather than at its last (Qwen 3's).
     none_before_all: bool = False
+    #: Where its test only compares a message's role with constants (GLM's ``m.role ==
+    #: 'user'``), the roles that match: the loop is then run in Python, on the messages as
+    #: the client sent them or converted alike (None: run the template's own loop).
+    roles: frozenset[str] | None = None
 
     #: Messages searched at the end of a conversation before the rest of it: a chat's last
     #: query is among its last few, an agent's may be hundreds of messages back.
@@ -205,9 +209,11 @@ class LastMatch:
         flag: str | None,
         index: str,
         macros: tuple[nodes.Macro, ...] = (),
+        test: nodes.Node | None = None,
     ) -> LastMatch:
         """The loop run alone (after the macros its test calls); ``flag`` None: the forward
-        form, whose index stays negative until a message matches."""
+        form, whose index stays negative until a message matches. ``test``: the loop's test
+        of a message (its roles read off it where it reads nothing else)."""
         picked = nodes.Getattr(nodes.Name(name, "load"), index, "load")
         if flag is None:
             found: nodes.Expr = nodes.Compare(copy.deepcopy(picked), [nodes.Operand("gteq", nodes.Const(0))])
@@ -218,17 +224,27 @@ class LastMatch:
         statements = [*map(copy.deepcopy, macros), copy.deepcopy(namespace), copy.deepcopy(loop), report]
         program = nodes.Template(statements)
         program.set_lineno(1)
-        return cls(program, none_before_all=flag is None)
+        target = loop.target.name if isinstance(loop.target, nodes.Name) else ""
+        roles = _matching_roles(test, target) if test is not None else None
+        return cls(program, none_before_all=flag is None, roles=roles)
 
-    def find(self, conversation: list[dict[str, Any]], start: int = 0) -> int | None:
-        """The last message of ``conversation[start:]`` the loop picks, or None if none is."""
+    def find(self, conversation: Sequence[Any], start: int = 0) -> int | None:
+        """The last message of ``conversation[start:]`` the loop picks, or None if none is
+        (with :attr:`roles`, of the messages as sent too)."""
+        if self.roles is not None:
+            roles = self.roles
+            for position in range(len(conversation) - 1, start - 1, -1):
+                message = conversation[position]
+                if isinstance(message, Mapping) and message.get("role") in roles:
+                    return position
+            return None
         recent = max(start, len(conversation) - self.RECENT)
         found = self._find_in(conversation, recent)
         if found is None and recent > start:
             found = self._find_in(conversation[:recent], start)
         return found
 
-    def _find_in(self, conversation: list[dict[str, Any]], start: int) -> int | None:
+    def _find_in(self, conversation: Sequence[Any], start: int) -> int | None:
         picked = self._compiled.render(messages=conversation[start:])
         return start + int(picked) if picked else None
 
@@ -657,7 +673,10 @@ class _ShapeCheck:
                 raise _Refusal("the last-match loop's test reads more than the message")
             self.check(condition, _Scope(in_any_loop=True, no_namespace_writes=True))
         declaration = _namespace_declaration(head[: head.index(loop)], namespace, flag.attr, index)
-        self.last_match = LastMatch.of(declaration, loop, namespace, flag.attr, index, self.macro_definitions)
+        conjunction = _conjunction(test) if not locals_ else None
+        self.last_match = LastMatch.of(
+            declaration, loop, namespace, flag.attr, index, self.macro_definitions, conjunction
+        )
         self.match_namespace, self.match_index, self.match_flag = namespace, index, flag.attr
         self.match_statements = (declaration, loop)
 
@@ -688,7 +707,9 @@ class _ShapeCheck:
                 raise _Refusal("the last-match loop's test reads more than the message")
             self.check(choice.test, _Scope(in_any_loop=True, no_namespace_writes=True))
             declaration = _forward_declaration(head[: head.index(fold)], namespace, index)
-            self.last_match = LastMatch.of(declaration, fold, namespace, None, index, self.macro_definitions)
+            self.last_match = LastMatch.of(
+                declaration, fold, namespace, None, index, self.macro_definitions, choice.test
+            )
             self.match_namespace, self.match_index, self.match_target = namespace, index, fold.target.name
             self.match_statements = (declaration, fold)
             return fold
@@ -924,6 +945,40 @@ def _is_raise(node: nodes.Node) -> bool:
         and all(isinstance(argument, nodes.Const) for argument in node.args)
         and not (node.kwargs or node.dyn_args or node.dyn_kwargs)
     )
+
+
+def _conjunction(tests: list[nodes.Node]) -> nodes.Node:
+    """``tests`` joined by ``and`` (the inverse of :func:`_conjuncts`)."""
+    joined = tests[0]
+    for test in tests[1:]:
+        joined = nodes.And(joined, test)
+    return joined
+
+
+def _matching_roles(test: nodes.Node, target: str) -> frozenset[str] | None:
+    """The roles for which ``test`` holds of message ``target`` where it only compares the
+    message's role with constants, by ``==`` or ``in`` (joined by ``and``, ``or``); None
+    where it reads anything else."""
+    if isinstance(test, nodes.And | nodes.Or):
+        left, right = _matching_roles(test.left, target), _matching_roles(test.right, target)
+        if left is None or right is None:
+            return None
+        return left & right if isinstance(test, nodes.And) else left | right
+    if not isinstance(test, nodes.Compare) or len(test.ops) != 1:
+        return None
+    (operand,) = test.ops
+    read, other = test.expr, operand.expr
+    if operand.op == "eq" and isinstance(read, nodes.Const):
+        read, other = other, read
+    if not (isinstance(read, nodes.Getattr | nodes.Getitem) and key_of(read) == "role" and _is_name(read.node, target)):
+        return None
+    if operand.op == "eq" and isinstance(other, nodes.Const) and isinstance(other.value, str):
+        return frozenset({other.value})
+    if operand.op == "in" and isinstance(other, nodes.List | nodes.Tuple):
+        values = [item.value for item in other.items if isinstance(item, nodes.Const)]  # type: ignore[attr-defined]
+        if len(values) == len(other.items) and all(isinstance(value, str) for value in values):
+            return frozenset(values)
+    return None
 
 
 def _conjuncts(test: nodes.Node) -> list[nodes.Node]:

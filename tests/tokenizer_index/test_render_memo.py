@@ -25,6 +25,7 @@ from kvroute.tokenizer_index.render_memo import (
     CARRIED_MIN_MESSAGES,
     LOOKAROUND_WINDOW,
     MIN_MESSAGES,
+    SPLIT_MAX_NEW,
     RenderMemo,
     RenderSettings,
     incremental_render_agrees,
@@ -230,6 +231,60 @@ def test_a_long_conversation_renders_only_its_new_messages() -> None:
     # Remembered from the first render of MIN_MESSAGES messages on; every later one reuses.
     assert stats.lookups == long_renders > 1 and stats.reused == long_renders - 1
     assert 0 < stats.bytes <= stats.max_bytes
+
+
+#: Per template, renderers for the first-turn test (made once: a tokenizer probes a template at its first use).
+_FIRST_TURN_RENDERERS: dict[str, Renderers] = {}
+
+
+@pytest.mark.parametrize("name", sorted(INCREMENTAL))
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(history=st.lists(message(), min_size=MIN_MESSAGES, max_size=MIN_MESSAGES + SPLIT_MAX_NEW + 1), data=st.data())
+def test_a_conversations_first_long_turn_renders_as_the_whole(
+    name: str, history: list[dict[str, Any]], data: st.DataObject
+) -> None:
+    """A first turn of MIN_MESSAGES or more (nothing remembered) renders its first messages
+    from their skeleton and the rest after them where it can: as the whole render, under
+    every template the memo takes, and its next turn continues it."""
+    renderers = _FIRST_TURN_RENDERERS.get(name) or _FIRST_TURN_RENDERERS.setdefault(
+        name, Renderers(ALL_TEMPLATES[name])
+    )
+    renderers.memo._render_memo.min_messages = MIN_MESSAGES
+    renderers.memo.clear_cache()
+    tools = data.draw(st.sampled_from([None, TOOLS]))
+    renderers.agree(history, tools=tools, add_generation_prompt=data.draw(st.booleans()))
+    renderers.agree(history + data.draw(st.lists(message(), max_size=3)), tools=tools)
+
+
+@pytest.mark.parametrize("name", ["default", "glm45", "qwen3", "llama31", "gemma3", "qwen3_coder"])
+def test_a_first_long_turn_renders_its_first_messages_from_their_skeleton(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under templates whose short chats fill skeletons, a new conversation's first turn of
+    16 messages renders the first 14 so and the last 2 after them (not every message); not
+    where a last-match loop must run in Jinja (Qwen 3's reads texts), which costs more."""
+    renderers = Renderers(ALL_TEMPLATES[name])
+    renderers.memo._render_memo.min_messages = MIN_MESSAGES
+    split = RenderMemo._render_split
+    results: list[object] = []
+
+    def spied(self: RenderMemo, *args: Any) -> object:
+        result = split(self, *args)
+        if self is renderers.memo._render_memo:  # (not the probes' own memos)
+            results.append(result)
+        return result
+
+    monkeypatch.setattr(RenderMemo, "_render_split", spied)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You route requests."}]
+    while len(messages) < MIN_MESSAGES:
+        messages += [{"role": "user", "content": f"q{len(messages)}"}, {"role": "assistant", "content": "a"}]
+    messages = messages[:MIN_MESSAGES]
+    assert renderers.agree(messages)
+    assert len(results) == 1 and (results[0] is None) == (name == "qwen3")
+    stats = renderers.memo.render_memo_stats()
+    assert (stats.lookups, stats.reused, stats.entries) == (1, 0, 1)
 
 
 def test_a_template_that_breaks_the_prefix_property_renders_whole() -> None:

@@ -208,11 +208,13 @@ def test_the_tokenizer_fills_short_plain_chats_and_renders_the_rest_whole() -> N
     for extra in requests:
         assert tokenizer.render_chat(chat, **extra) == whole.render_chat(chat, **extra)
     assert tokenizer.skeleton_stats().filled == before + 1
-    long_chat = as_messages([("user", f"turn {number}") for number in range(20)])
-    assert tokenizer.render_chat(long_chat) == whole.render_chat(long_chat)  # the render memo's
-    # whole, but its anchor alone (the cut for the next turn) with and without the prompt filled
+    # A first turn too long to render its first messages from their skeleton (render_memo's
+    # SPLIT_MAX_NEW) goes to the render memo whole, but its anchor alone (the cut for the
+    # next turn) with and without the prompt filled.
+    long_chat = as_messages([("user", f"turn {number}") for number in range(24)])
+    assert tokenizer.render_chat(long_chat) == whole.render_chat(long_chat)
     assert tokenizer.skeleton_stats().filled == before + 3
-    longer = [*long_chat, *as_messages([("assistant", "ok"), ("user", "turn 21")])]
+    longer = [*long_chat, *as_messages([("assistant", "ok"), ("user", "turn 25")])]
     assert tokenizer.render_chat(longer) == whole.render_chat(longer)
     # the anchor and the two new messages filled, behind the remembered turn
     assert tokenizer.skeleton_stats().filled == before + 4 and tokenizer.render_memo_stats().reused == 1
