@@ -879,9 +879,9 @@ def _is_generation_default(node: nodes.Node) -> bool:
     )
 
 
-def _namespace_declaration(head: list[nodes.Node], namespace: str, flag: str, index: str) -> nodes.Assign:
-    """The top-level ``{% set ns = namespace(flag=true, index=messages|length - 1) %}`` before
-    the last-match loop."""
+def _namespace_calls(head: list[nodes.Node], namespace: str) -> Iterator[tuple[nodes.Assign, dict[str, nodes.Node]]]:
+    """Each top-level ``{% set <namespace> = namespace(key=value, ...) %}`` in ``head``,
+    with its keywords' values."""
     for statement in head:
         if not (isinstance(statement, nodes.Assign) and _is_store(statement.target, namespace)):
             continue
@@ -890,29 +890,24 @@ def _namespace_declaration(head: list[nodes.Node], namespace: str, flag: str, in
             isinstance(call, nodes.Call)
             and _is_name(call.node, "namespace")
             and not (call.args or call.dyn_args or call.dyn_kwargs)
-            and len(call.kwargs) == 2
         ):
-            values = {keyword.key: keyword.value for keyword in call.kwargs}
-            if _is_const(values.get(flag), True) and _is_last_position(values.get(index)):
-                return statement
+            yield statement, {keyword.key: keyword.value for keyword in call.kwargs}
+
+
+def _namespace_declaration(head: list[nodes.Node], namespace: str, flag: str, index: str) -> nodes.Assign:
+    """The top-level ``{% set ns = namespace(flag=true, index=messages|length - 1) %}`` before
+    the last-match loop."""
+    for statement, values in _namespace_calls(head, namespace):
+        if values.keys() == {flag, index} and _is_const(values[flag], True) and _is_last_position(values[index]):
+            return statement
     raise _Refusal(f"the last-match loop's namespace is not set to namespace({flag}=true, {index}=messages|length - 1)")
 
 
 def _forward_declaration(head: list[nodes.Node], namespace: str, index: str) -> nodes.Assign:
     """The top-level ``{% set ns = namespace(index=-1) %}`` (any negative constant) before
     the forward last-match loop."""
-    for statement in head:
-        if not (isinstance(statement, nodes.Assign) and _is_store(statement.target, namespace)):
-            continue
-        call = statement.node
-        if (
-            isinstance(call, nodes.Call)
-            and _is_name(call.node, "namespace")
-            and not (call.args or call.dyn_args or call.dyn_kwargs)
-            and len(call.kwargs) == 1
-            and call.kwargs[0].key == index
-            and _is_negative_int(call.kwargs[0].value)
-        ):
+    for statement, values in _namespace_calls(head, namespace):
+        if values.keys() == {index} and _is_negative_int(values[index]):
             return statement
     raise _Refusal(f"the last-match loop's namespace is not set to namespace({index}=-1)")
 
