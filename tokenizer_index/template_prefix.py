@@ -235,7 +235,8 @@ class LastMatch:
             roles = self.roles
             for position in range(len(conversation) - 1, start - 1, -1):
                 message = conversation[position]
-                if isinstance(message, Mapping) and message.get("role") in roles:
+                role = message.get("role") if isinstance(message, Mapping) else None
+                if type(role) is str and role in roles:  # (a malformed one fails its conversion later)
                     return position
             return None
         recent = max(start, len(conversation) - self.RECENT)

@@ -705,6 +705,17 @@ def test_forward_last_match_loops_of_another_shape_are_refused(old: str, new: st
     assert prefix_shape(ChatTemplate.from_source(head + _LAST_MATCH_BODY).syntax_tree).refusal is not None
 
 
+@pytest.mark.parametrize("role", [["user"], {"user": 1}, None, 3])
+def test_a_malformed_role_after_a_remembered_turn_is_the_clients_error(role: object) -> None:
+    """GLM's last-match loop runs in Python on the new messages as sent: a role that is no
+    text (unhashable too) is refused as the whole render refuses it, not crashed on."""
+    renderers = Renderers(ALL_TEMPLATES["glm45"])
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    messages += [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
+    assert renderers.agree(messages)
+    assert not renderers.agree([*messages, {"role": "assistant", "content": "b"}, {"role": role, "content": "x"}])
+
+
 @pytest.mark.parametrize("name", ["glm45", "glm47"])
 def test_glm_chats_and_agents_render_from_the_remembered_turn(name: str) -> None:
     """GLM 4.5's and 4.7's templates: a chat's answers show their reasoning only after the
