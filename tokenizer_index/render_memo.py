@@ -358,12 +358,12 @@ class RenderMemo:
         their anchors' text, generation prompt and match found, as a remembered turn's),
         and the rest after them as :meth:`_render_after` renders a later turn. None where
         that does not apply (or would cost more: a last-match loop run in Jinja, as Qwen
-        3's, which reads texts); then everything renders whole."""
+        3.5's, whose test reads a text through a macro); then everything renders whole."""
         split = self.min_messages - 2
         fill, last_match = settings.fill, settings.shape.last_match
         if fill is None or split <= settings.shape.anchors or not 0 < len(messages) - split <= SPLIT_MAX_NEW:
             return None
-        if last_match is not None and last_match.roles is None:
+        if last_match is not None and last_match.roles is None and last_match.message_test is None:
             return None  # its loop run in Jinja over the messages converted: as dear as rendering them
         first = messages[:split]
         body = fill(first, False)

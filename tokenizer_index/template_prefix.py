@@ -108,7 +108,7 @@ from __future__ import annotations
 
 import copy
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, ClassVar
@@ -195,6 +195,11 @@ class LastMatch:
     #: 'user'``), the roles that match: the loop is then run in Python, on the messages as
     #: the client sent them or converted alike (None: run the template's own loop).
     roles: frozenset[str] | None = None
+    #: Otherwise, where its test only compares the role, tests the content for being a
+    #: string, or asks a string content whether it starts with, ends with or holds a
+    #: constant (Qwen 3's), that test in Python, on converted messages (None: the template's
+    #: loop runs; so it does for a message the Python test cannot decide).
+    message_test: Callable[[Mapping[str, Any]], bool] | None = field(default=None, repr=False)
 
     #: Messages searched at the end of a conversation before the rest of it: a chat's last
     #: query is among its last few, an agent's may be hundreds of messages back.
@@ -226,7 +231,8 @@ class LastMatch:
         program.set_lineno(1)
         target = loop.target.name if isinstance(loop.target, nodes.Name) else ""
         roles = _matching_roles(test, target) if test is not None else None
-        return cls(program, none_before_all=flag is None, roles=roles)
+        message_test = _message_test(test, target) if test is not None and roles is None else None
+        return cls(program, none_before_all=flag is None, roles=roles, message_test=message_test)
 
     def find(self, conversation: Sequence[Any], start: int = 0) -> int | None:
         """The last message of ``conversation[start:]`` the loop picks, or None if none is
@@ -239,6 +245,15 @@ class LastMatch:
                 if type(role) is str and role in roles:  # (a malformed one fails its conversion later)
                     return position
             return None
+        if self.message_test is not None:
+            test = self.message_test
+            try:
+                for position in range(len(conversation) - 1, start - 1, -1):
+                    if test(conversation[position]):
+                        return position
+                return None
+            except _Undecided:
+                pass  # (the template's own loop says)
         recent = max(start, len(conversation) - self.RECENT)
         found = self._find_in(conversation, recent)
         if found is None and recent > start:
@@ -975,6 +990,72 @@ def _matching_roles(test: nodes.Node, target: str) -> frozenset[str] | None:
         if len(values) == len(other.items) and all(isinstance(value, str) for value in values):
             return frozenset(values)
     return None
+
+
+class _Undecided(Exception):
+    """A Python last-match test met a message it cannot judge as the template would (a
+    content that is no string asked a string's question): the template's loop runs."""
+
+
+def _message_test(test: nodes.Node, target: str) -> Callable[[Mapping[str, Any]], bool] | None:
+    """``test`` of message ``target`` in Python, where it is made (with ``and``, ``or``,
+    ``not``) of role comparisons (:func:`_matching_roles`), ``content is string``, and
+    ``content.startswith('x')``, ``content.endswith('x')``, ``'x' in content`` on a string
+    content; None where it reads anything else. Run on converted messages."""
+    if isinstance(test, nodes.Not):
+        inner = _message_test(test.node, target)
+        return None if inner is None else lambda message: not inner(message)
+    if isinstance(test, nodes.And | nodes.Or):
+        left, right = _message_test(test.left, target), _message_test(test.right, target)
+        if left is None or right is None:
+            return None
+        if isinstance(test, nodes.And):
+            return lambda message: left(message) and right(message)
+        return lambda message: left(message) or right(message)
+    roles = _matching_roles(test, target)
+    if roles is not None:
+        return lambda message: message.get("role") in roles
+    if isinstance(test, nodes.Test) and test.name == "string" and _is_content_of(test.node, target):
+        if test.args or test.kwargs or test.dyn_args or test.dyn_kwargs:
+            return None
+        return lambda message: type(message.get("content")) is str
+    asked = _content_question(test, target)
+    if asked is None:
+        return None
+    question, constant, negated = asked
+
+    def answer(message: Mapping[str, Any]) -> bool:
+        content = message.get("content")
+        if type(content) is not str:
+            raise _Undecided
+        return question(content, constant) != negated
+
+    return answer
+
+
+def _content_question(test: nodes.Node, target: str) -> tuple[Callable[[str, str], bool], str, bool] | None:
+    """``content.startswith('x')``, ``content.endswith('x')``, ``'x' in content`` (or ``not
+    in``) of message ``target``: the question, its constant, whether it is negated."""
+    if isinstance(test, nodes.Call) and isinstance(test.node, nodes.Getattr):
+        method = test.node
+        if method.attr not in ("startswith", "endswith") or not _is_content_of(method.node, target):
+            return None
+        if test.kwargs or test.dyn_args or test.dyn_kwargs or len(test.args) != 1:
+            return None
+        (constant,) = test.args
+        if not (isinstance(constant, nodes.Const) and type(constant.value) is str):
+            return None
+        return (str.startswith if method.attr == "startswith" else str.endswith), constant.value, False
+    if isinstance(test, nodes.Compare) and len(test.ops) == 1 and test.ops[0].op in ("in", "notin"):
+        constant, content = test.expr, test.ops[0].expr
+        if isinstance(constant, nodes.Const) and type(constant.value) is str and _is_content_of(content, target):
+            return (lambda text, part: part in text), constant.value, test.ops[0].op == "notin"
+    return None
+
+
+def _is_content_of(node: nodes.Node, target: str) -> bool:
+    """``target.content`` (or ``target['content']``)."""
+    return isinstance(node, nodes.Getattr | nodes.Getitem) and key_of(node) == "content" and _is_name(node.node, target)
 
 
 def _conjuncts(test: nodes.Node) -> list[nodes.Node]:

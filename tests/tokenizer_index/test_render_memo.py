@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from jinja2.utils import Namespace
 
 from kvroute.tokenizer_index import RequestTokenizer, chat_template
+from kvroute.tokenizer_index.chat_messages import conversation_from_request
 from kvroute.tokenizer_index.chat_template import ChatTemplate
 from kvroute.tokenizer_index.prompt_memo import conversation_keys
 from kvroute.tokenizer_index.render_memo import (
@@ -258,13 +259,14 @@ def test_a_conversations_first_long_turn_renders_as_the_whole(
     renderers.agree(history + data.draw(st.lists(message(), max_size=3)), tools=tools)
 
 
-@pytest.mark.parametrize("name", ["default", "glm45", "qwen3", "llama31", "gemma3", "qwen3_coder"])
+@pytest.mark.parametrize("name", ["default", "glm45", "qwen3", "qwen35", "llama31", "gemma3", "qwen3_coder"])
 def test_a_first_long_turn_renders_its_first_messages_from_their_skeleton(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Under templates whose short chats fill skeletons, a new conversation's first turn of
     16 messages renders the first 14 so and the last 2 after them (not every message); not
-    where a last-match loop must run in Jinja (Qwen 3's reads texts), which costs more."""
+    where a last-match loop must run in Jinja (Qwen 3.5's reads a text through a macro),
+    which costs more."""
     renderers = Renderers(ALL_TEMPLATES[name])
     renderers.memo._render_memo.min_messages = MIN_MESSAGES
     split = RenderMemo._render_split
@@ -282,7 +284,7 @@ def test_a_first_long_turn_renders_its_first_messages_from_their_skeleton(
         messages += [{"role": "user", "content": f"q{len(messages)}"}, {"role": "assistant", "content": "a"}]
     messages = messages[:MIN_MESSAGES]
     assert renderers.agree(messages)
-    assert len(results) == 1 and (results[0] is None) == (name == "qwen3")
+    assert len(results) == 1 and (results[0] is None) == (name == "qwen35")
     stats = renderers.memo.render_memo_stats()
     assert (stats.lookups, stats.reused, stats.entries) == (1, 0, 1)
 
@@ -703,6 +705,43 @@ def test_forward_last_match_loops_of_another_shape_are_refused(old: str, new: st
     head = _FORWARD_MATCH_HEAD.replace(old, new)
     assert head != _FORWARD_MATCH_HEAD
     assert prefix_shape(ChatTemplate.from_source(head + _LAST_MATCH_BODY).syntax_tree).refusal is not None
+
+
+@pytest.mark.parametrize("name", ["qwen3", "glm45", "glm47"])
+@SETTINGS
+@given(history=conversations)
+def test_a_last_match_found_in_python_is_the_one_the_template_finds(name: str, history: list[dict[str, Any]]) -> None:
+    """Qwen 3's test of a message (role, content a string, its ends) and GLM's (role) run in
+    Python: on the converted messages (GLM's on the messages as sent too), the match is the
+    template's own loop's."""
+    template = ChatTemplate.from_source(ALL_TEMPLATES[name])
+    last_match = template_shape(template).last_match
+    assert last_match is not None and (last_match.roles is not None or last_match.message_test is not None)
+    in_jinja = replace(last_match, roles=None, message_test=None)
+    converted = conversation_from_request(history, template.content_format)
+    for start in (0, len(history) // 2):
+        assert last_match.find(converted, start) == in_jinja.find(converted, start)
+        if last_match.roles is not None:
+            assert last_match.find(history, start) == in_jinja.find(converted, start)
+
+
+def test_qwen3s_last_query_in_python_skips_wrapped_tool_results() -> None:
+    """The Python test takes a user turn wrapped in tool-response tags at both ends for no
+    query, as the template does; one wrapped at one end only is a query."""
+    template = ChatTemplate.from_source(ALL_TEMPLATES["qwen3"])
+    last_match = template_shape(template).last_match
+    assert last_match is not None and last_match.message_test is not None
+    in_jinja = replace(last_match, roles=None, message_test=None)
+    wrapped, half = "<tool_response>r</tool_response>", "<tool_response>r"
+    for texts, expected in (
+        ([wrapped, "q", wrapped], 1),
+        (["q", half], 1),
+        (["q", "</tool_response>" + wrapped], 1),
+        ([wrapped, wrapped], None),
+    ):
+        messages = [{"role": "user", "content": text} for text in texts]
+        converted = conversation_from_request(messages, template.content_format)
+        assert last_match.find(converted) == in_jinja.find(converted) == expected
 
 
 @pytest.mark.parametrize("role", [["user"], {"user": 1}, None, 3])
