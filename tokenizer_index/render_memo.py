@@ -363,7 +363,7 @@ class RenderMemo:
         fill, last_match = settings.fill, settings.shape.last_match
         if fill is None or split <= settings.shape.anchors or not 0 < len(messages) - split <= SPLIT_MAX_NEW:
             return None
-        if last_match is not None and last_match.roles is None and last_match.message_test is None:
+        if last_match is not None and last_match.message_test is None:
             return None  # its loop run in Jinja over the messages converted: as dear as rendering them
         first = messages[:split]
         body = fill(first, False)

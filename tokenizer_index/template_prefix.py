@@ -120,7 +120,7 @@ from jinja2.utils import Namespace
 
 from kvroute.tokenizer_index.chat_template import ChatTemplate, compile_syntax_tree
 from kvroute.tokenizer_index.template_macros import identity_macros, is_identity_call
-from kvroute.tokenizer_index.template_syntax import key_of
+from kvroute.tokenizer_index.template_syntax import key_of, role_comparison
 
 MESSAGES = "messages"
 GENERATION_FLAG = "add_generation_prompt"
@@ -192,13 +192,13 @@ class LastMatch:
     #: message (GLM's forward form: index -1), rather than at its last (Qwen 3's).
     none_before_all: bool = False
     #: Where its test only compares a message's role with constants (GLM's ``m.role ==
-    #: 'user'``), the roles that match: the loop is then run in Python, on the messages as
-    #: the client sent them or converted alike (None: run the template's own loop).
+    #: 'user'``), the roles that match: its Python test (below) then runs on the messages
+    #: as the client sent them as well as converted.
     roles: frozenset[str] | None = None
-    #: Otherwise, where its test only compares the role, tests the content for being a
-    #: string, or asks a string content whether it starts with, ends with or holds a
-    #: constant (Qwen 3's), that test in Python, on converted messages (None: the template's
-    #: loop runs; so it does for a message the Python test cannot decide).
+    #: Where its test only compares the role, tests the content for being a string, or asks
+    #: a string content whether it starts with, ends with or holds a constant (Qwen 3's),
+    #: that test in Python, on converted messages (None: the template's loop runs; so it
+    #: does for a message the Python test cannot decide).
     message_test: Callable[[Mapping[str, Any]], bool] | None = field(default=None, repr=False)
 
     #: Messages searched at the end of a conversation before the rest of it: a chat's last
@@ -231,20 +231,12 @@ class LastMatch:
         program.set_lineno(1)
         target = loop.target.name if isinstance(loop.target, nodes.Name) else ""
         roles = _matching_roles(test, target) if test is not None else None
-        message_test = _message_test(test, target) if test is not None and roles is None else None
+        message_test = _message_test(test, target) if test is not None else None
         return cls(program, none_before_all=flag is None, roles=roles, message_test=message_test)
 
     def find(self, conversation: Sequence[Any], start: int = 0) -> int | None:
         """The last message of ``conversation[start:]`` the loop picks, or None if none is
         (with :attr:`roles`, of the messages as sent too)."""
-        if self.roles is not None:
-            roles = self.roles
-            for position in range(len(conversation) - 1, start - 1, -1):
-                message = conversation[position]
-                role = message.get("role") if isinstance(message, Mapping) else None
-                if type(role) is str and role in roles:  # (a malformed one fails its conversion later)
-                    return position
-            return None
         if self.message_test is not None:
             test = self.message_test
             try:
@@ -975,21 +967,14 @@ def _matching_roles(test: nodes.Node, target: str) -> frozenset[str] | None:
         if left is None or right is None:
             return None
         return left & right if isinstance(test, nodes.And) else left | right
-    if not isinstance(test, nodes.Compare) or len(test.ops) != 1:
+    found = role_comparison(test)
+    if found is None:
         return None
-    (operand,) = test.ops
-    read, other = test.expr, operand.expr
-    if operand.op == "eq" and isinstance(read, nodes.Const):
-        read, other = other, read
-    if not (isinstance(read, nodes.Getattr | nodes.Getitem) and key_of(read) == "role" and _is_name(read.node, target)):
+    message, constants, holds = found
+    roles = [constant for constant in constants if isinstance(constant, str)]
+    if not holds or not _is_name(message, target) or len(roles) != len(constants):
         return None
-    if operand.op == "eq" and isinstance(other, nodes.Const) and isinstance(other.value, str):
-        return frozenset({other.value})
-    if operand.op == "in" and isinstance(other, nodes.List | nodes.Tuple):
-        values = [item.value for item in other.items if isinstance(item, nodes.Const)]  # type: ignore[attr-defined]
-        if len(values) == len(other.items) and all(isinstance(value, str) for value in values):
-            return frozenset(values)
-    return None
+    return frozenset(roles)
 
 
 class _Undecided(Exception):
@@ -1014,7 +999,7 @@ def _message_test(test: nodes.Node, target: str) -> Callable[[Mapping[str, Any]]
         return lambda message: left(message) or right(message)
     roles = _matching_roles(test, target)
     if roles is not None:
-        return lambda message: message.get("role") in roles
+        return lambda message: _role_of(message) in roles
     if isinstance(test, nodes.Test) and test.name == "string" and _is_content_of(test.node, target):
         if test.args or test.kwargs or test.dyn_args or test.dyn_kwargs:
             return None
@@ -1031,6 +1016,13 @@ def _message_test(test: nodes.Node, target: str) -> Callable[[Mapping[str, Any]]
         return question(content, constant) != negated
 
     return answer
+
+
+def _role_of(message: Any) -> str | None:
+    """A message's role where it is a text (a malformed message, as sent, fails its
+    conversion later; here it matches nothing)."""
+    role = message.get("role") if isinstance(message, Mapping) else None
+    return role if type(role) is str else None
 
 
 def _content_question(test: nodes.Node, target: str) -> tuple[Callable[[str, str], bool], str, bool] | None:

@@ -1,5 +1,5 @@
 """Readings of a chat template's syntax tree that its checks share: which nodes run once
-some tests are decided, and the constant key a read takes.
+some tests are decided, the constant key a read takes, and a comparison of a role.
 
 :mod:`~kvroute.tokenizer_index.template_verbatim` decides tests by what every message a
 skeleton fills holds, :mod:`~kvroute.tokenizer_index.template_macros` by a macro's argument
@@ -61,3 +61,26 @@ def key_of(node: nodes.Node) -> str | None:
     if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str):
         return node.arg.value
     return None
+
+
+def role_comparison(test: nodes.Node) -> tuple[nodes.Node, tuple[object, ...], bool] | None:
+    """``x.role == 'a'`` (or ``'a' == x.role``, ``!=``), ``x.role in ['a', 'b']`` (or ``not
+    in``): what ``x`` is, the constants, and whether the test holds for exactly those roles
+    (False: for every other)."""
+    if not isinstance(test, nodes.Compare) or len(test.ops) != 1:
+        return None
+    (operand,) = test.ops
+    read, other = test.expr, operand.expr
+    if operand.op in ("eq", "ne") and isinstance(read, nodes.Const):
+        read, other = other, read
+    if not (isinstance(read, nodes.Getattr | nodes.Getitem) and key_of(read) == "role"):
+        return None
+    if operand.op in ("eq", "ne") and isinstance(other, nodes.Const):
+        constants: tuple[object, ...] = (other.value,)
+    elif operand.op in ("in", "notin") and isinstance(other, nodes.List | nodes.Tuple):
+        if not all(isinstance(item, nodes.Const) for item in other.items):
+            return None
+        constants = tuple(item.value for item in other.items)  # type: ignore[attr-defined]
+    else:
+        return None
+    return read.node, constants, operand.op in ("eq", "in")

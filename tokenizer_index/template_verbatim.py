@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from jinja2 import nodes
 
 from kvroute.tokenizer_index.template_macros import identity_macros, is_identity_call
-from kvroute.tokenizer_index.template_syntax import decided, key_of, live
+from kvroute.tokenizer_index.template_syntax import decided, key_of, live, role_comparison
 
 #: Roles a plain message may have: a client's invented roles would only churn the shapes.
 PLAIN_ROLES = frozenset({"system", "developer", "user", "assistant"})
@@ -259,39 +259,32 @@ class _VerbatimCheck:
                 return
 
     def _find_call_names(self) -> None:
-        stores: list[tuple[nodes.Name, nodes.Node]] = []  # every store to a name, and its value
         for node in _walk(self._tree):
             if isinstance(node, nodes.For) and self._is_call_list(node.iter):
                 if not isinstance(node.target, nodes.Name):
                     raise _Refusal("a loop over tool calls unpacks them")
                 self._call_names.add(node.target.name)
                 self._allowed_stores.add(id(node.target))
-            elif isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name):
-                stores.append((node.target, node.node))
-        while True:
-            known = len(self._call_names)
-            for target, value in stores:
-                if self._is_call(value):
-                    self._call_names.add(target.name)
-                    self._allowed_stores.add(id(target))
-            if len(self._call_names) == known:
-                break
+        self._add_names_set_from(self._call_names, self._is_call)
         if self._call_names & (self._list_names | self._message_names):
             raise _Refusal("a name holds tool calls and messages")
 
+    def _add_names_set_from(self, names: set[str], sets_from: Callable[[nodes.Node], bool]) -> None:
+        """Add to ``names`` every name a ``set`` gives a value ``sets_from`` accepts (which
+        may read a name already in ``names``), to a fixed point; their stores are allowed."""
+        assigns = [node for node in _walk(self._tree) if isinstance(node, nodes.Assign)]
+        while True:
+            known = len(names)
+            for assign in assigns:
+                if isinstance(assign.target, nodes.Name) and sets_from(assign.node):
+                    names.add(assign.target.name)
+                    self._allowed_stores.add(id(assign.target))
+            if len(names) == known:
+                return
+
     def _find_arguments_names(self) -> None:
         """The names set only from a call's arguments (or from such a name)."""
-        stores = [
-            node for node in _walk(self._tree) if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name)
-        ]
-        while True:
-            known = len(self._arguments_names)
-            for assign in stores:
-                if self._is_arguments(assign.node):
-                    self._arguments_names.add(assign.target.name)  # type: ignore[attr-defined]
-                    self._allowed_stores.add(id(assign.target))
-            if len(self._arguments_names) == known:
-                break
+        self._add_names_set_from(self._arguments_names, self._is_arguments)
         if self._arguments_names & (self._list_names | self._message_names | self._call_names):
             raise _Refusal("a name holds a tool call's arguments and something else")
 
@@ -299,7 +292,6 @@ class _VerbatimCheck:
         """The key and value names of loops over a call's arguments (``for k, v in
         arguments | items``, ``arguments.items()``, ``for k in arguments``), and the names
         set from a value (``arguments[k]``, or a name already found)."""
-        assigns: list[nodes.Assign] = []
         for node in _walk(self._tree):
             if isinstance(node, nodes.For) and self._argument_loop(node.iter) is not None:
                 targets = node.target.items if isinstance(node.target, nodes.Tuple) else [node.target]
@@ -310,16 +302,7 @@ class _VerbatimCheck:
                 self._allowed_stores.update(id(target) for target in targets)
                 if expected == 2:
                     self._value_names.add(targets[1].name)  # type: ignore[attr-defined]
-            elif isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name):
-                assigns.append(node)
-        while True:
-            known = len(self._value_names)
-            for assign in assigns:
-                if any(self._reads_value(node) for node in _walk(assign.node)):
-                    self._value_names.add(assign.target.name)  # type: ignore[attr-defined]
-                    self._allowed_stores.add(id(assign.target))
-            if len(self._value_names) == known:
-                break
+        self._add_names_set_from(self._value_names, lambda value: any(map(self._reads_value, _walk(value))))
         if self.key_names & self._value_names:
             raise _Refusal("a name holds an argument's key and its value")
 
@@ -423,27 +406,14 @@ class _VerbatimCheck:
     def _role_test(self, test: nodes.Node) -> tuple[str, frozenset[str]] | None:
         """``(message name, the roles that pass)`` where ``test`` compares a loop message's
         role with constants (``m.role == 'tool'``, ``!=``, ``in [...]``, ``not in``)."""
-        if not isinstance(test, nodes.Compare) or len(test.ops) != 1:
+        found = role_comparison(test)
+        if found is None:
             return None
-        (operand,) = test.ops
-        first, second = test.expr, operand.expr
-        if operand.op in ("eq", "ne") and isinstance(first, nodes.Const):
-            first, second = second, first
-        if not (isinstance(first, nodes.Getattr | nodes.Getitem) and key_of(first) == "role"):
-            return None
-        message = first.node
+        message, constants, holds = found
         if not (isinstance(message, nodes.Name) and message.name in self._message_names):
             return None
-        if operand.op in ("eq", "ne") and isinstance(second, nodes.Const):
-            constants: list[object] = [second.value]
-        elif operand.op in ("in", "notin") and isinstance(second, nodes.List | nodes.Tuple):
-            if not all(isinstance(item, nodes.Const) for item in second.items):
-                return None
-            constants = [item.value for item in second.items]  # type: ignore[attr-defined]
-        else:
-            return None
         passing = frozenset(role for role in self._roles if role in constants)
-        return message.name, passing if operand.op in ("eq", "in") else self._roles - passing
+        return message.name, passing if holds else self._roles - passing
 
     def _content_kind(self, node: nodes.Node) -> str | None:
         """A message's content read at ``node``: ``"text"``, ``"parts"`` (its content
